@@ -1,0 +1,15 @@
+# eaglet: target LLM -> trained EAGLE-3 drafter, one rule per stage.
+#   snakemake --cores 2 --configfile config/config.yaml   (see README.md)
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        FINAL_OUTPUTS,

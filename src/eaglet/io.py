@@ -1,0 +1,268 @@
+"""Shared I/O: atomic writes, Parquet / safetensors / JSON helpers, artifact checks.
+
+Every stage writes through these helpers so that a killed job never leaves a file that looks
+complete: data goes to a temporary file in the same folder, is flushed and fsynced, and is then
+renamed over the final path (rename is atomic on POSIX).
+
+Readers raise :class:`ArtifactError` naming the file when an artifact is truncated or corrupt,
+so a consuming stage refuses it instead of training on garbage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("eaglet")
+
+
+class ArtifactError(RuntimeError):
+    """An input artifact is missing, truncated, corrupt or inconsistent."""
+
+
+# --------------------------------------------------------------------------- atomic writes
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; rename it over ``path`` on success only."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path}: corrupt JSON ({e})") from None
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+# --------------------------------------------------------------------------- parquet
+def write_parquet(path: str | os.PathLike, table_or_df: Any) -> None:
+    """Write a pyarrow Table or pandas DataFrame atomically."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = table_or_df
+    if not isinstance(table, pa.Table):
+        table = pa.Table.from_pandas(table_or_df, preserve_index=False)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+
+
+def read_parquet(path: str | os.PathLike, columns: list[str] | None = None):
+    """Read a Parquet file as a pyarrow Table, refusing truncated or corrupt files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.exists():
+        raise ArtifactError(f"{path}: missing")
+    try:
+        return pq.read_table(path, columns=columns)
+    except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
+        raise ArtifactError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+# --------------------------------------------------------------------------- safetensors
+def save_tensors(path: str | os.PathLike, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """Save torch tensors or numpy arrays (made contiguous first) as safetensors, atomically.
+
+    ``safetensors.numpy.save_file`` writes Fortran-ordered arrays wrongly (pandas 3 returns such
+    arrays), so every numpy array is made C-contiguous before saving.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out = {}
+    for k, v in tensors.items():
+        if isinstance(v, np.ndarray):
+            v = torch.from_numpy(np.ascontiguousarray(v))
+        out[k] = v.detach().contiguous().cpu()
+    with atomic_path(path) as tmp:
+        save_file(out, str(tmp), metadata=metadata)
+
+
+def load_tensors(path: str | os.PathLike, names: list[str] | None = None, device: str = "cpu") -> dict:
+    """Load safetensors as torch tensors; a truncated or corrupt file raises ArtifactError."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    if not path.exists():
+        raise ArtifactError(f"{path}: missing")
+    try:
+        with safe_open(str(path), framework="pt", device=device) as f:
+            keys = list(f.keys()) if names is None else names
+            missing = [k for k in keys if k not in f.keys()]
+            if missing:
+                raise ArtifactError(f"{path}: missing tensors {missing}")
+            return {k: f.get_tensor(k) for k in keys}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ArtifactError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def tensor_metadata(path: str | os.PathLike) -> dict[str, str]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except (SafetensorError, OSError) as e:
+        raise ArtifactError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+# --------------------------------------------------------------------------- digests
+def file_digest(path: str | os.PathLike, algo: str = "sha256", chunk: int = 1 << 20) -> str:
+    h = hashlib.new(algo)
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def digest_of(obj: Any) -> str:
+    """Stable short digest of a JSON-able value."""
+    blob = json.dumps(obj, sort_keys=True, default=_json_default).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- logging / CLI
+def setup_logging(log_file: str | os.PathLike | None = None, level: int = logging.INFO) -> None:
+    """Log to stderr, and to ``log_file`` too when given. Silences chatty third-party loggers."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        handlers=handlers, force=True)
+    quiet_third_party()
+
+
+def quiet_third_party() -> None:
+    """The tokenizer floods the log with warnings (the seed run's lesson): keep them out."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for name in ("transformers", "transformers.tokenization_utils_base", "gguf", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:  # transformers not installed in this environment
+        pass
+
+
+def parse_json_arg(s: str | None, default: Any = None) -> Any:
+    """CLI helper: params travel from Snakemake to modules as JSON strings."""
+    if s is None or s == "":
+        return default
+    return json.loads(s)
+
+
+# --------------------------------------------------------------------------- conversations
+ROLES = ("system", "user", "assistant")
+
+
+def _conversation_schema():
+    import pyarrow as pa
+
+    msg = pa.struct([("role", pa.string()), ("content", pa.string()),
+                     ("reasoning_content", pa.string())])
+    return pa.schema([("id", pa.string()), ("source", pa.string()), ("messages", pa.list_(msg))])
+
+
+def write_conversations(path: str | os.PathLike, rows: list[dict]) -> None:
+    """Write conversations (``id``, ``source``, ``messages``) in the one Parquet schema."""
+    import pyarrow as pa
+
+    norm = [{"id": str(r["id"]), "source": str(r.get("source", "")),
+             "messages": [{"role": m["role"], "content": m["content"],
+                           "reasoning_content": m.get("reasoning_content")} for m in r["messages"]]}
+            for r in rows]
+    write_parquet(path, pa.Table.from_pylist(norm, schema=_conversation_schema()))
+
+
+def read_conversations(path: str | os.PathLike) -> list[dict]:
+    table = read_parquet(path)
+    missing = {"id", "messages"} - set(table.column_names)
+    if missing:
+        raise ArtifactError(f"{path}: not a conversation file (missing columns {sorted(missing)})")
+    rows = table.to_pylist()
+    for r in rows:
+        r.setdefault("source", "")
+        for m in r["messages"]:
+            if m.get("reasoning_content") is None:
+                m.pop("reasoning_content", None)
+    return rows
+
+
+def conversation_problem(messages: list[dict]) -> str | None:
+    """Why a conversation is unusable (a reason key for the skip counters), or None if it is fine.
+
+    Shared by every stage that reads conversations, so a malformed row is refused the same way
+    whether it comes from the source data or from regeneration."""
+    if not messages:
+        return "empty_conversation"
+    for m in messages:
+        if m.get("role") not in ROLES:
+            return "unknown_role"
+        for key in ("content", "reasoning_content"):
+            v = m.get(key)
+            if key == "content" and not isinstance(v, str):
+                return "non_string_content"
+            if v is not None and not isinstance(v, str):
+                return "non_string_content"
+            if isinstance(v, str):
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:  # lone surrogates from \ud800-style escapes
+                    return "undecodable"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "no_assistant_turn"
+    if all(not m["content"].strip() for m in messages if m["role"] == "assistant"):
+        return "empty_assistant_turn"
+    return None

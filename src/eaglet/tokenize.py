@@ -1,0 +1,219 @@
+"""Tokenize conversations with the target's own chat template and an assistant-only loss mask.
+
+No template is hard-coded. The mask comes from the template itself: for every assistant turn i
+we render ``messages[:i]`` with the generation prompt and ``messages[:i+1]``; the characters
+between the two renders are what the assistant produced (its content and end-of-turn marker).
+The full conversation is encoded once with character offsets, and a token is a loss token when
+its characters fall inside such a span. Each masked span is then decoded and checked to contain
+the assistant's text, so a template the diffing cannot follow is caught, not trained on.
+
+``reasoning_content`` is wrapped in the thinking tokens (``<think>``…``</think>``) before the
+content when the template does not render it itself: the seed run first lost these wrappers.
+
+    python -m eaglet.tokenize --conversations results/smollm2/prompts/train.parquet \
+        --target resources/targets/smollm2-135m-instruct/identity.json --out-dir results/smollm2/tokenize
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from bisect import bisect_left, bisect_right
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from eaglet import io
+
+log = logging.getLogger("eaglet.tokenize")
+
+THINK = ("<think>", "</think>")
+
+
+def with_reasoning(messages: list[dict], template: str, think=THINK) -> list[dict]:
+    """Messages ready for the template: reasoning folded into content unless the template reads
+    ``reasoning_content`` itself (Qwen3/Kimi templates do)."""
+    native = "reasoning_content" in (template or "")
+    out = []
+    for m in messages:
+        m = {k: v for k, v in m.items() if v is not None}
+        if "reasoning_content" in m and not native:
+            r = m.pop("reasoning_content")
+            m["content"] = f"{think[0]}\n{r}\n{think[1]}\n\n{m['content']}"
+        out.append(m)
+    return out
+
+
+def render(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation text and the character spans the assistant produced."""
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise ValueError("template_not_prefix")
+        spans.append((len(before), len(upto)))
+    return full, spans
+
+
+def mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+    """1 for tokens whose characters lie inside an assistant span (tokens straddling a span
+    boundary count as assistant tokens when they start inside it)."""
+    mask = np.zeros(len(offsets), dtype=np.int8)
+    starts = [s for s, _ in offsets]
+    for a, b in spans:
+        lo, hi = bisect_left(starts, a), bisect_right(starts, b - 1)
+        mask[lo:hi] = 1
+    return mask
+
+
+def check_mask(tokenizer, ids: np.ndarray, mask: np.ndarray, messages: list[dict]) -> bool:
+    """Every assistant text must appear inside the decoded masked tokens."""
+    text = tokenizer.decode(ids[mask.astype(bool)].tolist())
+    return all(m["content"].strip() in text for m in messages if m["role"] == "assistant")
+
+
+def tokenize_rows(tokenizer, rows: list[dict], max_length: int = 2048, overlong: str = "truncate",
+                  batch_size: int = 256, think=THINK) -> tuple[list[dict], Counter, Counter]:
+    """Return (tokenized rows, skip counts by reason, tokenized count by source)."""
+    skipped: Counter = Counter()
+    kept: list[dict] = []
+    seen: set[str] = set()
+    template = tokenizer.chat_template or ""
+    if not template:
+        raise ValueError("the target tokenizer has no chat template; set one in tokenizer_config.json")
+    pending: list[tuple[dict, list[dict], str, list]] = []
+
+    def flush():
+        if not pending:
+            return
+        enc = tokenizer([p[2] for p in pending], add_special_tokens=False,
+                        return_offsets_mapping=True, return_attention_mask=False)
+        for (row, msgs, _, spans), ids, offs in zip(pending, enc["input_ids"], enc["offset_mapping"],
+                                                    strict=True):
+            ids = np.asarray(ids, dtype=np.int32)
+            mask = mask_from_offsets(offs, spans)
+            if not check_mask(tokenizer, ids, mask, msgs):
+                skipped["mask_mismatch"] += 1
+                continue
+            if len(ids) > max_length:
+                if overlong == "skip":
+                    skipped["overlong"] += 1
+                    continue
+                ids, mask = ids[:max_length], mask[:max_length]
+            if not mask.any():
+                skipped["no_assistant_tokens"] += 1
+                continue
+            kept.append({"id": row["id"], "source": row.get("source", ""), "input_ids": ids,
+                         "loss_mask": mask, "num_tokens": len(ids), "num_assistant_tokens": int(mask.sum())})
+        pending.clear()
+
+    for row in rows:
+        msgs = row.get("messages")
+        reason = io.conversation_problem(msgs) if isinstance(msgs, list) else "empty_conversation"
+        if reason is None and row["id"] in seen:
+            reason = "duplicate_id"
+        if reason:
+            skipped[reason] += 1
+            continue
+        seen.add(row["id"])
+        if next(m["role"] for m in msgs if m["role"] != "system") != "user":
+            skipped["assistant_first"] += 1
+            continue
+        msgs = with_reasoning(msgs, template, think)
+        if any(think[0] in m["content"] for m in row["messages"] if m["role"] == "assistant"
+               and "reasoning_content" not in m):
+            # Raw thinking markers inside content mean a reasoning parser was not applied.
+            skipped["raw_thinking_markers"] += 1
+            continue
+        try:
+            text, spans = render(tokenizer, msgs)
+        except ValueError:
+            skipped["template_not_prefix"] += 1
+            continue
+        except Exception:  # a template that raises on this conversation (e.g. role order rules)
+            skipped["template_error"] += 1
+            continue
+        pending.append((row, msgs, text, spans))
+        if len(pending) >= batch_size:
+            flush()
+    flush()
+    by_source = Counter(r["source"] for r in kept)
+    return kept, skipped, by_source
+
+
+def write_tokens(path: str | Path, kept: list[dict]) -> None:
+    import pyarrow as pa
+
+    table = pa.table({
+        "id": pa.array([r["id"] for r in kept], pa.string()),
+        "source": pa.array([r["source"] for r in kept], pa.string()),
+        "input_ids": pa.array([r["input_ids"] for r in kept], pa.list_(pa.int32())),
+        "loss_mask": pa.array([r["loss_mask"] for r in kept], pa.list_(pa.int8())),
+        "num_tokens": pa.array([r["num_tokens"] for r in kept], pa.int32()),
+        "num_assistant_tokens": pa.array([r["num_assistant_tokens"] for r in kept], pa.int32()),
+    })
+    io.write_parquet(path, table)
+
+
+def read_tokens(path: str | Path):
+    """The tokenized table, checked for the columns and per-row length agreement."""
+    table = io.read_parquet(path)
+    need = {"id", "input_ids", "loss_mask", "num_tokens"}
+    if need - set(table.column_names):
+        raise io.ArtifactError(f"{path}: missing columns {sorted(need - set(table.column_names))}")
+    return table
+
+
+def run(conversations: str | Path, target: str | Path, out_dir: str | Path, max_length: int = 2048,
+        overlong: str = "truncate", batch_size: int = 256) -> dict:
+    from eaglet.target import load_identity, load_tokenizer
+
+    tok = load_tokenizer(load_identity(target)["path"])
+    rows = io.read_conversations(conversations)
+    kept, skipped, by_source = tokenize_rows(tok, rows, max_length, overlong, batch_size)
+    out_dir = Path(out_dir)
+    write_tokens(out_dir / "tokens.parquet", kept)
+    assistant_ids = np.concatenate([r["input_ids"][r["loss_mask"].astype(bool)] for r in kept]) \
+        if kept else np.zeros(0, np.int32)
+    meta = {
+        "samples_processed": len(kept),
+        "samples_skipped": sum(skipped.values()),
+        "skipped_by_reason": dict(skipped),
+        "samples_in": len(rows),
+        "total_tokens": int(sum(r["num_tokens"] for r in kept)),
+        "total_assistant_tokens": int(assistant_ids.size),
+        "vocab_size": len(tok),
+        "unique_assistant_tokens": int(np.unique(assistant_ids).size),
+        "samples_by_source": dict(by_source),
+        "max_length": max_length,
+        "overlong": overlong,
+        "truncated": int(sum(1 for r in kept if r["num_tokens"] == max_length)),
+    }
+    io.write_json(out_dir / "metadata.json", meta)
+    return meta
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--conversations", required=True)
+    p.add_argument("--target", required=True, help="the target's identity.json (its tokenizer is used)")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--overlong", choices=["skip", "truncate"], default="truncate")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--log", default=None)
+    a = p.parse_args(argv)
+    io.setup_logging(a.log)
+    m = run(a.conversations, a.target, a.out_dir, a.max_length, a.overlong, a.batch_size)
+    log.info("tokenize: %d samples, %d skipped %s, %d tokens, %d assistant tokens, %d unique",
+             m["samples_processed"], m["samples_skipped"], m["skipped_by_reason"], m["total_tokens"],
+             m["total_assistant_tokens"], m["unique_assistant_tokens"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Shared test fixtures."""
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    """A tiny random Llama target (8 layers, hidden 128) with identity.json, built once."""
+    from eaglet.target import load_identity, materialise
+
+    out = tmp_path_factory.mktemp("tiny_target")
+    materialise({"name": "tiny", "tiny": {}}, out)
+    # identity.json keeps `path` relative to itself; tests want the absolute model folder
+    # (the identity file is then Path(path).parent / "identity.json").
+    return load_identity(out / "identity.json")
+
+
+# --------------------------------------------------------------------------- vLLM (envs/vllm)
+VLLM_ENV = __import__("pathlib").Path(__file__).resolve().parents[1] / "envs" / "vllm" / ".venv"
+
+
+def vllm_env_or_skip():
+    """Path of the vLLM venv; skips the test when envs/vllm/setup.sh has not been run."""
+    if not (VLLM_ENV / "bin" / "python").exists():
+        pytest.skip(f"{VLLM_ENV} absent: run envs/vllm/setup.sh to enable the vLLM tests")
+    return VLLM_ENV
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny_server(tiny_target, tmp_path_factory):
+    """One real vLLM (CPU build) OpenAI server on the tiny target, shared by the whole session."""
+    import time
+
+    from eaglet import vllm_server
+
+    env = vllm_env_or_skip()
+    work = tmp_path_factory.mktemp("vllm_tiny")
+    t0 = time.monotonic()
+    with vllm_server.serve(tiny_target["path"], work_dir=work, env=env, served_model_name="tiny",
+                           max_model_len=1024, kv_cache_gb=1, startup_timeout_s=900) as srv:
+        srv.startup_s = time.monotonic() - t0
+        print(f"\n[vllm_tiny_server] healthy after {srv.startup_s:.0f} s at {srv.base_url}")
+        yield srv
+
+
+def make_random_drafter(identity: dict, path, draft_vocab_size: int = 1024, layer_ids=(2, 4, 5),
+                        seed: int = 0):
+    """A random drafter in the trainer's file format (eaglet.model.save_drafter) for the tiny
+    target: norms perturbed away from 1 so the numeric parity check sees every weight."""
+    import torch
+
+    from eaglet import model as em
+
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    cfg = em.DrafterConfig.from_identity(identity, draft_vocab_size=draft_vocab_size,
+                                         layer_ids=list(layer_ids))
+    m = em.Eagle3Drafter(cfg, em.load_target_embedding(identity["path"]))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+    used = torch.randperm(cfg.vocab_size, generator=g)[:draft_vocab_size].sort().values
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    em.save_drafter(path, m, cfg, used - torch.arange(draft_vocab_size), t2d)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tiny_target, tmp_path_factory):
+    """A random drafter.safetensors (trainer format, V_d 1024, layer ids [2, 4, 5]) for tiny_target."""
+    return make_random_drafter(tiny_target, tmp_path_factory.mktemp("tiny_drafter") / "drafter.safetensors")

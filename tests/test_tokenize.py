@@ -1,0 +1,94 @@
+"""tokenize: the template's own rendering, an assistant-only mask that decodes to assistant text,
+reasoning wrapped in thinking tokens, over-long handling, malformed rows counted."""
+
+import numpy as np
+import pytest
+
+from eaglet import io, tokenize
+from eaglet.target import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_target):
+    return load_tokenizer(tiny_target["path"])
+
+
+def row(i, msgs):
+    return {"id": f"r{i}", "source": "test", "messages": msgs}
+
+
+U = lambda c: {"role": "user", "content": c}
+A = lambda c, **kw: {"role": "assistant", "content": c, **kw}
+
+
+def test_mask_covers_exactly_the_assistant_turns(tok):
+    msgs = [U("What is the capital of France?"), A("Paris is the capital."), U("And of Italy?"),
+            A("Rome.")]
+    kept, skipped, _ = tokenize.tokenize_rows(tok, [row(0, msgs)])
+    assert not skipped
+    r = kept[0]
+    ids, mask = r["input_ids"], r["loss_mask"].astype(bool)
+    # Same ids as the template's own tokenisation of the whole conversation.
+    assert ids.tolist() == tok.apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"]
+    # Contiguous masked spans decode to each assistant reply plus its end-of-turn marker.
+    edges = np.flatnonzero(np.diff(np.r_[0, mask.astype(int), 0]))
+    spans = [tok.decode(ids[a:b].tolist()) for a, b in zip(edges[::2], edges[1::2])]
+    assert [s.split("<|im_end|>")[0] for s in spans] == ["Paris is the capital.", "Rome."]
+    assert all("<|im_end|>" in s for s in spans)
+    # Nothing of the prompts or the role headers is a loss token.
+    assert "France" not in tok.decode(ids[mask].tolist())
+    assert r["num_assistant_tokens"] == mask.sum()
+
+
+def test_reasoning_is_wrapped_in_thinking_tokens(tok):
+    msgs = [U("2+2?"), A("4", reasoning_content="two plus two is four")]
+    kept, _, _ = tokenize.tokenize_rows(tok, [row(0, msgs)])
+    masked = tok.decode(kept[0]["input_ids"][kept[0]["loss_mask"].astype(bool)].tolist())
+    assert masked.startswith("<think>\ntwo plus two is four\n</think>\n\n4")
+
+
+def test_raw_thinking_markers_and_malformed_rows_are_skipped_by_reason(tok):
+    rows = [row(0, [U("q"), A("<think>leaked</think> a")]),
+            row(1, []),
+            row(2, [U("q")]),
+            row(3, [U("q"), {"role": "assistant", "content": None}]),
+            row(4, [{"role": "wizard", "content": "q"}, A("a")]),
+            row(5, [U("q"), A("fine")]),
+            row(5, [U("q"), A("dup")]),
+            row(6, [A("first"), U("q"), A("a")])]
+    kept, skipped, _ = tokenize.tokenize_rows(tok, rows)
+    assert [r["id"] for r in kept] == ["r5"]
+    assert skipped == {"raw_thinking_markers": 1, "empty_conversation": 1, "no_assistant_turn": 1,
+                       "non_string_content": 1, "unknown_role": 1, "duplicate_id": 1, "assistant_first": 1}
+
+
+def test_overlong_skip_or_truncate(tok):
+    long = [U("hello"), A(" ".join(["word"] * 300))]
+    kept, skipped, _ = tokenize.tokenize_rows(tok, [row(0, long)], max_length=64, overlong="skip")
+    assert not kept and skipped == {"overlong": 1}
+    kept, skipped, _ = tokenize.tokenize_rows(tok, [row(0, long)], max_length=64, overlong="truncate")
+    assert kept[0]["num_tokens"] == 64 and kept[0]["loss_mask"][-1] == 1
+    # Truncation that cuts every assistant token leaves nothing to learn: skipped.
+    late = [U(" ".join(["word"] * 300)), A("a")]
+    kept, skipped, _ = tokenize.tokenize_rows(tok, [row(0, late)], max_length=64)
+    assert not kept and skipped == {"no_assistant_tokens": 1}
+
+
+def test_run_writes_tokens_and_seed_metadata(tiny_target, tmp_path):
+    convs = tmp_path / "c.parquet"
+    io.write_conversations(convs, [row(i, [U(f"q{i}"), A(f"answer number {i}")]) for i in range(5)]
+                           + [row(9, [U("q")])])
+    meta = tokenize.run(convs, tiny_target_identity_path(tiny_target), tmp_path / "out")
+    for key in ("samples_processed", "samples_skipped", "total_tokens", "total_assistant_tokens",
+                "vocab_size", "unique_assistant_tokens"):
+        assert key in meta
+    assert meta["samples_processed"] == 5 and meta["samples_skipped"] == 1
+    table = tokenize.read_tokens(tmp_path / "out" / "tokens.parquet")
+    assert table.num_rows == 5 and sum(table.column("num_tokens").to_pylist()) == meta["total_tokens"]
+    assert io.read_json(tmp_path / "out" / "metadata.json") == meta
+
+
+def tiny_target_identity_path(identity):
+    from pathlib import Path
+
+    return Path(identity["path"]).parent / "identity.json"

@@ -1,0 +1,121 @@
+"""The DAG on config/smoke.yaml: a full run, then the Snakemake behaviour the project promises —
+nothing to do after a run, precise reruns with reasons, the between-workflow cache serving a
+second clone, parse-time config errors naming the key, and a clean --lint."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+COPY = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.toml"]
+
+
+def clone(dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    for name in COPY:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".venv"))
+        else:
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def smk(cwd: Path, cache: Path, *args, check=True, configfile="config/smoke.yaml"):
+    env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", configfile, "--cache", *args]
+    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
+    out = p.stdout + p.stderr
+    if check and p.returncode:
+        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{out[-6000:]}")
+    return p.returncode, out
+
+
+def planned_jobs(out: str) -> set[str]:
+    return {line.split()[1].rstrip(":") for line in out.splitlines()
+            if line.startswith(("rule ", "localrule "))} - {"all"}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dag")
+    cache = root / "cache"
+    cache.mkdir()
+    a = clone(root / "a")
+    smk(a, cache)
+    return a, cache
+
+
+def test_nothing_to_do_after_a_finished_run(finished_run):
+    a, cache = finished_run
+    _, out = smk(a, cache, "-n")
+    assert "Nothing to be done" in out
+
+
+def test_draft_vocab_size_change_reruns_vocab_map_only_with_reason(finished_run, tmp_path):
+    a, cache = finished_run
+    conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
+    conf["vocab"]["draft_vocab_size"] = 512
+    (a / "config/changed.yaml").write_text(yaml.safe_dump(conf))
+    _, out = smk(a, cache, "-n", configfile="config/changed.yaml")
+    jobs = planned_jobs(out)
+    assert "vocab_map" in jobs
+    assert not jobs & {"target_model", "prompts", "tokenize", "token_freq"}
+    assert "Params have changed" in out and "before: 1024 now: 512" in out
+
+
+def test_editing_a_module_reruns_its_stage_and_nothing_upstream(finished_run):
+    a, cache = finished_run
+    mod = a / "src/eaglet/vocab.py"
+    original = mod.read_text()
+    try:
+        mod.write_text(original + "\n# an edit\n")
+        _, out = smk(a, cache, "-n")
+        jobs = planned_jobs(out)
+        assert "vocab_map" in jobs
+        assert not jobs & {"target_model", "prompts", "tokenize", "token_freq"}
+        assert "src/eaglet/vocab.py" in out
+    finally:
+        mod.write_text(original)
+
+
+def test_second_clone_is_served_from_the_cache(finished_run, tmp_path):
+    a, cache = finished_run
+    b = clone(tmp_path / "b")
+    _, out = smk(b, cache)
+    # Every cached stage was restored from the cache instead of being recomputed: the stage
+    # modules log at least one line when they run, and these logs are empty or absent.
+    for stage in ("prompts", "tokenize", "token_freq", "vocab_map"):
+        log = b / f"logs/smoke/{stage}.log"
+        assert not log.exists() or log.stat().st_size == 0, (stage, log.read_text())
+    assert (a / "logs/smoke/vocab_map.log").stat().st_size > 0
+    vocab = b / "results/smoke/vocab_map/vocab.safetensors"
+    assert vocab.is_symlink() and Path(os.readlink(vocab)).parent == cache
+    assert (b / "results/smoke/vocab_map/vocab.json").read_text() == \
+        (a / "results/smoke/vocab_map/vocab.json").read_text()
+
+
+def test_bad_config_value_fails_at_parse_time_naming_the_key(finished_run, tmp_path):
+    a, cache = finished_run
+    for section, key, value in [("vocab", "draft_vocab_size", "big"), ("tokenize", "overlong", "cut"),
+                                ("prompts", "n", -3), ("vocab", "no_such_key", 1)]:
+        conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
+        conf[section][key] = value
+        (a / "config/bad.yaml").write_text(yaml.safe_dump(conf))
+        code, out = smk(a, cache, "-n", check=False, configfile="config/bad.yaml")
+        assert code != 0
+        assert key in out, out[-3000:]
+
+
+def test_lint_is_clean():
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    p = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--configfile", "config/smoke.yaml"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "Lints for" not in p.stdout + p.stderr

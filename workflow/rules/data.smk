@@ -1,0 +1,142 @@
+# Target materialisation and the data stages: prompts -> tokenize -> token_freq -> vocab_map.
+
+
+rule target_model:
+    input:
+        code=src("target", "io"),
+    output:
+        model=directory(f"{TARGET_DIR}/model"),
+        identity=TARGET_ID,
+    log:
+        f"logs/target_model/{config['target']['name']}.log",
+    cache: True
+    conda:
+        "../../envs/eaglet.yaml"
+    params:
+        target=as_json(config["target"]),
+        out=out_dir,
+    shell:
+        "python -m eaglet.target --config {params.target:q} --out {params.out:q} --log {log:q}"
+
+
+rule prompts:
+    input:
+        code=src("prompts", "io"),
+    output:
+        train=f"{RUN}/prompts/train.parquet",
+        heldout=f"{RUN}/prompts/heldout.parquet",
+        summary=report(
+            f"{RUN}/prompts/summary.json",
+            caption="../report/prompts.rst",
+            category="1. Data",
+            labels={"artifact": "prompts summary"},
+        ),
+    log:
+        f"{LOGS}/prompts.log",
+    cache: True
+    conda:
+        "../../envs/eaglet.yaml"
+    params:
+        out=out_dir,
+        source=config["prompts"]["source"],
+        path=config["prompts"]["path"] or "",
+        split=config["prompts"]["split"],
+        n=config["prompts"]["n"],
+        heldout=config["prompts"]["heldout"],
+        seed=config["prompts"]["seed"],
+        max_turns=config["prompts"]["max_turns"] or 0,
+    shell:
+        "python -m eaglet.prompts --source {params.source} --path={params.path:q}"
+        " --split {params.split:q} --n {params.n} --heldout {params.heldout} --seed {params.seed}"
+        " --max-turns {params.max_turns} --out-dir {params.out:q} --log {log:q}"
+
+
+rule tokenize:
+    input:
+        code=src("tokenize", "io"),
+        conversations=conversations_for_tokenize(),
+        identity=TARGET_ID,
+    output:
+        tokens=f"{RUN}/tokenize/tokens.parquet",
+        metadata=report(
+            f"{RUN}/tokenize/metadata.json",
+            caption="../report/tokenize.rst",
+            category="1. Data",
+            labels={"artifact": "tokenize metadata"},
+        ),
+    log:
+        f"{LOGS}/tokenize.log",
+    cache: True
+    conda:
+        "../../envs/eaglet.yaml"
+    params:
+        digest=target_digest,
+        out=out_dir,
+        max_length=config["tokenize"]["max_length"],
+        overlong=config["tokenize"]["overlong"],
+        batch_size=config["tokenize"]["batch_size"],
+    shell:
+        "python -m eaglet.tokenize --conversations {input.conversations:q} --target {input.identity:q}"
+        " --max-length {params.max_length} --overlong {params.overlong}"
+        " --batch-size {params.batch_size} --out-dir {params.out:q} --log {log:q}"
+
+
+rule token_freq:
+    input:
+        code=src("freq", "io"),
+        tokens=rules.tokenize.output.tokens,
+        identity=TARGET_ID,
+    output:
+        counts=f"{RUN}/token_freq/freq.safetensors",
+        top=report(
+            f"{RUN}/token_freq/top.tsv",
+            caption="../report/token_freq.rst",
+            category="1. Data",
+            labels={"artifact": "top tokens"},
+        ),
+    log:
+        f"{LOGS}/token_freq.log",
+    cache: True
+    conda:
+        "../../envs/eaglet.yaml"
+    params:
+        digest=target_digest,
+        out=out_dir,
+    shell:
+        "python -m eaglet.freq --tokens {input.tokens:q} --target {input.identity:q}"
+        " --out-dir {params.out:q} --log {log:q}"
+
+
+rule vocab_map:
+    input:
+        code=src("vocab", "io"),
+        counts=rules.token_freq.output.counts,
+        identity=TARGET_ID,
+    output:
+        vocab=f"{RUN}/vocab_map/vocab.safetensors",
+        summary=report(
+            f"{RUN}/vocab_map/vocab.json",
+            caption="../report/vocab_map.rst",
+            category="1. Data",
+            labels={"artifact": "draft vocabulary"},
+        ),
+    log:
+        f"{LOGS}/vocab_map.log",
+    cache: True
+    conda:
+        "../../envs/eaglet.yaml"
+    params:
+        digest=target_digest,
+        out=out_dir,
+        draft_vocab_size=config["vocab"]["draft_vocab_size"],
+        pin_special=config["vocab"]["pin_special_tokens"],
+        pinned=as_json(config["vocab"]["pinned"]),
+        curve_points=config["vocab"]["curve_points"],
+    shell:
+        "python -m eaglet.vocab --counts {input.counts:q} --target {input.identity:q}"
+        " --draft-vocab-size {params.draft_vocab_size} --pin-special {params.pin_special}"
+        " --pinned {params.pinned:q} --curve-points {params.curve_points}"
+        " --out-dir {params.out:q} --log {log:q}"
+
+
+FINAL_OUTPUTS.append(rules.vocab_map.output.summary)
