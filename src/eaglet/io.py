@@ -31,6 +31,10 @@ class ArtifactError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- atomic writes
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to ``path``; rename it over ``path`` on success only."""
@@ -43,6 +47,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give them the usual mode
         os.replace(tmp, path)
     finally:
         if tmp.exists():

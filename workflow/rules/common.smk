@@ -12,6 +12,9 @@ RUN = f"results/{config['run']}"
 LOGS = f"logs/{config['run']}"
 TARGET_DIR = f"resources/targets/{config['target']['name']}"
 TARGET_ID = f"{TARGET_DIR}/identity.json"
+EXTRACT_SHARDS = list(range(config["extract"]["shards"]))
+# The evaluation summary once workflow/rules/eval.smk is included (an empty list before).
+EVAL_SUMMARY = []
 # Final outputs; each rule file appends what `rule all` must build.
 FINAL_OUTPUTS = []
 
@@ -42,3 +45,19 @@ def conversations_for_tokenize():
     if config["generate"]["enabled"]:
         return f"{RUN}/generate/conversations.parquet"
     return f"{RUN}/prompts/train.parquet"
+
+
+def extract_layer_ids(wildcards, input):
+    """Aux layer ids in vLLM convention: configured, or (2, N//2, N-3) of the target."""
+    if config["extract"]["layer_ids"]:
+        return as_json(config["extract"]["layer_ids"])
+    n = json.loads(Path(input.identity).read_text())["num_layers"]
+    return as_json([2, n // 2, n - 3])
+
+
+def train_launcher(wildcards, resources):
+    """torchrun with one process per GPU (DDP) when train.gpus > 1, else plain python."""
+    n = int(resources.gpu)
+    if n > 1:
+        return f"python -m torch.distributed.run --standalone --nproc_per_node {n}"
+    return "python"

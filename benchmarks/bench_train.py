@@ -1,0 +1,145 @@
+"""Training throughput as achieved FLOP/s / this machine's measured fp32 matmul peak (one run).
+
+    python benchmarks/bench_train.py [--run smollm2] [--steps 4] [--params '{"token_budget": 2048}']
+        [--identity resources/targets/smollm2-135m-instruct/identity.json] [--synthetic]
+
+Data: the run's extracted hidden states and vocab map (results/<run>/extract, vocab_map) when
+they exist, else (or with --synthetic) random hidden states of the target's shape: FLOPs and
+timing do not depend on the values. The trainer itself (eaglet.train.train) runs ``--steps``
+optimizer steps with validation off; each step's time is the trainer's own (tokens / tok_s in
+metrics.parquet, so setup and the checkpoint write do not count); the first step is warm-up.
+
+FLOPs counted are the matmuls the trainer actually executes per micro-batch of B x T padded
+tokens (forward 2mnk; backward twice that for weights + activations, once for fc, whose input
+needs no gradient): target logits over the draft rows (+ the other rows for oov_rule greedy, no
+grad), fc, and per TTT step q/k/v/o, MLP, lm_head and attention (step 0 causal SDPA counted as
+half of T^2, later steps compute the full T x T block). The peak is the best of several square
+fp32 matmuls on the same device, measured before and after training; the larger counts.
+Prints both numbers and the ratio (goal >= 0.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from eaglet import io  # noqa: E402
+from eaglet import train as tr  # noqa: E402
+from eaglet.hidden_store import HiddenStateDataset, ShardWriter  # noqa: E402
+from eaglet.target import default_layer_ids, load_identity  # noqa: E402
+
+
+def matmul_peak(device: torch.device, n: int, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def micro_flops(ident: dict, vd: int, B: int, T: int, K: int, greedy: bool) -> float:
+    H, h, g = ident["hidden_size"], ident["num_heads"], ident["num_kv_heads"]
+    d, inter, V = ident["head_dim"], ident["intermediate_size"], ident["vocab_size"]
+    N = B * T
+    head = 2 * N * H * (V if greedy else vd)                       # no grad
+    fc = 2 * N * 3 * H * H * 2                                     # fwd + weight grad
+    lin = 2 * N * (2 * H * (h + 2 * g) * d + h * d * H + 3 * H * inter + H * vd)
+    att_full = 4 * B * h * T * T * d                               # QK^T and PV
+    per_step = [lin + att_full * (0.5 if k == 0 else 1.0) for k in range(K)]
+    return head + fc + 3 * sum(per_step)
+
+
+def synthetic(ident: dict, out: Path, n: int, length: int, vd: int) -> tuple[list[str], str]:
+    H, V = ident["hidden_size"], ident["vocab_size"]
+    g = torch.Generator().manual_seed(0)
+    w = ShardWriter(out / "shard_0", 0, 1, default_layer_ids(ident["num_layers"]), True, "bfloat16", H,
+                    ident["digest"], 256 << 20)
+    for i in range(n):
+        T = int(torch.randint(length // 2, 3 * length // 2 + 1, (1,), generator=g))
+        w.add(f"b{i:05d}", torch.randint(0, V, (T,), generator=g), torch.ones(T, dtype=torch.int8),
+              torch.randn(T, 3, H, generator=g), torch.randn(T, H, generator=g))
+    w.finish()
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[:vd] = True
+    io.save_tensors(out / "vocab.safetensors", {"d2t": torch.zeros(vd, dtype=torch.int64), "t2d": t2d})
+    return [str(out / "shard_0")], str(out / "vocab.safetensors")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", default="smollm2")
+    ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--params", default="{}", help="train params overriding config/config.yaml's")
+    ap.add_argument("--synthetic", action="store_true")
+    ap.add_argument("--n", type=int, default=64, help="synthetic samples")
+    ap.add_argument("--length", type=int, default=512, help="synthetic mean length")
+    a = ap.parse_args()
+    io.setup_logging()
+
+    import yaml
+
+    conf = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    ident = load_identity(a.identity)
+    params = {**(conf.get("train") or {}), **json.loads(a.params)}
+    params.update(max_steps=a.steps + 1, val_fraction=0.0, checkpoint_every=10**9)
+    p = tr.resolve_params(params)
+    device = torch.device("cuda" if p["gpus"] > 0 else "cpu")
+
+    run = ROOT / "results" / a.run
+    shards = sorted(run.glob("extract/shard_*/index.json"))
+    vocab = run / "vocab_map/vocab.safetensors"
+    with tempfile.TemporaryDirectory() as tmp:
+        if shards and vocab.exists() and not a.synthetic:
+            hidden, vocab_path, source = [str(s) for s in shards], str(vocab), f"results/{a.run}"
+        else:
+            vd = int((conf.get("vocab") or {}).get("draft_vocab_size", 32000))
+            hidden, vocab_path = synthetic(ident, Path(tmp) / "data", a.n, a.length, vd)
+            source = f"synthetic ({a.n} samples, mean length {a.length})"
+        n_mm = 4096 if device.type == "cuda" else 1024
+        peak0 = matmul_peak(device, n_mm)
+        out = Path(tmp) / "train"
+        tr.train(hidden, vocab_path, ident, out, p)
+        peak = max(peak0, matmul_peak(device, n_mm))
+
+        ds = HiddenStateDataset(hidden, verify="header")
+        vd = len(io.load_tensors(vocab_path, ["d2t"])["d2t"])
+        micro, _, _ = tr.plan_micro_batches(ds.ids, list(ds.num_tokens), p)
+        M = p["grad_accum"]
+        rows = pd.read_parquet(out / "metrics.parquet")
+        rows = rows[rows.split == "train"].reset_index(drop=True)
+        flops = secs = tokens = 0.0
+        for s in range(1, len(rows)):  # step 0 is warm-up
+            for mb in micro[s * M:(s + 1) * M]:
+                T = max(ds.num_tokens[i] for i in mb)
+                flops += micro_flops(ident, vd, len(mb), T, p["ttt_steps"], p["oov_rule"] == "greedy")
+            secs += rows.tokens[s] / rows.tok_s[s]
+            tokens += rows.tokens[s]
+    achieved = flops / secs
+    print(f"data: {source}; target {ident['name']} (hidden {ident['hidden_size']}), V_d {vd}, "
+          f"ttt_steps {p['ttt_steps']}, token_budget {p['token_budget']}, device {device.type}, "
+          f"threads {torch.get_num_threads()}")
+    print(f"timed steps: {len(rows) - 1}, {tokens:.0f} tokens in {secs:.2f} s ({tokens / secs:.0f} tok/s)")
+    print(f"achieved training FLOP/s: {achieved / 1e9:.1f} GFLOP/s")
+    print(f"measured fp32 matmul peak ({n_mm}x{n_mm}): {peak / 1e9:.1f} GFLOP/s")
+    print(f"ratio: {achieved / peak:.3f}  (goal >= 0.5)")
+
+
+if __name__ == "__main__":
+    main()

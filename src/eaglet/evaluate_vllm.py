@@ -1,0 +1,234 @@
+"""Serve the evaluation prompts with vLLM (the CPU build here), with and without the exported
+drafter: vLLM's own acceptance length and per-position acceptance, output tokens/s, and whether the
+outputs match plain decoding at temperature 0 (eagle3.md §9).
+
+    python -m eaglet.evaluate_vllm --drafter-dir results/RUN/drafter \
+        --identity resources/targets/NAME/identity.json --sets '["mtbench"]' \
+        --config '{"num_prompts": 10, "max_new_tokens": 128, "k_values": [3], "iomp": true}' \
+        --out-dir results/RUN/eval --work-dir logs/RUN/evaluate_vllm \
+        [--offline results/RUN/eval/offline.json] [--log LOG]
+
+One vLLM process per configuration (plain, then the drafter at each k), each timed after a
+warm-up and with ``max_num_seqs`` 1 by default (one request at a time, like the HF loop). vLLM's
+CPU docs recommend Intel OpenMP in LD_PRELOAD; when ``iomp`` is on and the vLLM venv has
+``libiomp5.so``, plain and the first k also run with it. With ``--offline``, vLLM's τ is set beside
+the offline chain τ at the same k and a gap beyond noise is flagged (the signature of a layer-id
+or format slip). Writes ``vllm.json``; vLLM's logs stay in the work dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from eaglet import eval_sets, io
+from eaglet.target import load_identity, load_tokenizer
+
+log = logging.getLogger("eaglet.evaluate_vllm")
+
+RUNNER = Path(__file__).with_name("vllm_eval_runner.py")
+DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[3], iomp=True, max_num_seqs=1,
+                kv_cache_gb=2, timeout_s=1800, env="envs/vllm/.venv", stop_at_eos=True,
+                max_prompt_tokens=1024, noise_sigmas=3.0, noise_floor=0.05)
+
+
+class VllmError(RuntimeError):
+    """A vLLM run failed; the message holds its log tail."""
+
+
+def vllm_python(env: str) -> Path:
+    p = Path(env)
+    if not p.is_absolute() and not p.exists():
+        p = Path(__file__).resolve().parents[2] / p  # relative to the repository root
+    py = p.absolute() / "bin" / "python"  # absolute(), not resolve(): the venv python is a symlink
+    if not py.exists():
+        raise VllmError(f"{py}: vLLM environment missing; create it with envs/vllm/setup.sh "
+                        "(or set evaluate.vllm.enabled: false)")
+    return py
+
+
+def iomp_library(py: Path) -> Path | None:
+    lib = py.parent.parent / "lib" / "libiomp5.so"
+    return lib if lib.exists() else None
+
+
+def run_one(py: Path, target_dir: str, prompts_file: Path, work: Path, tag: str, *, drafter: str | None,
+            k: int | None, iomp: Path | None, o: dict, max_model_len: int) -> dict:
+    out, logf = work / f"{tag}.json", work / f"{tag}.log"
+    # Run a copy: from src/eaglet/, eaglet/tokenize.py would shadow the standard library's tokenize
+    runner = work / RUNNER.name
+    runner.write_text(RUNNER.read_text())
+    cmd = [str(py), str(runner), "--target", str(Path(target_dir).resolve()), "--input", str(prompts_file),
+           "--out", str(out), "--max-num-seqs", str(o["max_num_seqs"]), "--max-model-len", str(max_model_len)]
+    if drafter:
+        cmd += ["--drafter", str(Path(drafter).resolve()), "--k", str(k)]
+    env = {key: v for key, v in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(o["kv_cache_gb"]), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+               VLLM_CACHE_ROOT=str(work / "vllm_cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("LD_PRELOAD", None)
+    if iomp:
+        env["LD_PRELOAD"] = str(iomp)
+    out.unlink(missing_ok=True)
+    log.info("vLLM run %s: %s", tag, " ".join(cmd))
+    t0 = time.time()
+    with open(logf, "w") as fh:
+        try:
+            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work,
+                                timeout=o["timeout_s"]).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0 or not out.exists():
+        raise VllmError(f"vLLM run {tag} failed (rc {rc}); log {logf}:\n"
+                        f"{logf.read_text(errors='replace')[-3000:]}")
+    res = json.loads(out.read_text())
+    res.update(tag=tag, k=k, iomp=bool(iomp), wall_s=round(time.time() - t0, 1), log=str(logf))
+    return res
+
+
+def _spec_stats(sd: dict, k: int) -> dict:
+    drafts = sd.get("num_drafts", 0)
+    per_pos = list(sd.get("num_accepted_tokens_per_pos") or [])[:k]
+    return {"tau": 1 + sd["num_accepted_tokens"] / drafts if drafts else None,
+            "acceptance_rate": sd["num_accepted_tokens"] / sd["num_draft_tokens"] if sd.get("num_draft_tokens")
+            else None,
+            "accept_rate_per_pos": [c / drafts for c in per_pos] if drafts else None, **sd}
+
+
+def summarise(runs: list[dict], offline: dict | None, o: dict) -> dict:
+    """Per run and set: tok/s; for drafter runs τ, per-position acceptance, lossless vs plain,
+    speedup vs plain (same LD_PRELOAD), and the comparison with the offline chain τ."""
+    plain = {r["iomp"]: r for r in runs if r["k"] is None}
+    out, flags, lossless = [], [], True
+    for r in runs:
+        row = {"tag": r["tag"], "k": r["k"], "iomp": r["iomp"], "startup_s": r["startup_s"], "sets": {}}
+        base = plain.get(r["iomp"])
+        for name, s in r["sets"].items():
+            st = {"seconds": round(s["seconds"], 3), "output_tokens": s["output_tokens"],
+                  "tok_s": s["output_tokens"] / s["seconds"] if s["seconds"] else None}
+            if r["k"] is not None:
+                st.update(_spec_stats(s["spec_decode"], r["k"]))
+                b = base["sets"][name] if base else None
+                if b:
+                    diff = [i for i, (x, y) in enumerate(zip(b["token_ids"], s["token_ids"])) if x != y]
+                    st["lossless"] = not diff
+                    st["differing_prompts"] = diff
+                    st["speedup"] = b["seconds"] / s["seconds"] if s["seconds"] else None
+                    lossless &= not diff
+                st["offline"] = _compare(st.get("tau"), offline, name, r["k"], o)
+                if st["offline"] and st["offline"]["flag"]:
+                    flags.append(f"{name} k={r['k']}: vLLM tau {st['tau']:.3f} vs offline chain tau "
+                                 f"{st['offline']['tau_chain']:.3f} (allowed gap {st['offline']['allowed']:.3f})")
+            row["sets"][name] = st
+        out.append(row)
+    return {"runs": out, "lossless": lossless, "disagreements": flags,
+            "hf_greedy_agreement": _hf_agreement(plain.get(False), offline)}
+
+
+def _hf_agreement(plain: dict | None, offline: dict | None) -> dict | None:
+    """vLLM plain output vs the HF greedy continuation (offline.json) prompt by prompt: both fp32,
+    so they differ only after a near-tie; informative, not a failure."""
+    if not plain or not offline or "per_prompt" not in offline:
+        return None
+    hf = {}
+    for p in offline["per_prompt"]:
+        hf.setdefault(p["set"], []).append(p["tokens"])
+    same, first = 0, []
+    n = 0
+    for name, s in plain["sets"].items():
+        for a, b in zip(s["token_ids"], hf.get(name, [])):
+            n += 1
+            i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            same += i is None and len(a) == len(b)
+            if i is not None:
+                first.append(i)
+    return {"prompts": n, "identical": same, "first_difference_at": first}
+
+
+def _compare(tau: float | None, offline: dict | None, name: str, k: int, o: dict) -> dict | None:
+    if tau is None or not offline or name not in offline.get("sets", {}):
+        return None
+    s = offline["sets"][name]
+    ref, se = s["tau_chain"].get(str(k)), s["tau_chain_se"].get(str(k))
+    if ref is None:
+        return None
+    # vLLM and HF fp32 kernels differ in the last bits: near-ties send the continuations apart, so
+    # the two τ are two samples of the same quantity. Allowed gap: a few standard errors (the
+    # offline rounds' spread, for both) plus a small floor.
+    allowed = o["noise_sigmas"] * (2 ** 0.5) * (se or 0.0) + o["noise_floor"]
+    return {"tau_chain": ref, "tau_chain_se": se, "gap": tau - ref, "allowed": allowed,
+            "flag": abs(tau - ref) > allowed}
+
+
+def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path, *,
+                  work_dir: str | Path, offline: str | Path | None = None, **opts) -> dict:
+    o = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
+    unknown = set(o) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"evaluate.vllm: unknown options {sorted(unknown)}")
+    ks = sorted({int(k) for k in o["k_values"]})
+    py = vllm_python(o["env"])
+    ident = load_identity(identity)
+    conf = io.read_json(Path(drafter_dir) / "config.json")  # a clear error when the export is missing
+    prompts = eval_sets.load_prompts(sets, load_tokenizer(ident["path"]), o["num_prompts"], o["max_prompt_tokens"])
+    by_set: dict[str, list] = {}
+    for p in prompts:
+        by_set.setdefault(p["set"], []).append(p["prompt_ids"])
+    work = Path(work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    pfile = work / "prompts.json"
+    pfile.write_text(json.dumps({"sets": by_set, "max_tokens": o["max_new_tokens"],
+                                 "ignore_eos": not o["stop_at_eos"]}))
+    max_len = max(len(p["prompt_ids"]) for p in prompts) + o["max_new_tokens"] + max(ks) + 16
+    iomp = iomp_library(py) if o["iomp"] else None
+    common = dict(o=o, max_model_len=max_len)
+    plan = [("plain", None, None, None)] + [(f"k{k}", drafter_dir, k, None) for k in ks]
+    if iomp:
+        plan += [("plain_iomp", None, None, iomp), (f"k{ks[0]}_iomp", drafter_dir, ks[0], iomp)]
+    t0 = time.time()
+    runs = [run_one(py, ident["path"], pfile, work, tag, drafter=d, k=k, iomp=lib, **common)
+            for tag, d, k, lib in plan]
+    off = io.read_json(offline) if offline else None
+    res = {"stage": "evaluate_vllm", "vllm_version": runs[0]["vllm_version"], "drafter_dir": str(drafter_dir),
+           "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids"), "target": ident["name"],
+           "target_digest": ident["digest"], "options": {**o, "k_values": ks},
+           "prompts": {s: len(v) for s, v in by_set.items()},
+           "iomp": {"requested": bool(o["iomp"]), "library": str(iomp) if iomp else None,
+                    "note": None if iomp or not o["iomp"] else f"libiomp5.so not found in {py.parent.parent}/lib"},
+           **summarise(runs, off, o), "seconds": round(time.time() - t0, 1)}
+    io.write_json(Path(out_dir) / "vllm.json", res)
+    for f in res["disagreements"]:
+        log.warning("offline and vLLM disagree beyond noise: %s", f)
+    if not res["lossless"]:
+        log.warning("vLLM with the drafter does not reproduce plain vLLM output at temperature 0")
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter-dir", required=True, help="the exported drafter folder (config.json + weights)")
+    p.add_argument("--identity", required=True)
+    p.add_argument("--sets", default='["mtbench"]', help="JSON list: mtbench, humaneval, *.parquet")
+    p.add_argument("--config", default=None, help="JSON options: " + ", ".join(DEFAULTS))
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--work-dir", required=True, help="vLLM logs and caches")
+    p.add_argument("--offline", default=None, help="offline.json, to compare τ")
+    p.add_argument("--log", default=None)
+    a = p.parse_args(argv)
+    io.setup_logging(a.log)
+    try:
+        evaluate_vllm(a.drafter_dir, a.identity, io.parse_json_arg(a.sets), a.out_dir, work_dir=a.work_dir,
+                      offline=a.offline, **io.parse_json_arg(a.config, {}))
+    except VllmError as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""Stage extract_hidden_states: run the target over tokenized samples, store aux + final states.
+
+One shard of ``num_shards`` per call. Samples are split between shards balanced by token count
+(deterministic over the whole tokens file), then run longest-first in right-padded batches under
+a token budget. Forward hooks capture only the three aux layers (vLLM ids: id j = the residual
+stream entering decoder layer j = HF ``hidden_states[j]`` = the output of layer j-1); the final
+state is the last layer's output **before** the final norm (``final_is_prenorm: true``; the
+final norm is swapped for Identity, and the LM head never runs, so no vocab-sized logits).
+Padded positions are never stored. Output format: docs/artifacts.md, ``eaglet.hidden_store``.
+
+    python -m eaglet.extract --tokens results/r/tokenize/tokens.parquet \
+        --identity resources/targets/smollm2/identity.json --out results/r/extract/shard_0 \
+        --shard 0 --num-shards 1 [--layer-ids '[2,15,27]'] [--dtype bfloat16|float32|fp8] \
+        [--token-budget 16384] [--chunk-mb 512] [--work DIR] [--device auto] [--log FILE]
+
+A killed run restarts from its last complete chunk (kept in ``--work``, default ``--out``).
+Shape legend: B batch, T tokens (padded), N real tokens, H hidden, 3 aux layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from eaglet import io, target
+from eaglet.hidden_store import HiddenStateDataset, ShardWriter, bytes_per_token, storage_dtype
+
+__all__ = ["extract", "assign_shards", "make_batches", "HiddenStateDataset"]
+
+log = logging.getLogger("eaglet.extract")
+
+
+def assign_shards(ids: list[str], num_tokens: list[int], num_shards: int) -> list[int]:
+    """Shard of each sample: longest first onto the shard with the fewest tokens so far
+    (ties: lowest shard). Depends only on the data and num_shards, so every shard job agrees."""
+    order = sorted(range(len(ids)), key=lambda i: (-num_tokens[i], ids[i]))
+    load = [0] * num_shards
+    out = [0] * len(ids)
+    for i in order:
+        s = min(range(num_shards), key=lambda k: (load[k], k))
+        out[i] = s
+        load[s] += num_tokens[i]
+    return out
+
+
+def make_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices (into ``lengths``, taken longest first) grouped so that B x max_len <= budget;
+    a sample longer than the budget runs alone."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def pad_batch(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids_BT and attention mask_BT (position ids 0.. stay those of each sample)."""
+    T = max(len(r) for r in rows)
+    ids_BT = torch.zeros(len(rows), T, dtype=torch.long)
+    mask_BT = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids_BT[b, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+        mask_BT[b, :len(r)] = 1
+    return ids_BT.to(device), mask_BT.to(device)
+
+
+class Capture:
+    """Forward hooks that keep the outputs of the decoder layers feeding the aux ids, and an
+    Identity in place of the final norm so the base model returns the pre-norm final state."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.layers = self.base.layers
+        self.n = len(self.layers)
+        self.layer_ids = layer_ids
+        self.out: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for j in layer_ids:
+            if j < self.n:  # id n is the final state itself
+                self._handles.append(self.layers[j - 1].register_forward_hook(self._hook(j)))
+        self._norm = self.base.norm
+        self.base.norm = torch.nn.Identity()
+
+    def _hook(self, j: int):
+        def fn(_module, _inputs, output):
+            self.out[j] = output[0] if isinstance(output, tuple) else output
+        return fn
+
+    def __call__(self, ids_BT, mask_BT) -> tuple[list[torch.Tensor], torch.Tensor]:
+        self.out.clear()
+        final_BTH = self.base(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False).last_hidden_state
+        aux = [final_BTH if j == self.n else self.out[j] for j in self.layer_ids]
+        return aux, final_BTH
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self.base.norm = self._norm
+
+
+def pick_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int = 1,
+            layer_ids: list[int] | None = None, dtype: str = "bfloat16", token_budget: int = 16384,
+            chunk_mb: float = 512, device: str = "auto", work_dir=None, model_dtype: str | None = None,
+            progress: bool = True) -> dict:
+    """Extract one shard; return its index dict (also written to ``out_dir/index.json``)."""
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} outside 0..{num_shards - 1}")
+    sdtype = storage_dtype(dtype)
+    ident = target.load_identity(identity_path)
+    N, H = int(ident["num_layers"]), int(ident["hidden_size"])
+    layer_ids = target.validate_layer_ids(layer_ids or target.default_layer_ids(N), N)
+
+    table = io.read_parquet(tokens_path, columns=["id", "input_ids", "loss_mask"])
+    ids = [str(x) for x in table.column("id").to_pylist()]
+    if len(set(ids)) != len(ids):
+        raise io.ArtifactError(f"{tokens_path}: duplicate sample ids")
+    all_input = table.column("input_ids").to_pylist()
+    all_mask = table.column("loss_mask").to_pylist()
+    lengths = [len(r) for r in all_input]
+    for i, (r, m) in enumerate(zip(all_input, all_mask)):
+        if len(r) == 0 or len(r) != len(m):
+            raise io.ArtifactError(f"{tokens_path}: sample {ids[i]}: {len(r)} ids, {len(m)} mask values")
+    mine = [i for i, s in enumerate(assign_shards(ids, lengths, num_shards)) if s == shard]
+
+    writer = ShardWriter(out_dir, shard, num_shards, layer_ids, final_is_prenorm=True, dtype=dtype,
+                         hidden_size=H, target_digest=ident["digest"],
+                         chunk_bytes=int(chunk_mb * (1 << 20)), final_layer=N, work_dir=work_dir,
+                         source_digest=io.file_digest(tokens_path))
+    done = writer.done_ids
+    todo = [i for i in mine if ids[i] not in done]
+    shard_tokens = sum(lengths[i] for i in mine)
+    todo_tokens = sum(lengths[i] for i in todo)
+    bpt = bytes_per_token(dtype, H)
+    # Users fill disks with this stage: state the need before loading a (possibly huge) target.
+    log.info("shard %d/%d: %d samples, %d tokens -> %.3f GB on disk (%d tokens x 4 x %d hidden x %s); "
+             "all shards: %.3f GB; to do now: %d samples, %d tokens", shard, num_shards, len(mine),
+             shard_tokens, shard_tokens * bpt / 1e9, shard_tokens, H, sdtype, sum(lengths) * bpt / 1e9,
+             len(todo), todo_tokens)
+    free = shutil.disk_usage(writer.work_dir).free
+    if todo_tokens * bpt > free:
+        writer.close()
+        raise OSError(f"{writer.work_dir}: needs {todo_tokens * bpt / 1e9:.2f} GB, "
+                      f"only {free / 1e9:.2f} GB free")
+
+    t0 = time.perf_counter()
+    if todo:
+        dev = pick_device(device)
+        ngpu = torch.cuda.device_count() if dev.startswith("cuda") else 0
+        mdtype = model_dtype or ("bfloat16" if dev.startswith("cuda") else "float32")
+        model = _load(ident["path"], ident["digest"], mdtype, dev, ngpu)
+        in_dev = model.get_input_embeddings().weight.device
+        log.info("target loaded in %.1f s on %s (%s)", time.perf_counter() - t0,
+                 "device_map=auto" if ngpu > 1 else dev, mdtype)
+        _run(model, writer, [ids[i] for i in todo], [all_input[i] for i in todo],
+             [all_mask[i] for i in todo], layer_ids, H, token_budget, in_dev, sdtype,
+             shard_tokens - todo_tokens, shard_tokens, progress)
+    index = writer.finish()
+    _verify(out_dir, [ids[i] for i in mine], {ids[i]: all_input[i] for i in mine})
+    dt = time.perf_counter() - t0
+    log.info("shard %d/%d done: %d samples, %d tokens in %d chunks; %d tokens computed in %.1f s "
+             "(%.0f tok/s incl. load)", shard, num_shards, len(index["samples"]),
+             sum(c["num_tokens"] for c in index["chunks"]), len(index["chunks"]), todo_tokens, dt,
+             todo_tokens / max(dt, 1e-9))
+    return index
+
+
+_LOADED: dict = {}
+
+
+def _load(path: str, digest: str, dtype: str, dev: str, ngpu: int):
+    """Load the target once per process (callers extracting several shards in-process reuse it)."""
+    key = (path, digest, dtype, dev, ngpu)
+    if key not in _LOADED:
+        _LOADED.clear()
+        # Several visible GPUs = one target spread over them (a model too big for one GPU).
+        model = target.load_model(path, dtype=dtype, device_map="auto" if ngpu > 1 else None)
+        if ngpu <= 1:
+            model.to(dev)
+        _LOADED[key] = model
+    return _LOADED[key]
+
+
+@torch.inference_mode()
+def _run(model, writer, ids, inputs, masks, layer_ids, H, token_budget, device, sdtype,
+         done_tokens, total_tokens, progress) -> None:
+    from tqdm import tqdm
+
+    cap = Capture(model, layer_ids)
+    # Cast on the device before the copy when storing bf16/f32 (halves the transfer from f32).
+    xfer = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(sdtype)
+    bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True,
+               desc=f"shard {writer.header['shard']}", disable=not progress, mininterval=2.0)
+    try:
+        for batch in make_batches([len(r) for r in inputs], token_budget):
+            ids_BT, mask_BT = pad_batch([inputs[i] for i in batch], device)
+            aux, final_BTH = cap(ids_BT, mask_BT)
+            keep_BT = mask_BT.bool()
+            aux_N3H = torch.stack([a[keep_BT.to(a.device)].to(final_BTH.device) for a in aux], dim=1)
+            final_NH = final_BTH[keep_BT.to(final_BTH.device)]
+            if aux_N3H.shape[-1] != H:
+                raise RuntimeError(f"captured hidden size {aux_N3H.shape[-1]}, identity says {H}")
+            if not (torch.isfinite(aux_N3H).all() and torch.isfinite(final_NH).all()):
+                raise FloatingPointError(f"NaN/Inf in hidden states of samples {[ids[i] for i in batch]}")
+            if xfer is not None:
+                aux_N3H, final_NH = aux_N3H.to(xfer), final_NH.to(xfer)
+            aux_N3H, final_NH = aux_N3H.cpu(), final_NH.cpu()
+            a = 0
+            for i in batch:  # rows of x[keep] are sample-major, in batch order
+                n = len(inputs[i])
+                writer.add(ids[i], inputs[i], masks[i], aux_N3H[a:a + n], final_NH[a:a + n])
+                a += n
+            bar.update(a)
+    except BaseException:
+        writer.close()
+        raise
+    finally:
+        bar.close()
+        cap.remove()
+
+
+def _verify(out_dir, want_ids: list[str], want_input: dict) -> None:
+    """Re-read the finished shard: every chunk hashed, shapes checked, ids equal the tokens."""
+    ds = HiddenStateDataset([Path(out_dir) / "index.json"], verify="sha")
+    if sorted(ds.ids) != sorted(want_ids):
+        raise io.ArtifactError(f"{out_dir}/index.json: holds {len(ds)} samples, shard needs {len(want_ids)}")
+    for i, sid in enumerate(ds.ids):
+        if ds.input_ids(i).tolist() != list(want_input[sid]):
+            raise io.ArtifactError(f"{out_dir}: stored token ids of sample {sid} differ from the tokens file")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", required=True, help="tokenize/tokens.parquet")
+    p.add_argument("--identity", required=True, help="the target's identity.json")
+    p.add_argument("--out", required=True, help="shard folder (index.json + chunk files)")
+    p.add_argument("--work", default=None, help="folder for chunks while running (resume point)")
+    p.add_argument("--shard", type=int, default=0)
+    p.add_argument("--num-shards", type=int, default=1)
+    p.add_argument("--layer-ids", default=None, help="JSON list in vLLM convention; null = default")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | fp8")
+    p.add_argument("--token-budget", type=int, default=16384, help="padded tokens per batch")
+    p.add_argument("--chunk-mb", type=float, default=512, help="max chunk file size")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--log", default=None)
+    a = p.parse_args(argv)
+    io.setup_logging(a.log)
+    extract(a.tokens, a.identity, a.out, a.shard, a.num_shards, io.parse_json_arg(a.layer_ids),
+            a.dtype, a.token_budget, a.chunk_mb, a.device, a.work, progress=not a.no_progress)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""The hidden-state shard format (docs/artifacts.md, "Hidden states"): writer and reader.
+
+Shared by ``eaglet.extract`` (writes) and ``eaglet.train`` / ``eaglet.evaluate`` (read).
+
+A shard folder holds ``chunk_{j:05d}.safetensors`` files, each the concatenated tokens of whole
+samples, and ``index.json``. While a shard is being written, ``progress.json`` (same fields,
+``"complete": false``) is rewritten atomically after every chunk, so a killed writer resumes from
+its last complete chunk; a chunk is saved atomically, so a partial file never looks complete.
+
+    w = ShardWriter(out_dir, shard=0, num_shards=1, layer_ids=[2, 15, 27], final_is_prenorm=True,
+                    dtype="bfloat16", hidden_size=576, target_digest=digest, chunk_bytes=512 << 20)
+    todo = [s for s in samples if s.id not in w.done_ids]
+    w.add(sample_id, input_ids_T, loss_mask_T, aux_T3H, final_TH); ...; w.finish()
+
+    ds = HiddenStateDataset(["shard_0/index.json", "shard_1/index.json"])
+    ds.sample(0) -> {"id", "input_ids" [T] long, "loss_mask" [T], "aux" [T,3,H] f32, "final" [T,H] f32}
+
+Shape legend: T tokens, S samples, H hidden size, 3 = the three aux layers (ascending).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from eaglet import io
+
+log = logging.getLogger("eaglet.hidden_store")
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+# Config spelling -> storage dtype name written into index.json.
+DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "fp8": "float8_e4m3fn",
+          "float8_e4m3fn": "float8_e4m3fn"}
+HEADER_KEYS = ("shard", "num_shards", "layer_ids", "final_layer", "final_is_prenorm", "dtype",
+               "hidden_size", "target_digest")
+
+
+def storage_dtype(name: str) -> str:
+    if name not in DTYPES:
+        raise ValueError(f"extract.dtype: {name!r} not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def bytes_per_token(dtype: str, hidden_size: int) -> int:
+    """Disk bytes per stored token: (3 aux + 1 final) x H values, plus fp8 scales and ids."""
+    d = storage_dtype(dtype)
+    elem = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}[d]
+    scales = 4 * 4 if d == "float8_e4m3fn" else 0
+    return 4 * hidden_size * elem + scales + 4 + 1
+
+
+def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (last dim) scaled e4m3: value = stored.float() * scale, scale = amax / 448."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def chunk_name(j: int) -> str:
+    return f"chunk_{j:05d}.safetensors"
+
+
+# --------------------------------------------------------------------------- writer
+class ShardWriter:
+    """Append samples to a shard; chunks are flushed atomically in a background thread.
+
+    ``work_dir`` (default ``out_dir``) is where chunks and progress.json live while the shard is
+    written; ``finish()`` moves them into ``out_dir`` next to index.json. A separate work dir
+    lets Snakemake declare ``out_dir`` as a ``directory()`` output (deleted before each job, and
+    cacheable as a whole) while a killed job still resumes from the work dir.
+    """
+
+    def __init__(self, out_dir, shard: int, num_shards: int, layer_ids: list[int],
+                 final_is_prenorm: bool, dtype: str, hidden_size: int, target_digest: str,
+                 chunk_bytes: int, final_layer: int | None = None, work_dir=None,
+                 source_digest: str | None = None):
+        self.out_dir = Path(out_dir)
+        self.work_dir = Path(work_dir) if work_dir else self.out_dir
+        self.header = {"shard": int(shard), "num_shards": int(num_shards),
+                       "layer_ids": [int(i) for i in layer_ids], "final_layer": final_layer,
+                       "final_is_prenorm": bool(final_is_prenorm), "dtype": storage_dtype(dtype),
+                       "hidden_size": int(hidden_size), "target_digest": str(target_digest),
+                       # Digest of the input data: a resume after the data changed starts over.
+                       "source_digest": source_digest}
+        if len(self.header["layer_ids"]) != 3:
+            raise ValueError(f"layer_ids: need 3, got {layer_ids}")
+        self.chunk_bytes = max(1, int(chunk_bytes))
+        self.bpt = bytes_per_token(dtype, hidden_size)
+        self.chunks: list[dict] = []
+        self.samples: list[dict] = []
+        self._buf: list[tuple] = []
+        self._buf_tokens = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
+        self._pending: list[Future] = []
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._resume()
+
+    @property
+    def progress_path(self) -> Path:
+        return self.work_dir / "progress.json"
+
+    @property
+    def done_ids(self) -> set[str]:
+        """Ids of samples already in complete chunks (or buffered for the next one)."""
+        return {s["id"] for s in self.samples} | {b[0] for b in self._buf}
+
+    def _resume(self) -> None:
+        for tmp in self.work_dir.glob(".chunk_*.tmp"):  # leftovers of a kill mid-save
+            tmp.unlink()
+        prog = None
+        if self.progress_path.exists():
+            try:
+                prog = io.read_json(self.progress_path)
+            except io.ArtifactError as e:
+                log.warning("%s; starting the shard over", e)
+        if prog is not None and {k: prog.get(k) for k in self.header} != self.header:
+            log.warning("%s: written with other settings; starting the shard over", self.progress_path)
+            prog = None
+        kept: list[dict] = []
+        for c in (prog or {}).get("chunks", []):
+            path = self.work_dir / c["file"]
+            if not path.exists() or io.file_digest(path) != c["sha256"]:
+                log.warning("%s: missing or altered; recomputing from here", path)
+                break
+            kept.append(c)
+        names = {c["file"] for c in kept}
+        # Chunks saved after the last progress update (or not verified) are recomputed.
+        for stray in self.work_dir.glob("chunk_*.safetensors"):
+            if stray.name not in names:
+                stray.unlink()
+        self.chunks = kept
+        self.samples = [s for s in (prog or {}).get("samples", []) if s["chunk"] < len(kept)]
+        if kept:
+            log.info("shard %d: resuming after %d complete chunks (%d samples, %d tokens)",
+                     self.header["shard"], len(kept), len(self.samples),
+                     sum(c["num_tokens"] for c in kept))
+        self._write_progress()
+
+    def add(self, sample_id: str, input_ids, loss_mask, aux_T3H: torch.Tensor,
+            final_TH: torch.Tensor) -> None:
+        ids_T = torch.as_tensor(input_ids).to(torch.int32).reshape(-1)
+        mask_T = torch.as_tensor(loss_mask).to(torch.int8).reshape(-1)
+        T, H = ids_T.numel(), self.header["hidden_size"]
+        if mask_T.numel() != T or tuple(aux_T3H.shape) != (T, 3, H) or tuple(final_TH.shape) != (T, H):
+            raise ValueError(f"sample {sample_id}: shapes ids {T}, mask {mask_T.numel()}, "
+                             f"aux {tuple(aux_T3H.shape)}, final {tuple(final_TH.shape)}; want H={H}")
+        if self._buf and (self._buf_tokens + T) * self.bpt > self.chunk_bytes:
+            self._flush()
+        self._buf.append((str(sample_id), ids_T, mask_T, aux_T3H.detach().cpu(), final_TH.detach().cpu()))
+        self._buf_tokens += T
+        if self._buf_tokens * self.bpt >= self.chunk_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        buf, self._buf, self._buf_tokens = self._buf, [], 0
+        j = len(self.chunks)
+        name = chunk_name(j)
+        lengths = [b[1].numel() for b in buf]
+        offsets = torch.zeros(len(buf) + 1, dtype=torch.int64)
+        offsets[1:] = torch.tensor(lengths).cumsum(0)
+        entry = {"file": name, "num_samples": len(buf), "num_tokens": int(offsets[-1])}
+        self.chunks.append(entry)
+        for row, b in enumerate(buf):
+            self.samples.append({"id": b[0], "num_tokens": lengths[row], "chunk": j, "row": row})
+        self._check_pending()
+        # Casting, hashing and the fsync'ed save run beside the next forward pass.
+        self._pending.append(self._pool.submit(self._save_chunk, buf, offsets, entry, j))
+
+    def _save_chunk(self, buf, offsets, entry, j: int) -> None:
+        aux = torch.cat([b[3] for b in buf])
+        final = torch.cat([b[4] for b in buf])
+        t = {"input_ids": torch.cat([b[1] for b in buf]), "loss_mask": torch.cat([b[2] for b in buf]),
+             "offsets": offsets}
+        if self.header["dtype"] == "float8_e4m3fn":
+            t["aux"], t["aux_scale"] = fp8_encode(aux)
+            t["final"], t["final_scale"] = fp8_encode(final)
+        else:
+            dt = getattr(torch, self.header["dtype"])
+            t["aux"], t["final"] = aux.to(dt), final.to(dt)
+        path = self.work_dir / entry["file"]
+        io.save_tensors(path, t, metadata={"format": "eaglet-hidden-states-v1"})
+        entry["sha256"] = io.file_digest(path)
+        entry["bytes"] = path.stat().st_size
+        self._write_progress(upto=j + 1)  # chunks are saved in order by the one worker
+
+    def _write_progress(self, upto: int | None = None) -> None:
+        upto = len(self.chunks) if upto is None else upto
+        io.write_json(self.progress_path, {
+            **self.header, "chunks": self.chunks[:upto],
+            "samples": [s for s in self.samples if s["chunk"] < upto], "complete": False})
+
+    def _check_pending(self, wait: bool = False) -> None:
+        keep = []
+        for f in self._pending:
+            if wait or f.done():
+                f.result()  # re-raises a failed save here, in the caller's thread
+            else:
+                keep.append(f)
+        self._pending = keep
+
+    def finish(self) -> dict:
+        """Flush, wait for the saves, move chunks into out_dir, write index.json; return it."""
+        self._flush()
+        self._check_pending(wait=True)
+        self._pool.shutdown()
+        index = {**self.header, "chunks": self.chunks, "samples": self.samples, "complete": True}
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.work_dir.resolve() != self.out_dir.resolve():
+            for c in self.chunks:
+                os.replace(self.work_dir / c["file"], self.out_dir / c["file"])
+        io.write_json(self.out_dir / "index.json", index)
+        if self.work_dir.resolve() != self.out_dir.resolve():
+            shutil.rmtree(self.work_dir)
+        else:
+            self.progress_path.unlink(missing_ok=True)
+        return index
+
+    def close(self) -> None:
+        """Stop without finishing (the chunks saved so far stay resumable)."""
+        self._pool.shutdown(wait=True)
+
+
+# --------------------------------------------------------------------------- reader
+class HiddenStateDataset:
+    """All shards as one dataset, read lazily per chunk (memory-mapped), never copied.
+
+    ``verify``: "sha" (default) hashes every chunk against index.json once at open; "header"
+    only checks that each chunk exists, opens, and holds the token/sample counts the index says
+    (for TB-scale data where hashing costs minutes).
+    """
+
+    def __init__(self, index_paths, verify: str = "sha", max_open: int = 16):
+        if isinstance(index_paths, (str, os.PathLike)):
+            index_paths = [index_paths]
+        if not index_paths:
+            raise io.ArtifactError("HiddenStateDataset: no index.json given")
+        if verify not in ("sha", "header"):
+            raise ValueError(f"verify: {verify!r} not 'sha' or 'header'")
+        self.meta: dict | None = None
+        self.ids: list[str] = []
+        self.num_tokens: list[int] = []
+        self._where: list[tuple[Path, int]] = []  # (chunk path, row)
+        self._max_open = max_open
+        self._open: OrderedDict[Path, tuple] = OrderedDict()
+        for p in index_paths:
+            self._add_shard(Path(p), verify)
+
+    def _add_shard(self, path: Path, verify: str) -> None:
+        if path.is_dir():
+            path = path / "index.json"
+        idx = io.read_json(path)
+        missing = [k for k in (*HEADER_KEYS, "chunks", "samples", "complete") if k not in idx]
+        if missing:
+            raise io.ArtifactError(f"{path}: not a hidden-state index (missing {missing})")
+        if idx["complete"] is not True:
+            raise io.ArtifactError(f"{path}: shard is not complete")
+        meta = {k: idx[k] for k in ("layer_ids", "final_layer", "final_is_prenorm", "dtype",
+                                    "hidden_size", "target_digest")}
+        if self.meta is None:
+            self.meta = meta
+        elif meta != self.meta:
+            diff = sorted(k for k in meta if meta[k] != self.meta[k])
+            raise io.ArtifactError(f"{path}: shard disagrees with the first shard on {diff}")
+        H = idx["hidden_size"]
+        for c in idx["chunks"]:
+            f = path.parent / c["file"]
+            if not f.exists():
+                raise io.ArtifactError(f"{f}: chunk listed in {path} is missing")
+            if verify == "sha" and io.file_digest(f) != c.get("sha256"):
+                raise io.ArtifactError(f"{f}: sha256 differs from {path} (corrupt or altered chunk)")
+            shapes = _chunk_shapes(f)
+            T, S = c["num_tokens"], c["num_samples"]
+            want = {"input_ids": [T], "loss_mask": [T], "offsets": [S + 1], "aux": [T, 3, H], "final": [T, H]}
+            bad = {k: shapes.get(k) for k, v in want.items() if shapes.get(k) != v}
+            if bad:
+                raise io.ArtifactError(f"{f}: shapes {bad} disagree with {path} (want {want})")
+        seen = set(self.ids)
+        for s in idx["samples"]:
+            if s["chunk"] >= len(idx["chunks"]) or s["row"] >= idx["chunks"][s["chunk"]]["num_samples"]:
+                raise io.ArtifactError(f"{path}: sample {s['id']} points outside its chunks")
+            if s["id"] in seen:
+                raise io.ArtifactError(f"{path}: sample id {s['id']} appears twice")
+            seen.add(s["id"])
+            self.ids.append(s["id"])
+            self.num_tokens.append(int(s["num_tokens"]))
+            self._where.append((path.parent / idx["chunks"][s["chunk"]]["file"], int(s["row"])))
+        if sum(c["num_tokens"] for c in idx["chunks"]) != sum(s["num_tokens"] for s in idx["samples"]):
+            raise io.ArtifactError(f"{path}: token counts of samples and chunks disagree")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _handle(self, f: Path):
+        if f in self._open:
+            self._open.move_to_end(f)
+            return self._open[f]
+        from safetensors import safe_open
+
+        try:
+            h = safe_open(str(f), framework="pt", device="cpu")
+            offsets = h.get_tensor("offsets")
+        except Exception as e:  # noqa: BLE001 - safetensors raises several types
+            raise io.ArtifactError(f"{f}: not a readable safetensors file ({e})") from None
+        self._open[f] = (h, offsets, "aux_scale" in h.keys())
+        if len(self._open) > self._max_open:
+            self._open.popitem(last=False)
+        return self._open[f]
+
+    def sample(self, i: int) -> dict:
+        f, row = self._where[i]
+        h, offsets, fp8 = self._handle(f)
+        a, b = int(offsets[row]), int(offsets[row + 1])
+        if b - a != self.num_tokens[i]:
+            raise io.ArtifactError(f"{f}: sample {self.ids[i]} has {b - a} tokens, index says "
+                                   f"{self.num_tokens[i]}")
+        aux = h.get_slice("aux")[a:b].float()
+        final = h.get_slice("final")[a:b].float()
+        if fp8:
+            aux = aux * h.get_slice("aux_scale")[a:b].unsqueeze(-1)
+            final = final * h.get_slice("final_scale")[a:b].unsqueeze(-1)
+        return {"id": self.ids[i], "input_ids": h.get_slice("input_ids")[a:b].long(),
+                "loss_mask": h.get_slice("loss_mask")[a:b], "aux": aux, "final": final}
+
+    def input_ids(self, i: int) -> torch.Tensor:
+        """Only the token ids of sample i (cheap: no hidden states read)."""
+        f, row = self._where[i]
+        h, offsets, _ = self._handle(f)
+        return h.get_slice("input_ids")[int(offsets[row]):int(offsets[row + 1])].long()
+
+    def __getitem__(self, i: int) -> dict:
+        return self.sample(i)
+
+
+def _chunk_shapes(f: Path) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(f), framework="pt", device="cpu") as h:
+            shapes = {k: list(h.get_slice(k).get_shape()) for k in h.keys()}
+    except Exception as e:  # noqa: BLE001
+        raise io.ArtifactError(f"{f}: not a readable safetensors file ({e})") from None
+    # A truncated file can still carry a whole header: check the data extent too.
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        import json
+
+        hdr = json.loads(fh.read(n))
+    end = max((v["data_offsets"][1] for k, v in hdr.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise io.ArtifactError(f"{f}: {size} bytes, header says {8 + n + end} (truncated chunk)")
+    return shapes

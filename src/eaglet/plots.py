@@ -1,0 +1,138 @@
+"""Plots for the HTML report, drawn from the stage artifacts (matplotlib, PNG):
+
+- ``coverage.png``: draft-vocab coverage against its size, the chosen size marked;
+- ``training.png``: training and validation loss, and per-TTT-step accuracy and simulated τ;
+- ``tables.html``: the tokenize metadata, the draft-vocab summary with its pinned tokens, and the
+  evaluation summary, as HTML tables.
+
+    python -m eaglet.plots --vocab results/r/vocab_map/vocab.json \
+        --metrics results/r/train/metrics.parquet --out-dir results/r/plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from eaglet import io
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def coverage_plot(vocab_json: str | Path, out: str | Path) -> None:
+    plt = _plt()
+    v = io.read_json(vocab_json)
+    curve = v["coverage_curve"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p["draft_vocab_size"] for p in curve], [100 * p["coverage"] for p in curve], marker=".")
+    ax.axvline(v["draft_vocab_size"], color="tab:red", linestyle="--",
+               label=f"chosen V_d = {v['draft_vocab_size']:,}: {100 * v['coverage']:.2f}%")
+    ax.set_xscale("log")
+    ax.set_xlabel("draft vocabulary size")
+    ax.set_ylabel("assistant-token coverage (%)")
+    ax.set_title(f"Draft vocabulary coverage (target vocab {v['vocab_size']:,})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with io.atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def training_plot(metrics_parquet: str | Path, out: str | Path) -> None:
+    plt = _plt()
+    df = io.read_parquet(metrics_parquet).to_pandas()
+    tr, va = df[df["split"] == "train"], df[df["split"] == "val"]
+    acc_cols = sorted((c for c in df.columns if c.startswith("acc_")), key=lambda c: int(c[4:]))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
+    a1.plot(tr["step"], tr["loss"], label="train", alpha=0.8)
+    if len(va):
+        a1.plot(va["step"], va["loss"], marker="o", label="validation")
+    a1.set_title("TTT loss (sum of γ^k-weighted steps)")
+    a1.set_xlabel("optimizer step")
+    a1.legend()
+    src = va if len(va) else tr
+    for c in acc_cols:
+        a2.plot(src["step"], src[c], marker="o" if len(src) < 20 else None, label=f"step {c[4:]}")
+    a2.set_title(f"per-TTT-step accuracy ({'validation' if len(va) else 'train'})")
+    a2.set_xlabel("optimizer step")
+    a2.legend(fontsize=7)
+    a3.plot(tr["step"], tr["tau"], label="train", alpha=0.8)
+    if len(va):
+        a3.plot(va["step"], va["tau"], marker="o", label="validation")
+    a3.set_title("simulated τ = 1 + Σ_k Π_{i≤k} acc_i")
+    a3.set_xlabel("optimizer step")
+    a3.legend()
+    for a in (a1, a2, a3):
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    with io.atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def _kv_table(d: dict) -> str:
+    import html
+
+    cell = lambda v: html.escape(json.dumps(v) if isinstance(v, (dict, list)) else str(v))
+    rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{cell(v)}</td></tr>" for k, v in d.items())
+    return f"<table>{rows}</table>"
+
+
+def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str | Path | None = None,
+                evaluation: str | Path | None = None) -> None:
+    """One self-contained HTML page with the run's tables, for the report."""
+    import html
+
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>eaglet tables</title><style>"
+             "body{font-family:sans-serif;margin:1em} table{border-collapse:collapse;margin-bottom:1.5em}"
+             "th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}"
+             "th{background:#f3f3f3}</style></head><body>"]
+    if metadata:
+        parts += ["<h2 id='tokenize'>Tokenisation (metadata.json)</h2>", _kv_table(io.read_json(metadata))]
+    if vocab:
+        v = io.read_json(vocab)
+        head = {k: v[k] for k in v if k not in ("pinned", "coverage_curve")}
+        parts += ["<h2 id='vocab'>Draft vocabulary</h2>", _kv_table(head), "<h3>Pinned tokens</h3>",
+                  "<table><tr><th>id</th><th>token</th><th>why</th><th>count</th><th>frequency rank</th>"
+                  "<th>in without pinning</th></tr>"]
+        parts += [f"<tr><td>{p['id']}</td><td>{html.escape(repr(p['token']))}</td><td>{html.escape(p['why'])}</td>"
+                  f"<td>{p['count']}</td><td>{p['frequency_rank']}</td><td>{p['would_be_in_without_pin']}</td></tr>"
+                  for p in v["pinned"]]
+        parts.append("</table>")
+    if evaluation:
+        e = io.read_json(evaluation)
+        parts += ["<h2 id='evaluation'>Evaluation summary</h2>", _kv_table(e.get("headline", e))]
+        if e.get("headline") is not None:
+            parts += [_kv_table({k: v for k, v in e.items() if k != "headline"})]
+    parts.append("</body></html>")
+    io.write_text(out, "\n".join(parts))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocab", default=None)
+    p.add_argument("--metrics", default=None)
+    p.add_argument("--metadata", default=None, help="tokenize metadata.json, for the tables page")
+    p.add_argument("--evaluation", default=None, help="eval summary.json, for the tables page")
+    p.add_argument("--out-dir", required=True)
+    a = p.parse_args(argv)
+    out = Path(a.out_dir)
+    if a.vocab:
+        coverage_plot(a.vocab, out / "coverage.png")
+    if a.metrics:
+        training_plot(a.metrics, out / "training.png")
+    if a.metadata or a.vocab or a.evaluation:
+        tables_html(out / "tables.html", a.metadata, a.vocab, a.evaluation)
+
+
+if __name__ == "__main__":
+    main()

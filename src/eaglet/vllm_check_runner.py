@@ -1,0 +1,68 @@
+"""One vLLM (CPU) generation run, plain or with an EAGLE-3 drafter, for the export contract check.
+
+Run by the vLLM environment's interpreter, not eaglet's: it imports only the standard library and
+vllm (eaglet's venv has a different torch/transformers). eaglet.contract starts it twice, once
+without and once with the drafter, each in its own process (vLLM spawns workers and keeps global
+state), and compares the two JSON results.
+
+    envs/vllm/.venv/bin/python src/eaglet/vllm_check_runner.py --target MODEL_DIR \
+        --prompts prompts.json --max-tokens 32 --out spec.json [--drafter DRAFTER_DIR --k 3]
+
+Output JSON: {"vllm_version", "token_ids": [[...] per prompt], "texts": [...],
+              "spec_decode": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                              "num_accepted_tokens_per_pos"}, "metrics": [every spec_decode metric]}
+"""
+
+import argparse
+import json
+import os
+
+
+def _metric_json(m):
+    out = {"name": m.name, "type": type(m).__name__, "labels": dict(getattr(m, "labels", {}) or {})}
+    for attr in ("value", "values", "count", "sum"):
+        if hasattr(m, attr):
+            v = getattr(m, attr)
+            out[attr] = list(v) if isinstance(v, (list, tuple)) else v
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", default=None)
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    p.add_argument("--prompts", required=True, help="JSON list of prompt strings")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    kw = dict(model=a.target, dtype="float32", enforce_eager=True, disable_log_stats=False,
+              max_model_len=a.max_model_len, max_num_seqs=8, seed=0)
+    if a.drafter:
+        kw["speculative_config"] = {"method": "eagle3", "model": a.drafter, "num_speculative_tokens": a.k}
+    llm = LLM(**kw)
+    with open(a.prompts) as fh:
+        prompts = json.load(fh)
+    # ignore_eos: every prompt runs to max_tokens, so both runs compare the same number of tokens
+    sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    metrics = [_metric_json(m) for m in llm.get_metrics() if "spec_decode" in m.name]
+    sd = {}
+    for m in metrics:
+        key = m["name"].split("spec_decode_", 1)[-1].removesuffix("_total")
+        sd[key] = m.get("values", m.get("value"))
+    res = {"vllm_version": vllm.__version__, "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+           "texts": [o.outputs[0].text for o in outs], "spec_decode": sd, "metrics": metrics}
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(res, fh)
+    os.replace(tmp, a.out)
+
+
+if __name__ == "__main__":  # vLLM spawns worker processes that re-import this module
+    main()

@@ -1,0 +1,328 @@
+"""The evaluation stages: eval set loaders, the exact offline simulator, the real speculative loop
+(lossless, and token-for-token the same accepted counts as the simulator), hand-computed τ."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from eaglet import eval_sets, io
+from eaglet import evaluate as ev
+from eaglet import model as em
+from eaglet.target import load_model, load_tokenizer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread: on a busy 2-core machine two threads spin-wait each other (10x slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# --------------------------------------------------------------------------- eval sets
+def test_eval_sets_hold_80_mtbench_first_turns_and_164_humaneval_prompts():
+    mt, he = eval_sets.load_set("mtbench"), eval_sets.load_set("humaneval")
+    assert len(mt) == 80 and len(he) == 164
+    assert all(len(r["messages"]) == 1 and r["messages"][0]["role"] == "user" for r in mt + he)
+    assert len({r["id"] for r in mt}) == 80 and mt[0]["id"] == "mtbench/81"
+    assert "def has_close_elements" in he[0]["messages"][0]["content"]
+    # a subset spans the categories instead of taking the first ten (all "writing")
+    cats = {r["source"] for r in eval_sets.load_set("mtbench", 10)}
+    assert len(cats) >= 7
+
+
+def test_parquet_set_is_the_prompt_up_to_the_last_user_turn(tmp_path):
+    rows = [{"id": "a", "source": "s", "messages": [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "a2"}]},
+        {"id": "b", "source": "s", "messages": [{"role": "assistant", "content": "orphan"}]}]
+    io.write_conversations(tmp_path / "c.parquet", rows)
+    got = eval_sets.load_set(str(tmp_path / "c.parquet"))
+    assert [r["id"] for r in got] == ["a"]  # no user turn: nothing to answer
+    assert [m["content"] for m in got[0]["messages"]] == ["sys", "u1", "a1", "u2"]
+    with pytest.raises(ValueError, match="unknown set"):
+        eval_sets.load_set("gsm9k")
+
+
+# --------------------------------------------------------------------------- counting (hand-computed)
+def test_chain_replay_and_tau_match_a_hand_computed_example():
+    # accepted prefix of K=3 drafts from each round start g (index 0 unused); 10 tokens, max 10
+    acc = [0, 2, 0, 1, 3, 0, 1, 0, 1, 0]
+    # k=2: g=1 a=2 -> g=4 a=min(3,2)=2 -> g=7 a=0 -> g=8 k_eff=min(2,10-8-1)=1 a=1 -> g=10 stop
+    assert ev.chain_replay(acc, 10, 10, 2) == [(1, 2, 2), (4, 2, 2), (7, 2, 0), (8, 1, 1)]
+    assert ev.tau_of(ev.chain_replay(acc, 10, 10, 2)) == pytest.approx(1 + 5 / 4)
+    # k=1: every round drafts 1 (the last possible start g=8 drafts min(1, 1))
+    r1 = ev.chain_replay(acc, 10, 10, 1)
+    assert r1 == [(1, 1, 1), (3, 1, 1), (5, 1, 0), (6, 1, 1), (8, 1, 1)]
+    # a continuation that ended at EOS (6 tokens of max 10): the last round can't pass the end
+    assert ev.chain_replay([0, 4, 0, 0, 0, 1], 6, 10, 4) == [(1, 4, 4)]
+    # rounds without drafts (k_eff 0) do not count in τ
+    assert ev.tau_of([(1, 0, 0)]) is None
+
+
+def test_position_rates_and_all_position_tau_by_hand():
+    acc, valid = [3, 0, 1, 2], [5, 5, 2, 1]
+    pr = ev.position_rates(acc, valid, 3)
+    assert pr["starts_per_pos"] == [4, 3, 2]
+    assert pr["accept_rate_per_pos"] == [3 / 4, 1 / 3, 1 / 2]  # pos 2: starts 0, 1, 2 reach it
+    assert pr["conditional_accept_per_pos"][1] == pytest.approx((1 / 3) / (3 / 4))
+    # k=2 uses the starts with >= 2 positions left: accepted 3, 0, 1 capped at 2
+    assert ev.tau_all_positions(acc, valid, 2) == pytest.approx(1 + (2 + 0 + 1) / 3)
+    assert ev.accepted_prefix([5, 6, 7], [5, 6, 8]) == 2 and ev.accepted_prefix([5, 6], [5]) == 1
+
+
+# --------------------------------------------------------------------------- the real loop
+@pytest.fixture(scope="module")
+def tiny(tiny_target):
+    tok = load_tokenizer(tiny_target["path"])
+    model = load_model(tiny_target["path"])
+    prompts = [eval_sets.encode(tok, r["messages"]) for r in eval_sets.load_set("mtbench", 3)]
+    return tiny_target, model, prompts
+
+
+class Oracle:
+    """A proposer that knows the greedy continuation and is wrong exactly at the listed indices."""
+
+    def __init__(self, prompt_len: int, truth: list[int], wrong=()):
+        self.P, self.truth, self.wrong = prompt_len, truth, set(wrong)
+        self.reset()
+
+    def reset(self):
+        self.n = 0
+
+    def extend(self, aux_T3H, next_ids):
+        assert aux_T3H.shape[0] == len(next_ids) and aux_T3H.shape[1] == 3
+        self.n += len(next_ids)
+
+    def draft(self, k):
+        g = self.n + 1 - self.P  # tokens emitted so far
+        return [(self.truth[i] + 1 if i in self.wrong else self.truth[i]) if i < len(self.truth) else 0
+                for i in range(g, g + k)]
+
+
+def test_loop_with_an_always_right_drafter_gives_the_hand_computed_tau(tiny):
+    ident, model, prompts = tiny
+    target = ev.Target(model, [2, 4, 5], eos_ids=set())
+    gr = ev.greedy(target, prompts[0], 20)
+    sp = ev.speculative(target, Oracle(len(prompts[0]), gr["tokens"]), prompts[0], 3, 20)
+    assert sp["tokens"] == gr["tokens"]
+    # g = 1 -> 5 -> 9 -> 13 -> 17 (3 accepted + bonus each), then k_eff = min(3, 20-17-1) = 2
+    assert sp["rounds"] == [(1, 3, 3), (5, 3, 3), (9, 3, 3), (13, 3, 3), (17, 2, 2)]
+    assert ev.tau_of(sp["rounds"]) == pytest.approx(1 + 14 / 5)
+
+
+def test_offline_counting_replays_the_real_loop_with_rejections(tiny):
+    ident, model, prompts = tiny
+    target = ev.Target(model, [2, 4, 5], eos_ids=set())
+    for prompt, wrong in zip(prompts, ([2, 3, 9], [1, 5, 6, 7, 15], [])):
+        gr = ev.greedy(target, prompt, 24)
+        truth = gr["tokens"]
+        K = 4
+        oracle = Oracle(len(prompt), truth, wrong)
+        # offline: K drafts from every start, accepted prefix against the continuation
+        acc = [0]
+        for g in range(1, len(truth)):
+            oracle.n = len(prompt) + g - 1
+            acc.append(ev.accepted_prefix(oracle.draft(K), truth[g:]))
+        for k in range(1, K + 1):
+            sp = ev.speculative(target, Oracle(len(prompt), truth, wrong), prompt, k, 24)
+            assert sp["tokens"] == truth  # lossless also when drafts are rejected mid-way
+            assert sp["rounds"] == ev.chain_replay(acc, len(truth), 24, k), (wrong, k)
+
+
+def test_eos_ends_the_loop_and_the_replay_alike(tiny):
+    ident, model, prompts = tiny
+    free = ev.Target(model, [2, 4, 5], eos_ids=set())
+    truth = ev.greedy(free, prompts[1], 16)["tokens"]
+    eos = truth[6]  # pretend the 7th generated token is EOS
+    target = ev.Target(model, [2, 4, 5], eos_ids={eos})
+    gr = ev.greedy(target, prompts[1], 16)
+    stop = truth.index(eos)
+    assert gr["tokens"] == truth[:stop + 1]
+    acc = [0] + [ev.accepted_prefix(truth[g:g + 4], gr["tokens"][g:]) for g in range(1, len(gr["tokens"]))]
+    sp = ev.speculative(target, Oracle(len(prompts[1]), truth), prompts[1], 4, 16)
+    assert sp["tokens"] == gr["tokens"]
+    assert sp["rounds"] == ev.chain_replay(acc, len(gr["tokens"]), 16, 4)
+
+
+# --------------------------------------------------------------------------- with a real drafter
+def _memorising_drafter(ident, target, prompt, steps=30, n_new=40):
+    """A drafter trained in-process (ttt_unroll, hard labels) on one greedy continuation, so the
+    real drafter has non-trivial acceptance on that prompt: 30 steps leave it right at most
+    positions and wrong at some, so both acceptance and rejection paths run."""
+    gr = ev.greedy(target, prompt, n_new, capture=True)
+    x = torch.tensor(prompt + gr["tokens"])
+    used = torch.unique(torch.cat([x, torch.arange(256)]))  # sorted; the continuation is in the vocab
+    t2d = torch.zeros(ident["vocab_size"], dtype=torch.bool)
+    t2d[used] = True
+    d2t = used - torch.arange(len(used))
+    to_draft = torch.full((ident["vocab_size"],), -100, dtype=torch.long)
+    to_draft[used] = torch.arange(len(used))
+    torch.manual_seed(0)
+    cfg = em.DrafterConfig.from_identity(ident, draft_vocab_size=len(used), layer_ids=[2, 4, 5])
+    m = em.Eagle3Drafter(cfg, em.load_target_embedding(ident["path"]))
+    opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=3e-3)
+    xs, g = x[None, :-1], gr["aux"][None]  # aux rows 0..S-2 pair with tokens x_1..x_{S-1}
+    S = x.numel()
+    for _ in range(steps):
+        loss = 0
+        for k, logits, _h in m.ttt_unroll(xs, m.project(g), 3):
+            n = S - 2 - k  # index t predicts x[t + 2 + k]
+            loss = loss + torch.nn.functional.cross_entropy(logits[0, :n], to_draft[x[2 + k:2 + k + n]])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m.eval(), d2t
+
+
+def test_trained_drafter_offline_simulator_equals_the_real_loop(tiny):
+    ident, model, prompts = tiny
+    target = ev.Target(model, [2, 4, 5], eos_ids=set())
+    drafter, d2t = _memorising_drafter(ident, target, prompts[2])
+    prop = ev.EagleProposer(drafter, d2t)
+    off = ev.offline_prompt(target, prop, prompts[2], 4, 40)
+    acc = [0] + [s["accepted"] for s in off["starts"]]
+    assert ev.tau_all_positions(acc[1:], [s["valid"] for s in off["starts"]], 3) > 2.0  # it did learn
+    assert 0 in acc[1:]  # ... and is wrong somewhere
+    for k in (1, 2, 3, 4):
+        sp = ev.speculative(target, prop, prompts[2], k, 40)
+        assert sp["tokens"] == off["tokens"]  # lossless
+        replay = ev.chain_replay(acc, len(off["tokens"]), 40, k)
+        if sp["rounds"] != replay:  # allowed only at a logged numerical tie
+            assert min(s["drafter_margin"] for s in off["starts"]) < 1e-5, (k, sp["rounds"], replay)
+        assert ev.tau_of(sp["rounds"]) > 1.4
+
+
+# --------------------------------------------------------------------------- the stages
+OPTS = dict(num_prompts=2, max_new_tokens=16, k_values=[1, 2, 3])
+
+
+@pytest.fixture(scope="module")
+def stages(tiny_target, tiny_drafter, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    off = ev.evaluate_offline(tiny_drafter, ident, ["mtbench", "humaneval"], out, threads=1, **OPTS)
+    spec = ev.evaluate_speculative(tiny_drafter, ident, ["mtbench", "humaneval"], out, threads=1, **OPTS)
+    return out, off, spec
+
+
+def test_stages_write_their_artifacts_and_agree(stages):
+    out, off, spec = stages
+    assert json.loads((out / "offline.json").read_text())["overall"]["tau"]["3"] >= 1.0
+    assert set(off["sets"]) == set(spec["sets"]) == {"mtbench", "humaneval"}
+    assert off["prompts"] == spec["prompts"] == 4
+    assert spec["lossless"]["pass"] and spec["lossless"]["compared"] == 12
+    a = pd.read_parquet(out / "offline_rounds.parquet").sort_values(["id", "k", "g"]).reset_index(drop=True)
+    b = pd.read_parquet(out / "speculative_rounds.parquet").sort_values(["id", "k", "g"]).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b)
+    pos = pd.read_parquet(out / "offline_positions.parquet")
+    assert {"set", "id", "g", "accepted", "valid", "drafter_margin", "target_margin"} <= set(pos.columns)
+    costs = spec["step_costs"]
+    assert costs["target_step_s"] > 0 and costs["draft_step_s"] > 0 and 4 in costs["target_forward_s"]
+    for k in ("1", "2", "3"):
+        assert spec["overall"]["k"][int(k)]["speedup"] > 0
+        assert off["overall"]["tau_chain"][int(k)] == spec["overall"]["k"][int(k)]["tau"]
+
+
+def test_a_lossy_loop_fails_the_stage(tiny_target, tiny_drafter, tmp_path, monkeypatch):
+    real = ev.speculative
+
+    def lossy(target, proposer, prompt, k, max_new):
+        r = real(target, proposer, prompt, k, max_new)
+        r["tokens"][3] = (r["tokens"][3] + 1) % 1000  # a rollback bug would look like this
+        return r
+
+    monkeypatch.setattr(ev, "speculative", lossy)
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    with pytest.raises(ev.LosslessError, match="not lossless"):
+        ev.evaluate_speculative(tiny_drafter, ident, ["mtbench"], tmp_path, threads=1,
+                                num_prompts=1, max_new_tokens=8, k_values=[2])
+    rep = json.loads((tmp_path / "speculative.failed.json").read_text())
+    assert rep["lossless"]["mismatches"][0]["index"] == 3 and not (tmp_path / "speculative.json").exists()
+
+
+def test_cli_help():
+    r = subprocess.run([sys.executable, "-m", "eaglet.evaluate", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "offline" in r.stdout
+
+
+# --------------------------------------------------------------------------- summary
+def test_recommendation_follows_the_cost_model_by_hand():
+    from eaglet.eval_summary import recommend, verify_cost
+
+    offline = {"K": 3, "overall": {"tau": {"1": 1.8, "2": 2.3, "3": 2.5},
+                                   "accept_rate_per_pos": [0.8, 0.5, 0.2]}}
+    spec = {"step_costs": {"target_forward_s": {"1": 0.010, "2": 0.011, "3": 0.012, "4": 0.016},
+                           "draft_step_s": 0.001},
+            "overall": {"k": {"2": {"speedup": 1.7, "tau": 2.3}}}}
+    rec = recommend(offline, spec)
+    pred = {r["k"]: r["predicted_speedup"] for r in rec["table"]}
+    assert pred[1] == pytest.approx(1.8 * 0.010 / (0.011 + 0.001))
+    assert pred[2] == pytest.approx(2.3 * 0.010 / (0.012 + 0.002))
+    assert pred[3] == pytest.approx(2.5 * 0.010 / (0.016 + 0.003))
+    assert rec["recommended_k"] == 2 and rec["speculation_pays"]
+    assert rec["table"][1]["measured_speedup"] == 1.7 and rec["table"][0]["measured_speedup"] is None
+    # an unmeasured length comes from the line through the measured ones
+    assert verify_cost({1: 1.0, 2: 2.0, 3: 3.0}, 5) == pytest.approx(5.0)
+
+
+def test_summary_writes_headline_agreement_and_plots(stages):
+    from eaglet.eval_summary import PLOTS, summarise
+
+    out, off, spec = stages
+    res = summarise(out)
+    h = json.loads((out / "summary.json").read_text())["headline"]
+    assert set(h["tau_offline"]) == {"mtbench", "humaneval"} and h["k"] == 3
+    assert h["lossless_hf_loop"] is True and h["offline_matches_real_loop"] is True
+    assert h["recommended_k"] in (1, 2, 3) and h["speedup_hf_loop"] > 0
+    assert res["agreement"]["compared"] == 12 and not res["agreement"]["differing"]
+    for p in PLOTS:
+        assert (out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(pd.read_parquet(out / "recommendation.parquet")) == 3
+
+
+def test_summary_reports_a_replay_mismatch(stages, tmp_path):
+    from eaglet.eval_summary import agreement
+
+    out, _, _ = stages
+    for f in ("offline_rounds.parquet", "offline_positions.parquet"):
+        (tmp_path / f).write_bytes((out / f).read_bytes())
+    b = pd.read_parquet(out / "speculative_rounds.parquet")
+    b.loc[0, "accepted"] += 1  # the real loop accepted a token the simulator did not
+    io.write_parquet(tmp_path / "speculative_rounds.parquet", b)
+    ag = agreement(tmp_path, 1e-5)
+    assert not ag["pass"] and len(ag["differing"]) == 1 and ag["differing"][0]["round"] == 0
+
+
+# --------------------------------------------------------------------------- vLLM
+@pytest.mark.vllm
+def test_vllm_evaluation_on_the_tiny_target(stages, tiny_target, tiny_drafter, tmp_path):
+    from conftest import vllm_env_or_skip
+    from eaglet.evaluate_vllm import evaluate_vllm
+    from eaglet.export import export
+
+    env = vllm_env_or_skip()
+    out, off, _ = stages
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    export(tiny_drafter, tmp_path / "drafter", ident, vllm_check=False)
+    res = evaluate_vllm(tmp_path / "drafter", ident, ["mtbench", "humaneval"], tmp_path,
+                        work_dir=tmp_path / "work", offline=out / "offline.json", env=str(env),
+                        num_prompts=2, max_new_tokens=16, k_values=[2], iomp=False)
+    assert json.loads((tmp_path / "vllm.json").read_text())["lossless"] is True
+    plain, spec = res["runs"]
+    assert res["hf_greedy_agreement"]["prompts"] == 4  # vLLM plain set beside the HF greedy continuation
+    assert plain["k"] is None and spec["k"] == 2
+    for name in ("mtbench", "humaneval"):
+        s = spec["sets"][name]
+        assert s["num_drafts"] > 0 and s["num_draft_tokens"] == 2 * s["num_drafts"]
+        assert s["tau"] >= 1.0 and s["tok_s"] > 0 and s["lossless"]
+        assert len(s["accept_rate_per_pos"]) == 2
+        # the random drafter: vLLM and the offline simulator both see ~no acceptance
+        assert s["offline"] is not None and not s["offline"]["flag"]

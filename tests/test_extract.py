@@ -1,0 +1,201 @@
+"""Hidden-state extraction on the tiny target: correctness, sharding, resume after kill -9."""
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from eaglet import io, target
+from eaglet.extract import assign_shards, extract, make_batches
+from eaglet.hidden_store import HiddenStateDataset
+
+
+def write_tokens(path, n, seed=0, lo=3, hi=48):
+    rnd = random.Random(seed)
+    rows = []
+    for i in range(n):
+        T = rnd.randint(lo, hi)
+        rows.append({"id": f"s{i:03d}", "source": "test",
+                     "input_ids": [rnd.randrange(49152) for _ in range(T)],
+                     "loss_mask": [rnd.randint(0, 1) for _ in range(T)],
+                     "num_tokens": T, "num_assistant_tokens": 0})
+    schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("input_ids", pa.list_(pa.int32())),
+                        ("loss_mask", pa.list_(pa.int8())), ("num_tokens", pa.int32()),
+                        ("num_assistant_tokens", pa.int32())])
+    io.write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
+    return rows
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's matmuls are too small for two threads; on a busy 2-core machine the
+    second thread's spin-waits make them ~10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tgt(tiny_target):
+    return tiny_target, Path(tiny_target["path"]).parent / "identity.json"
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok") / "tokens.parquet"
+    return path, write_tokens(path, 24)
+
+
+@pytest.fixture(scope="module")
+def one_shard(tgt, tokens, tmp_path_factory):
+    out = tmp_path_factory.mktemp("x") / "shard_0"
+    # Small budget and chunks: several padded multi-sample batches and several chunk files.
+    extract(tokens[0], tgt[1], out, 0, 1, dtype="float32", token_budget=96, chunk_mb=0.05, progress=False)
+    return out
+
+
+def test_captured_states_equal_output_hidden_states(tgt, tokens, one_shard):
+    ident, _ = tgt
+    N = ident["num_layers"]
+    ds = HiddenStateDataset([one_shard])
+    assert ds.meta["layer_ids"] == [2, N // 2, N - 3] and ds.meta["final_is_prenorm"] is True
+    assert ds.meta["final_layer"] == N and ds.meta["hidden_size"] == ident["hidden_size"]
+    assert len(io.read_json(one_shard / "index.json")["chunks"]) > 2
+    rows = {r["id"]: r for r in tokens[1]}
+    assert sorted(ds.ids) == sorted(rows)
+    model = target.load_model(ident["path"])
+    for i in range(len(ds)):
+        s = ds.sample(i)
+        r = rows[s["id"]]
+        assert s["input_ids"].tolist() == r["input_ids"] and s["loss_mask"].tolist() == r["loss_mask"]
+        with torch.no_grad():  # unpadded, one sample: the reference
+            hs = model(torch.tensor([r["input_ids"]]), output_hidden_states=True).hidden_states
+        for k, j in enumerate(ds.meta["layer_ids"]):
+            torch.testing.assert_close(s["aux"][:, k], hs[j][0], atol=2e-5, rtol=1e-5)
+        # HF's last hidden state is after the final norm; ours is before it.
+        with torch.no_grad():
+            torch.testing.assert_close(model.model.norm(s["final"]), hs[N][0], atol=2e-5, rtol=1e-5)
+        assert not torch.allclose(s["final"], hs[N][0], atol=1e-3)
+
+
+def test_layer_id_n_is_the_prenorm_final_state(tgt, tokens, tmp_path):
+    N = tgt[0]["num_layers"]
+    extract(tokens[0], tgt[1], tmp_path / "s", layer_ids=[1, 3, N], dtype="float32", progress=False)
+    ds = HiddenStateDataset([tmp_path / "s"])
+    s = ds.sample(0)
+    assert torch.equal(s["aux"][:, 2], s["final"])
+
+
+def test_shards_balance_tokens_and_partition_samples():
+    lengths = [100, 90, 50, 40, 30, 30, 10, 5, 5, 1]
+    ids = [f"s{i}" for i in range(len(lengths))]
+    shard = assign_shards(ids, lengths, 3)
+    load = [sum(n for n, s in zip(lengths, shard) if s == k) for k in range(3)]
+    assert max(load) - min(load) <= max(lengths) and sorted(set(shard)) == [0, 1, 2]
+    assert load == [sum(n for n, s in zip(lengths, assign_shards(ids, lengths, 3)) if s == k) for k in range(3)]
+    for batch in make_batches(lengths, 120):
+        assert len(batch) == 1 or len(batch) * max(lengths[i] for i in batch) <= 120
+
+
+def test_one_shard_equals_three_shards(tgt, tokens, one_shard, tmp_path):
+    outs = []
+    for k in range(3):
+        out = tmp_path / f"shard_{k}"
+        idx = extract(tokens[0], tgt[1], out, k, 3, dtype="float32", token_budget=96, chunk_mb=0.05,
+                      progress=False)
+        assert idx["shard"] == k and idx["num_shards"] == 3
+        outs.append(out)
+    three = HiddenStateDataset(outs)
+    one = HiddenStateDataset([one_shard])
+    assert sorted(three.ids) == sorted(one.ids) and len(set(three.ids)) == len(three.ids)
+    loads = [sum(s["num_tokens"] for s in io.read_json(o / "index.json")["samples"]) for o in outs]
+    assert max(loads) - min(loads) <= 48  # balanced by tokens: within one sample's length
+    pos = {sid: i for i, sid in enumerate(one.ids)}
+    for i, sid in enumerate(three.ids):
+        a, b = three.sample(i), one.sample(pos[sid])
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        # Other batch mates (other padding) may move the last float bit, nothing more.
+        torch.testing.assert_close(a["aux"], b["aux"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a["final"], b["final"], atol=1e-5, rtol=1e-5)
+
+
+def test_kill_mid_shard_then_resume(tgt, tmp_path, caplog):
+    tok = tmp_path / "tokens.parquet"
+    write_tokens(tok, 60, seed=1, lo=8, hi=24)
+    out, work = tmp_path / "shard_0", tmp_path / "shard_0.partial"
+    cmd = [sys.executable, "-m", "eaglet.extract", "--tokens", str(tok), "--identity", str(tgt[1]),
+           "--out", str(out), "--work", str(work), "--dtype", "bfloat16", "--token-budget", "24",
+           "--chunk-mb", "0.001", "--no-progress"]  # ~1 sample per batch and per chunk
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    done = []
+    while time.time() < deadline and p.poll() is None:
+        try:
+            done = io.read_json(work / "progress.json")["chunks"]
+        except (io.ArtifactError, OSError):  # not written yet
+            done = []
+        if len(done) >= 5:
+            break
+        time.sleep(0.01)
+    os.kill(p.pid, signal.SIGKILL)
+    assert p.wait(30) == -signal.SIGKILL, "extraction finished before it could be killed"
+    assert not (out / "index.json").exists()
+    done = io.read_json(work / "progress.json")["chunks"]
+    assert 5 <= len(done) < 60
+    before = {c["file"]: os.stat(work / c["file"]) for c in done}
+
+    with caplog.at_level(logging.INFO, logger="eaglet"):
+        idx = extract(tok, tgt[1], out, work_dir=work, dtype="bfloat16", token_budget=24, chunk_mb=0.001,
+                      progress=False)
+    assert f"resuming after {len(done)} complete chunks" in caplog.text
+    assert not work.exists()
+    for name, st in before.items():  # same file, untouched: not recomputed
+        now = os.stat(out / name)
+        assert (now.st_ino, now.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)
+    assert len(idx["samples"]) == 60
+
+    ref = tmp_path / "ref"
+    extract(tok, tgt[1], ref, dtype="bfloat16", token_budget=24, chunk_mb=0.001, progress=False)
+    a, b = HiddenStateDataset([out]), HiddenStateDataset([ref])
+    assert a.ids == b.ids
+    for i in range(len(a)):
+        x, y = a.sample(i), b.sample(i)
+        assert torch.equal(x["input_ids"], y["input_ids"])
+        assert torch.equal(x["aux"], y["aux"]) and torch.equal(x["final"], y["final"])
+
+
+def test_changed_tokens_restart_the_shard(tgt, tmp_path):
+    tok = tmp_path / "tokens.parquet"
+    write_tokens(tok, 6, seed=2)
+    work = tmp_path / "w"
+    extract(tok, tgt[1], tmp_path / "a", work_dir=work, chunk_mb=0.001, progress=False)
+    rows = write_tokens(tok, 6, seed=3)  # same ids, other tokens
+    extract(tok, tgt[1], tmp_path / "b", work_dir=work, chunk_mb=0.001, progress=False)
+    ds = HiddenStateDataset([tmp_path / "b"])
+    want = {r["id"]: r["input_ids"] for r in rows}
+    assert all(ds.input_ids(i).tolist() == want[sid] for i, sid in enumerate(ds.ids))
+
+
+def test_nan_in_target_is_refused(tgt, tokens, tmp_path):
+    import shutil
+
+    src = Path(tgt[0]["path"])
+    bad = tmp_path / "model"
+    shutil.copytree(src, bad)
+    w = io.load_tensors(bad / "model.safetensors")
+    name = next(k for k in w if k.endswith("layers.1.mlp.down_proj.weight"))
+    w[name][:, :] = float("nan")
+    io.save_tensors(bad / "model.safetensors", w, metadata={"format": "pt"})
+    io.write_json(tmp_path / "identity.json", {**tgt[0], "path": str(bad), "digest": "bad"})
+    with pytest.raises(FloatingPointError, match="NaN/Inf"):
+        extract(tokens[0], tmp_path / "identity.json", tmp_path / "s", progress=False)

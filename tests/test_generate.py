@@ -1,0 +1,299 @@
+"""Tests for eaglet.generate.
+
+Fast tests run the `local` backend on the tiny target and the `openai` backend against a small
+canned OpenAI-compatible HTTP server (for what no local model can produce: reasoning fields, raw
+thinking markers, 5xx/400 answers). Tests marked `vllm` run against a real vLLM CPU server.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from tests.conftest import vllm_env_or_skip
+
+from eaglet import io
+from eaglet.generate import generate, plan_turns, transient
+from eaglet.vllm_server import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "tea", "bees", "glass", "trains", "maps",
+          "snow", "clocks", "salt", "owls", "bridges", "paper"]
+
+
+def make_conversations(path: Path, n: int, multi_every: int = 3) -> list[dict]:
+    rows = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"Tell me one fact about {TOPICS[i % len(TOPICS)]} ({i})."},
+                {"role": "assistant", "content": "source answer"}]
+        if multi_every and i % multi_every == 0:
+            msgs = [{"role": "system", "content": "Be brief."}] + msgs + [
+                {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "source answer 2"}]
+        rows.append({"id": f"c{i:04d}", "source": "test", "messages": msgs})
+    io.write_conversations(path, rows)
+    return rows
+
+
+def assistant_texts(path: Path) -> dict[str, list[str]]:
+    return {r["id"]: [m["content"] for m in r["messages"] if m["role"] == "assistant"]
+            for r in io.read_conversations(path)}
+
+
+# --------------------------------------------------------------------------- pure parts
+def test_plan_turns_last_and_all():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
+            {"role": "user", "content": "u2b"}, {"role": "assistant", "content": "a2"}]
+    kept, answer = plan_turns(msgs, "last")
+    assert [m["content"] for m in kept] == ["s", "u1", "a1", "u2", "u2b"] and answer == {4}
+    kept, answer = plan_turns(msgs, "all")
+    assert [m["content"] for m in kept] == ["s", "u1", "u2", "u2b"] and answer == {1, 3}
+    assert plan_turns([{"role": "system", "content": "s"}], "all")[1] == set()
+
+
+def test_transient_kinds():
+    assert transient("connection") and transient("timeout")
+    assert transient("http_503") and transient("http_429")
+    assert not transient("http_400") and not transient("raw_thinking_markers") and not transient("http_x")
+
+
+# --------------------------------------------------------------------------- local backend
+def test_local_backend_all_turns_and_resume(tiny_target, tmp_path):
+    rows = make_conversations(tmp_path / "in.parquet", 5)
+    cfg = {"backend": "local", "max_tokens": 6, "turns": "all", "chunk_size": 2, "concurrency": 4}
+    s = generate(tmp_path / "in.parquet", Path(tiny_target["path"]).parent / "identity.json",
+                 tmp_path / "out", cfg)
+    assert s["samples"] == 5 and s["errors"] == 0 and s["this_run"]["skipped"] == 0
+    assert s["generated_turns"] == 5 + 2  # rows 0 and 3 have two user turns
+    assert s["completion_tokens"] > 0 and sum(s["finish_reasons"].values()) == 7
+    out = io.read_conversations(tmp_path / "out" / "conversations.parquet")
+    assert [r["id"] for r in out] == [r["id"] for r in rows]
+    roles = [m["role"] for m in out[0]["messages"]]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]
+    assert all("source answer" not in m["content"] for r in out for m in r["messages"])
+    assert io.read_parquet(tmp_path / "out" / "errors.parquet").num_rows == 0
+    # A rerun does nothing and keeps the accounting.
+    s2 = generate(tmp_path / "in.parquet", Path(tiny_target["path"]).parent / "identity.json",
+                  tmp_path / "out", cfg)
+    assert s2["this_run"] == {**s2["this_run"], "success": 0, "error": 0, "skipped": 5}
+    assert assistant_texts(tmp_path / "out" / "conversations.parquet") == {
+        r["id"]: [m["content"] for m in r["messages"] if m["role"] == "assistant"] for r in out}
+    # Other sampling settings: the old parts are discarded, everything is redone.
+    s3 = generate(tmp_path / "in.parquet", Path(tiny_target["path"]).parent / "identity.json",
+                  tmp_path / "out", {**cfg, "max_tokens": 3})
+    assert s3["this_run"]["success"] == 5 and s3["completion_tokens"] <= 3 * 7
+
+
+# --------------------------------------------------------------------------- canned server
+class _Canned(BaseHTTPRequestHandler):
+    """Answers chat completions by keyword in the last user message (see `reply`)."""
+
+    calls: dict = {}
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, code: int, obj: dict) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(200, {"object": "list", "data": [{"id": "canned", "object": "model", "created": 0,
+                                                      "owned_by": "test"}]})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        last = req["messages"][-1]["content"]
+        n = _Canned.calls[last] = _Canned.calls.get(last, 0) + 1
+        msg = {"role": "assistant", "content": f"echo {last}"}
+        if "SLOW" in last:
+            time.sleep(0.15)
+        if "FLAKY" in last and n <= 2:
+            return self._send(503, {"error": {"message": "overloaded", "type": "x", "code": 503}})
+        if "LONG" in last:
+            return self._send(400, {"error": {"message": "This model's maximum context length is 8 tokens",
+                                              "type": "BadRequestError", "code": 400}})
+        if "REASON" in last:  # older vLLM field name
+            msg["reasoning_content"] = "First, think about it."
+        if "THINK" in last:  # vLLM >= 0.11 field name
+            msg["reasoning"] = "Hmm, let me see."
+        if "RAW" in last:  # the parser was off: thinking left inside the content
+            msg["content"] = "<think>hmm</think>The answer."
+        if "EMPTY" in last:
+            msg["content"] = ""
+        self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": req["model"],
+                         "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}})
+
+
+@pytest.fixture()
+def canned(tmp_path):
+    _Canned.calls = {}
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Canned)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    srv.shutdown()
+
+
+def _rows(path: Path, questions: list[str]) -> None:
+    io.write_conversations(path, [{"id": f"r{i}", "source": "t", "messages": [{"role": "user", "content": q}]}
+                                  for i, q in enumerate(questions)])
+
+
+def test_openai_reasoning_markers_and_errors(canned, tiny_target, tmp_path):
+    qs = ["plain", "REASON a", "THINK b", "RAW c", "EMPTY d", "LONG e", "FLAKY f", "plain 2"]
+    _rows(tmp_path / "in.parquet", qs)
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens: connection errors, retried elsewhere
+    cfg = {"backend": "openai", "base_urls": [canned, dead], "concurrency": 3, "backoff_s": 0.01,
+           "max_retries": 8, "chunk_size": 2}
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "out", cfg)
+    assert s["samples"] == 5 and s["errors"] == 3, s["errors_by_kind"]
+    assert s["errors_by_kind"] == {"raw_thinking_markers": 1, "empty_response": 1, "prompt_too_long": 1}
+    assert s["rejected_thinking_markers"] == 1 and s["retries"] >= 2  # FLAKY's two 503s at least
+    assert s["reasoning_capture_rate"] == pytest.approx(2 / 5)
+    convs = io.read_conversations(tmp_path / "out" / "conversations.parquet")
+    out = {r["id"]: r["messages"][-1] for r in convs}
+    assert out["r1"] == {"role": "assistant", "content": "echo REASON a",
+                         "reasoning_content": "First, think about it."}
+    assert out["r2"]["reasoning_content"] == "Hmm, let me see." and "reasoning_content" not in out["r0"]
+    assert out["r6"]["content"] == "echo FLAKY f"
+    err = {e["id"]: e for e in io.read_parquet(tmp_path / "out" / "errors.parquet").to_pylist()}
+    assert err["r3"]["error_kind"] == "raw_thinking_markers" and "<think>" in err["r3"]["reason"]
+    assert set(err) == {"r3", "r4", "r5"}
+    # Final (non-transient) failures are not retried by a rerun; --retry-errors retries them.
+    s2 = generate(tmp_path / "in.parquet", ident, tmp_path / "out", cfg)
+    assert s2["this_run"]["skipped"] == 8 and s2["errors"] == 3
+    s3 = generate(tmp_path / "in.parquet", ident, tmp_path / "out", cfg, retry_errors=True)
+    assert s3["this_run"]["skipped"] == 5 and s3["this_run"]["error"] == 3 and s3["samples"] == 5
+
+
+def test_openai_all_servers_down_fails_then_resumes(canned, tiny_target, tmp_path):
+    _rows(tmp_path / "in.parquet", ["a", "b", "c"])
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    cfg = {"backend": "openai", "base_urls": [dead], "model": "canned", "backoff_s": 0.01, "max_retries": 1}
+    with pytest.raises(RuntimeError, match="3 of 3 conversations failed"):
+        generate(tmp_path / "in.parquet", ident, tmp_path / "out", cfg)
+    # The server is back: connection failures are transient, so a rerun redoes exactly them.
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "out", {**cfg, "base_urls": [canned]})
+    assert s["samples"] == 3 and s["errors"] == 0 and s["this_run"]["success"] == 3
+
+
+def _kill_and_resume(base_url: str, ident: Path, tmp_path: Path, rows: list[dict], cfg: dict) -> dict:
+    """Run the stage as a real process, SIGKILL it once parts exist, rerun; check nothing is lost."""
+    n = len(rows)
+    io.write_conversations(tmp_path / "in.parquet", rows)
+    cfg = {"backend": "openai", "base_urls": [base_url], "chunk_size": 2, "flush_s": 3600, **cfg}
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "eaglet.generate", "--conversations", str(tmp_path / "in.parquet"),
+           "--target", str(ident), "--out-dir", str(out), "--config", json.dumps(cfg)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    parts = out / "parts"
+    deadline = time.monotonic() + 300
+    while len(list(parts.glob("part_*.parquet"))) < 2:
+        assert proc.poll() is None, "the stage ended before it could be killed"
+        assert time.monotonic() < deadline, "no parts written"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = {p.name: p.read_bytes() for p in parts.glob("part_*.parquet")}
+    done_before = {r["id"]: r for p in sorted(parts.glob("part_*.parquet"))
+                   for r in io.read_parquet(p).to_pylist()}
+    assert 0 < len(done_before) < n, f"kill came too late: {len(done_before)} of {n} done"
+    s = generate(tmp_path / "in.parquet", ident, out, cfg)
+    # Parts written before the kill are untouched; no id is generated twice.
+    assert {name: (parts / name).read_bytes() for name in before} == before
+    new_ids = [r["id"] for p in sorted(parts.glob("part_*.parquet")) if p.name not in before
+               for r in io.read_parquet(p).to_pylist()]
+    assert len(new_ids) == len(set(new_ids)) and not set(new_ids) & set(done_before)
+    assert s["this_run"]["skipped"] == len(done_before)
+    assert s["this_run"]["success"] + s["this_run"]["error"] + s["this_run"]["skipped"] == n
+    final = io.read_conversations(out / "conversations.parquet")
+    assert [r["id"] for r in final] == [r["id"] for r in rows] and s["samples"] + s["errors"] == n
+    by_id = {r["id"]: r for r in final}
+    for i, r in done_before.items():
+        assert by_id[i]["messages"][-1]["content"] == r["messages"][-1]["content"]
+    return s
+
+
+def test_kill_and_resume_canned(canned, tiny_target, tmp_path):
+    # Each SLOW request takes 0.15 s, so the kill lands mid-run.
+    rows = [{"id": f"c{i:04d}", "source": "t", "messages": [{"role": "user", "content": f"SLOW {i}"}]}
+            for i in range(40)]
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    s = _kill_and_resume(canned, ident, tmp_path, rows, {"concurrency": 2})
+    assert s["errors"] == 0 and s["samples"] == 40
+
+
+# --------------------------------------------------------------------------- real vLLM (CPU build)
+@pytest.mark.vllm
+def test_vllm_backend_end_to_end(tiny_target, tmp_path):
+    env = vllm_env_or_skip()
+    make_conversations(tmp_path / "in.parquet", 6)
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    cfg = {"backend": "vllm", "max_tokens": 16, "turns": "all", "concurrency": 4,
+           "vllm": {"env": str(env), "max_model_len": 1024, "kv_cache_gb": 1}}
+    t0 = time.monotonic()
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "out", cfg, server_log=tmp_path / "server.log")
+    print(f"\n[vllm backend] {s['samples']} samples in {time.monotonic() - t0:.0f} s (server start included)")
+    assert s["samples"] == 6 and s["errors"] == 0 and s["generated_turns"] == 8 and s["backend"] == "vllm"
+    assert s["completion_tokens"] > 0 and s["prompt_tokens"] > 0
+    assert set(s["finish_reasons"]) <= {"stop", "length"}
+    json.loads((tmp_path / "out" / "generate_summary.json").read_text())
+    assert "vllm" in (tmp_path / "server.log").read_text()
+    # The server was stopped: nothing listens on its port any more.
+    port = int((tmp_path / "server.log").read_text().split("--port ")[1].split()[0])
+    with pytest.raises(OSError):
+        import socket
+
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+@pytest.mark.vllm
+def test_openai_two_base_urls_and_greedy_matches_local(vllm_tiny_server, tiny_target, tmp_path):
+    n = 16
+    make_conversations(tmp_path / "in.parquet", n)
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    common = {"max_tokens": 20, "turns": "last", "temperature": 0.0, "concurrency": 8}
+    url = vllm_tiny_server.base_url
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "srv",
+                 {**common, "backend": "openai", "base_urls": [url, url + "/"]})
+    assert s["samples"] == n and s["errors"] == 0
+    local = generate(tmp_path / "in.parquet", ident, tmp_path / "local", {**common, "backend": "local"})
+    assert local["samples"] == n
+    a, b = assistant_texts(tmp_path / "srv" / "conversations.parquet"), \
+        assistant_texts(tmp_path / "local" / "conversations.parquet")
+    exact = sum(a[k] == b[k] for k in a) / n
+    from eaglet.target import load_tokenizer
+
+    tok = load_tokenizer(tiny_target["path"])
+    agree = []
+    for k in a:
+        x, y = tok(a[k][-1])["input_ids"], tok(b[k][-1])["input_ids"]
+        same = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
+        agree.append(same / max(len(x), len(y), 1))
+    prefix = sum(agree) / n
+    print(f"\n[greedy vLLM vs local] exact match {exact:.1%}, "
+          f"mean common-prefix {prefix:.1%} over {n} prompts")
+    assert exact >= 0.75 and prefix >= 0.85
+    assert s["prompt_tokens"] == local["prompt_tokens"]  # same chat template, same tokens
+
+
+@pytest.mark.vllm
+def test_kill_and_resume_vllm(vllm_tiny_server, tiny_target, tmp_path):
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    rows = make_conversations(tmp_path / "rows.parquet", 20, multi_every=0)
+    s = _kill_and_resume(vllm_tiny_server.base_url, ident, tmp_path, rows,
+                         {"max_tokens": 16, "concurrency": 2})
+    assert s["errors"] == 0 and s["samples"] == 20

@@ -1,0 +1,171 @@
+"""The drafter: export names/shapes, the step forward against a naive reference, the TTT
+attention pattern against real incremental drafting with a KV cache, and the file round trip."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglet import io
+from eaglet.model import (
+    DrafterConfig,
+    Eagle3Drafter,
+    KVCache,
+    load_drafter,
+    load_target_embedding,
+    read_target_tensor,
+    save_drafter,
+)
+
+VD = 256
+
+
+def make(identity, seed=0, std=0.2):
+    cfg = DrafterConfig.from_identity(identity, VD, [2, 4, 5], ttt_steps=3)
+    torch.manual_seed(seed)
+    m = Eagle3Drafter(cfg, load_target_embedding(identity["path"]))
+    with torch.no_grad():  # larger than the training init so that every path moves the output
+        for p in m.parameters():
+            if p.requires_grad and p.dim() == 2:
+                p.normal_(0, std / math.sqrt(p.shape[1]) * 4)
+            elif p.requires_grad:
+                p.uniform_(0.5, 1.5)
+    return cfg, m.eval()
+
+
+def test_export_names_and_shapes(tiny_target):
+    cfg, m = make(tiny_target)
+    H, d, h, g, inter, V = 128, 64, 2, 1, 256, tiny_target["vocab_size"]
+    want = {"fc.weight": (H, 3 * H),
+            "midlayer.self_attn.q_proj.weight": (h * d, 2 * H),
+            "midlayer.self_attn.k_proj.weight": (g * d, 2 * H),
+            "midlayer.self_attn.v_proj.weight": (g * d, 2 * H),
+            "midlayer.self_attn.o_proj.weight": (H, h * d),
+            "midlayer.mlp.gate_proj.weight": (inter, H), "midlayer.mlp.up_proj.weight": (inter, H),
+            "midlayer.mlp.down_proj.weight": (H, inter),
+            "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+            "midlayer.post_attention_layernorm.weight": (H,), "norm.weight": (H,),
+            "lm_head.weight": (VD, H)}
+    got = {k: tuple(v.shape) for k, v in m.trainable_state_dict().items()}
+    assert got == want
+    assert tuple(m.embed_tokens.weight.shape) == (V, H) and not m.embed_tokens.weight.requires_grad
+    assert {n for n, p in m.named_parameters() if p.requires_grad} == set(want)
+    assert torch.equal(m.embed_tokens.weight, read_target_tensor(tiny_target["path"], "model.embed_tokens.weight"))
+
+
+def naive_step(m, ids, hidden):
+    """Reference from the vLLM semantics (eagle3.md §2), one sequence, loops, no model methods."""
+    sd, c = m.state_dict(), m.cfg
+    W = lambda n: sd[n]  # noqa: E731
+
+    def rms(x, w):
+        return w * (x / torch.sqrt((x * x).mean(-1, keepdim=True) + c.rms_norm_eps))
+
+    T = len(ids)
+    e = sd["embed_tokens.weight"][ids]
+    x = torch.cat([rms(e, W("midlayer.input_layernorm.weight")), rms(hidden, W("midlayer.hidden_norm.weight"))], -1)
+    q = (x @ W("midlayer.self_attn.q_proj.weight").T).view(T, c.num_heads, c.head_dim)
+    k = (x @ W("midlayer.self_attn.k_proj.weight").T).view(T, c.num_kv_heads, c.head_dim)
+    v = (x @ W("midlayer.self_attn.v_proj.weight").T).view(T, c.num_kv_heads, c.head_dim)
+    half = c.head_dim // 2
+    out = torch.zeros(T, c.num_heads, c.head_dim)
+    for t in range(T):
+        def rot(vec, pos):
+            fr = pos / c.rope_theta ** (torch.arange(half, dtype=torch.float64) / half)
+            a, b = vec[..., :half], vec[..., half:]
+            cs, sn = torch.cos(fr).float(), torch.sin(fr).float()
+            return torch.cat([a * cs - b * sn, b * cs + a * sn], -1)
+        for hh in range(c.num_heads):
+            kvh = hh // (c.num_heads // c.num_kv_heads)
+            qs = rot(q[t, hh], t)
+            sc = torch.stack([qs @ rot(k[s, kvh], s) for s in range(t + 1)]) / math.sqrt(c.head_dim)
+            out[t, hh] = torch.softmax(sc, 0) @ v[: t + 1, kvh]
+    h = hidden + out.reshape(T, -1) @ W("midlayer.self_attn.o_proj.weight").T
+    y = rms(h, W("midlayer.post_attention_layernorm.weight"))
+    h = h + (F.silu(y @ W("midlayer.mlp.gate_proj.weight").T) * (y @ W("midlayer.mlp.up_proj.weight").T)) \
+        @ W("midlayer.mlp.down_proj.weight").T
+    return rms(h, W("norm.weight")) @ W("lm_head.weight").T, h
+
+
+def test_step_matches_naive_reference(tiny_target):
+    cfg, m = make(tiny_target)
+    torch.manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (7,))
+    hid = torch.randn(7, cfg.hidden_size)
+    with torch.no_grad():
+        logits, h = m.forward_step(ids[None], hid[None], torch.arange(7)[None])
+    ref_logits, ref_h = naive_step(m, ids, hid)
+    assert torch.allclose(h[0], ref_h, atol=1e-4)
+    assert torch.allclose(logits[0], ref_logits, atol=1e-4)
+    # embedding block first: swapping the halves of q/k/v input changes the result
+    with torch.no_grad():
+        for n in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(m.midlayer.self_attn, n).weight
+            w.copy_(torch.cat([w[:, cfg.hidden_size:], w[:, :cfg.hidden_size]], 1))
+        swapped, _ = m.forward_step(ids[None], hid[None], torch.arange(7)[None])
+    assert not torch.allclose(swapped, logits, atol=1e-3)
+
+
+def test_project_concatenates_in_layer_order(tiny_target):
+    cfg, m = make(tiny_target)
+    aux = torch.randn(2, 5, 3, cfg.target_hidden_size)
+    with torch.no_grad():
+        g = m.project(aux)
+        ref = torch.cat([aux[..., 0, :], aux[..., 1, :], aux[..., 2, :]], -1) @ m.fc.weight.T
+    assert torch.allclose(g, ref, atol=1e-5)
+
+
+def test_ttt_unroll_equals_incremental_drafting(tiny_target):
+    """Step k at index t of the TTT unroll == a real draft chain from position t with a cache:
+    prefill positions 0..t from target states, then k own-hidden steps at positions t+1..t+k."""
+    cfg, m = make(tiny_target)
+    torch.manual_seed(2)
+    B, T, K = 2, 9, 4
+    x = torch.randint(0, cfg.vocab_size, (B, T))
+    g = torch.randn(B, T, cfg.hidden_size)
+    with torch.no_grad():
+        unrolled = [lg for _, lg, _ in m.ttt_unroll(x, g, K)]
+        for b in range(B):
+            for t in range(T - K - 1):
+                cache = KVCache()
+                lg, h = m.forward_step(x[b:b + 1, 1:t + 2], g[b:b + 1, :t + 1], torch.arange(t + 1)[None], cache)
+                assert torch.allclose(lg[0, -1], unrolled[0][b, t], atol=1e-4)
+                hid = h[:, -1:]
+                for k in range(1, K):
+                    lg, hid = m.forward_step(x[b:b + 1, t + 1 + k:t + 2 + k], hid, torch.tensor([[t + k]]), cache)
+                    assert torch.allclose(lg[0, 0], unrolled[k][b, t], atol=1e-4), (b, t, k)
+                assert len(cache) == t + K
+                cache.truncate(t + 1)
+                assert len(cache) == t + 1
+
+
+def test_save_load_round_trip(tiny_target, tmp_path):
+    cfg, m = make(tiny_target)
+    d2t = torch.zeros(VD, dtype=torch.int64)
+    d2t[200:] = 1000  # ids 0..199 and 1200..1255
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[torch.arange(VD) + d2t] = True
+    path = tmp_path / "drafter.safetensors"
+    save_drafter(path, m, cfg, d2t, t2d)
+    raw = io.load_tensors(path)
+    assert "embed_tokens.weight" not in raw and raw["d2t"].dtype == torch.int64 and raw["t2d"].dtype == torch.bool
+    m2, cfg2, d2t2, t2d2 = load_drafter(path)
+    assert cfg2 == cfg and torch.equal(d2t2, d2t) and torch.equal(t2d2, t2d)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, m2.state_dict()[k]), k
+    # without the target checkpoint the embedding is unknown: refuse clearly
+    bad = DrafterConfig(**{**cfg.__dict__, "target_path": str(tmp_path / "nowhere")})
+    save_drafter(tmp_path / "bad.safetensors", m, bad, d2t, t2d)
+    with pytest.raises(io.ArtifactError, match="nowhere"):
+        load_drafter(tmp_path / "bad.safetensors")
+
+
+def test_read_target_rows(tiny_target):
+    rows = torch.tensor([0, 5, 17000, 40000, 49151])
+    full = read_target_tensor(Path(tiny_target["path"]), "lm_head.weight")
+    part = read_target_tensor(tiny_target["path"], "lm_head.weight", rows=rows, chunk_rows=1000)
+    assert torch.equal(part, full[rows])
+    with pytest.raises(io.ArtifactError, match="no tensor"):
+        read_target_tensor(tiny_target["path"], "model.nothing.weight")

@@ -1,0 +1,168 @@
+# Evaluation (eagle3.md §7): the exact offline acceptance simulator, the real speculative loop on
+# the HF target (speed + lossless check), vLLM serving with and without the drafter, and a summary
+# with the draft-length recommendation and plots. Measurements, so never cached.
+
+EVAL = config["evaluate"]
+EVAL_DIR = f"{RUN}/eval"
+# "heldout" = this run's held-out prompts; other names and .parquet paths go to eaglet.eval_sets
+EVAL_SETS = [
+    f"{RUN}/prompts/heldout.parquet" if s == "heldout" else s for s in EVAL["sets"]
+]
+EVAL_OPTS = {
+    k: EVAL[k]
+    for k in (
+        "num_prompts",
+        "max_new_tokens",
+        "k_values",
+        "tie_eps",
+        "stop_at_eos",
+        "max_prompt_tokens",
+    )
+}
+
+
+rule evaluate_offline:
+    input:
+        code=src("evaluate", "eval_sets", "model", "target", "io"),
+        drafter=f"{RUN}/train/drafter.safetensors",
+        identity=TARGET_ID,
+        sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
+    output:
+        offline=f"{EVAL_DIR}/offline.json",
+        positions=f"{EVAL_DIR}/offline_positions.parquet",
+        rounds=f"{EVAL_DIR}/offline_rounds.parquet",
+    log:
+        f"{LOGS}/evaluate_offline.log",
+    conda:
+        "../../envs/eaglet.yaml"
+    threads: workflow.cores
+    params:
+        sets=as_json(EVAL_SETS),
+        opts=as_json(EVAL_OPTS),
+        out=out_dir,
+    shell:
+        "python -m eaglet.evaluate offline --drafter {input.drafter:q} --identity {input.identity:q}"
+        " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
+        " --threads {threads} --log {log:q}"
+
+
+# Timing: run alone (all cores), after the offline stage so the two never share the CPU.
+rule evaluate_speculative:
+    input:
+        code=src("evaluate", "eval_sets", "model", "target", "io"),
+        drafter=f"{RUN}/train/drafter.safetensors",
+        identity=TARGET_ID,
+        sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
+        after=rules.evaluate_offline.output.offline,
+    output:
+        speculative=f"{EVAL_DIR}/speculative.json",
+        rounds=f"{EVAL_DIR}/speculative_rounds.parquet",
+    log:
+        f"{LOGS}/evaluate_speculative.log",
+    conda:
+        "../../envs/eaglet.yaml"
+    threads: workflow.cores
+    params:
+        sets=as_json(EVAL_SETS),
+        opts=as_json(EVAL_OPTS),
+        out=out_dir,
+    shell:
+        "python -m eaglet.evaluate speculative --drafter {input.drafter:q} --identity {input.identity:q}"
+        " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
+        " --threads {threads} --log {log:q}"
+
+
+rule evaluate_vllm:
+    input:
+        code=src("evaluate_vllm", "vllm_eval_runner", "eval_sets", "target", "io"),
+        config=rules.export.output.config,
+        weights=rules.export.output.weights,
+        identity=TARGET_ID,
+        sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
+        offline=rules.evaluate_offline.output.offline,
+        after=rules.evaluate_speculative.output.speculative,
+    output:
+        vllm=f"{EVAL_DIR}/vllm.json",
+    log:
+        f"{LOGS}/evaluate_vllm.log",
+    conda:
+        "../../envs/eaglet.yaml"
+    threads: workflow.cores
+    params:
+        sets=as_json(EVAL_SETS),
+        opts=as_json(
+            {
+                **{
+                    k: EVAL[k]
+                    for k in (
+                        "num_prompts",
+                        "max_new_tokens",
+                        "stop_at_eos",
+                        "max_prompt_tokens",
+                    )
+                },
+                **{k: v for k, v in EVAL["vllm"].items() if k != "enabled"},
+            }
+        ),
+        drafter=lambda wildcards, input: str(Path(input.config).parent),
+        out=out_dir,
+        # vLLM's own logs and caches: logs, not results
+        work=f"{LOGS}/evaluate_vllm",
+    shell:
+        "python -m eaglet.evaluate_vllm --drafter-dir {params.drafter:q} --identity {input.identity:q}"
+        " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
+        " --work-dir {params.work:q} --offline {input.offline:q} --log {log:q}"
+
+
+rule eval_summary:
+    input:
+        **({"vllm": rules.evaluate_vllm.output.vllm} if EVAL["vllm"]["enabled"] else {}),
+        code=src("eval_summary", "io"),
+        offline=rules.evaluate_offline.output.offline,
+        positions=rules.evaluate_offline.output.positions,
+        offline_rounds=rules.evaluate_offline.output.rounds,
+        speculative=rules.evaluate_speculative.output.speculative,
+        spec_rounds=rules.evaluate_speculative.output.rounds,
+    output:
+        summary=report(
+            f"{EVAL_DIR}/summary.json",
+            caption="../report/eval_summary.rst",
+            category="4. Evaluation",
+            labels={"artifact": "evaluation summary"},
+        ),
+        recommendation=f"{EVAL_DIR}/recommendation.parquet",
+        tau_per_position=report(
+            f"{EVAL_DIR}/tau_per_position.png",
+            caption="../report/tau_per_position.rst",
+            category="4. Evaluation",
+            labels={"figure": "acceptance per position"},
+        ),
+        tau_per_k=report(
+            f"{EVAL_DIR}/tau_per_k.png",
+            caption="../report/tau_per_k.rst",
+            category="4. Evaluation",
+            labels={"figure": "tau per k"},
+        ),
+        speedup_vs_k=report(
+            f"{EVAL_DIR}/speedup_vs_k.png",
+            caption="../report/speedup_vs_k.rst",
+            category="4. Evaluation",
+            labels={"figure": "speedup vs k"},
+        ),
+    log:
+        f"{LOGS}/eval_summary.log",
+    conda:
+        "../../envs/eaglet.yaml"
+    params:
+        eval_dir=lambda wildcards, input: str(Path(input.offline).parent),
+        vllm=lambda wildcards, input: (
+            f"--vllm {input.vllm}" if "vllm" in input.keys() else ""
+        ),
+        opts=as_json({"tie_eps": EVAL["tie_eps"], "headline_k": EVAL["headline_k"]}),
+    shell:
+        "python -m eaglet.eval_summary --eval-dir {params.eval_dir:q} {params.vllm}"
+        " --config {params.opts:q} --log {log:q}"
+
+
+FINAL_OUTPUTS.append(rules.eval_summary.output.summary)
+EVAL_SUMMARY.append(rules.eval_summary.output.summary)

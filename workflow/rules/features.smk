@@ -1,0 +1,44 @@
+# Hidden-state extraction: the target's aux + final hidden states per token, sharded.
+# Each shard is a folder (index.json + chunk files, docs/artifacts.md) declared as a directory()
+# output, so the between-workflow cache stores and restores the chunks with their index. Work in
+# progress lives in the sibling `shard_<i>.partial/` (not an output, so Snakemake does not delete
+# it before a rerun): a killed shard resumes from its last complete chunk.
+
+
+rule extract_hidden_states:
+    input:
+        code=src("extract", "hidden_store", "gpu_slots", "target", "io"),
+        tokens=rules.tokenize.output.tokens,
+        identity=TARGET_ID,
+    output:
+        shard=directory(f"{RUN}/extract/shard_{{shard}}"),
+    log:
+        f"{LOGS}/extract_hidden_states/shard_{{shard}}.log",
+    wildcard_constraints:
+        shard=r"\d+",
+    cache: True
+    conda:
+        "../../envs/eaglet.yaml"
+    resources:
+        gpu=config["extract"]["gpus_per_shard"],
+    params:
+        # Shard index and count in params: otherwise every shard hits one cache entry.
+        shard=lambda wildcards: int(wildcards.shard),
+        num_shards=len(EXTRACT_SHARDS),
+        digest=target_digest,
+        layer_ids=extract_layer_ids,
+        dtype=config["extract"]["dtype"],
+        token_budget=config["extract"]["token_budget"],
+        chunk_mb=config["extract"]["chunk_mb"],
+    shell:
+        "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.extract --tokens {input.tokens:q} --identity {input.identity:q}"
+        " --out {output.shard:q} --work {output.shard:q}.partial"
+        " --shard {params.shard} --num-shards {params.num_shards} --layer-ids {params.layer_ids:q}"
+        " --dtype {params.dtype} --token-budget {params.token_budget} --chunk-mb {params.chunk_mb}"
+        " --log {log:q}"
+
+
+FINAL_OUTPUTS.extend(
+    expand(rules.extract_hidden_states.output.shard, shard=EXTRACT_SHARDS)
+)

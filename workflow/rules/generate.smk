@@ -1,0 +1,52 @@
+# Synthetic generation: the target regenerates the assistant turns of the training prompts.
+# Included after data.smk's prompts rule; tokenize reads its output when generate.enabled.
+
+# The whole generate section reaches the stage through the shell line, not params: backend
+# settings (servers, concurrency, timeouts, vLLM launch options) change how the data is made,
+# not what it is, so they stay out of the cache key and the rerun triggers (the same model and
+# sampling through `vllm` or `openai` is the same data).
+GENERATE_CONFIG = as_json(config["generate"])
+# What does define the data goes into params, hence into the cache key.
+GENERATE_SAMPLING = as_json(
+    {
+        k: config["generate"][k]
+        for k in ("temperature", "top_p", "max_tokens", "seed", "turns")
+        + ("chat_template_kwargs", "reject_markers")
+    }
+    | {"reasoning_parser": config["generate"]["vllm"]["reasoning_parser"]}
+)
+
+
+rule generate:
+    input:
+        code=src("generate", "vllm_server", "target", "io"),
+        conversations=f"{RUN}/prompts/train.parquet",
+        identity=TARGET_ID,
+    output:
+        conversations=f"{RUN}/generate/conversations.parquet",
+        errors=f"{RUN}/generate/errors.parquet",
+        summary=report(
+            f"{RUN}/generate/generate_summary.json",
+            caption="../report/generate.rst",
+            category="1. Data",
+            labels={"artifact": "generation summary"},
+        ),
+    log:
+        main=f"{LOGS}/generate.log",
+        server=f"{LOGS}/generate_vllm_server.log",
+    cache: True
+    conda:
+        "../../envs/eaglet.yaml"
+    threads: workflow.cores
+    resources:
+        # Backend settings travel as a resource: like cores or GPUs they decide how the job runs,
+        # not what it produces, and resources are outside the cache key and rerun triggers.
+        generate_backend=GENERATE_CONFIG,
+    params:
+        digest=target_digest,
+        sampling=GENERATE_SAMPLING,
+        out=out_dir,
+    shell:
+        "python -m eaglet.generate --conversations {input.conversations:q}"
+        " --target {input.identity:q} --out-dir {params.out:q} --config {resources.generate_backend:q}"
+        " --server-log {log.server:q} --log {log.main:q}"

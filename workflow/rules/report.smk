@@ -1,0 +1,73 @@
+# Report assets: plots and tables drawn from the stage artifacts, and the provenance manifest
+# (versions, git describe, hardware, target digest, config, wall time per stage) that Snakemake's
+# own report lacks for `python -m` rules. Included last: provenance waits for every other output.
+
+
+rule plots:
+    input:
+        code=src("plots", "io"),
+        vocab=rules.vocab_map.output.summary,
+        metadata=rules.tokenize.output.metadata,
+        metrics=rules.train.output.metrics,
+        evaluation=EVAL_SUMMARY,
+    output:
+        coverage=report(
+            f"{RUN}/plots/coverage.png",
+            caption="../report/coverage.rst",
+            category="1. Data",
+            labels={"figure": "draft vocabulary coverage"},
+        ),
+        training=report(
+            f"{RUN}/plots/training.png",
+            caption="../report/training.rst",
+            category="3. Drafter",
+            labels={"figure": "training curves"},
+        ),
+        tables=report(
+            f"{RUN}/plots/tables.html",
+            caption="../report/tables.rst",
+            category="0. Summary",
+            labels={"table": "run tables"},
+        ),
+    log:
+        f"{LOGS}/plots.log",
+    conda:
+        "../../envs/eaglet.yaml"
+    params:
+        out=out_dir,
+        evaluation=lambda wildcards, input: (
+            f"--evaluation {input.evaluation[0]}" if input.evaluation else ""
+        ),
+    shell:
+        "python -m eaglet.plots --vocab {input.vocab:q} --metadata {input.metadata:q}"
+        " --metrics {input.metrics:q} {params.evaluation} --out-dir {params.out:q} 2> {log:q}"
+
+
+FINAL_OUTPUTS.extend(rules.plots.output)
+
+
+rule provenance:
+    input:
+        code=src("provenance"),
+        identity=TARGET_ID,
+        outputs=list(FINAL_OUTPUTS),
+    output:
+        report(
+            f"{RUN}/provenance.json",
+            caption="../report/provenance.rst",
+            category="0. Summary",
+            labels={"table": "provenance"},
+        ),
+    log:
+        f"{LOGS}/provenance.log",
+    conda:
+        "../../envs/eaglet.yaml"
+    params:
+        run=lambda wildcards, output: str(Path(output[0]).parent),
+        config=as_json(config),
+    shell:
+        "python -m eaglet.provenance --run-dir {params.run:q} --target {input.identity:q}"
+        " --config-json {params.config:q} --out {output:q} 2> {log:q}"
+
+
+FINAL_OUTPUTS.append(rules.provenance.output[0])
