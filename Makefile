@@ -54,7 +54,7 @@ test: venv vllm-env test-deps
 	$(BIN)/python -m pytest -q
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not slow and not vllm"
+	$(BIN)/python -m pytest -q -m "not slow and not vllm and not slurm"
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks

@@ -1,0 +1,269 @@
+"""The workflow on a real one-node SLURM cluster (scripts/slurm/start.sh: Debian's slurm-wlm and
+munge, installed when missing): the smoke workflow with `--workflow-profile workflow/profiles/slurm`
+gives byte-identical results to a local run, every rule goes out as its own sbatch job carrying
+the resources Snakemake declared for it, and the GPU rules' requests (`--gpus=N`) reach sbatch,
+which this GPU-less node refuses, so they are checked at submission and never run.
+
+Skipped only when SLURM cannot be had here (no apt-get, not root). Several minutes on 2 cores.
+"""
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+COPY = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.toml"]
+SCRIPTS = REPO / "scripts" / "slurm"
+RUN = "results/smoke"
+# Run time budget of one snakemake call; `timeout -k` because a plain TERM leaves the SLURM
+# executor waiting on its jobs.
+SMK_TIMEOUT_S = 1500
+
+pytestmark = pytest.mark.slurm
+
+
+def clone(dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    for name in COPY:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".venv"))
+        else:
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A one-node cluster for this module; stopped (by PID) and its state removed at the end."""
+    if shutil.which("apt-get") is None and shutil.which("slurmctld") is None:
+        pytest.skip("SLURM cannot be had here: no slurmctld and no apt-get to install slurm-wlm")
+    # Not pytest's tmp_path: its 0700 parents keep out the slurm user slurmctld runs as.
+    state = Path(tempfile.mkdtemp(prefix="eaglet-slurm-"))
+    env = {**os.environ, "SLURMCTLD_PORT": str(free_port()), "SLURMD_PORT": str(free_port())}
+    p = subprocess.run([SCRIPTS / "start.sh", state], env=env, capture_output=True, text=True,
+                       timeout=600)
+    if p.returncode == 2:  # start.sh: SLURM cannot be installed here
+        shutil.rmtree(state, ignore_errors=True)
+        pytest.skip(f"SLURM cannot be had here: {p.stderr.strip().splitlines()[-1]}")
+    try:
+        assert p.returncode == 0, f"start.sh failed:\n{p.stdout}\n{p.stderr}"
+        yield {"SLURM_CONF": str(state / "slurm.conf"), "state": state}
+    finally:
+        subprocess.run([SCRIPTS / "stop.sh", state], capture_output=True, timeout=120)
+        pids = [f.read_text() for f in state.glob("*.pid")]
+        shutil.rmtree(state, ignore_errors=True)
+    assert not pids, f"stop.sh left PID files: {pids}"
+
+
+def smk_cmd(targets: list[str], *args, configfile="config/smoke.yaml") -> list[str]:
+    # targets first: several options take any number of values and would swallow them
+    return ["timeout", "-k", "15", str(SMK_TIMEOUT_S), sys.executable, "-m", "snakemake", *targets,
+            "--configfile", configfile, *args]
+
+
+def smk_env(extra=None) -> dict:
+    return {**os.environ, **(extra or {}),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+
+
+# The SLURM run's declared resources: distinct per rule, so a mix-up shows. The node has 2 CPUs
+# and ~24 GB; the profile's defaults (8 GB, GPU-sized set-resources) are for real clusters and
+# are replaced wholesale by these command-line values.
+SLURM_ARGS = ["--workflow-profile", "workflow/profiles/slurm", "--cores", "2",
+              "--slurm-status-command", "squeue",  # no slurmdbd: sacct fails, the plugin would wait forever
+              "--seconds-between-status-checks", "1", "--slurm-init-seconds-before-status-checks", "1",
+              "--slurm-keep-successful-logs", "--slurm-no-account",
+              "--default-resources", "mem_mb=1000", "runtime=10",
+              "--set-resources", "target_model:mem_mb=3000", "tokenize:mem_mb=1500", "token_freq:runtime=7",
+              "--set-threads", "token_freq=2"]
+
+
+def workflow_rules(cwd: Path) -> set[str]:
+    p = subprocess.run([sys.executable, "-m", "snakemake", "--list-rules", "--configfile",
+                        "config/smoke.yaml"], cwd=cwd, env=smk_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    return {line.strip() for line in p.stdout.splitlines() if line.strip()}
+
+
+@pytest.fixture(scope="module")
+def runs(cluster, tmp_path_factory):
+    """The same targets run locally and on SLURM, side by side (the SLURM run mostly waits)."""
+    root = tmp_path_factory.mktemp("slurm_runs")
+    local, remote = clone(root / "local"), clone(root / "slurm")
+    rules = workflow_rules(local)
+    # vocab_map's output, plus the extraction shards when the workflow has them (they feed the
+    # training job whose GPU request is checked below). Not the whole DAG: export's vLLM check
+    # and evaluation would make this run far longer than the point it proves.
+    smoke = yaml.safe_load((REPO / "config/smoke.yaml").read_text())
+    targets = [f"{RUN}/vocab_map/vocab.json"]
+    if "extract_hidden_states" in rules:
+        targets += [f"{RUN}/extract/shard_{i}" for i in range(smoke.get("extract", {}).get("shards", 1))]
+    local_p = subprocess.Popen(smk_cmd(targets, "--cores", "2"), cwd=local, env=smk_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    slurm_p = subprocess.run(smk_cmd(targets, *SLURM_ARGS), cwd=remote,
+                             env=smk_env({"SLURM_CONF": cluster["SLURM_CONF"]}),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    local_out = local_p.communicate()[0]
+    assert local_p.returncode == 0, f"local run failed:\n{local_out[-6000:]}"
+    assert slurm_p.returncode == 0, f"SLURM run failed (rc {slurm_p.returncode}):\n{slurm_p.stdout[-8000:]}"
+    jobs = scontrol_jobs(cluster["SLURM_CONF"])
+    return {"local": local, "slurm": remote, "out": slurm_p.stdout, "jobs": jobs, "rules": rules,
+            "targets": targets}
+
+
+def scontrol_jobs(slurm_conf: str) -> dict[str, dict]:
+    """Every job the controller still knows (MinJobAge=3600 keeps finished ones), by job id."""
+    p = subprocess.run(["scontrol", "show", "job", "-o"], env=smk_env({"SLURM_CONF": slurm_conf}),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    jobs = {}
+    for line in p.stdout.splitlines():
+        fields = dict(re.findall(r"(\w+)=(\S*)", line))
+        if "JobId" in fields:
+            jobs[fields["JobId"]] = fields
+    return jobs
+
+
+def declared_jobs(out: str) -> dict[str, dict]:
+    """Snakemake's own job blocks from a run's output: by Snakemake job id, the rule, wildcards,
+    threads and resources it declared."""
+    blocks = {}
+    for m in re.finditer(r"^(local)?rule (\w+):\n((?:    .*\n)+)", out, re.M):
+        body = dict(re.findall(r"^    (\w+): (.*)$", m.group(3), re.M))
+        res = dict(kv.split("=", 1) for kv in body.get("resources", "").split(", ") if "=" in kv)
+        blocks[body["jobid"]] = {"rule": m.group(2), "local": bool(m.group(1)),
+                                 "wildcards": body.get("wildcards", ""),
+                                 "output": [o for o in body.get("output", "").split(", ") if o],
+                                 "threads": int(body.get("threads", 1)), "resources": res}
+    return blocks
+
+
+def test_each_rule_is_its_own_slurm_job_with_its_declared_resources(runs):
+    declared = declared_jobs(runs["out"])
+    submitted = dict(re.findall(r"^Job (\d+) has been submitted with SLURM jobid (\d+)", runs["out"], re.M))
+    remote = {jid: d for jid, d in declared.items() if not d["local"] and d["rule"] != "all"}
+    assert {"target_model", "prompts", "tokenize", "token_freq", "vocab_map"} <= {d["rule"] for d in remote.values()}
+    # one sbatch per Snakemake job, and never one SLURM job for two of them
+    assert set(submitted) == set(remote), (sorted(submitted), sorted(remote))
+    assert len(set(submitted.values())) == len(submitted)
+    for jid, d in remote.items():
+        sj = runs["jobs"][submitted[jid]]
+        # the plugin names jobs and log folders by the wildcard values joined with "_"
+        wc = "_".join(kv.split("=", 1)[1] for kv in d["wildcards"].split(", ")) if d["wildcards"] else ""
+        want_comment = f"rule_{d['rule']}" + (f"_wildcards_{wc}" if wc else "")
+        assert sj["Comment"] == want_comment, (d, sj["Comment"])
+        assert sj["JobState"] == "COMPLETED" and sj["ExitCode"] == "0:0", (d["rule"], sj["JobState"])
+        assert sj["MinMemoryNode"] == f"{d['resources']['mem_mb']}M", (d["rule"], sj["MinMemoryNode"])
+        assert sj["TimeLimit"] == f"00:{int(d['resources']['runtime']):02d}:00", (d["rule"], sj["TimeLimit"])
+        assert int(sj["NumCPUs"]) == d["threads"], (d["rule"], sj["NumCPUs"], d["threads"])
+        # the plugin's per-job log, where the job's own Snakemake ran the rule
+        log = runs["slurm"] / f".snakemake/slurm_logs/rule_{d['rule']}"
+        log = log / wc if wc else log
+        assert (log / f"{submitted[jid]}.log").exists(), log
+    # the overrides really differ, so the comparison above can tell rules apart
+    by_rule = {d["rule"]: d for d in remote.values()}
+    assert by_rule["tokenize"]["resources"]["mem_mb"] == "1500"
+    assert by_rule["token_freq"]["threads"] == 2 and by_rule["token_freq"]["resources"]["runtime"] == "7"
+
+
+def _json_without_clock(path: Path):
+    """A JSON artifact minus wall-clock fields (timings, dates): everything else must match."""
+    def strip(v):
+        if isinstance(v, dict):
+            return {k: strip(x) for k, x in v.items()
+                    if not re.search(r"(^|_)(time|seconds|elapsed|wall|date|timestamp|host)(_|$)|_s$", k)}
+        if isinstance(v, list):
+            return [strip(x) for x in v]
+        return v
+    return strip(json.loads(path.read_text()))
+
+
+def output_files(root: Path, outputs: list[str]) -> list[Path]:
+    """The files of the rules' declared outputs (directory outputs: every file inside). Work
+    folders (generate's Parquet parts, written on a timer) are not results."""
+    files = []
+    for o in outputs:
+        p = root / o
+        files += [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
+    return sorted(f.relative_to(root) for f in files if f.name != ".snakemake_timestamp")
+
+
+def test_slurm_results_identical_to_a_local_run(runs):
+    local, remote = runs["local"], runs["slurm"]
+    outputs = [o for d in declared_jobs(runs["out"]).values() if d["rule"] != "all" for o in d["output"]]
+    files = output_files(local, outputs)
+    assert Path(f"{RUN}/vocab_map/vocab.json") in files and Path(f"{RUN}/tokenize/tokens.parquet") in files
+    assert files == output_files(remote, outputs)
+    differing = []
+    for f in files:
+        a, b = local / f, remote / f
+        if a.read_bytes() == b.read_bytes():
+            continue
+        if f.suffix == ".json" and _json_without_clock(a) == _json_without_clock(b):
+            continue
+        differing.append(str(f))
+    assert not differing, f"SLURM and local results differ: {differing}"
+
+
+def _gpu_submission(runs, cluster, name, conf_edit, target):
+    """Ask SLURM for a GPU rule's job with the slurm profile's own resources: the node has no
+    GPUs, so sbatch refuses it, and the refused sbatch line is what the plugin requested.
+    The target must not exist yet: a forced rerun would delete finished outputs first."""
+    wd = runs["slurm"]
+    conf = yaml.safe_load((wd / "config/smoke.yaml").read_text())
+    for section, values in conf_edit.items():
+        conf.setdefault(section, {}).update(values)
+    (wd / f"config/{name}.yaml").write_text(yaml.safe_dump(conf))
+    args = ["--workflow-profile", "workflow/profiles/slurm", "--slurm-status-command", "squeue",
+            "--slurm-no-account", "--slurm-init-seconds-before-status-checks", "1"]
+    cmd = smk_cmd([target], *args, configfile=f"config/{name}.yaml")
+    p = subprocess.run(cmd, cwd=wd, env=smk_env({"SLURM_CONF": cluster["SLURM_CONF"]}),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert p.returncode != 0, "a GPU job was accepted by a node without GPUs?"
+    calls = re.findall(r"^\s*(sbatch --parsable .*)$", p.stdout, re.M)
+    assert "Invalid generic resource" in p.stdout, p.stdout[-4000:]
+    return calls
+
+
+def test_extraction_shard_requests_its_gpus_from_slurm(runs, cluster):
+    if "extract_hidden_states" not in runs["rules"]:
+        pytest.skip("rule extract_hidden_states not in the workflow yet")
+    # a second shard: a job that has not run yet, so nothing finished is touched
+    calls = _gpu_submission(runs, cluster, "gpu_extract", {"extract": {"shards": 2, "gpus_per_shard": 1}},
+                            f"{RUN}/extract/shard_1")
+    assert len(calls) == 1, calls
+    call = calls[0]
+    assert "--comment rule_extract_hidden_states_wildcards_1" in call
+    assert "--gpus=1" in call
+    # the profile's per-rule sizes
+    assert "--cpus-per-gpu=8" in call and "--mem 256000" in call and "-t 720" in call
+
+
+def test_training_requests_all_its_gpus_as_one_job(runs, cluster):
+    if "train" not in runs["rules"]:
+        pytest.skip("rule train not in the workflow yet")
+    if "extract_hidden_states" not in runs["rules"]:
+        pytest.skip("rule extract_hidden_states not in the workflow yet (train's input)")
+    calls = _gpu_submission(runs, cluster, "gpu_train", {"train": {"gpus": 2}},
+                            f"{RUN}/train/train_summary.json")
+    # train's upstream (vocab_map, extraction) finished in the SLURM run: only train is asked for
+    assert len(calls) == 1, calls
+    assert "--comment rule_train" in calls[0] and "--gpus=2" in calls[0]
+    assert "--cpus-per-gpu=8" in calls[0]
