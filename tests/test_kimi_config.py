@@ -212,6 +212,5 @@ def test_generation_serves_kimi_with_tensor_parallelism_8(repo, kimi_plan):
     gen = [j for j in kimi_plan[1] if j["rule"] == "generate"]
     assert len(gen) == 1
     assert '"tensor_parallel_size": 8' in gen[0]["shell"] and '"reasoning_parser": "kimi_k2"' in gen[0]["shell"]
-    if gen[0]["resources"].get("gpu") != "8":
-        pytest.xfail("rule generate declares no gpu resource yet (needs gpu = tensor_parallel_size "
-                     "for the vllm package, so a scheduler gives the server its GPUs)")
+    # The server's tensor-parallel GPUs are the job's: a scheduler must hand them over.
+    assert gen[0]["resources"].get("gpu") == "8"

@@ -6,6 +6,12 @@
 # not what it is, so they stay out of the cache key and the rerun triggers (the same model and
 # sampling through `vllm` or `openai` is the same data).
 GENERATE_CONFIG = as_json(config["generate"])
+GENERATE_GPUS = (
+    config["generate"]["vllm"]["tensor_parallel_size"]
+    if config["generate"]["backend"] == "vllm"
+    and config["generate"]["vllm"]["package"] == "vllm"
+    else 0
+)
 # What does define the data goes into params, hence into the cache key.
 GENERATE_SAMPLING = as_json(
     {
@@ -42,6 +48,8 @@ rule generate:
         # Backend settings travel as a resource: like cores or GPUs they decide how the job runs,
         # not what it produces, and resources are outside the cache key and rerun triggers.
         generate_backend=GENERATE_CONFIG,
+        # The vLLM server the stage starts gets its tensor-parallel GPUs from the scheduler.
+        gpu=GENERATE_GPUS,
     params:
         digest=target_digest,
         sampling=GENERATE_SAMPLING,
