@@ -81,3 +81,4 @@ def test_run_end_to_end_reports_coverage(tiny_target, tmp_path):
     assert any(p["token"] == "<|im_end|>" for p in s["pinned"])
     curve = [p["coverage"] for p in s["coverage_curve"]]
     assert curve == sorted(curve) and curve[-1] == pytest.approx(1.0)
+

@@ -150,6 +150,22 @@ def materialise(cfg: dict, out: str | Path) -> dict:
     tmp_dir = out / ".model.tmp"
     if tmp_dir.exists():
         shutil.rmtree(tmp_dir)
+    src_dir = Path(cfg["path"]) if cfg.get("path") and cfg.get("tiny") is None else None
+    if src_dir is not None and src_dir.is_dir() and any(src_dir.glob("*.safetensors")):
+        # A local safetensors checkpoint is linked, not loaded and re-saved: a 1T-parameter
+        # target (the seed's 547 GB) cannot pass through one process's memory.
+        tmp_dir.mkdir(parents=True)
+        for f in sorted(src_dir.iterdir()):
+            if f.is_file():
+                (tmp_dir / f.name).symlink_to(f.resolve())
+        if model_dir.exists():
+            shutil.rmtree(model_dir)
+        tmp_dir.rename(model_dir)
+        ident = identity_of(model_dir, cfg["name"], str(src_dir))
+        io.write_json(out / "identity.json", ident)
+        log.info("target %s linked from %s: %d layers, hidden %d, vocab %d, digest %s", ident["name"], src_dir,
+                 ident["num_layers"], ident["hidden_size"], ident["vocab_size"], ident["digest"][:12])
+        return ident
     tokenizer = _load_tokenizer_source(cfg)
     model = _build_model(cfg, tokenizer)
     source = ("tiny" if cfg.get("tiny") is not None else cfg.get("path") or
