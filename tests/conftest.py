@@ -1,6 +1,25 @@
-"""Shared test fixtures."""
+"""Shared test fixtures and helpers."""
+
+import shutil
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# What a workflow clone needs (tests run Snakemake in copies so they never touch results/)
+WORKFLOW_FILES = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.toml"]
+
+
+def clone(dest: Path) -> Path:
+    """A copy of the workflow (no venv, no results) in ``dest``, for a Snakemake run in isolation."""
+    dest.mkdir(parents=True)
+    for name in WORKFLOW_FILES:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".venv"))
+        else:
+            shutil.copy2(src, dest / name)
+    return dest
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +35,7 @@ def tiny_target(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- vLLM (envs/vllm)
-VLLM_ENV = __import__("pathlib").Path(__file__).resolve().parents[1] / "envs" / "vllm" / ".venv"
+VLLM_ENV = REPO / "envs" / "vllm" / ".venv"
 
 
 def vllm_env_or_skip():

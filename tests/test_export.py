@@ -87,6 +87,7 @@ def test_format_b_speculators(exported, tiny_target):
     assert json.loads((out / "contract.json").read_text())["speculators"]["ok"]
 
 
+@pytest.mark.faults
 def test_failing_export_leaves_nothing_complete(tiny_target, tiny_drafter, tmp_path):
     out = tmp_path / "drafter"
     export(tiny_drafter, out, _ident(tiny_target), vllm_check=False)  # a good export first
@@ -106,6 +107,7 @@ def test_failing_export_leaves_nothing_complete(tiny_target, tiny_drafter, tmp_p
     assert e.value.code == 1
 
 
+@pytest.mark.faults
 def test_export_refuses_a_drafter_for_another_target(tiny_target, tmp_path):
     other = {**tiny_target, "digest": "0" * 64}
     path = make_random_drafter(other, tmp_path / "d.safetensors", draft_vocab_size=64)
@@ -113,6 +115,7 @@ def test_export_refuses_a_drafter_for_another_target(tiny_target, tmp_path):
         export(path, tmp_path / "out", _ident(tiny_target), vllm_check=False)
 
 
+@pytest.mark.faults
 def test_export_refuses_missing_trained_tensors(tiny_target, tiny_drafter, tmp_path):
     t = load_file(tiny_drafter)
     del t["fc.weight"]

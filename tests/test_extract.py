@@ -128,6 +128,7 @@ def test_one_shard_equals_three_shards(tgt, tokens, one_shard, tmp_path):
         torch.testing.assert_close(a["final"], b["final"], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.faults
 def test_kill_mid_shard_then_resume(tgt, tmp_path, caplog):
     tok = tmp_path / "tokens.parquet"
     write_tokens(tok, 60, seed=1, lo=8, hi=24)
@@ -174,6 +175,7 @@ def test_kill_mid_shard_then_resume(tgt, tmp_path, caplog):
         assert torch.equal(x["aux"], y["aux"]) and torch.equal(x["final"], y["final"])
 
 
+@pytest.mark.faults
 def test_changed_tokens_restart_the_shard(tgt, tmp_path):
     tok = tmp_path / "tokens.parquet"
     write_tokens(tok, 6, seed=2)
@@ -186,6 +188,7 @@ def test_changed_tokens_restart_the_shard(tgt, tmp_path):
     assert all(ds.input_ids(i).tolist() == want[sid] for i, sid in enumerate(ds.ids))
 
 
+@pytest.mark.faults
 def test_nan_in_target_is_refused(tgt, tokens, tmp_path):
     import shutil
 

@@ -16,8 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from tests.conftest import vllm_env_or_skip
 
+from conftest import vllm_env_or_skip
 from eaglet import io
 from eaglet.generate import generate, plan_turns, transient
 from eaglet.vllm_server import free_port
@@ -90,6 +90,26 @@ def test_local_backend_all_turns_and_resume(tiny_target, tmp_path):
     assert s3["this_run"]["success"] == 5 and s3["completion_tokens"] <= 3 * 7
 
 
+def test_changed_prompt_set_reuses_unchanged_prompts(tiny_target, tmp_path):
+    """More prompts, or one prompt edited: only new or changed input rows are generated; stale
+    results (an id whose turns changed, an id no longer in the input) never reach the output."""
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    cfg = {"backend": "local", "max_tokens": 4, "turns": "last", "chunk_size": 2}
+    make_conversations(tmp_path / "a.parquet", 4, multi_every=0)
+    generate(tmp_path / "a.parquet", ident, tmp_path / "out", cfg)
+    before = assistant_texts(tmp_path / "out" / "conversations.parquet")
+    rows = make_conversations(tmp_path / "b.parquet", 6, multi_every=0)
+    rows[1]["messages"][0]["content"] = "Tell me one fact about cheese."
+    rows = [r for r in rows if r["id"] != "c0000"]
+    io.write_conversations(tmp_path / "b.parquet", rows)
+    s = generate(tmp_path / "b.parquet", ident, tmp_path / "out", cfg)
+    # c0002, c0003 kept; c0001 (edited), c0004, c0005 (new) generated; c0000 (dropped) not output
+    assert s["this_run"] == {**s["this_run"], "skipped": 2, "success": 3, "error": 0}
+    after = assistant_texts(tmp_path / "out" / "conversations.parquet")
+    assert list(after) == ["c0001", "c0002", "c0003", "c0004", "c0005"]
+    assert after["c0002"] == before["c0002"] and after["c0003"] == before["c0003"]
+
+
 # --------------------------------------------------------------------------- canned server
 class _Canned(BaseHTTPRequestHandler):
     """Answers chat completions by keyword in the last user message (see `reply`)."""
@@ -150,6 +170,7 @@ def _rows(path: Path, questions: list[str]) -> None:
                                   for i, q in enumerate(questions)])
 
 
+@pytest.mark.faults
 def test_openai_reasoning_markers_and_errors(canned, tiny_target, tmp_path):
     qs = ["plain", "REASON a", "THINK b", "RAW c", "EMPTY d", "LONG e", "FLAKY f", "plain 2"]
     _rows(tmp_path / "in.parquet", qs)
@@ -178,6 +199,7 @@ def test_openai_reasoning_markers_and_errors(canned, tiny_target, tmp_path):
     assert s3["this_run"]["skipped"] == 5 and s3["this_run"]["error"] == 3 and s3["samples"] == 5
 
 
+@pytest.mark.faults
 def test_openai_all_servers_down_fails_then_resumes(canned, tiny_target, tmp_path):
     _rows(tmp_path / "in.parquet", ["a", "b", "c"])
     ident = Path(tiny_target["path"]).parent / "identity.json"
@@ -191,7 +213,8 @@ def test_openai_all_servers_down_fails_then_resumes(canned, tiny_target, tmp_pat
 
 
 def _kill_and_resume(base_url: str, ident: Path, tmp_path: Path, rows: list[dict], cfg: dict) -> dict:
-    """Run the stage as a real process, SIGKILL it once parts exist, rerun; check nothing is lost."""
+    """Run the stage as a real process, SIGKILL it once parts exist, rerun; check nothing is lost.
+    Returns the rerun's summary, with ``done_before``: the ids finished in parts before the kill."""
     n = len(rows)
     io.write_conversations(tmp_path / "in.parquet", rows)
     cfg = {"backend": "openai", "base_urls": [base_url], "chunk_size": 2, "flush_s": 3600, **cfg}
@@ -224,16 +247,25 @@ def _kill_and_resume(base_url: str, ident: Path, tmp_path: Path, rows: list[dict
     by_id = {r["id"]: r for r in final}
     for i, r in done_before.items():
         assert by_id[i]["messages"][-1]["content"] == r["messages"][-1]["content"]
-    return s
+    return {**s, "done_before": set(done_before)}
 
 
+@pytest.mark.faults
 def test_kill_and_resume_canned(canned, tiny_target, tmp_path):
     # Each SLOW request takes 0.15 s, so the kill lands mid-run.
     rows = [{"id": f"c{i:04d}", "source": "t", "messages": [{"role": "user", "content": f"SLOW {i}"}]}
             for i in range(40)]
     ident = Path(tiny_target["path"]).parent / "identity.json"
-    s = _kill_and_resume(canned, ident, tmp_path, rows, {"concurrency": 2})
+    chunk, conc = 2, 2  # _kill_and_resume's chunk_size; concurrency
+    s = _kill_and_resume(canned, ident, tmp_path, rows, {"concurrency": conc})
     assert s["errors"] == 0 and s["samples"] == 40
+    # At most one chunk is redone: the server saw a prompt twice only for rows that were finished
+    # but not yet in a part (fewer than chunk_size) or in flight (at most concurrency) at the kill.
+    sent = _Canned.calls
+    redone = sorted(q for q, n in sent.items() if n > 1)
+    assert sorted(sent) == sorted(r["messages"][0]["content"] for r in rows) and max(sent.values()) <= 2
+    assert len(redone) <= (chunk - 1) + conc, redone
+    assert not {f"SLOW {int(i[1:])}" for i in s["done_before"]} & set(redone)  # nothing in a part redone
 
 
 # --------------------------------------------------------------------------- real vLLM (CPU build)
@@ -291,6 +323,7 @@ def test_openai_two_base_urls_and_greedy_matches_local(vllm_tiny_server, tiny_ta
 
 
 @pytest.mark.vllm
+@pytest.mark.faults
 def test_kill_and_resume_vllm(vllm_tiny_server, tiny_target, tmp_path):
     ident = Path(tiny_target["path"]).parent / "identity.json"
     rows = make_conversations(tmp_path / "rows.parquet", 20, multi_every=0)

@@ -58,6 +58,7 @@ def test_fp8_is_per_token_scaled():
     assert torch.equal(back[2], x[2])
 
 
+@pytest.mark.faults
 def test_resume_keeps_complete_chunks(tmp_path):
     samples = make_samples()
     w = ShardWriter(tmp_path / "s", 0, 1, [1, 2, 3], True, "float32", H, "digest", 4000)
@@ -83,6 +84,7 @@ def test_resume_keeps_complete_chunks(tmp_path):
         assert torch.equal(a.sample(i)["aux"], b.sample(i)["aux"])
 
 
+@pytest.mark.faults
 def test_other_settings_start_over(tmp_path):
     samples = make_samples(4)
     w = ShardWriter(tmp_path / "s", 0, 1, [1, 2, 3], True, "float32", H, "digest", 100)
@@ -106,6 +108,7 @@ def shard(tmp_path):
     return tmp_path / "s"
 
 
+@pytest.mark.faults
 def test_flipped_byte_is_refused_naming_the_chunk(shard):
     f = shard / "chunk_00001.safetensors"
     data = bytearray(f.read_bytes())
@@ -115,6 +118,7 @@ def test_flipped_byte_is_refused_naming_the_chunk(shard):
         HiddenStateDataset([shard / "index.json"])
 
 
+@pytest.mark.faults
 def test_truncated_chunk_is_refused_naming_the_chunk(shard):
     f = shard / "chunk_00002.safetensors"
     f.write_bytes(f.read_bytes()[:-40])
@@ -123,12 +127,14 @@ def test_truncated_chunk_is_refused_naming_the_chunk(shard):
             HiddenStateDataset([shard / "index.json"], verify=verify)
 
 
+@pytest.mark.faults
 def test_missing_chunk_is_refused(shard):
     (shard / "chunk_00000.safetensors").unlink()
     with pytest.raises(io.ArtifactError, match="chunk_00000.safetensors.*missing"):
         HiddenStateDataset([shard / "index.json"], verify="header")
 
 
+@pytest.mark.faults
 def test_index_disagreeing_with_files_is_refused(shard):
     idx = json.loads((shard / "index.json").read_text())
     idx["chunks"][0]["num_tokens"] += 1
@@ -138,6 +144,7 @@ def test_index_disagreeing_with_files_is_refused(shard):
         HiddenStateDataset([shard / "index.json"], verify="header")
 
 
+@pytest.mark.faults
 def test_truncated_or_incomplete_index_is_refused(shard):
     text = (shard / "index.json").read_text()
     (shard / "index.json").write_text(text[: len(text) // 2])
@@ -150,6 +157,7 @@ def test_truncated_or_incomplete_index_is_refused(shard):
         HiddenStateDataset([shard / "index.json"])
 
 
+@pytest.mark.faults
 def test_shards_of_different_targets_are_refused(tmp_path):
     write(tmp_path / "a", make_samples(3))
     w = ShardWriter(tmp_path / "b", 0, 1, [1, 2, 3], True, "float32", H, "another", 4000)

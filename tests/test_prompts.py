@@ -18,6 +18,7 @@ def write_jsonl(path, lines):
             fh.write((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n")
 
 
+@pytest.mark.faults
 def test_malformed_rows_are_counted_and_valid_rows_kept(tmp_path):
     good = [conv(i) for i in range(6)]
     bad = [
@@ -81,6 +82,7 @@ def test_leading_assistant_and_trailing_user_turns_are_trimmed(tmp_path):
     assert [m["role"] for m in x["messages"]] == ["user", "assistant"]
 
 
+@pytest.mark.faults
 def test_truncated_json_array_loses_only_the_tail(tmp_path):
     path = tmp_path / "d.json"
     text = json.dumps([conv(i) for i in range(4)])
@@ -94,6 +96,7 @@ def test_packaged_sharegpt_is_readable():
     assert len(res["train"]) == 10 and res["summary"]["valid"] > 10000
 
 
+@pytest.mark.faults
 def test_missing_file_and_too_few_rows_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="prompts.path"):
         prompts.build_prompts("file", str(tmp_path / "nope.jsonl"))

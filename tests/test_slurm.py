@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import clone
+
 REPO = Path(__file__).resolve().parents[1]
-COPY = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.toml"]
 SCRIPTS = REPO / "scripts" / "slurm"
 RUN = "results/smoke"
 # Run time budget of one snakemake call; `timeout -k` because a plain TERM leaves the SLURM
@@ -29,17 +30,6 @@ RUN = "results/smoke"
 SMK_TIMEOUT_S = 1500
 
 pytestmark = pytest.mark.slurm
-
-
-def clone(dest: Path) -> Path:
-    dest.mkdir(parents=True)
-    for name in COPY:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".venv"))
-        else:
-            shutil.copy2(src, dest / name)
-    return dest
 
 
 def free_port() -> int:

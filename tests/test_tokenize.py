@@ -47,6 +47,7 @@ def test_reasoning_is_wrapped_in_thinking_tokens(tok):
     assert masked.startswith("<think>\ntwo plus two is four\n</think>\n\n4")
 
 
+@pytest.mark.faults
 def test_raw_thinking_markers_and_malformed_rows_are_skipped_by_reason(tok):
     rows = [row(0, [U("q"), A("<think>leaked</think> a")]),
             row(1, []),

@@ -159,6 +159,7 @@ def _cli(data, tiny_target, out, params, nproc=1):
     return [sys.executable, "-m", "eaglet.train", *args]
 
 
+@pytest.mark.faults
 def test_resume_after_kill_reproduces_the_loss_trace(tiny_target, data, tmp_path):
     # oov_rule "label" skips the 49k-row greedy check: the test is about resuming, and is faster
     params = {**PARAMS, "epochs": 2, "checkpoint_every": 3, "keep_checkpoints": 2, "oov_rule": "label",
@@ -187,6 +188,42 @@ def test_resume_after_kill_reproduces_the_loss_trace(tiny_target, data, tmp_path
     ta, tb = io.load_tensors(ref / "drafter.safetensors"), io.load_tensors(run / "drafter.safetensors")
     assert all(torch.equal(ta[k], tb[k]) if not ta[k].is_floating_point() else
                torch.allclose(ta[k], tb[k], atol=1e-6) for k in ta)
+
+
+@pytest.mark.faults
+def test_corrupt_checkpoint_is_refused_naming_the_file(tiny_target, data, tmp_path, caplog):
+    """A killed run's newest checkpoint is truncated (or overwritten): the resume refuses it,
+    naming the file, falls back to the one before (or to step 0), and still reproduces the
+    uninterrupted run's loss trace and weights."""
+    import logging
+    import shutil
+
+    params = {**PARAMS, "epochs": 2, "checkpoint_every": 3, "keep_checkpoints": 3, "oov_rule": "label"}
+    ref = tmp_path / "ref"
+    s = train(data["index"], data["vocab"], tiny_target, ref, params)
+    ckpts = sorted((ref / "checkpoints").glob("step_*.pt"))
+    assert s["steps"] > 6 and len(ckpts) >= 2  # kept after the run: the state a kill leaves behind
+    want = pd.read_parquet(ref / "metrics.parquet")
+    for case in ("newest_truncated", "all_garbage"):
+        run = tmp_path / case
+        shutil.copytree(ref / "checkpoints", run / "checkpoints")
+        bad = sorted((run / "checkpoints").glob("step_*.pt"))
+        if case == "newest_truncated":
+            bad = bad[-1:]
+            bad[0].write_bytes(bad[0].read_bytes()[: bad[0].stat().st_size // 2])
+        else:
+            for f in bad:
+                f.write_bytes(b"garbage, not a checkpoint")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="eaglet"):
+            got = train(data["index"], data["vocab"], tiny_target, run, params)
+        for f in bad:
+            assert f"{f}: unreadable checkpoint" in caplog.text
+        assert got["resumed_from"] == (int(ckpts[-2].stem.split("_")[1]) if case == "newest_truncated" else 0)
+        m = pd.read_parquet(run / "metrics.parquet")
+        assert list(m.step) == list(want.step) and list(m.split) == list(want.split)
+        for col in ["loss", "loss_0", "acc_1", "grad_norm", "lr"]:
+            assert (m[col] - want[col]).abs().max() <= 1e-6 * max(1.0, want[col].abs().max()), (case, col)
 
 
 def test_ddp_gloo_matches_single_process(tiny_target, data, tmp_path):

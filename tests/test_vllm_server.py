@@ -5,8 +5,8 @@ import subprocess
 import time
 
 import pytest
-from tests.conftest import vllm_env_or_skip
 
+from conftest import vllm_env_or_skip
 from eaglet import vllm_server
 from eaglet.vllm_server import Server, ServerError
 

@@ -11,19 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import clone
+
 REPO = Path(__file__).resolve().parents[1]
-COPY = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.toml"]
-
-
-def clone(dest: Path) -> Path:
-    dest.mkdir(parents=True)
-    for name in COPY:
-        src = REPO / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", ".venv"))
-        else:
-            shutil.copy2(src, dest / name)
-    return dest
 
 
 def smk(cwd: Path, cache: Path, *args, check=True, configfile="config/smoke.yaml"):
@@ -101,15 +91,23 @@ def test_second_clone_is_served_from_the_cache(finished_run, tmp_path):
         (a / "results/smoke/vocab_map/vocab.json").read_text()
 
 
-def test_bad_config_value_fails_at_parse_time_naming_the_key(finished_run, tmp_path):
-    a, cache = finished_run
-    for section, key, value in [("vocab", "draft_vocab_size", "big"), ("tokenize", "overlong", "cut"),
-                                ("prompts", "n", -3), ("vocab", "no_such_key", 1)]:
+@pytest.mark.faults
+def test_bad_config_value_fails_at_parse_time_naming_the_key(tmp_path):
+    # A fresh clone, not the finished run: the error comes before any DAG, so nothing has to exist.
+    a = clone(tmp_path / "a")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for section, key, value in [("vocab", "draft_vocab_size", "big"),   # wrong type
+                                ("tokenize", "overlong", "cut"),        # not one of the choices
+                                ("prompts", "n", -3),                   # out of range
+                                ("vocab", "no_such_key", 1),            # unknown key
+                                ("train", "ttt_steps", 99),             # above the maximum
+                                ("extract", "layer_ids", [2, "four", 6])]:  # wrong item type
         conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
-        conf[section][key] = value
+        conf.setdefault(section, {})[key] = value
         (a / "config/bad.yaml").write_text(yaml.safe_dump(conf))
         code, out = smk(a, cache, "-n", check=False, configfile="config/bad.yaml")
-        assert code != 0
+        assert code != 0 and "Building DAG" not in out, out[-3000:]
         assert key in out, out[-3000:]
 
 

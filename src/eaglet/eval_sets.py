@@ -26,6 +26,7 @@ import gzip
 import importlib.util
 import json
 import logging
+from collections import Counter
 from pathlib import Path
 
 from eaglet import io
@@ -72,14 +73,18 @@ def humaneval() -> list[dict]:
 
 def conversations(path: str | Path) -> list[dict]:
     """Prompts from a conversation Parquet: the messages before the last user turn's reply."""
-    out = []
+    out, skipped = [], Counter()
     for r in io.read_conversations(path):
+        reason = io.prompt_problem(r["messages"])
+        if reason:  # malformed, or nothing to answer
+            skipped[reason] += 1
+            continue
         msgs = [{"role": m["role"], "content": m["content"]} for m in r["messages"]]
-        last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
-        if last_user is None:
-            continue  # nothing to answer
+        last_user = max(i for i, m in enumerate(msgs) if m["role"] == "user")
         out.append({"id": str(r["id"]), "source": r.get("source") or Path(path).stem,
                     "messages": msgs[:last_user + 1]})
+    if skipped:
+        log.warning("%s: %d rows skipped %s", path, sum(skipped.values()), dict(skipped))
     if not out:
         raise io.ArtifactError(f"{path}: no conversation with a user turn")
     return out

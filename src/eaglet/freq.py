@@ -21,16 +21,17 @@ from eaglet import io
 log = logging.getLogger("eaglet.freq")
 
 
-def count_tokens(table, vocab_size: int) -> dict[str, np.ndarray]:
-    """{"counts": [V] int64, "counts/<source>": [V] int64 ...} over loss-masked tokens."""
+def count_tokens(table, vocab_size: int, where: str | Path = "tokens") -> dict[str, np.ndarray]:
+    """{"counts": [V] int64, "counts/<source>": [V] int64 ...} over loss-masked tokens.
+    ``where`` (the tokens file) names the artifact in errors."""
     ids = table.column("input_ids").combine_chunks()
     mask = table.column("loss_mask").combine_chunks()
     flat_ids = ids.values.to_numpy(zero_copy_only=False)
     flat_mask = mask.values.to_numpy(zero_copy_only=False).astype(bool)
     if flat_ids.size != flat_mask.size:
-        raise io.ArtifactError("tokens: input_ids and loss_mask lengths differ")
+        raise io.ArtifactError(f"{where}: input_ids and loss_mask lengths differ")
     if flat_ids.size and (flat_ids.min() < 0 or flat_ids.max() >= vocab_size):
-        raise io.ArtifactError(f"tokens: token id outside [0, {vocab_size})")
+        raise io.ArtifactError(f"{where}: token id outside [0, {vocab_size})")
     out = {"counts": np.bincount(flat_ids[flat_mask], minlength=vocab_size).astype(np.int64)}
     if "source" in table.column_names:
         lengths = np.diff(ids.offsets.to_numpy())
@@ -61,7 +62,10 @@ def run(tokens: str | Path, target: str | Path, out_dir: str | Path, top_n: int 
 
     tok = load_tokenizer(load_identity(target)["path"])
     table = io.read_parquet(tokens, columns=None)
-    counts = count_tokens(table, len(tok))
+    missing = {"input_ids", "loss_mask"} - set(table.column_names)
+    if missing:
+        raise io.ArtifactError(f"{tokens}: not a tokens file (missing columns {sorted(missing)})")
+    counts = count_tokens(table, len(tok), tokens)
     out_dir = Path(out_dir)
     io.save_tensors(out_dir / "freq.safetensors", counts)
     io.write_text(out_dir / "top.tsv", top_table(counts["counts"], tok, top_n))

@@ -101,11 +101,15 @@ class Conversation:
 
     def __init__(self, row: dict, cfg: dict):
         self.row, self.cfg = row, cfg
-        self.kept, self.answer = plan_turns(row["messages"], cfg["turns"])
+        problem = io.prompt_problem(row.get("messages"))
+        # A malformed row is never sent: it fails at once with its reason (not transient: a rerun
+        # does not retry it).
+        self.kept, self.answer = ([], set()) if problem else plan_turns(row["messages"], cfg["turns"])
         self.i, self.turn, self.out = 0, 0, []
         self.stats = {"prompt_tokens": 0, "completion_tokens": 0, "finish_reasons": [], "retries": 0,
                       "reasoning_turns": 0}
-        self.error: tuple[str, str] | None = None if self.answer else ("no_user_turn", "no user message")
+        self.error: tuple[str, str] | None = (problem, f"input row: {problem}") if problem else (
+            None if self.answer else ("no_user_turn", "no user message"))
 
     def next_prompt(self) -> list[dict] | None:
         """The chat history to answer next (role/content only), or None when done or failed."""
@@ -145,6 +149,7 @@ class Conversation:
     def record(self) -> dict:
         ok = self.error is None
         return {"id": str(self.row["id"]), "source": str(self.row.get("source", "")), "ok": ok,
+                "input_digest": input_digest(self.row),
                 "messages": [{"role": m["role"], "content": m["content"],
                               "reasoning_content": m.get("reasoning_content")}
                              for m in self.out] if ok else None,
@@ -153,12 +158,18 @@ class Conversation:
 
 
 # --------------------------------------------------------------------------- parts (resume state)
+def input_digest(row: dict) -> str:
+    """What a result was generated from: a stored result is reused only for the same input turns."""
+    return io.digest_of(row.get("messages"))
+
+
 def _part_schema():
     import pyarrow as pa
 
     msg = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
     return pa.schema([("id", pa.string()), ("source", pa.string()), ("ok", pa.bool_()),
-                      ("messages", pa.list_(msg)), ("error_kind", pa.string()), ("reason", pa.string()),
+                      ("input_digest", pa.string()), ("messages", pa.list_(msg)),
+                      ("error_kind", pa.string()), ("reason", pa.string()),
                       ("generated_turns", pa.int32()), ("prompt_tokens", pa.int64()),
                       ("completion_tokens", pa.int64()), ("finish_reasons", pa.list_(pa.string())),
                       ("retries", pa.int32()), ("reasoning_turns", pa.int32())])
@@ -199,12 +210,15 @@ class PartSink:
         self.buf = []
 
 
-def load_parts(parts_dir: Path) -> dict[str, dict]:
-    """Latest record per id over all parts (a later part supersedes an earlier transient failure)."""
+def load_parts(parts_dir: Path, inputs: dict[str, str] | None = None) -> dict[str, dict]:
+    """Latest record per id over all parts (a later part supersedes an earlier transient failure).
+    ``inputs`` (id -> input_digest): keep only records made from exactly these input rows, so a
+    changed prompt set (more prompts, another seed) reuses every response whose prompt it still has."""
     done: dict[str, dict] = {}
     for p in sorted(parts_dir.glob("part_*.parquet")):
         for rec in io.read_parquet(p).to_pylist():
-            done[rec["id"]] = rec
+            if inputs is None or inputs.get(rec["id"]) == rec["input_digest"]:
+                done[rec["id"]] = rec
     return done
 
 
@@ -404,12 +418,14 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
         dup = [k for k, n in Counter(ids).items() if n > 1][:5]
         raise io.ArtifactError(f"{conversations}: duplicate ids {dup}")
     # Backend-independent identity: the same model and sampling through any backend is the same data.
-    key = {"target_digest": ident.get("digest"), "prompts_digest": io.file_digest(conversations),
+    # Per-row input digests instead of one digest of the prompts file: results are kept per prompt.
+    key = {"part_format": 2, "target_digest": ident.get("digest"),
            **{k: cfg[k] for k in ("temperature", "top_p", "max_tokens", "seed", "turns",
                                   "chat_template_kwargs", "reject_markers")},
            "reasoning_parser": cfg["vllm"]["reasoning_parser"]}
     parts = prepare_parts(out_dir, key)
-    done = load_parts(parts)
+    inputs = {str(r["id"]): input_digest(r) for r in rows}
+    done = load_parts(parts, inputs)
     redo = {i for i, r in done.items() if not r["ok"] and (retry_errors or transient(r["error_kind"]))}
     pending = [r for r in rows if str(r["id"]) not in done or str(r["id"]) in redo]
     skipped = len(rows) - len(pending)
@@ -440,7 +456,7 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
         bar.close()
     t_end = time.monotonic()
     timing = {"wall_s": t_end - t0, "generation_s": t_end - (sink.t_gen0 or t_end)}
-    summary = _finish(rows, parts, out_dir, cfg, ident, skipped, sink.written, run, timing)
+    summary = _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, sink.written, run, timing)
     if summary["errors"] > cfg["max_error_fraction"] * len(rows):
         raise RuntimeError(f"generate: {summary['errors']} of {len(rows)} conversations failed "
                            f"({summary['errors_by_kind']}); see {out_dir / 'errors.parquet'}")
@@ -470,11 +486,11 @@ def _dispatch(pending, cfg, ident, out_dir, sink, server_log) -> None:
         raise ValueError(f"generate.backend: unknown backend {backend!r}")
 
 
-def _finish(rows, parts, out_dir, cfg, ident, skipped, written, run, timing) -> dict:
+def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, timing) -> dict:
     """Merge the parts in input order, check the accounting, write the three outputs."""
     import pyarrow as pa
 
-    done = load_parts(parts)
+    done = load_parts(parts, inputs)
     ok = [done[str(r["id"])] for r in rows if str(r["id"]) in done and done[str(r["id"])]["ok"]]
     err = [done[str(r["id"])] for r in rows if str(r["id"]) in done and not done[str(r["id"])]["ok"]]
     if written["ok"] + written["error"] + skipped != len(rows):

@@ -94,7 +94,9 @@ def write_parquet(path: str | os.PathLike, table_or_df: Any) -> None:
     if not isinstance(table, pa.Table):
         table = pa.Table.from_pandas(table_or_df, preserve_index=False)
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, compression="zstd")
+        # Page CRCs: without them a flipped byte inside a data page can decode to other values
+        # silently (the fault suite found ~8% of single-byte flips read back as different data).
+        pq.write_table(table, tmp, compression="zstd", write_page_checksum=True)
 
 
 def read_parquet(path: str | os.PathLike, columns: list[str] | None = None):
@@ -106,7 +108,7 @@ def read_parquet(path: str | os.PathLike, columns: list[str] | None = None):
     if not path.exists():
         raise ArtifactError(f"{path}: missing")
     try:
-        return pq.read_table(path, columns=columns)
+        return pq.read_table(path, columns=columns, page_checksum_verification=True)
     except (pa.ArrowInvalid, pa.ArrowException, OSError) as e:
         raise ArtifactError(f"{path}: not a readable Parquet file ({e})") from None
 
@@ -239,10 +241,30 @@ def read_conversations(path: str | os.PathLike) -> list[dict]:
     rows = table.to_pylist()
     for r in rows:
         r.setdefault("source", "")
-        for m in r["messages"]:
-            if m.get("reasoning_content") is None:
+        # A null list or a null turn is left as it is: each stage's row check counts it by reason
+        # (conversation_problem, prompt_problem), instead of one bad row crashing the stage here.
+        for m in r["messages"] or []:
+            if isinstance(m, dict) and m.get("reasoning_content") is None:
                 m.pop("reasoning_content", None)
     return rows
+
+
+def prompt_problem(messages) -> str | None:
+    """Why a row cannot be used as a prompt to answer (a reason key for the skip counters), or None.
+    Unlike conversation_problem, a prompt needs a user turn, not an assistant turn (generate,
+    evaluation sets)."""
+    if not isinstance(messages, list) or not messages:
+        return "empty_conversation"
+    for m in messages:
+        if not isinstance(m, dict):
+            return "malformed_turn"
+        if m.get("role") not in ROLES:
+            return "unknown_role"
+        if not isinstance(m.get("content"), str):
+            return "non_string_content"
+    if not any(m["role"] == "user" for m in messages):
+        return "no_user_turn"
+    return None
 
 
 def conversation_problem(messages: list[dict]) -> str | None:
@@ -253,6 +275,8 @@ def conversation_problem(messages: list[dict]) -> str | None:
     if not messages:
         return "empty_conversation"
     for m in messages:
+        if not isinstance(m, dict):
+            return "malformed_turn"
         if m.get("role") not in ROLES:
             return "unknown_role"
         for key in ("content", "reasoning_content"):
