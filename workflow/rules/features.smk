@@ -19,6 +19,9 @@ rule extract_hidden_states:
     cache: True
     conda:
         "../../envs/eaglet.yaml"
+    # The cores split over the shards that run side by side (Snakemake sets OMP/MKL threads from
+    # this; without it a CPU shard runs its forward pass on one core).
+    threads: max(1, workflow.cores // len(EXTRACT_SHARDS))
     resources:
         gpu=config["extract"]["gpus_per_shard"],
     params:
