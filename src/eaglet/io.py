@@ -249,6 +249,17 @@ def read_conversations(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
+def _turn_problem(m) -> str | None:
+    """The checks every turn of any row passes: a dict with a known role and string content."""
+    if not isinstance(m, dict):
+        return "malformed_turn"
+    if m.get("role") not in ROLES:
+        return "unknown_role"
+    if not isinstance(m.get("content"), str):
+        return "non_string_content"
+    return None
+
+
 def prompt_problem(messages) -> str | None:
     """Why a row cannot be used as a prompt to answer (a reason key for the skip counters), or None.
     Unlike conversation_problem, a prompt needs a user turn, not an assistant turn (generate,
@@ -256,12 +267,8 @@ def prompt_problem(messages) -> str | None:
     if not isinstance(messages, list) or not messages:
         return "empty_conversation"
     for m in messages:
-        if not isinstance(m, dict):
-            return "malformed_turn"
-        if m.get("role") not in ROLES:
-            return "unknown_role"
-        if not isinstance(m.get("content"), str):
-            return "non_string_content"
+        if problem := _turn_problem(m):
+            return problem
     if not any(m["role"] == "user" for m in messages):
         return "no_user_turn"
     return None
@@ -275,14 +282,10 @@ def conversation_problem(messages: list[dict]) -> str | None:
     if not messages:
         return "empty_conversation"
     for m in messages:
-        if not isinstance(m, dict):
-            return "malformed_turn"
-        if m.get("role") not in ROLES:
-            return "unknown_role"
+        if problem := _turn_problem(m):
+            return problem
         for key in ("content", "reasoning_content"):
             v = m.get(key)
-            if key == "content" and not isinstance(v, str):
-                return "non_string_content"
             if v is not None and not isinstance(v, str):
                 return "non_string_content"
             if isinstance(v, str):
