@@ -166,6 +166,12 @@ def static_checks(drafter_dir: str | Path, identity: dict, trained: dict | None 
             got = c.get(ckey) if ckey != "rope_theta" else _rope_theta(c)
             if key in trained and got != trained[key]:
                 problems.append(f"{ckey} {got} != trained {trained[key]}")
+        want_rope = trained.get("rope_parameters") or {"rope_type": "default", "rope_theta": trained.get("rope_theta")}
+        if "rope_theta" in trained and _flat_rope(c) != want_rope:
+            problems.append(f"RoPE {_flat_rope(c)} != trained {want_rope}")
+    rp = c.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in rp.values()):
+        problems.append("rope_parameters is per layer type: vLLM's get_rope takes one flat dict")
     checks.append(_check("static.config_fields", not problems, {"format": fmt, "problems": problems}))
 
     # exact key set
@@ -222,6 +228,17 @@ def static_checks(drafter_dir: str | Path, identity: dict, trained: dict | None 
 
     checks.append(layer_id_check(conf, fmt, identity["num_layers"], trained))
     return checks
+
+
+def _flat_rope(c: dict) -> dict:
+    """The exported RoPE as one dict (rope_parameters, else legacy rope_scaling + rope_theta)."""
+    rp = dict(c.get("rope_parameters") or {})
+    if not rp:
+        rp = {k: v for k, v in (c.get("rope_scaling") or {}).items() if k != "type"}
+        rp["rope_type"] = (c.get("rope_scaling") or {}).get("rope_type") or \
+            (c.get("rope_scaling") or {}).get("type") or "default"
+        rp["rope_theta"] = _rope_theta(c)
+    return rp
 
 
 def _rope_theta(c: dict):
@@ -424,6 +441,27 @@ def target_embedding(model_dir: str | Path):
     raise io.ArtifactError(f"{model_dir}: no embed_tokens.weight in {[f.name for f in files]}")
 
 
+def reference_inv_freq(c: dict, head_dim: int):
+    """(inv_freq [d/2], attention scaling) of an exported drafter config, via transformers'
+    config parsing and its rope init functions (never through eaglet.model)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    keep = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "rope_theta", "rope_scaling", "rope_parameters")
+    conf = LlamaConfig(**{k: c[k] for k in keep if c.get(k) is not None})
+    rope = conf.rope_parameters
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        theta = float(rope["rope_theta"])
+        return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim), 1.0
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {kind!r} unknown to transformers")
+    inv, scale = ROPE_INIT_FUNCTIONS[kind](conf, "cpu")
+    return inv, float(scale)
+
+
 def reference_step0(w: dict, c: dict, embed_VH, aux_BT3H, ids_BT, pos_BT):
     """Step 0 of an EAGLE-3 drafter as vLLM's Eagle3LlamaForCausalLM computes it, written from
     its semantics (not from eaglet.model): returns (logits over the full vocab [B,T,V] with −inf
@@ -431,7 +469,7 @@ def reference_step0(w: dict, c: dict, embed_VH, aux_BT3H, ids_BT, pos_BT):
     import torch
 
     k = dims(c)
-    eps, theta = c["rms_norm_eps"], float(_rope_theta(c))
+    eps = c["rms_norm_eps"]
     B, T = ids_BT.shape
     nh, nkv, d = k["nh"], k["nkv"], k["d"]
     lw = {n.removeprefix("midlayer.").removeprefix("layers.0."): v for n, v in w.items()
@@ -447,10 +485,12 @@ def reference_step0(w: dict, c: dict, embed_VH, aux_BT3H, ids_BT, pos_BT):
     q = (x @ lw["self_attn.q_proj.weight"].T).view(B, T, nh, d).transpose(1, 2)
     kk = (x @ lw["self_attn.k_proj.weight"].T).view(B, T, nkv, d).transpose(1, 2)
     v = (x @ lw["self_attn.v_proj.weight"].T).view(B, T, nkv, d).transpose(1, 2)
-    # neox-style RoPE (vLLM's Llama): rotate the two halves of each head
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = (pos_BT.double()[..., None] * inv).float()  # B T d/2
-    cos, sin = ang.cos()[:, None], ang.sin()[:, None]  # B 1 T d/2
+    # neox-style RoPE (vLLM's Llama): rotate the two halves of each head. Frequencies and the
+    # attention scaling come from the EXPORTED config as transformers parses it (the config object
+    # vLLM builds get_rope from), for every rope type; the rotation itself is written out here.
+    inv, scale = reference_inv_freq(c, d)
+    ang = (pos_BT.double()[..., None] * inv.double()).float()  # B T d/2
+    cos, sin = ang.cos()[:, None] * scale, ang.sin()[:, None] * scale  # B 1 T d/2
 
     def rope(t):
         t1, t2 = t[..., : d // 2], t[..., d // 2:]
@@ -484,10 +524,6 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, targe
         return _check("parity.step0", None, {"skipped": f"eaglet.model not importable ({e})"})
     conf, _ = read_export(drafter_dir)
     _, c = effective_config(conf)
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        return _check("parity.step0", None,
-                      {"skipped": f"reference forward has default RoPE only, not {rope}"})
     w = {n: t.float() for n, t in io.load_tensors(Path(drafter_dir) / "model.safetensors").items()}
     w["d2t"] = io.load_tensors(Path(drafter_dir) / "model.safetensors", ["d2t"])["d2t"]
     embed = target_embedding(target_dir).float()

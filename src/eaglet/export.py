@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 
 from eaglet import contract, io
+from eaglet.rope import legacy_fields
 from eaglet.target import load_identity, validate_layer_ids
 
 log = logging.getLogger("eaglet.export")
@@ -47,15 +48,11 @@ class ContractError(RuntimeError):
 
 
 # --------------------------------------------------------------------------- configs
-def _rope_fields(target_conf: dict, theta: float) -> dict:
-    """rope_theta plus the legacy rope_scaling (null for plain RoPE, else the target's scaling
-    without its theta), and rope_parameters for transformers >= 5."""
-    text = target_conf.get("text_config", target_conf)
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    rope.pop("rope_theta", None)
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    return {"rope_theta": theta, "rope_scaling": None if kind == "default" else rope,
-            "rope_parameters": {**rope, "rope_type": kind, "rope_theta": theta}}
+def _rope_fields(cfg: dict) -> dict:
+    """The drafter's own RoPE (eaglet.rope: what it was trained with), as rope_parameters and the
+    legacy rope_theta/rope_scaling pair: one flat config every engine reads the same way."""
+    rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(cfg["rope_theta"])}
+    return legacy_fields(rope)
 
 
 def _layer_config(cfg: dict, target_conf: dict, dtype: str) -> dict:
@@ -65,7 +62,7 @@ def _layer_config(cfg: dict, target_conf: dict, dtype: str) -> dict:
             "head_dim": cfg["head_dim"], "intermediate_size": cfg["intermediate_size"],
             "hidden_act": cfg["hidden_act"], "rms_norm_eps": cfg["rms_norm_eps"],
             "max_position_embeddings": cfg["max_position_embeddings"],
-            **_rope_fields(target_conf, float(cfg["rope_theta"])),
+            **_rope_fields(cfg),
             "vocab_size": cfg["vocab_size"], "tie_word_embeddings": False,
             "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
             "bos_token_id": target_conf.get("bos_token_id"), "eos_token_id": target_conf.get("eos_token_id")}

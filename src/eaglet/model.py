@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglet import io
+from eaglet.rope import Rotary, drafter_rope
 
 META_KEY = "eaglet"
 
@@ -76,12 +77,20 @@ class DrafterConfig:
     target_digest: str = ""
     target_path: str = ""
     ttt_steps: int = 7
+    # Flat RoPE config (eaglet.rope.drafter_rope of the target); None = plain RoPE at rope_theta
+    # (drafters written before this key existed).
+    rope_parameters: dict | None = None
+
+    @property
+    def rope(self) -> dict:
+        return dict(self.rope_parameters or {"rope_type": "default", "rope_theta": self.rope_theta})
 
     @classmethod
     def from_identity(cls, identity: dict, draft_vocab_size: int, layer_ids: list[int],
                       **overrides) -> DrafterConfig:
         """Shapes from the target (draft hidden = target hidden, so the embedding is shared)."""
         h = int(identity["hidden_size"])
+        rope = identity.get("drafter_rope") or _rope_from_target(identity)
         kw = dict(hidden_size=h, target_hidden_size=h, num_heads=int(identity["num_heads"]),
                   num_kv_heads=int(identity.get("num_kv_heads") or identity["num_heads"]),
                   head_dim=int(identity.get("head_dim") or h // int(identity["num_heads"])),
@@ -89,7 +98,8 @@ class DrafterConfig:
                   vocab_size=int(identity["vocab_size"]), draft_vocab_size=int(draft_vocab_size),
                   layer_ids=[int(i) for i in layer_ids],
                   rms_norm_eps=float(identity.get("rms_norm_eps") or 1e-6),
-                  rope_theta=float(identity.get("rope_theta") or 10000.0),
+                  rope_theta=float(rope["rope_theta"]) if rope else float(identity.get("rope_theta") or 1e4),
+                  rope_parameters=rope,
                   hidden_act=str(identity.get("hidden_act") or "silu"),
                   max_position_embeddings=int(identity.get("max_position_embeddings") or 4096),
                   target_digest=str(identity.get("digest", "")), target_path=str(identity.get("path", "")))
@@ -109,6 +119,14 @@ class DrafterConfig:
             raise io.ArtifactError(f"{where}: drafter config has unknown keys {sorted(unknown)} "
                                    f"or lacks {sorted(missing)}")
         return cls(**d)
+
+
+def _rope_from_target(identity: dict) -> dict | None:
+    """The drafter RoPE from the target's config.json (None when the checkpoint is not at hand)."""
+    conf = Path(str(identity.get("path", ""))) / "config.json"
+    if not identity.get("path") or not conf.is_file():
+        return None
+    return drafter_rope(json.loads(conf.read_text()))
 
 
 # --------------------------------------------------------------------------- blocks
@@ -210,8 +228,9 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
-        self.register_buffer("inv_freq", inv, persistent=False)
+        # transformers' own Llama rotary over the exported RoPE config (eaglet.rope): every rope type
+        # it knows, trained exactly as the engines will apply it.
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.num_heads, cfg.max_position_embeddings)
         self.apply(self._init)
 
     def _init(self, m):
@@ -239,9 +258,7 @@ class Eagle3Drafter(nn.Module):
         q = a.self_attn.q_proj(x).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
         k = a.self_attn.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = a.self_attn.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        ang = pos_BT.to(torch.float32)[..., None] * self.inv_freq  # [B, T, d/2]
-        ang = torch.cat([ang, ang], dim=-1)
-        cos, sin = ang.cos().to(q.dtype), ang.sin().to(q.dtype)
+        cos, sin = self.rotary(pos_BT, q.dtype)  # [B, T, d]
         return rope(q, cos, sin), rope(k, cos, sin), v
 
     def _rep(self, kv_BgTd):
