@@ -87,6 +87,20 @@ def test_captured_states_equal_output_hidden_states(tgt, tokens, one_shard):
         assert not torch.allclose(s["final"], hs[N][0], atol=1e-3)
 
 
+def test_index_records_the_real_models_top1(tgt, tokens, one_shard):
+    """label_reference rows are the real model's own top-1 token (and margin) at their position."""
+    ident, _ = tgt
+    refs = io.read_json(one_shard / "index.json")["label_reference"]
+    rows = {r["id"]: r for r in tokens[1]}
+    assert len(refs) >= len(rows)  # a few per batch, every batch row
+    model = target.load_model(ident["path"])
+    for sid, pos, top1, margin in refs[:12]:
+        with torch.no_grad():
+            lg = model(torch.tensor([rows[sid]["input_ids"]])).logits[0, pos]
+        v, i = lg.topk(2)
+        assert int(i[0]) == top1 and abs(float(v[0] - v[1]) - margin) < 1e-3
+
+
 def test_layer_id_n_is_the_prenorm_final_state(tgt, tokens, tmp_path):
     N = tgt[0]["num_layers"]
     extract(tokens[0], tgt[1], tmp_path / "s", layer_ids=[1, 3, N], dtype="float32", progress=False)

@@ -57,6 +57,8 @@ def data(tiny_target, tmp_path_factory):
         mask = torch.zeros(T, dtype=torch.int8)
         mask[P:] = 1
         w.add(f"s{i}", seqs[i, :T], mask, aux[i, :T], captured["pre"][i, :T])
+        v, top = o.logits[i, :T:5].topk(2, -1)  # the real model's top-1 (as eaglet.extract records it)
+        w.add_references([[f"s{i}", 5 * j, int(top[j, 0]), float(v[j, 0] - v[j, 1])] for j in range(len(top))])
         counts.index_add_(0, seqs[i, P:T], torch.ones(T - P, dtype=torch.long))
     w.finish()
     used = counts.argsort(descending=True)[:VD]
@@ -239,6 +241,8 @@ def test_ddp_gloo_matches_single_process(tiny_target, data, tmp_path):
     assert (a.loss - b.loss).abs().max() < 1e-4 and (a.tokens == b.tokens).all()
     ta, tb = io.load_tensors(single / "drafter.safetensors"), io.load_tensors(ddp / "drafter.safetensors")
     assert torch.equal(ta["d2t"], tb["d2t"]) and torch.equal(ta["t2d"], tb["t2d"])
-    assert max(float((ta[k] - tb[k]).abs().max()) for k in ta if ta[k].is_floating_point()) < 1e-5
+    # gloo's all-reduce sums in another order; Adam's division by sqrt(v) amplifies that in
+    # near-zero gradient entries (1.2e-5 seen with transformers' rotary; weights are ~0.02)
+    assert max(float((ta[k] - tb[k]).abs().max()) for k in ta if ta[k].is_floating_point()) < 5e-5
     # steps 2.. see updated weights, so equal losses there mean equal updates (not vacuous)
     assert a.loss.iloc[-1] < a.loss.iloc[0]

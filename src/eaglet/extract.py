@@ -4,8 +4,10 @@ One shard of ``num_shards`` per call. Samples are split between shards balanced 
 (deterministic over the whole tokens file), then run longest-first in right-padded batches under
 a token budget. Forward hooks capture only the three aux layers (vLLM ids: id j = the residual
 stream entering decoder layer j = HF ``hidden_states[j]`` = the output of layer j-1); the final
-state is the last layer's output **before** the final norm (``final_is_prenorm: true``; the
-final norm is swapped for Identity, and the LM head never runs, so no vocab-sized logits).
+state is the last layer's output **before** the final norm (``final_is_prenorm: true``; a hook
+reads the norm's input). The model runs its own full forward, but its head only at a few
+positions per batch (``logits_to_keep``): the real top-1 token there goes into the index as
+``label_reference``, the evidence the trainer checks its reconstructed labels against.
 Padded positions are never stored. Output format: docs/artifacts.md, ``eaglet.hidden_store``.
 
     python -m eaglet.extract --tokens results/r/tokenize/tokens.parquet \
@@ -33,6 +35,8 @@ from eaglet.hidden_store import HiddenStateDataset, ShardWriter, bytes_per_token
 __all__ = ["extract", "assign_shards", "make_batches", "HiddenStateDataset"]
 
 log = logging.getLogger("eaglet.extract")
+# Positions per batch where the target's real head runs (a [B, P, V] logits tensor: small).
+REF_PER_BATCH = 4
 
 
 def assign_shards(ids: list[str], num_tokens: list[int], num_shards: int) -> list[int]:
@@ -73,10 +77,13 @@ def pad_batch(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor
 
 
 class Capture:
-    """Forward hooks that keep the outputs of the decoder layers feeding the aux ids, and an
-    Identity in place of the final norm so the base model returns the pre-norm final state."""
+    """Forward hooks that keep the outputs of the decoder layers feeding the aux ids and the
+    input of the final norm (the pre-norm final state). The model runs its own full forward, head
+    included, but the head only at ``ref_positions`` (``logits_to_keep``): the real model's top-1
+    token there is recorded so the trainer can prove its reconstructed labels (eaglet.labels)."""
 
     def __init__(self, model, layer_ids: list[int]):
+        self.model = model
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.layers = self.base.layers
         self.n = len(self.layers)
@@ -86,24 +93,41 @@ class Capture:
         for j in layer_ids:
             if j < self.n:  # id n is the final state itself
                 self._handles.append(self.layers[j - 1].register_forward_hook(self._hook(j)))
-        self._norm = self.base.norm
-        self.base.norm = torch.nn.Identity()
+        self._handles.append(self.base.norm.register_forward_hook(self._norm_hook))
 
     def _hook(self, j: int):
         def fn(_module, _inputs, output):
             self.out[j] = output[0] if isinstance(output, tuple) else output
         return fn
 
-    def __call__(self, ids_BT, mask_BT) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _norm_hook(self, _module, inputs, _output):
+        self.out["final"] = inputs[0]
+
+    def __call__(self, ids_BT, mask_BT, ref_positions: torch.Tensor | None = None):
+        """-> (aux states, pre-norm final_BTH, real logits at ref_positions [B, P, V] or None)."""
         self.out.clear()
-        final_BTH = self.base(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False).last_hidden_state
+        logits = None
+        if ref_positions is not None and len(ref_positions):
+            logits = self.model(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False,
+                                logits_to_keep=ref_positions.to(ids_BT.device)).logits
+        else:
+            self.base(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False)
+        final_BTH = self.out["final"]
         aux = [final_BTH if j == self.n else self.out[j] for j in self.layer_ids]
-        return aux, final_BTH
+        return aux, final_BTH, logits
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
-        self.base.norm = self._norm
+
+
+def reference_positions(lengths: list[int], per_batch: int) -> torch.Tensor:
+    """Positions (shared by the batch's rows) where the real head runs: spread over the shortest
+    row, so every row has a real token there."""
+    n = min(lengths)
+    if per_batch <= 0 or n < 1:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.linspace(0, n - 1, min(per_batch, n)).round().long().unique()
 
 
 def pick_device(device: str) -> str:
@@ -196,7 +220,7 @@ def _load(path: str, digest: str, dtype: str, dev: str, ngpu: int):
 
 @torch.inference_mode()
 def _run(model, writer, ids, inputs, masks, layer_ids, H, token_budget, device, sdtype,
-         done_tokens, total_tokens, progress) -> None:
+         done_tokens, total_tokens, progress, ref_per_batch: int = REF_PER_BATCH) -> None:
     from tqdm import tqdm
 
     cap = Capture(model, layer_ids)
@@ -207,7 +231,12 @@ def _run(model, writer, ids, inputs, masks, layer_ids, H, token_budget, device, 
     try:
         for batch in make_batches([len(r) for r in inputs], token_budget):
             ids_BT, mask_BT = pad_batch([inputs[i] for i in batch], device)
-            aux, final_BTH = cap(ids_BT, mask_BT)
+            ref_pos = reference_positions([len(inputs[i]) for i in batch], ref_per_batch)
+            aux, final_BTH, ref_logits = cap(ids_BT, mask_BT, ref_pos)
+            if ref_logits is not None:
+                v, top = ref_logits.float().topk(2, -1)  # B P 2
+                writer.add_references([[ids[i], int(p), int(top[b, j, 0]), float(v[b, j, 0] - v[b, j, 1])]
+                                       for b, i in enumerate(batch) for j, p in enumerate(ref_pos.tolist())])
             keep_BT = mask_BT.bool()
             aux_N3H = torch.stack([a[keep_BT.to(a.device)].to(final_BTH.device) for a in aux], dim=1)
             final_NH = final_BTH[keep_BT.to(final_BTH.device)]

@@ -96,6 +96,9 @@ class ShardWriter:
         self.bpt = bytes_per_token(dtype, hidden_size)
         self.chunks: list[dict] = []
         self.samples: list[dict] = []
+        # [sample id, position, real top-1 id, real top-1 - top-2 logit] recorded by the target's
+        # full forward (eaglet.extract): the trainer proves its labels against them (eaglet.labels)
+        self.references: list[list] = []
         self._buf: list[tuple] = []
         self._buf_tokens = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-writer")
@@ -138,6 +141,8 @@ class ShardWriter:
                 stray.unlink()
         self.chunks = kept
         self.samples = [s for s in (prog or {}).get("samples", []) if s["chunk"] < len(kept)]
+        done = {s["id"] for s in self.samples}
+        self.references = [r for r in (prog or {}).get("label_reference", []) if r[0] in done]
         if kept:
             log.info("shard %d: resuming after %d complete chunks (%d samples, %d tokens)",
                      self.header["shard"], len(kept), len(self.samples),
@@ -158,6 +163,10 @@ class ShardWriter:
         self._buf_tokens += T
         if self._buf_tokens * self.bpt >= self.chunk_bytes:
             self._flush()
+
+    def add_references(self, rows: list[list]) -> None:
+        """Record real-model top-1 tokens: rows of [sample id, position, top-1 id, margin]."""
+        self.references += [[str(a), int(b), int(c), float(d)] for a, b, c, d in rows]
 
     def _flush(self) -> None:
         if not self._buf:
@@ -195,9 +204,11 @@ class ShardWriter:
 
     def _write_progress(self, upto: int | None = None) -> None:
         upto = len(self.chunks) if upto is None else upto
+        samples = [s for s in self.samples if s["chunk"] < upto]
+        done = {s["id"] for s in samples}
         io.write_json(self.progress_path, {
-            **self.header, "chunks": self.chunks[:upto],
-            "samples": [s for s in self.samples if s["chunk"] < upto], "complete": False})
+            **self.header, "chunks": self.chunks[:upto], "samples": samples,
+            "label_reference": [r for r in self.references if r[0] in done], "complete": False})
 
     def _check_pending(self, wait: bool = False) -> None:
         keep = []
@@ -213,7 +224,8 @@ class ShardWriter:
         self._flush()
         self._check_pending(wait=True)
         self._pool.shutdown()
-        index = {**self.header, "chunks": self.chunks, "samples": self.samples, "complete": True}
+        index = {**self.header, "chunks": self.chunks, "samples": self.samples,
+                 "label_reference": self.references, "complete": True}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if self.work_dir.resolve() != self.out_dir.resolve():
             for c in self.chunks:
@@ -249,6 +261,7 @@ class HiddenStateDataset:
         self.meta: dict | None = None
         self.ids: list[str] = []
         self.num_tokens: list[int] = []
+        self.label_references: list[list] = []  # see ShardWriter.references
         self._where: list[tuple[Path, int]] = []  # (chunk path, row)
         self._max_open = max_open
         self._open: OrderedDict[Path, tuple] = OrderedDict()
@@ -284,6 +297,7 @@ class HiddenStateDataset:
             bad = {k: shapes.get(k) for k, v in want.items() if shapes.get(k) != v}
             if bad:
                 raise io.ArtifactError(f"{f}: shapes {bad} disagree with {path} (want {want})")
+        self.label_references += idx.get("label_reference", [])
         seen = set(self.ids)
         for s in idx["samples"]:
             if s["chunk"] >= len(idx["chunks"]) or s["row"] >= idx["chunks"][s["chunk"]]["num_samples"]:

@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglet import io
+from eaglet import io, labels
 from eaglet.hidden_store import HiddenStateDataset
-from eaglet.model import DrafterConfig, Eagle3Drafter, load_target_embedding, read_target_tensor, save_drafter
+from eaglet.model import DrafterConfig, Eagle3Drafter, load_target_embedding, save_drafter
 
 log = logging.getLogger("eaglet.train")
 
@@ -69,6 +69,8 @@ DEFAULTS = dict(
     max_steps=None,         # cap on optimizer steps (smoke runs, tests)
     seed=0,
     gpus=0,
+    label_min_agreement=labels.MIN_AGREEMENT,  # top-1 agreement of the labels with the real model
+    accept_unchecked_labels=False,  # train even when the label check could not run (no references)
     sleep_per_step=0.0,     # test aid: slow a run down so a test can kill it mid-way
 )
 
@@ -88,37 +90,45 @@ def resolve_params(params: dict | None) -> dict:
 
 # --------------------------------------------------------------------------- target logits
 class TargetHead:
-    """The target's next-token distribution over the draft vocab, from stored final states."""
+    """The target's next-token distribution over the draft vocab, from stored pre-norm final
+    states, computed by the target's own modules (eaglet.labels)."""
 
     def __init__(self, identity: dict, t2d: torch.Tensor, final_is_prenorm: bool, greedy_rows: bool,
                  device):
-        model_dir = identity["path"]
-        name = "model.embed_tokens.weight" if identity.get("tie_word_embeddings") else "lm_head.weight"
-        self.w_VdH = read_target_tensor(model_dir, name, rows=t2d.nonzero().squeeze(1)).float().to(device)
-        self.w_rest = None
+        if not final_is_prenorm:
+            raise io.ArtifactError("hidden states store the final state after the norm; eaglet.extract "
+                                   "stores it before (re-extract)")
+        self.head = labels.TargetHead(identity["path"], rows=t2d.nonzero().squeeze(1), device=device,
+                                      trust_remote_code=bool(identity.get("trust_remote_code", False)))
+        self.w_VdH = self.head.row_linear.weight.detach()
+        self.rest = []
         if greedy_rows and not bool(t2d.all()):
             dt = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-            self.w_rest = read_target_tensor(model_dir, name, rows=(~t2d).nonzero().squeeze(1)).to(device, dt)
-        self.norm = None
-        if final_is_prenorm:  # stored before the final norm: apply it as the target would
-            self.norm = read_target_tensor(model_dir, "model.norm.weight").float().to(device)
-        self.eps = float(identity.get("rms_norm_eps") or 1e-6)
+            self.rest = self.head.row_chunks((~t2d).nonzero().squeeze(1), dt)
 
     @torch.no_grad()
     def __call__(self, final_BTH: torch.Tensor):
         """-> (p_BTVd float32, greedy_in_draft_vocab_BT bool or None)."""
-        x = final_BTH.float()
-        if self.norm is not None:
-            x = self.norm * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        logits = x @ self.w_VdH.T
+        x = self.head.normed(final_BTH)
+        logits = self.head.logits(x, normed=True)
         inv = None
-        if self.w_rest is not None:
-            xr = x.to(self.w_rest.dtype)
-            rest = torch.full(x.shape[:-1], float("-inf"), device=x.device)
-            for lo in range(0, len(self.w_rest), 16384):  # bounded memory for 160k vocabs
-                rest = torch.maximum(rest, (xr @ self.w_rest[lo:lo + 16384].T).float().amax(-1))
-            inv = logits.amax(-1) >= rest
+        if self.rest:
+            inv = logits.amax(-1) >= self.head.max_over(x, self.rest, normed=True)
         return torch.softmax(logits, -1), inv
+
+
+def prove_labels(head: TargetHead, ds: HiddenStateDataset, p: dict) -> dict:
+    """The reconstructed labels against the real model's top-1 tokens recorded by extraction;
+    raises LabelMismatch on disagreement, and when the check cannot run unless
+    ``accept_unchecked_labels`` (a check that did not run is not a pass)."""
+    where = {s: i for i, s in enumerate(ds.ids)}
+    rec = labels.check_against_reference(head.head, ds.label_references, lambda sid: ds.sample(where[sid])["final"],
+                                         ds.meta["dtype"], float(p["label_min_agreement"]))
+    if rec["ok"] is None and not p["accept_unchecked_labels"]:
+        raise labels.LabelMismatch(f"the label check did not run ({rec['reason']}): the hidden states hold no "
+                                   "real-model references (re-extract with this eaglet), or set "
+                                   "train.accept_unchecked_labels: true to train unchecked")
+    return rec
 
 
 # --------------------------------------------------------------------------- data
@@ -341,6 +351,11 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
 
     cfg = DrafterConfig.from_identity(identity, len(d2t), meta["layer_ids"], ttt_steps=int(p["ttt_steps"]))
     head = TargetHead(identity, t2d, bool(meta["final_is_prenorm"]), p["oov_rule"] == "greedy", device)
+    label_check = prove_labels(head, ds, p)
+    if main:
+        log.info("labels: top-1 agreement with the real model %s on %d of %d recorded positions (norm %s)",
+                 f"{label_check['agreement']:.4f}" if label_check["ok"] is not None else "NOT RUN",
+                 label_check["judged"], label_check["positions"], label_check["norm_class"])
     drafter = Eagle3Drafter(cfg, load_target_embedding(identity["path"]))
     if p["lm_head_init"] == "target":
         with torch.no_grad():
@@ -505,7 +520,7 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
                    "tokens_this_run": tokens_seen, "seconds_this_run": elapsed,
                    "tok_s": tokens_seen / max(elapsed, 1e-9),
                    "final_train": last_train, "final_val": last_val,
-                   "draft_vocab_size": len(d2t), "layer_ids": cfg.layer_ids,
+                   "draft_vocab_size": len(d2t), "layer_ids": cfg.layer_ids, "label_check": label_check,
                    "target_digest": identity["digest"], "params": p, "config": json.loads(cfg.to_json())}
         io.write_json(out_dir / "train_summary.json", summary)
         log.info("trained %d steps: loss %.4f, tau %.3f (val %s)", total, last_train["loss"],
