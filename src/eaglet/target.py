@@ -51,12 +51,14 @@ def default_layer_ids(num_layers: int) -> list[int]:
 
 
 def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """Aux ids in vLLM's convention (the residual stream entering layer j). vLLM records aux
+    states only before layers 0..N-1, so id N (the final state) is never served: refused."""
     ids = list(layer_ids)
     if len(ids) != 3 or sorted(set(ids)) != ids:
         raise ValueError(f"extract.layer_ids: need 3 distinct ascending ids, got {ids}")
-    if ids[0] < 1 or ids[-1] > num_layers:
-        raise ValueError(f"extract.layer_ids: {ids} outside [1, {num_layers}] "
-                         f"for a {num_layers}-layer target")
+    if ids[0] < 1 or ids[-1] > num_layers - 1:
+        raise ValueError(f"extract.layer_ids: {ids} outside [1, {num_layers - 1}] for a {num_layers}-layer "
+                         f"target (vLLM captures aux states only entering layers 0..{num_layers - 1})")
     return ids
 
 
