@@ -3,7 +3,7 @@
 
 rule target_model:
     input:
-        code=src("target", "io"),
+        code=src("target", "target_check", "io"),
     output:
         model=directory(f"{TARGET_DIR}/model"),
         identity=TARGET_ID,
@@ -53,7 +53,7 @@ rule prompts:
 
 rule tokenize:
     input:
-        code=src("tokenize", "io"),
+        code=src("tokenize", "target", "target_check", "io"),
         conversations=conversations_for_tokenize(),
         identity=TARGET_ID,
     output:
@@ -75,9 +75,10 @@ rule tokenize:
         max_length=config["tokenize"]["max_length"],
         overlong=config["tokenize"]["overlong"],
         batch_size=config["tokenize"]["batch_size"],
+        chat_template=CHAT_TEMPLATE,
     shell:
         "python -m eaglet.tokenize --conversations {input.conversations:q} --target {input.identity:q}"
-        " --max-length {params.max_length} --overlong {params.overlong}"
+        " --max-length {params.max_length} --overlong {params.overlong} --chat-template={params.chat_template:q}"
         " --batch-size {params.batch_size} --out-dir {params.out:q} --log {log:q}"
 
 
