@@ -276,3 +276,16 @@ def test_wrong_target_fails_at_parse_time_naming_the_key(tmp_path, base_target):
     # no vLLM installed where the config says: said so, not a pass
     code, out = _dry(tmp_path, {"path": str(llama)}, keep_env=False)
     assert code == 0 and "not checked (not run)" in out, out[-3000:]
+
+
+def test_vocab_pins_the_markers_of_the_template_given_by_the_key(base_target):
+    from eaglet import vocab
+
+    ident, template, _ = base_target
+    model_dir = ident.parent / "model"
+    bare = vocab.pinned_ids(load_tokenizer(model_dir), pin_special=True, extra=[])
+    keyed = vocab.pinned_ids(load_tokenizer(model_dir, template), pin_special=True, extra=[])
+    assert "template" not in bare.values()  # no template: only the named special tokens
+    tok = load_tokenizer(model_dir)
+    marks = tok.decode([i for i, why in keyed.items() if why == "template"])
+    assert "user" in marks and "istant" in marks  # the role words the chatml template writes

@@ -110,7 +110,7 @@ rule token_freq:
 
 rule vocab_map:
     input:
-        code=src("vocab", "io"),
+        code=src("vocab", "target", "target_check", "io"),
         counts=rules.token_freq.output.counts,
         identity=TARGET_ID,
     output:
@@ -133,10 +133,11 @@ rule vocab_map:
         pin_special=config["vocab"]["pin_special_tokens"],
         pinned=as_json(config["vocab"]["pinned"]),
         curve_points=config["vocab"]["curve_points"],
+        chat_template=CHAT_TEMPLATE,
     shell:
         "python -m eaglet.vocab --counts {input.counts:q} --target {input.identity:q}"
         " --draft-vocab-size {params.draft_vocab_size} --pin-special {params.pin_special}"
-        " --pinned {params.pinned:q} --curve-points {params.curve_points}"
+        " --pinned {params.pinned:q} --curve-points {params.curve_points} --chat-template={params.chat_template:q}"
         " --out-dir {params.out:q} --log {log:q}"
 
 
