@@ -289,3 +289,15 @@ def test_vocab_pins_the_markers_of_the_template_given_by_the_key(base_target):
     tok = load_tokenizer(model_dir)
     marks = tok.decode([i for i, why in keyed.items() if why == "template"])
     assert "user" in marks and "istant" in marks  # the role words the chatml template writes
+
+
+def test_built_target_is_reported_from_its_recorded_identity(tmp_path):
+    conf = {"target": {"name": "t", "tiny": {}, "path": None, "chat_template": None},
+            "evaluate": {"vllm": {"env": str(VLLM_ENV), "enabled": True}}, "export": {"vllm_check": True}}
+    (line,) = target_check.parse_time(conf, tmp_path)
+    assert "built by the first job" in line
+    ident = tmp_path / "resources/targets/t/identity.json"
+    ident.parent.mkdir(parents=True)
+    ident.write_text(json.dumps({"architecture": "Gemma3ForCausalLM"}))
+    (line,) = target_check.parse_time(conf, tmp_path)
+    assert "can NOT serve an EAGLE-3 drafter for Gemma3ForCausalLM" in line

@@ -209,8 +209,18 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
     t = config["target"]
     lines: list[str] = []
     template = chat_template_text(t.get("chat_template"), workdir)
+    ev = config.get("evaluate", {}).get("vllm", {})
+    env = Path(workdir) / ev.get("env", "envs/vllm/.venv")
     if not t.get("path") or t.get("tiny") is not None:
-        # Built or GGUF targets are known only once the first job (target_model) has made them.
+        # A built or GGUF target is known once the first job (target_model) has made it: that job
+        # checks the template and says whether vLLM serves it; later runs read what it recorded.
+        ident = Path(workdir) / "resources" / "targets" / t["name"] / "identity.json"
+        if ident.is_file():
+            arch = json.loads(ident.read_text()).get("architecture", "?")
+            lines.append(serving(arch, env)[1])
+        else:
+            lines.append(f"target {t['name']!r} is built by the first job (target_model), which checks its chat "
+                         "template and whether vLLM can serve an EAGLE-3 drafter for it")
         return lines
     conf = read_config(t["path"])
     text = text_config(conf)
@@ -223,8 +233,6 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
     if template is None and not has_chat_template(t["path"]):
         raise ValueError(no_template_message(f"target.path {t['path']!r}"))
     arch = architecture(conf)
-    ev = config.get("evaluate", {}).get("vllm", {})
-    env = Path(workdir) / ev.get("env", "envs/vllm/.venv")
     status, line = serving(arch, env)
     lines.append(line)
     uses = [k for k, on in (("export.vllm_check", config.get("export", {}).get("vllm_check")),
