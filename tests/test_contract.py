@@ -76,8 +76,9 @@ def test_shipped_embed_tokens_is_caught(good, tmp_path, tiny_target, tiny_drafte
 
 @pytest.mark.parametrize("ids, sglang_ids, why", [
     ([3, 5, 6], [2, 4, 5], "!= trained"),             # off by one, consistently in both places
-    ([2, 4, 9], [1, 3, 8], "outside [1, 8]"),         # past the last layer of an 8-layer target
-    ([0, 4, 5], [-1, 3, 4], "outside [1, 8]"),        # 0 is the embeddings, not a layer output
+    ([2, 4, 9], [1, 3, 8], "outside [1, 7]"),         # past the last layer of an 8-layer target
+    ([2, 4, 8], [1, 3, 7], "outside [1, 7]"),         # id N: vLLM taps only the inputs of layers 0..N-1
+    ([0, 4, 5], [-1, 3, 4], "outside [1, 7]"),        # 0 is the embeddings, not a layer output
     ([2, 4, 5], [2, 4, 5], "SGLang would tap [3, 5, 6]"),  # vLLM convention inside eagle_config
     ([5, 4, 2], [4, 3, 1], "not strictly ascending"),
 ])

@@ -898,6 +898,7 @@ def test_hostile_config_strings_execute_nothing(tmp_path):
     conf["vocab"]["pinned"] = [evil]
     conf["evaluate"]["sets"] = ["mtbench", evil]
     conf["evaluate"]["vllm"] = {"enabled": True, "env": evil}
+    conf["target"]["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}" + evil  # inline Jinja
     (wf / "config" / "evil.yaml").write_text(yaml.safe_dump(conf))
     code, out = _smk(wf, "-n", "-p", configfile="config/evil.yaml")
     assert code == 0, out[-3000:]
@@ -934,7 +935,8 @@ def test_hostile_config_strings_execute_nothing(tmp_path):
     # The strings reach every stage that takes them: prompts (path, split), generate (its JSON
     # config), vocab (pinned), evaluation, export and provenance (config JSON).
     assert {"eaglet.prompts", "eaglet.generate", "eaglet.vocab", "eaglet.evaluate", "eaglet.evaluate_vllm",
-            "eaglet.provenance"} <= modules, modules
+            "eaglet.provenance", "eaglet.tokenize", "eaglet.target"} <= modules, modules
+    assert conf["target"]["chat_template"] in holding or f"--chat-template={conf['target']['chat_template']}" in holding
     assert f"--path={tmp_path / evil / 'data.jsonl'}" in holding and evil in holding
 
     # (2) A real job: the prompts rule reads the file at that path and records it.

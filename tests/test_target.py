@@ -25,5 +25,9 @@ def test_layer_ids_default_and_validation():
     assert default_layer_ids(61) == [2, 30, 58]      # Kimi-K2
     with pytest.raises(ValueError, match="outside"):
         validate_layer_ids([2, 15, 31], 30)
+    # id N is the final state: vLLM records aux states only entering layers 0..N-1, never serves it
+    with pytest.raises(ValueError, match=r"extract.layer_ids: \[2, 15, 30\] outside \[1, 29\]"):
+        validate_layer_ids([2, 15, 30], 30)
+    assert validate_layer_ids([2, 15, 29], 30) == [2, 15, 29]
     with pytest.raises(ValueError, match="ascending"):
         validate_layer_ids([15, 2, 27], 30)

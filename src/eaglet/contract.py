@@ -257,8 +257,8 @@ def layer_id_check(conf: dict, fmt: str, num_layers: int, trained: dict | None) 
     else:
         if sorted(set(top)) != top:
             p.append(f"ids {top} not strictly ascending (fc concatenates low, mid, high)")
-        if top[0] < 1 or top[-1] > num_layers:
-            p.append(f"ids {top} outside [1, {num_layers}] for a {num_layers}-layer target")
+        if top[0] < 1 or top[-1] > num_layers - 1:  # vLLM taps only the inputs of layers 0..N-1
+            p.append(f"ids {top} outside [1, {num_layers - 1}] for a {num_layers}-layer target")
     if fmt == "A":
         ec = (conf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         sg = [i + 1 for i in ec] if isinstance(ec, list) else None

@@ -42,13 +42,13 @@ import torch
 
 from eaglet import eval_sets, io
 from eaglet.model import KVCache, load_drafter, load_target_embedding
-from eaglet.target import load_identity, load_model, load_tokenizer
+from eaglet.target import load_identity, load_model, load_tokenizer, stop_ids
 
 log = logging.getLogger("eaglet.evaluate")
 
 # Sized for the default run (SmolLM2-135M on 2 CPU cores): a few minutes in all.
 DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[1, 2, 3, 4, 5], tie_eps=1e-5,
-                stop_at_eos=True, max_prompt_tokens=1024)
+                stop_at_eos=True, max_prompt_tokens=1024, chat_template=None)
 
 
 # --------------------------------------------------------------------------- the target
@@ -241,7 +241,7 @@ def tau_all_positions(accepted: list[int], valid: list[int], k: int) -> float | 
 
 
 # --------------------------------------------------------------------------- setup
-def _setup(drafter_path, identity_path, threads, stop_at_eos=True):
+def _setup(drafter_path, identity_path, threads, stop_at_eos=True, chat_template=None):
     if threads:
         torch.set_num_threads(int(threads))
     ident = load_identity(identity_path)
@@ -249,11 +249,9 @@ def _setup(drafter_path, identity_path, threads, stop_at_eos=True):
     if cfg.target_digest and cfg.target_digest != ident["digest"]:
         raise io.ArtifactError(f"{drafter_path}: trained for target {cfg.target_digest[:12]}, "
                                f"not {ident['digest'][:12]} ({identity_path})")
-    tok = load_tokenizer(ident["path"])
+    tok = load_tokenizer(ident["path"], chat_template, need_template=True)
     model = load_model(ident["path"], dtype="float32")
-    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    eos |= set(gen_eos) if isinstance(gen_eos, list) else ({gen_eos} if gen_eos is not None else set())
+    eos = stop_ids(tok, model)  # the template's turn-end marker too: a base model's EOS alone never comes
     return ident, Target(model, cfg.layer_ids, eos if stop_at_eos else set()), EagleProposer(drafter, d2t), cfg, tok
 
 
@@ -314,7 +312,7 @@ def _offline_stats(starts: list[dict], rounds_by_k: dict, K: int) -> dict:
 def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path,
                      threads: int | None = None, **opts) -> dict:
     o = _options(opts)
-    ident, target, proposer, cfg, tok = _setup(drafter, identity, threads, o["stop_at_eos"])
+    ident, target, proposer, cfg, tok = _setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"])
     K, max_new, eps = max(o["k_values"]), o["max_new_tokens"], o["tie_eps"]
     prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
     t0 = time.time()
@@ -376,7 +374,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     """Real speculative decoding vs plain greedy on the same prompts; raises LosslessError (after
     writing speculative.failed.json) when an output differs from greedy without a logged tie."""
     o = _options(opts)
-    ident, target, proposer, cfg, tok = _setup(drafter, identity, threads, o["stop_at_eos"])
+    ident, target, proposer, cfg, tok = _setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"])
     max_new, eps, ks = o["max_new_tokens"], o["tie_eps"], o["k_values"]
     prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
     greedy(target, prompts[0]["prompt_ids"], 4)  # warm-up: first calls pay allocator/thread start-up

@@ -27,14 +27,14 @@ import time
 from pathlib import Path
 
 from eaglet import eval_sets, io
-from eaglet.target import load_identity, load_tokenizer
+from eaglet.target import load_identity, load_tokenizer, stop_ids
 
 log = logging.getLogger("eaglet.evaluate_vllm")
 
 RUNNER = Path(__file__).with_name("vllm_eval_runner.py")
 DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[3], iomp=True, max_num_seqs=1,
                 kv_cache_gb=2, timeout_s=1800, env="envs/vllm/.venv", stop_at_eos=True,
-                max_prompt_tokens=1024, noise_sigmas=3.0, noise_floor=0.05)
+                max_prompt_tokens=1024, noise_sigmas=3.0, noise_floor=0.05, chat_template=None)
 
 
 class VllmError(RuntimeError):
@@ -175,7 +175,8 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     py = vllm_python(o["env"])
     ident = load_identity(identity)
     conf = io.read_json(Path(drafter_dir) / "config.json")  # a clear error when the export is missing
-    prompts = eval_sets.load_prompts(sets, load_tokenizer(ident["path"]), o["num_prompts"], o["max_prompt_tokens"])
+    tok = load_tokenizer(ident["path"], o["chat_template"], need_template=True)
+    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
     by_set: dict[str, list] = {}
     for p in prompts:
         by_set.setdefault(p["set"], []).append(p["prompt_ids"])
@@ -183,7 +184,9 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     work.mkdir(parents=True, exist_ok=True)
     pfile = work / "prompts.json"
     pfile.write_text(json.dumps({"sets": by_set, "max_tokens": o["max_new_tokens"],
-                                 "ignore_eos": not o["stop_at_eos"]}))
+                                 "ignore_eos": not o["stop_at_eos"],
+                                 # the HF loop's stops: the template's turn-end marker as well as EOS
+                                 "stop_token_ids": sorted(stop_ids(tok)) if o["stop_at_eos"] else []}))
     max_len = max(len(p["prompt_ids"]) for p in prompts) + o["max_new_tokens"] + max(ks) + 16
     iomp = iomp_library(py) if o["iomp"] else None
     common = dict(o=o, max_model_len=max_len)

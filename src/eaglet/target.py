@@ -51,12 +51,14 @@ def default_layer_ids(num_layers: int) -> list[int]:
 
 
 def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """Aux ids in vLLM's convention (the residual stream entering layer j). vLLM records aux
+    states only before layers 0..N-1, so id N (the final state) is never served: refused."""
     ids = list(layer_ids)
     if len(ids) != 3 or sorted(set(ids)) != ids:
         raise ValueError(f"extract.layer_ids: need 3 distinct ascending ids, got {ids}")
-    if ids[0] < 1 or ids[-1] > num_layers:
-        raise ValueError(f"extract.layer_ids: {ids} outside [1, {num_layers}] "
-                         f"for a {num_layers}-layer target")
+    if ids[0] < 1 or ids[-1] > num_layers - 1:
+        raise ValueError(f"extract.layer_ids: {ids} outside [1, {num_layers - 1}] for a {num_layers}-layer "
+                         f"target (vLLM captures aux states only entering layers 0..{num_layers - 1})")
     return ids
 
 
@@ -118,7 +120,6 @@ def identity_of(model_dir: Path, name: str, source: str) -> dict:
         h.update(io.file_digest(w).encode())
     text = conf.get("text_config", conf)
     heads = text["num_attention_heads"]
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     return {
         "name": name,
         # Relative to identity.json, so a cached or copied target folder stays valid.
@@ -135,11 +136,102 @@ def identity_of(model_dir: Path, name: str, source: str) -> dict:
         "head_dim": text.get("head_dim") or text["hidden_size"] // heads,
         "intermediate_size": text["intermediate_size"],
         "rms_norm_eps": text.get("rms_norm_eps", 1e-6),
-        "rope_theta": text.get("rope_theta", rope.get("rope_theta", 10000.0)),
+        "rope_theta": text.get("rope_theta") or _rope(text)["rope_parameters"].get("rope_theta", 10000.0),
         "max_position_embeddings": text.get("max_position_embeddings"),
-        "hidden_act": text.get("hidden_act", "silu"),
-        "tie_word_embeddings": bool(conf.get("tie_word_embeddings", False)),
+        "hidden_act": text.get("hidden_act") or text.get("hidden_activation") or "silu",
+        "tie_word_embeddings": bool(conf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         "torch_dtype": str(conf.get("dtype") or conf.get("torch_dtype")),
+        **family_facts(conf),
+    }
+
+
+def _rope(text: dict) -> dict:
+    """Rope type and parameters, flat. Per-layer-type parameters (Gemma 3: ``full_attention`` /
+    ``sliding_attention`` dicts) are kept as such under ``rope_parameters_by_layer_type``; the flat
+    fields are then the full-attention ones (what a drafter's full-attention layer would use)."""
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    by_type = None
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        by_type = rope
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    flat = dict(rope)
+    if "rope_theta" not in flat and text.get("rope_theta") is not None:
+        flat["rope_theta"] = text["rope_theta"]
+    return {"rope_type": flat.get("rope_type") or flat.get("type") or "default", "rope_parameters": flat,
+            "rope_parameters_by_layer_type": by_type}
+
+
+def _norm(arch: str) -> dict:
+    """The model class's own RMSNorm, from its transformers modeling module, and what it computes:
+    ``rms`` = w * x/rms(x) (Llama, Qwen, DeepSeek), ``rms_1p`` = (1 + w) * x/rms(x) (Gemma),
+    found by running it with w = 0. None where transformers does not know the architecture."""
+    import importlib
+
+    import transformers
+
+    try:
+        module = importlib.import_module(getattr(transformers, arch).__module__)
+    except Exception:  # noqa: BLE001 - unknown to this transformers (remote code): facts unknown, not guessed
+        return {"norm_class": None, "norm_kind": None, "qk_norm": None, "embedding_scaled": None}
+    prefix = arch.removesuffix("ForCausalLM").removesuffix("ForConditionalGeneration")
+    names = [n for n, c in vars(module).items() if isinstance(c, type) and n.endswith("RMSNorm")
+             and c.__module__ == module.__name__]
+    name = f"{prefix}RMSNorm" if f"{prefix}RMSNorm" in names else (sorted(names) or [None])[0]
+    kind = None
+    if name:
+        import torch
+
+        try:
+            norm = getattr(module, name)(8)
+            with torch.no_grad():
+                norm.weight.zero_()
+                x = torch.randn(2, 8)
+                y = norm(x)
+            xhat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            kind = "rms" if torch.allclose(y, torch.zeros_like(y)) else \
+                "rms_1p" if torch.allclose(y, xhat, atol=1e-4) else "other"
+        except Exception:  # noqa: BLE001 - a norm with another signature: named, kind unknown
+            kind = None
+    src = Path(module.__file__).read_text()
+    return {"norm_class": name, "norm_kind": kind,
+            "qk_norm": "self.q_norm" in src,
+            # Gemma scales the token embeddings by sqrt(hidden) (ScaledWordEmbedding / normalizer)
+            "embedding_scaled": "ScaledWordEmbedding" in src or "normalizer" in src}
+
+
+def family_facts(conf: dict) -> dict:
+    """What makes this family differ from Llama, read from its config and its transformers
+    modeling module: activation, rope, norm, embedding scaling, logit soft-capping, sliding
+    window, attention kind (MLA), MoE expert counts. Stages and the report read these instead of
+    assuming Llama defaults."""
+    text = conf.get("text_config", conf)
+    H = text["hidden_size"]
+    arch = (conf.get("architectures") or ["?"])[0]
+    norm = _norm(arch)
+    scale = text.get("embedding_multiplier") or text.get("scale_emb")
+    if scale is None:
+        scale = H ** 0.5 if norm["embedding_scaled"] else 1.0
+    layer_types = text.get("layer_types") or []
+    sliding = text.get("sliding_window") if text.get("use_sliding_window", True) is not False else None
+    mla = bool(text.get("kv_lora_rank"))
+    experts = text.get("n_routed_experts") or text.get("num_local_experts") or text.get("num_experts")
+    return {
+        "activation": text.get("hidden_act") or text.get("hidden_activation") or "silu",
+        **_rope(text),
+        **{k: v for k, v in norm.items() if k != "embedding_scaled"},
+        "embedding_scale": float(scale),
+        "final_logit_softcapping": text.get("final_logit_softcapping"),
+        "attn_logit_softcapping": text.get("attn_logit_softcapping"),
+        "sliding_window": sliding,
+        "sliding_layers": sum(t == "sliding_attention" for t in layer_types) if sliding else 0,
+        "attention": "mla" if mla else "mha" if text.get("num_key_value_heads", text["num_attention_heads"])
+        == text["num_attention_heads"] else "gqa",
+        "mla": {k: text.get(k) for k in ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
+                                         "v_head_dim")} if mla else None,
+        "moe": {"experts": experts, "experts_per_token": text.get("num_experts_per_tok"),
+                "shared_experts": text.get("n_shared_experts") or (1 if text.get("shared_expert_intermediate_size")
+                                                                   else 0),
+                "moe_intermediate_size": text.get("moe_intermediate_size")} if experts else None,
     }
 
 
@@ -193,11 +285,65 @@ def load_identity(path: str | Path) -> dict:
     return ident
 
 
-def load_tokenizer(model_dir: str | Path):
+def load_tokenizer(model_dir: str | Path, chat_template: str | None = None, need_template: bool = False):
+    """The target's tokenizer. ``chat_template`` (``target.chat_template``: inline Jinja or a file)
+    replaces the checkpoint's own; every stage that renders conversations (generate, tokenize,
+    evaluate) loads it here, so all of them render alike. ``need_template``: refuse, naming the
+    key, when there is no template at all (a base model), instead of transformers' generic error."""
     io.quiet_third_party()
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    from eaglet.target_check import chat_template_text, no_template_message
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text = chat_template_text(chat_template)
+    if text:
+        tok.chat_template = text
+    if need_template and not tok.chat_template:
+        raise ValueError(no_template_message(str(model_dir)))
+    return tok
+
+
+SENTINEL = "EagletSentinelReply"
+
+
+def turn_end_ids(tok) -> list[int]:
+    """The special token(s) the chat template puts right after an assistant message: the turn-end
+    marker (``<|im_end|>``, ``<end_of_turn>``, ``<|eot_id|>``, ...). A model stops its reply with
+    it, so generation must stop there too: a base model's generation_config knows only its EOS.
+    Found by rendering a conversation whose assistant message is a sentinel."""
+    if not tok.chat_template:
+        return []
+    special = {i for i, t in tok.added_tokens_decoder.items() if t.special} | set(tok.all_special_ids)
+    for conv in ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": SENTINEL}],
+                 [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": SENTINEL}]):
+        try:
+            text = tok.apply_chat_template(conv, tokenize=False)
+        except Exception:  # noqa: BLE001 - templates that insist on other role orders
+            continue
+        if SENTINEL not in text:
+            continue
+        tail = text.split(SENTINEL, 1)[1]
+        ids = tok(tail, add_special_tokens=False)["input_ids"]
+        # Whitespace the template adds before the marker is not the marker.
+        for i in ids:
+            if i in special:
+                return [int(i)]
+            if tok.decode([i]).strip():
+                break
+    return []
+
+
+def stop_ids(tok, model=None) -> set[int]:
+    """Ids that end a reply: the template's turn-end marker, the tokenizer's EOS and the model's
+    generation_config EOS (one id or a list)."""
+    ids = set(turn_end_ids(tok))
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= {int(i) for i in (gen if isinstance(gen, list) else [gen]) if i is not None}
+    return ids
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device_map=None):
@@ -219,7 +365,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
-    materialise(json.loads(a.config), a.out)
+    cfg = json.loads(a.config)
+    ident = materialise(cfg, a.out)
+    check_first_job(cfg, Path(a.out) / ident["path"], ident["architecture"])
+
+
+def check_first_job(cfg: dict, model_dir: Path, arch: str, vllm_env: str = "envs/vllm/.venv") -> None:
+    """What parse time cannot know for a built or GGUF target, said by the first job: refuse a
+    target without any chat template (naming ``target.chat_template``); log whether the installed
+    vLLM can serve an EAGLE-3 drafter for this architecture."""
+    from eaglet import target_check
+
+    if not target_check.chat_template_text(cfg.get("chat_template")) and not target_check.has_chat_template(model_dir):
+        raise ValueError(target_check.no_template_message(f"target {cfg.get('name')!r}"))
+    log.info("%s", target_check.serving(arch, vllm_env)[1])
 
 
 if __name__ == "__main__":

@@ -128,7 +128,7 @@ def tokenize_rows(tokenizer, rows: list[dict], max_length: int = 2048, overlong:
     seen: set[str] = set()
     template = tokenizer.chat_template or ""
     if not template:
-        raise ValueError("the target tokenizer has no chat template; set one in tokenizer_config.json")
+        raise ValueError("the target tokenizer has no chat template; set target.chat_template (a Jinja file or text)")
     pending: list[tuple[dict, list[dict], str, list]] = []
     renderer = Renderer(tokenizer)
 
@@ -214,10 +214,11 @@ def read_tokens(path: str | Path):
 
 
 def run(conversations: str | Path, target: str | Path, out_dir: str | Path, max_length: int = 2048,
-        overlong: str = "truncate", batch_size: int = 256) -> dict:
+        overlong: str = "truncate", batch_size: int = 256, chat_template: str | None = None) -> dict:
+    """``chat_template``: ``target.chat_template`` (text or file), else the checkpoint's own."""
     from eaglet.target import load_identity, load_tokenizer
 
-    tok = load_tokenizer(load_identity(target)["path"])
+    tok = load_tokenizer(load_identity(target)["path"], chat_template, need_template=True)
     rows = io.read_conversations(conversations)
     kept, skipped, by_source = tokenize_rows(tok, rows, max_length, overlong, batch_size)
     out_dir = Path(out_dir)
@@ -250,10 +251,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--overlong", choices=["skip", "truncate"], default="truncate")
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--chat-template", default="", help="target.chat_template: Jinja text or a file ('' = the target's)")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
-    m = run(a.conversations, a.target, a.out_dir, a.max_length, a.overlong, a.batch_size)
+    m = run(a.conversations, a.target, a.out_dir, a.max_length, a.overlong, a.batch_size, a.chat_template or None)
     log.info("tokenize: %d samples, %d skipped %s, %d tokens, %d assistant tokens, %d unique",
              m["samples_processed"], m["samples_skipped"], m["skipped_by_reason"], m["total_tokens"],
              m["total_assistant_tokens"], m["unique_assistant_tokens"])

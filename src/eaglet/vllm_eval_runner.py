@@ -73,7 +73,8 @@ def main():
     if a.drafter:
         kw["speculative_config"] = {"method": "eagle3", "model": a.drafter, "num_speculative_tokens": a.k}
     llm = LLM(**kw)
-    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=spec.get("ignore_eos", False))
+    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=spec.get("ignore_eos", False),
+                        stop_token_ids=spec.get("stop_token_ids") or None)
     first = next(iter(spec["sets"].values()))[0]
     # warm-up: the first requests pay for allocations; not part of the timing
     llm.generate([{"prompt_token_ids": first}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)

@@ -111,10 +111,12 @@ def coverage_curve(counts: np.ndarray, points: int) -> list[dict]:
 
 
 def run(counts_path: str | Path, target: str | Path, out_dir: str | Path, draft_vocab_size: int,
-        pin_special: bool = True, pinned: list[str] | None = None, curve_points: int = 64) -> dict:
+        pin_special: bool = True, pinned: list[str] | None = None, curve_points: int = 64,
+        chat_template: str | None = None) -> dict:
+    """``chat_template``: ``target.chat_template``, whose marker tokens are pinned like the checkpoint's."""
     from eaglet.target import load_identity, load_tokenizer
 
-    tok = load_tokenizer(load_identity(target)["path"])
+    tok = load_tokenizer(load_identity(target)["path"], chat_template)
     tensors = io.load_tensors(counts_path)
     if "counts" not in tensors:
         raise io.ArtifactError(f"{counts_path}: no 'counts' tensor")
@@ -160,12 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pin-special", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
     p.add_argument("--pinned", default="[]", help="JSON list of extra strings to pin")
     p.add_argument("--curve-points", type=int, default=64)
+    p.add_argument("--chat-template", default="", help="target.chat_template: Jinja text or a file ('' = the target's)")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
     s = run(a.counts, a.target, a.out_dir, a.draft_vocab_size, a.pin_special, json.loads(a.pinned),
-            a.curve_points)
+            a.curve_points, a.chat_template or None)
     missed = [p["token"] for p in s["pinned"] if not p["would_be_in_without_pin"]]
     msg = (f"vocab_map: draft vocab {s['draft_vocab_size']} of {s['vocab_size']}: coverage "
            f"{100 * s['coverage']:.2f}% of {s['assistant_tokens']} assistant tokens; "

@@ -1,12 +1,26 @@
 # Config validation and small pure helpers shared by every rule file. Nothing else lives here.
 import json
+import sys
 from pathlib import Path
 
+from snakemake.logging import logger
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
 
 validate(config, schema="../schemas/config.schema.yaml", set_default=True)
+
+# This workflow's own library (not whichever eaglet is installed) checks the target at parse time:
+# a wrong target.path, layer ids, a missing chat template or an engine that cannot serve the
+# drafter stop `snakemake -n` already, naming the key.
+sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+from eaglet import target_check
+
+for _line in target_check.parse_time(config):
+    logger.info(_line)
+# The template's text (not its path) is a param of every stage that renders conversations, so it
+# is in their cache keys; "" = the checkpoint's own.
+CHAT_TEMPLATE = target_check.chat_template_text(config["target"]["chat_template"]) or ""
 
 RUN = f"results/{config['run']}"
 LOGS = f"logs/{config['run']}"

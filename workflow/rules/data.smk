@@ -3,7 +3,7 @@
 
 rule target_model:
     input:
-        code=src("target", "io"),
+        code=src("target", "target_check", "io"),
     output:
         model=directory(f"{TARGET_DIR}/model"),
         identity=TARGET_ID,
@@ -53,7 +53,7 @@ rule prompts:
 
 rule tokenize:
     input:
-        code=src("tokenize", "io"),
+        code=src("tokenize", "target", "target_check", "io"),
         conversations=conversations_for_tokenize(),
         identity=TARGET_ID,
     output:
@@ -75,9 +75,10 @@ rule tokenize:
         max_length=config["tokenize"]["max_length"],
         overlong=config["tokenize"]["overlong"],
         batch_size=config["tokenize"]["batch_size"],
+        chat_template=CHAT_TEMPLATE,
     shell:
         "python -m eaglet.tokenize --conversations {input.conversations:q} --target {input.identity:q}"
-        " --max-length {params.max_length} --overlong {params.overlong}"
+        " --max-length {params.max_length} --overlong {params.overlong} --chat-template={params.chat_template:q}"
         " --batch-size {params.batch_size} --out-dir {params.out:q} --log {log:q}"
 
 
@@ -109,7 +110,7 @@ rule token_freq:
 
 rule vocab_map:
     input:
-        code=src("vocab", "io"),
+        code=src("vocab", "target", "target_check", "io"),
         counts=rules.token_freq.output.counts,
         identity=TARGET_ID,
     output:
@@ -132,10 +133,11 @@ rule vocab_map:
         pin_special=config["vocab"]["pin_special_tokens"],
         pinned=as_json(config["vocab"]["pinned"]),
         curve_points=config["vocab"]["curve_points"],
+        chat_template=CHAT_TEMPLATE,
     shell:
         "python -m eaglet.vocab --counts {input.counts:q} --target {input.identity:q}"
         " --draft-vocab-size {params.draft_vocab_size} --pin-special {params.pin_special}"
-        " --pinned {params.pinned:q} --curve-points {params.curve_points}"
+        " --pinned {params.pinned:q} --curve-points {params.curve_points} --chat-template={params.chat_template:q}"
         " --out-dir {params.out:q} --log {log:q}"
 
 

@@ -18,12 +18,12 @@ EVAL_OPTS = {
         "stop_at_eos",
         "max_prompt_tokens",
     )
-}
+} | {"chat_template": CHAT_TEMPLATE or None}
 
 
 rule evaluate_offline:
     input:
-        code=src("evaluate", "eval_sets", "model", "target", "io"),
+        code=src("evaluate", "eval_sets", "model", "target", "target_check", "io"),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -49,7 +49,7 @@ rule evaluate_offline:
 # Timing: run alone (all cores), after the offline stage so the two never share the CPU.
 rule evaluate_speculative:
     input:
-        code=src("evaluate", "eval_sets", "model", "target", "io"),
+        code=src("evaluate", "eval_sets", "model", "target", "target_check", "io"),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -74,7 +74,7 @@ rule evaluate_speculative:
 
 rule evaluate_vllm:
     input:
-        code=src("evaluate_vllm", "vllm_eval_runner", "eval_sets", "target", "io"),
+        code=src("evaluate_vllm", "vllm_eval_runner", "eval_sets", "target", "target_check", "io"),
         config=rules.export.output.config,
         weights=rules.export.output.weights,
         identity=TARGET_ID,
@@ -102,6 +102,7 @@ rule evaluate_vllm:
                     )
                 },
                 **{k: v for k, v in EVAL["vllm"].items() if k != "enabled"},
+                "chat_template": CHAT_TEMPLATE or None,
             }
         ),
         drafter=lambda wildcards, input: str(Path(input.config).parent),

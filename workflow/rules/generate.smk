@@ -25,7 +25,7 @@ GENERATE_SAMPLING = as_json(
 
 rule generate:
     input:
-        code=src("generate", "vllm_server", "target", "io"),
+        code=src("generate", "vllm_server", "target", "target_check", "io"),
         conversations=f"{RUN}/prompts/train.parquet",
         identity=TARGET_ID,
     output:
@@ -53,8 +53,9 @@ rule generate:
     params:
         digest=target_digest,
         sampling=GENERATE_SAMPLING,
+        chat_template=CHAT_TEMPLATE,
         out=out_dir,
     shell:
         "python -m eaglet.generate --conversations {input.conversations:q}"
         " --target {input.identity:q} --out-dir {params.out:q} --config {resources.generate_backend:q}"
-        " --server-log {log.server:q} --log {log.main:q}"
+        " --server-log {log.server:q} --chat-template={params.chat_template:q} --log {log.main:q}"

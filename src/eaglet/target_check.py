@@ -1,0 +1,243 @@
+"""Facts about the target that decide, before any job runs, whether the run can succeed.
+
+Called by workflow/rules/common.smk at parse time (so ``snakemake -n`` already refuses a wrong
+target, naming the config key) and by the first job. Everything here reads files only: no
+transformers, no torch, no vLLM import, so parsing the workflow stays fast.
+
+- ``read_config``          the target's config.json (``text_config`` of a multimodal one)
+- ``chat_template_text``   ``target.chat_template`` as template text (a file path or inline Jinja)
+- ``has_chat_template``    whether a checkpoint folder ships a chat template
+- ``eagle3_architectures`` the architectures the INSTALLED vLLM can serve an EAGLE-3 drafter for,
+                           read from its source (models implementing ``SupportsEagle3``)
+- ``serving``              one verdict line for the target's architecture
+- ``parse_time``           all of the above for a workflow config; raises naming the key
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+# A value holding Jinja syntax is the template itself; anything else is a path to one.
+_JINJA = re.compile(r"\{[{%#]")
+_CLASS = re.compile(r"^class\s+(\w+)\s*\(([^)]*)\)\s*:", re.M)
+TEMPLATE_KEY = "target.chat_template"
+_SERVED = ("_TEXT_GENERATION_MODELS", "_MULTIMODAL_MODELS", "_TRANSFORMERS_SUPPORTED_MODELS")
+
+
+def read_config(path: str | Path, key: str = "target.path") -> dict:
+    """``<path>/config.json`` as a dict; a missing folder or file is an error naming ``key``."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"{key}: {str(path)!r} is not a folder (expected a local Hugging Face checkpoint)")
+    conf = p / "config.json"
+    if not conf.is_file():
+        raise ValueError(f"{key}: {str(path)!r} has no config.json (not a Hugging Face checkpoint folder)")
+    try:
+        return json.loads(conf.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{key}: {conf} is not valid JSON: {e}") from None
+
+
+def text_config(conf: dict) -> dict:
+    """The language model's part of a config: ``text_config`` for multimodal checkpoints."""
+    return conf.get("text_config") or conf
+
+
+def architecture(conf: dict) -> str:
+    return (conf.get("architectures") or ["?"])[0]
+
+
+def check_layer_ids(layer_ids: list[int] | None, num_layers: int) -> list[int]:
+    """``extract.layer_ids`` (or vLLM's default) valid for an ``num_layers``-layer target."""
+    from eaglet.target import default_layer_ids, validate_layer_ids
+
+    return validate_layer_ids(layer_ids or default_layer_ids(num_layers), num_layers)
+
+
+# --------------------------------------------------------------------------- chat template
+def chat_template_text(value: str | None, base_dir: str | Path = ".") -> str | None:
+    """The template text for ``target.chat_template``: inline Jinja as is, else the file it names
+    (relative paths from ``base_dir``, the workflow folder). The text, not the path, goes into
+    the cache key, so editing the file reruns what depends on it."""
+    if not value:
+        return None
+    if _JINJA.search(value):
+        return value
+    p = Path(value).expanduser()
+    p = p if p.is_absolute() else Path(base_dir) / p
+    if not p.is_file():
+        raise ValueError(f"{TEMPLATE_KEY}: {value!r} is neither a Jinja template (no {{{{ or {{%) "
+                         f"nor an existing file ({p})")
+    text = p.read_text()
+    if p.suffix == ".json":  # chat_template.json: {"chat_template": "..."}
+        text = json.loads(text).get("chat_template", "")
+    if not text.strip():
+        raise ValueError(f"{TEMPLATE_KEY}: {p} is empty")
+    return text
+
+
+def has_chat_template(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's tokenizer files carry a chat template (the places transformers
+    reads: chat_template.jinja, chat_template.json, tokenizer_config.json's ``chat_template``)."""
+    d = Path(model_dir)
+    if (d / "chat_template.jinja").is_file() or any((d / "additional_chat_templates").glob("*.jinja")):
+        return True
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        f = d / name
+        if f.is_file():
+            try:
+                if json.loads(f.read_text()).get("chat_template"):
+                    return True
+            except (json.JSONDecodeError, AttributeError):
+                continue
+    return False
+
+
+def no_template_message(where: str) -> str:
+    return (f"{where}: the target has no chat template (none in its tokenizer files); set "
+            f"{TEMPLATE_KEY} to a Jinja file or an inline template (a base model needs one)")
+
+
+# --------------------------------------------------------------------------- vLLM serving
+def vllm_package(env: str | Path) -> Path | None:
+    """The ``vllm`` package folder inside a virtual environment, or None when not installed."""
+    for sp in sorted(Path(env).glob("lib/python3*/site-packages")):
+        if (sp / "vllm" / "model_executor" / "models" / "registry.py").is_file():
+            return sp / "vllm"
+    return None
+
+
+def _registry(registry_py: Path) -> dict[str, tuple[str, str]]:
+    """{architecture: (module, class)} from every ``"Arch": ("module", "Class")`` dict entry."""
+    tree = ast.parse(registry_py.read_text())
+    # Served-generation tables only (not embedding, reward or drafter models); any dict if the
+    # layout changed.
+    dicts = [n.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict)
+             and any(isinstance(t, ast.Name) and t.id in _SERVED for t in n.targets)]
+    out: dict[str, tuple[str, str]] = {}
+    for node in dicts or [n for n in ast.walk(tree) if isinstance(n, ast.Dict)]:
+        if isinstance(node, ast.Dict):
+            for k, v in zip(node.keys, node.values, strict=True):
+                if (isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, ast.Tuple)
+                        and len(v.elts) == 2 and all(isinstance(e, ast.Constant) for e in v.elts)):
+                    out[k.value] = (v.elts[0].value, v.elts[1].value)
+    return out
+
+
+def _classes(files) -> dict[str, dict[str, list[str]]]:
+    """{file: {class: base names}} (last dotted component, generics stripped)."""
+    out = {}
+    for f in files:
+        text = f.read_text(errors="replace")
+        found = {}
+        for name, bases in _CLASS.findall(text):
+            names = []
+            for b in bases.split(","):
+                b = re.sub(r"\[.*", "", b.strip())
+                if b and "=" not in b:
+                    names.append(b.split(".")[-1])
+            found[name] = names
+        if found:
+            out[str(f)] = found
+    return out
+
+
+def eagle3_architectures(env: str | Path) -> list[str] | None:
+    """Architectures the vLLM installed in ``env`` maps to a model class implementing its EAGLE-3
+    interface (``SupportsEagle3``, directly or through a base class); None when no vLLM is there.
+    Read from the source files: importing vLLM takes many seconds."""
+    pkg = vllm_package(env)
+    if pkg is None:
+        return None
+    models = pkg / "model_executor" / "models"
+    files = [f for root in (models, pkg / "models") if root.is_dir() for f in root.rglob("*.py")]
+    per_file = _classes(files)
+    everywhere: dict[str, list[list[str]]] = {}
+    for found in per_file.values():
+        for name, bases in found.items():
+            everywhere.setdefault(name, []).append(bases)
+    memo: dict[str, bool] = {}
+
+    def supports(name: str, bases_list: list[list[str]] | None = None, depth: int = 0) -> bool:
+        if name == "SupportsEagle3":
+            return True
+        if bases_list is None:
+            if name in memo:
+                return memo[name]
+            bases_list = everywhere.get(name, [])
+        ok = depth < 20 and any(supports(b, None, depth + 1) for bases in bases_list for b in bases if b != name)
+        memo.setdefault(name, ok)
+        return ok
+
+    archs = []
+    for arch, (module, cls) in _registry(models / "registry.py").items():
+        rel = module.removeprefix("vllm.").split(".") if module.startswith("vllm.") else None
+        base = pkg.joinpath(*rel) if rel else models / module
+        # The class as the registry's module defines it (a package: any file in it).
+        cands = [found[cls] for f, found in per_file.items()
+                 if cls in found and (f == f"{base}.py" or f.startswith(f"{base}/"))]
+        if cands and supports(cls, cands):
+            archs.append(arch)
+    return sorted(set(archs))
+
+
+def serving(arch: str, env: str | Path) -> tuple[str, str]:
+    """(status, line): status is ``supported``, ``unsupported`` or ``not-run`` (no vLLM in ``env``)."""
+    archs = eagle3_architectures(env)
+    if archs is None:
+        return "not-run", (f"vLLM EAGLE-3 serving for {arch}: not checked (not run): no vLLM installed in "
+                           f"{env} (envs/vllm/setup.sh installs it)")
+    pkg = vllm_package(env)
+    version = next((p.name.removesuffix(".dist-info").split("-")[-1] for p in pkg.parent.glob("vllm*.dist-info")),
+                   "?")
+    listed = ", ".join(archs)
+    if arch in archs:
+        return "supported", (f"vLLM {version} ({env}) can serve an EAGLE-3 drafter for {arch}: supported "
+                             f"(EAGLE-3 targets: {listed})")
+    return "unsupported", (f"vLLM {version} ({env}) can NOT serve an EAGLE-3 drafter for {arch}: the model "
+                           f"class does not implement vLLM's EAGLE-3 interface (SupportsEagle3 / "
+                           f"set_aux_hidden_state_layers); EAGLE-3 targets: {listed}")
+
+
+# --------------------------------------------------------------------------- the workflow
+def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
+    """Check a validated workflow config against the target it names; return the lines to log.
+    Raises ValueError naming the config key when the run cannot succeed."""
+    t = config["target"]
+    lines: list[str] = []
+    template = chat_template_text(t.get("chat_template"), workdir)
+    ev = config.get("evaluate", {}).get("vllm", {})
+    env = Path(workdir) / ev.get("env", "envs/vllm/.venv")
+    if not t.get("path") or t.get("tiny") is not None:
+        # A built or GGUF target is known once the first job (target_model) has made it: that job
+        # checks the template and says whether vLLM serves it; later runs read what it recorded.
+        ident = Path(workdir) / "resources" / "targets" / t["name"] / "identity.json"
+        if ident.is_file():
+            arch = json.loads(ident.read_text()).get("architecture", "?")
+            lines.append(serving(arch, env)[1])
+        else:
+            lines.append(f"target {t['name']!r} is built by the first job (target_model), which checks its chat "
+                         "template and whether vLLM can serve an EAGLE-3 drafter for it")
+        return lines
+    conf = read_config(t["path"])
+    text = text_config(conf)
+    n = text.get("num_hidden_layers")
+    if not isinstance(n, int) or n < 4:
+        raise ValueError(f"target.path: {t['path']}/config.json: num_hidden_layers {n!r} "
+                         "(an EAGLE-3 target needs at least 4 layers)")
+    ids = config.get("extract", {}).get("layer_ids")
+    check_layer_ids(ids, n)  # ValueError names extract.layer_ids
+    if template is None and not has_chat_template(t["path"]):
+        raise ValueError(no_template_message(f"target.path {t['path']!r}"))
+    arch = architecture(conf)
+    status, line = serving(arch, env)
+    lines.append(line)
+    uses = [k for k, on in (("export.vllm_check", config.get("export", {}).get("vllm_check")),
+                            ("evaluate.vllm.enabled", ev.get("enabled"))) if on]
+    if status == "unsupported" and uses:
+        raise ValueError(f"{' and '.join(uses)}: {line}. Set {' and '.join(f'{k}: false' for k in uses)} "
+                         "to train and export without serving it in vLLM")
+    return lines

@@ -1,0 +1,303 @@
+"""The target checked at the start of the run: parse-time refusals naming the key (target.path,
+extract.layer_ids, target.chat_template, vLLM serving), the chat-template key and its turn-end
+stop, vLLM's EAGLE-3 architectures read from the installed engine, and the family facts that
+target.identity records."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import VLLM_ENV, clone
+from eaglet import io, target_check
+from eaglet.target import identity_of, load_tokenizer, materialise, stop_ids, turn_end_ids
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------- a base model
+@pytest.fixture(scope="module")
+def base_target(tmp_path_factory):
+    """A tiny "base model": the SmolLM2 tokenizer with its chat template removed and EOS
+    <|endoftext|> (generation_config too), and weights rigged so greedy decoding after the
+    generation prompt is  Hello <|im_start|> world <|im_end|> !  and then anything: every layer's
+    output projection is zero (the state is the current token's embedding) and lm_head row
+    succ(c) is c's embedding. Returns (identity.json, the chatml template removed, chain ids)."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("base_target")
+    materialise({"name": "base", "tiny": {}}, out)
+    model_dir = out / "model"
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    template = tok.chat_template
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    last = tok(prompt, add_special_tokens=False)["input_ids"][-1]
+    word = lambda s: tok(s, add_special_tokens=False)["input_ids"][0]  # noqa: E731
+    chain = [last, word("Hello"), tok.convert_tokens_to_ids("<|im_start|>"), word(" world"),
+             tok.convert_tokens_to_ids("<|im_end|>"), word("!")]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        model.lm_head.weight.zero_()
+        for c, nxt in zip(chain, chain[1:]):
+            model.lm_head.weight[nxt] = emb[c]
+    endoftext = tok.convert_tokens_to_ids("<|endoftext|>")
+    model.config.eos_token_id = model.generation_config.eos_token_id = endoftext
+    model.save_pretrained(model_dir)
+    tok.chat_template = None
+    tok.eos_token = "<|endoftext|>"
+    (model_dir / "chat_template.jinja").unlink(missing_ok=True)
+    tok.save_pretrained(model_dir)
+    conf = json.loads((model_dir / "tokenizer_config.json").read_text())
+    conf.pop("chat_template", None)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(conf))
+    assert not target_check.has_chat_template(model_dir)
+    io.write_json(out / "identity.json", identity_of(model_dir, "base", "test"))
+    return out / "identity.json", template, chain
+
+
+def test_a_target_without_template_is_refused_naming_the_key(base_target):
+    ident, template, _ = base_target
+    model_dir = ident.parent / "model"
+    with pytest.raises(ValueError, match="target.chat_template"):
+        load_tokenizer(model_dir, need_template=True)
+    assert load_tokenizer(model_dir).chat_template is None  # stages that need none still load it
+    inline = load_tokenizer(model_dir, template, need_template=True)
+    assert inline.chat_template == template
+    (ident.parent / "t.jinja").write_text(template)
+    from_file = load_tokenizer(model_dir, str(ident.parent / "t.jinja"), need_template=True)
+    assert from_file.chat_template == template
+    with pytest.raises(ValueError, match="target.chat_template.*nor an existing file"):
+        load_tokenizer(model_dir, str(ident.parent / "missing.jinja"))
+    # The first job refuses a built target without any template, naming the key.
+    from eaglet.target import check_first_job
+
+    with pytest.raises(ValueError, match="target.chat_template"):
+        check_first_job({"name": "base"}, model_dir, "LlamaForCausalLM")
+    check_first_job({"name": "base", "chat_template": template}, model_dir, "LlamaForCausalLM")
+
+
+def test_turn_end_marker_comes_from_the_template(base_target):
+    ident, template, _ = base_target
+    tok = load_tokenizer(ident.parent / "model", template)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert turn_end_ids(tok) == [im_end]
+    # the base model's EOS alone (<|endoftext|>) would never end a chat reply
+    assert stop_ids(tok) == {im_end, tok.convert_tokens_to_ids("<|endoftext|>")}
+    # Gemma- and Llama-3-style templates: their own markers, whitespace after the sentinel skipped
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>", "<|eot_id|>"]})
+    tok.chat_template = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] | trim }}"
+                         "<end_of_turn>\n{% endfor %}")
+    assert tok.convert_ids_to_tokens(turn_end_ids(tok)) == ["<end_of_turn>"]
+    tok.chat_template = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                         "{{ m['content'] }} <|eot_id|>{% endfor %}")
+    assert tok.convert_ids_to_tokens(turn_end_ids(tok)) == ["<|eot_id|>"]
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # no marker at all
+    assert turn_end_ids(tok) == []
+
+
+def test_generate_stops_at_the_turn_end_and_keeps_special_tokens(base_target, tmp_path):
+    from eaglet.generate import generate
+
+    ident, template, chain = base_target
+    io.write_conversations(tmp_path / "in.parquet", [
+        {"id": "a", "source": "t", "messages": [{"role": "user", "content": "Hi"},
+                                                  {"role": "assistant", "content": "x"}]}])
+    cfg = {"backend": "local", "max_tokens": 12, "turns": "last"}
+    with pytest.raises(ValueError, match="target.chat_template"):
+        generate(tmp_path / "in.parquet", ident, tmp_path / "none", cfg)
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "out", cfg, chat_template=template)
+    assert s["errors"] == 0 and s["finish_reasons"] == {"stop": 1}, s
+    reply = io.read_conversations(tmp_path / "out" / "conversations.parquet")[0]["messages"][-1]["content"]
+    # stopped at <|im_end|> (the base model's EOS never came); <|im_start|> the model wrote is kept
+    assert reply == "Hello<|im_start|> world"
+
+
+# --------------------------------------------------------------------------- vLLM's EAGLE-3 list
+def test_eagle3_architectures_are_read_from_the_installed_vllm():
+    # Not a skip: without the engine this check cannot say anything, and that is a failure here.
+    assert (VLLM_ENV / "bin" / "python").exists(), f"{VLLM_ENV} absent: run envs/vllm/setup.sh"
+    archs = target_check.eagle3_architectures(VLLM_ENV)
+    for a in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+              "DeepseekV3ForCausalLM", "GptOssForCausalLM"):
+        assert a in archs, a
+    assert "Gemma3ForCausalLM" not in archs and "Gemma3ForConditionalGeneration" not in archs
+    status, line = target_check.serving("Gemma3ForCausalLM", VLLM_ENV)
+    assert status == "unsupported" and "SupportsEagle3" in line and "LlamaForCausalLM" in line
+    assert target_check.serving("Qwen3ForCausalLM", VLLM_ENV)[0] == "supported"
+    status, line = target_check.serving("LlamaForCausalLM", "/nonexistent/venv")
+    assert status == "not-run" and "not run" in line
+
+
+# --------------------------------------------------------------------------- identity facts
+def _identity(conf, tmp_path):
+    from safetensors.torch import save_file
+
+    conf.save_pretrained(tmp_path)
+    save_file({"w": torch.zeros(1)}, tmp_path / "model.safetensors")  # identity_of digests weights only
+    return identity_of(tmp_path, "t", "test")
+
+
+def test_identity_llama3_rope_scaling(tmp_path):
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    i = _identity(LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=16384, rope_theta=500000.0,
+                              rope_scaling=rope, architectures=["LlamaForCausalLM"]), tmp_path)
+    assert i["rope_type"] == "llama3" and i["rope_parameters"]["factor"] == 8.0
+    assert i["rope_theta"] == i["rope_parameters"]["rope_theta"] == 500000.0
+    assert i["norm_class"] == "LlamaRMSNorm" and i["norm_kind"] == "rms" and not i["qk_norm"]
+    assert i["hidden_act"] == i["activation"] == "silu" and i["embedding_scale"] == 1.0
+    assert i["attention"] == "gqa" and i["mla"] is None and i["moe"] is None
+    assert i["tie_word_embeddings"] is False and i["sliding_window"] is None
+    for k in ("num_layers", "hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim",
+              "intermediate_size", "rms_norm_eps", "rope_theta", "hidden_act", "tie_word_embeddings",
+              "digest", "path"):
+        assert k in i, k
+
+
+def test_identity_gemma3(tmp_path):
+    from transformers import Gemma3TextConfig
+
+    i = _identity(Gemma3TextConfig(num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=32, sliding_window=16,
+                                   final_logit_softcapping=30.0, architectures=["Gemma3ForCausalLM"]), tmp_path)
+    assert i["hidden_act"] == i["activation"] == "gelu_pytorch_tanh"  # hidden_activation, not Llama's silu
+    assert i["norm_class"] == "Gemma3RMSNorm" and i["norm_kind"] == "rms_1p" and i["qk_norm"]
+    assert i["embedding_scale"] == pytest.approx(64 ** 0.5)
+    assert i["tie_word_embeddings"] is True and i["final_logit_softcapping"] == 30.0
+    assert i["sliding_window"] == 16 and i["sliding_layers"] == 5
+    by = i["rope_parameters_by_layer_type"]
+    assert set(by) == {"full_attention", "sliding_attention"} and all(isinstance(v, dict) for v in by.values())
+    assert i["rope_parameters"] == by["full_attention"] and i["rope_theta"] == by["full_attention"]["rope_theta"]
+    assert all(not isinstance(v, dict) for v in i["rope_parameters"].values())  # flat: vLLM's get_rope can hash it
+
+
+def test_identity_deepseek_v3_mla_moe_yarn(tmp_path):
+    from transformers import DeepseekV3Config
+
+    yarn = {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
+    i = _identity(DeepseekV3Config(num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+                                   moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+                                   kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                   v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                                   max_position_embeddings=163840, rope_scaling=yarn,
+                                   architectures=["DeepseekV3ForCausalLM"]), tmp_path)
+    assert i["attention"] == "mla" and i["mla"]["kv_lora_rank"] == 16 and i["mla"]["qk_rope_head_dim"] == 8
+    assert i["moe"] == {"experts": 8, "experts_per_token": 2, "shared_experts": 1, "moe_intermediate_size": 32}
+    assert i["rope_type"] == "yarn" and i["rope_parameters"]["factor"] == 40.0
+    assert i["norm_class"] == "DeepseekV3RMSNorm" and i["norm_kind"] == "rms"
+
+
+def test_identity_qwen3_moe(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    i = _identity(Qwen3MoeConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                 num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                                 architectures=["Qwen3MoeForCausalLM"]), tmp_path)
+    assert i["moe"]["experts"] == 8 and i["moe"]["experts_per_token"] == 2 and i["moe"]["shared_experts"] == 0
+    assert i["qk_norm"] and i["norm_kind"] == "rms" and i["attention"] == "gqa"
+    assert i["sliding_window"] is None  # use_sliding_window false: the field is not in force
+
+
+# --------------------------------------------------------------------------- snakemake -n
+def _dry(tmp_path, target: dict, extra: dict | None = None, keep_env: bool = True):
+    """``snakemake -n`` in a clone with the smoke config's target replaced; (returncode, output)."""
+    a = tmp_path / "wf"
+    if not a.exists():
+        clone(a)
+    conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
+    conf["target"] = {"name": "t", **target}
+    for section, values in (extra or {}).items():
+        conf.setdefault(section, {}).update(values)
+    if keep_env:  # the clone has no vLLM venv: point at the real one
+        conf.setdefault("evaluate", {}).setdefault("vllm", {})["env"] = str(VLLM_ENV)
+    (a / "config/t.yaml").write_text(yaml.safe_dump(conf))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", "config/t.yaml"],
+                       cwd=a, env=env, capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stdout + p.stderr
+
+
+def _checkpoint(tmp_path, name: str, conf, template: str | None) -> Path:
+    """A checkpoint folder as parse time sees it: config.json and tokenizer files, no weights."""
+    d = tmp_path / name
+    conf.save_pretrained(d)
+    if template is not None:
+        (d / "chat_template.jinja").write_text(template)
+    return d
+
+
+def test_wrong_target_fails_at_parse_time_naming_the_key(tmp_path, base_target):
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    template = base_target[1]
+    small = dict(num_hidden_layers=8, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                 num_key_value_heads=1)
+    llama = _checkpoint(tmp_path, "llama", LlamaConfig(**small, architectures=["LlamaForCausalLM"]), template)
+    assert llama.joinpath("config.json").exists()
+    code, out = _dry(tmp_path, {"path": str(tmp_path / "missing")})
+    assert code != 0 and "target.path" in out and "is not a folder" in out and "Building DAG" not in out, out[-3000:]
+    (tmp_path / "empty").mkdir()
+    code, out = _dry(tmp_path, {"path": str(tmp_path / "empty")})
+    assert code != 0 and "target.path" in out and "no config.json" in out, out[-3000:]
+    # layer id N (8 for an 8-layer target) is refused, naming the key
+    code, out = _dry(tmp_path, {"path": str(llama)}, {"extract": {"layer_ids": [2, 4, 8]}})
+    assert code != 0 and "extract.layer_ids" in out and "outside [1, 7]" in out, out[-3000:]
+    code, out = _dry(tmp_path, {"path": str(llama)}, {"extract": {"layer_ids": [2, 4, 7]}})
+    assert code == 0 and "can serve an EAGLE-3 drafter for LlamaForCausalLM: supported" in out, out[-3000:]
+    # no template: refused naming target.chat_template; the key (a file) makes it pass
+    bare = _checkpoint(tmp_path, "bare", LlamaConfig(**small, architectures=["LlamaForCausalLM"]), None)
+    code, out = _dry(tmp_path, {"path": str(bare)})
+    assert code != 0 and "target.chat_template" in out, out[-3000:]
+    (tmp_path / "chatml.jinja").write_text(template)
+    code, out = _dry(tmp_path, {"path": str(bare), "chat_template": str(tmp_path / "chatml.jinja")})
+    assert code == 0, out[-3000:]
+    # an architecture the installed vLLM cannot serve with EAGLE-3, with vLLM steps on: refused
+    gemma = _checkpoint(tmp_path, "gemma", Gemma3TextConfig(**small, head_dim=32, architectures=["Gemma3ForCausalLM"]),
+                        template)
+    code, out = _dry(tmp_path, {"path": str(gemma)}, {"export": {"vllm_check": True}})
+    assert code != 0 and "export.vllm_check" in out and "SupportsEagle3" in out, out[-3000:]
+    code, out = _dry(tmp_path, {"path": str(gemma)}, {"export": {"vllm_check": False}})
+    assert code == 0 and "can NOT serve an EAGLE-3 drafter for Gemma3ForCausalLM" in out, out[-3000:]
+    # no vLLM installed where the config says: said so, not a pass
+    code, out = _dry(tmp_path, {"path": str(llama)}, keep_env=False)
+    assert code == 0 and "not checked (not run)" in out, out[-3000:]
+
+
+def test_vocab_pins_the_markers_of_the_template_given_by_the_key(base_target):
+    from eaglet import vocab
+
+    ident, template, _ = base_target
+    model_dir = ident.parent / "model"
+    bare = vocab.pinned_ids(load_tokenizer(model_dir), pin_special=True, extra=[])
+    keyed = vocab.pinned_ids(load_tokenizer(model_dir, template), pin_special=True, extra=[])
+    assert "template" not in bare.values()  # no template: only the named special tokens
+    tok = load_tokenizer(model_dir)
+    marks = tok.decode([i for i, why in keyed.items() if why == "template"])
+    assert "user" in marks and "istant" in marks  # the role words the chatml template writes
+
+
+def test_built_target_is_reported_from_its_recorded_identity(tmp_path):
+    conf = {"target": {"name": "t", "tiny": {}, "path": None, "chat_template": None},
+            "evaluate": {"vllm": {"env": str(VLLM_ENV), "enabled": True}}, "export": {"vllm_check": True}}
+    (line,) = target_check.parse_time(conf, tmp_path)
+    assert "built by the first job" in line
+    ident = tmp_path / "resources/targets/t/identity.json"
+    ident.parent.mkdir(parents=True)
+    ident.write_text(json.dumps({"architecture": "Gemma3ForCausalLM"}))
+    (line,) = target_check.parse_time(conf, tmp_path)
+    assert "can NOT serve an EAGLE-3 drafter for Gemma3ForCausalLM" in line
