@@ -305,13 +305,14 @@ def test_summary_reports_a_replay_mismatch(stages, tmp_path):
 @pytest.mark.vllm
 def test_vllm_evaluation_on_the_tiny_target(stages, tiny_target, tiny_drafter, tmp_path):
     from conftest import vllm_env_or_skip
+    from eaglet import contract
     from eaglet.evaluate_vllm import evaluate_vllm
     from eaglet.export import export
 
     env = vllm_env_or_skip()
     out, off, _ = stages
     ident = Path(tiny_target["path"]).parent / "identity.json"
-    export(tiny_drafter, tmp_path / "drafter", ident, vllm_check=False)
+    export(tiny_drafter, tmp_path / "drafter", ident, vllm_check=False, accept_not_run=list(contract.VLLM_CHECKS))
     res = evaluate_vllm(tmp_path / "drafter", ident, ["mtbench", "humaneval"], tmp_path,
                         work_dir=tmp_path / "work", offline=out / "offline.json", env=str(env),
                         num_prompts=2, max_new_tokens=16, k_values=[2], iomp=False)
