@@ -12,12 +12,15 @@ from safetensors.torch import load_file, save_file
 from eaglet import contract
 from eaglet.export import export
 
+# Without the real vLLM run its checks did not run: said by name, as the smoke config does
+NO_VLLM = list(contract.VLLM_CHECKS)
+
 
 @pytest.fixture(scope="module")
 def good(tiny_target, tiny_drafter, tmp_path_factory):
     out = tmp_path_factory.mktemp("contract") / "drafter"
     export(tiny_drafter, out, Path(tiny_target["path"]).parent / "identity.json", vllm_check=False,
-           speculators=True)
+           speculators=True, accept_not_run=NO_VLLM + [f"speculators.{n}" for n in NO_VLLM])
     return out
 
 
@@ -37,14 +40,16 @@ def _faulty(good, tmp_path, tensors=None, config=None):
 
 
 def _check(tiny_target, tiny_drafter, d):
-    rep = contract.check_export(d, tiny_target, trained_path=tiny_drafter)
+    rep = contract.check_export(d, tiny_target, trained_path=tiny_drafter, accept_not_run=NO_VLLM)
     return rep, {c["name"]: c for c in rep["checks"]}
 
 
 def test_good_export_passes_every_check(good, tiny_target, tiny_drafter):
     rep, by = _check(tiny_target, tiny_drafter, good)
     assert rep["ok"], rep["failed"]
-    assert all(c["ok"] is True for c in rep["checks"]), [(c["name"], c["details"]) for c in rep["checks"]]
+    ran = [c for c in rep["checks"] if c["name"] not in NO_VLLM]
+    assert all(c["ok"] is True for c in ran), [(c["name"], c["details"]) for c in ran]
+    assert [(r["name"], r["accepted"]) for r in rep["not_run"]] == [(n, True) for n in NO_VLLM]
     assert by["parity.step0"]["details"]["max_abs_logits"] <= 1e-4
     assert by["loader.vllm"]["details"]["ignored"] == ["t2d"]
     # the contract.json the export wrote says the same
@@ -98,7 +103,7 @@ def test_off_by_one_ids_caught_without_the_trained_file_only_when_out_of_range(g
     d = _faulty(good, tmp_path, config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 4, 9]))
     rep = contract.check_export(d, tiny_target)
     assert "static.layer_ids" in rep["failed"]
-    assert "parity.step0" in rep["skipped"]
+    assert "parity.step0" in rep["not_run_unaccepted"]
 
 
 def test_missing_top_level_ids_are_caught(good, tmp_path, tiny_target, tiny_drafter):
@@ -187,6 +192,7 @@ def test_speculators_export_and_its_norm_before_residual(good, tmp_path, tiny_ta
     rep, by = _check(tiny_target, tiny_drafter, spec)
     assert rep["ok"] and rep["format"] == "B", rep["failed"]
     assert by["parity.step0"]["ok"] and by["loader.vllm"]["ok"]
+    assert "loader.sglang" not in by  # SGLang is given format A only: nothing to check here
     # absent, vLLM's speculators conversion turns norm_before_residual on: a silent mismatch
     d = _faulty(spec, tmp_path, config=lambda c: c.pop("norm_before_residual"))
     rep, by = _check(tiny_target, tiny_drafter, d)
@@ -204,3 +210,32 @@ def test_train_tau_reads_the_summary():
     assert contract.train_tau({"final_train": {"tau": 1.5}, "final_val": {"tau": 1.7}}) == 1.7
     assert contract.train_tau({"final_train": {"tau": 1.5}, "final_val": None}) == 1.5
     assert contract.train_tau({}) is None
+
+
+# --------------------------------------------------------------------------- a check that did not run
+def test_a_check_that_did_not_run_is_not_a_pass(good, tiny_target, tiny_drafter):
+    """Before, ``ok: None`` ("skipped") counted as a pass: the contract of an export whose numeric
+    parity never ran was ``ok``. Now it is listed as not run with its reason, and fails unless
+    accepted by name."""
+    rep = contract.check_export(good, tiny_target, accept_not_run=NO_VLLM)  # no trained file: no parity
+    by = {c["name"]: c for c in rep["checks"]}
+    assert not rep["ok"] and not rep["failed"]
+    assert rep["not_run_unaccepted"] == ["parity.step0"]
+    p = by["parity.step0"]
+    assert p["ok"] is None and p["status"] == "not run" and not p["accepted"]
+    assert "no trained drafter.safetensors" in p["reason"]
+    rep = contract.check_export(good, tiny_target, accept_not_run=NO_VLLM + ["parity.step0"])
+    assert rep["ok"] and {"name": "parity.step0", "reason": p["reason"], "accepted": True} in rep["not_run"]
+    assert contract.status_line(p).split()[1:3] == ["NOT", "RUN"]
+
+
+def test_vllm_check_off_lists_every_real_vllm_check_as_not_run(good, tiny_target, tiny_drafter):
+    rep = contract.check_export(good, tiny_target, trained_path=tiny_drafter)
+    assert not rep["ok"] and not rep["failed"] and rep["not_run_unaccepted"] == NO_VLLM
+    assert all("vllm_check: false" in r["reason"] for r in rep["not_run"])
+
+
+def test_accepting_never_passes_a_failed_check():
+    checks = [contract._check("a.x", False), contract._not_run("a.y", "why")]
+    v = contract.verdict(checks, ["a.x", "a.y"])
+    assert not v["ok"] and v["failed"] == ["a.x"] and v["not_run_unaccepted"] == []

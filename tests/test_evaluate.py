@@ -305,13 +305,14 @@ def test_summary_reports_a_replay_mismatch(stages, tmp_path):
 @pytest.mark.vllm
 def test_vllm_evaluation_on_the_tiny_target(stages, tiny_target, tiny_drafter, tmp_path):
     from conftest import vllm_env_or_skip
+    from eaglet import contract
     from eaglet.evaluate_vllm import evaluate_vllm
     from eaglet.export import export
 
     env = vllm_env_or_skip()
     out, off, _ = stages
     ident = Path(tiny_target["path"]).parent / "identity.json"
-    export(tiny_drafter, tmp_path / "drafter", ident, vllm_check=False)
+    export(tiny_drafter, tmp_path / "drafter", ident, vllm_check=False, accept_not_run=list(contract.VLLM_CHECKS))
     res = evaluate_vllm(tmp_path / "drafter", ident, ["mtbench", "humaneval"], tmp_path,
                         work_dir=tmp_path / "work", offline=out / "offline.json", env=str(env),
                         num_prompts=2, max_new_tokens=16, k_values=[2], iomp=False)
@@ -326,3 +327,115 @@ def test_vllm_evaluation_on_the_tiny_target(stages, tiny_target, tiny_drafter, t
         assert len(s["accept_rate_per_pos"]) == 2
         # the random drafter: vLLM and the offline simulator both see ~no acceptance
         assert s["offline"] is not None and not s["offline"]["flag"]
+
+
+# --------------------------------------------------------------------------- KV rollback on every cache kind
+def tiny_gemma3(sliding_window: int = 8):
+    """A tiny random Gemma 3 text model (tied and scaled embeddings, (1+w) norms, a mix of sliding
+    and full attention layers) with a window far shorter than the sequences the tests decode.
+    (To be unified with eaglet.families.build_tiny("gemma3_text").)"""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, sliding_window=sliding_window, max_position_embeddings=256,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    return transformers.Gemma3ForCausalLM(cfg).eval()
+
+
+def tiny_qwen3_next():
+    """A tiny random Qwen3-Next: linear-attention (recurrent) layers whose cache can never crop."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3NextConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, linear_num_value_heads=2, linear_num_key_heads=1,
+        linear_key_head_dim=32, linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64, max_position_embeddings=256,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"])
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def random_proposer(model, layer_ids=(0, 1, 2), seed=0):
+    """A random EAGLE-3 drafter on ``model``'s embedding: it is rejected nearly every round, so
+    each verify drops k keys from the target cache."""
+    c = model.config
+    ident = dict(hidden_size=c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                 head_dim=c.head_dim, intermediate_size=c.intermediate_size, vocab_size=c.vocab_size)
+    torch.manual_seed(seed)
+    cfg = em.DrafterConfig.from_identity(ident, draft_vocab_size=c.vocab_size, layer_ids=list(layer_ids))
+    drafter = em.Eagle3Drafter(cfg, model.get_input_embeddings().weight.detach()).eval()
+    return ev.EagleProposer(drafter, torch.zeros(c.vocab_size, dtype=torch.long))
+
+
+def _check_lossless_loop(model, rollback, max_new, wrong=(2, 5, 9, 14, 20, 21)):
+    """Speculative == greedy token for token with an oracle wrong at ``wrong`` (partial acceptance,
+    rounds as the replay says) and with a random drafter (rejections every round), for k 1..4."""
+    target = ev.Target(model, [0, 1, 2], eos_ids=set(), rollback=rollback)
+    prompt = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    truth = ev.greedy(target, prompt, max_new)["tokens"]
+    oracle = Oracle(len(prompt), truth, wrong)
+    acc = [0]
+    for g in range(1, len(truth)):
+        oracle.n = len(prompt) + g - 1
+        acc.append(ev.accepted_prefix(oracle.draft(4), truth[g:]))
+    for k in (1, 2, 4):
+        sp = ev.speculative(target, Oracle(len(prompt), truth, wrong), prompt, k, max_new)
+        assert sp["tokens"] == truth, (rollback, k)
+        assert sp["rounds"] == ev.chain_replay(acc, len(truth), max_new, k), (rollback, k)
+    sp = ev.speculative(target, random_proposer(model), prompt, 3, max_new)
+    assert sp["tokens"] == truth
+    assert sum(a for _, _, a in sp["rounds"]) < len(sp["rounds"])  # it was rejected: rollback ran
+    return target, prompt
+
+
+@pytest.mark.parametrize("rollback", ["auto", "refeed"])
+def test_loop_is_lossless_past_a_sliding_window(rollback):
+    # Gemma 3's sliding layers keep only window - 1 keys: past the window, dropping rejected drafts
+    # used to raise in transformers' DynamicSlidingWindowLayer.crop
+    model = tiny_gemma3(sliding_window=8)
+    target, prompt = _check_lossless_loop(model, rollback, max_new=40)
+    cache = target.new_cache()
+    target.forward(prompt, cache)
+    assert sum(cache.is_sliding) == 3 and len(prompt) + 40 > 4 * model.config.sliding_window
+    assert target.arm_rollback(cache) is (rollback == "auto")  # auto: crop, with past recording
+
+
+def test_a_sliding_cache_rolled_back_wrong_is_caught(monkeypatch):
+    """The Gemma 3 check above can fail: a crop that leaves rejected keys in the sliding layers
+    changes the output."""
+    model = tiny_gemma3(sliding_window=8)
+
+    def stale(cache, n):
+        extra = cache.get_seq_length() - n
+        for layer in cache.layers:
+            if extra > 0 and not layer.is_sliding:
+                layer.crop(-extra)
+            elif layer.is_sliding:
+                layer.cumulative_length = n
+
+    monkeypatch.setattr(ev.Target, "crop", staticmethod(stale))
+    with pytest.raises(AssertionError):
+        _check_lossless_loop(model, "auto", max_new=40)
+
+
+@pytest.mark.parametrize("rollback", ["auto", "refeed"])
+def test_loop_is_lossless_on_the_tiny_llama_by_crop_and_by_refeed(tiny, rollback):
+    _, model, _ = tiny
+    target, prompt = _check_lossless_loop(model, rollback, max_new=24)
+    cache = target.new_cache()
+    target.forward(prompt, cache)
+    assert target.arm_rollback(cache) is (rollback == "auto")
+
+
+def test_a_recurrent_cache_falls_back_to_snapshot_and_refeed():
+    # linear attention folds every fed token into its state: crop can never undo a rejected draft
+    model = tiny_qwen3_next()
+    target, prompt = _check_lossless_loop(model, "auto", max_new=20, wrong=(2, 5, 9, 14))
+    cache = target.new_cache()
+    target.forward(prompt, cache)
+    assert target.arm_rollback(cache) is False
+    with pytest.raises(ValueError, match="LinearAttentionLayer"):
+        ev.Target(model, [0, 1, 2], set(), rollback="crop").arm_rollback(cache)

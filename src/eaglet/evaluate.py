@@ -31,6 +31,7 @@ Shape suffixes: T tokens, V target vocab, H target hidden, 3 the three aux layer
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import logging
 import statistics
@@ -55,7 +56,12 @@ DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[1, 2, 3, 4, 5], ti
 class Target:
     """An HF causal LM (fp32) with a KV cache; returns logits and the aux hidden states."""
 
-    def __init__(self, model, layer_ids: list[int], eos_ids: set[int]):
+    def __init__(self, model, layer_ids: list[int], eos_ids: set[int], rollback: str = "auto"):
+        """``rollback``: how the speculative loop drops rejected drafts from the KV cache: "auto"
+        (``crop`` where every cache layer can, else snapshot + re-feed), or force "crop" / "refeed"."""
+        if rollback not in ("auto", "crop", "refeed"):
+            raise ValueError(f"rollback {rollback!r}: expected auto, crop or refeed")
+        self.rollback = rollback
         n = model.config.num_hidden_layers
         if max(layer_ids) >= n:
             # HF hidden_states[N] is after the final norm; vLLM's id N is before it (eagle3.md §5)
@@ -84,12 +90,45 @@ class Target:
             self.times[len(ids)].append(time.perf_counter() - t0)
         return logits, aux_T3H
 
+    def arm_rollback(self, cache) -> bool:
+        """Call after the prefill. Make ``cache`` able to drop rejected drafts with ``crop`` and say
+        whether it can; False means the loop must roll back by snapshot and re-feed instead.
+
+        A sliding-window layer (Gemma 2/3, Mistral, gpt-oss, ...) keeps only its last window - 1
+        keys, so past the window it cannot drop the keys of rejected drafts unless it records past
+        states: with recording it keeps the ≤ k+1 keys of a verify forward until the next ``crop``
+        trims it back to the window (a few extra keys per layer, no extra compute). Recording is
+        turned on only after the prefill so a long prompt is not kept whole. A recurrent layer
+        (linear attention, Mamba) folds every fed token into its state and can never be cropped;
+        ``is_croppable`` says so once the prefill initialised it. Older transformers without
+        ``activate_past_recording`` cannot crop a sliding layer either."""
+        if self.rollback == "refeed":
+            return False
+        if hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()
+        stuck = [type(layer).__name__ for layer in getattr(cache, "layers", [])
+                 if not getattr(layer, "is_croppable", True)
+                 or (getattr(layer, "is_sliding", False) and not getattr(layer, "record_past", False))]
+        if stuck and self.rollback == "crop":
+            raise ValueError(f"rollback='crop': cache layers {sorted(set(stuck))} cannot crop")
+        return not stuck
+
     @staticmethod
     def crop(cache, n: int) -> None:
-        """Keep the first n positions (drop the keys of rejected drafts)."""
+        """Keep the first n positions (drop the keys of rejected drafts). With past recording on
+        (``arm_rollback``), ``crop(0)`` also trims sliding layers back to their window; older
+        transformers read ``crop(0)`` as "keep nothing", so it is only called with the new API."""
         extra = cache.get_seq_length() - n
         if extra > 0:
             cache.crop(-extra)  # a negative count removes that many (all transformers versions)
+        elif hasattr(cache, "activate_past_recording"):
+            cache.crop(0)
+
+    @torch.inference_mode()
+    def refeed(self, ids: list[int], cache) -> None:
+        """Feed accepted tokens into a cache restored from a snapshot (the fallback rollback); not
+        timed, so the verify-cost model keeps measuring verify forwards only."""
+        self.model(input_ids=torch.tensor([ids]), use_cache=True, **{self._cache_kw: cache})
 
 
 def margin(logits_V: torch.Tensor) -> float:
@@ -169,13 +208,21 @@ def speculative(target: Target, proposer, prompt: list[int], k: int, max_new: in
     t0 = time.perf_counter()
     cache = target.new_cache()
     logits, aux = target.forward(prompt, cache)
+    # Rollback of rejected drafts: crop where the cache can (every full-attention cache, sliding
+    # ones with past recording). Otherwise (recurrent layers) snapshot the cache before each verify
+    # and, when a draft was rejected, restore it and re-feed the accepted tokens: a copy of the
+    # cache every round and one more forward of ≤ k tokens per rejection. That costs memory traffic
+    # and time (the measured speedup is then pessimistic), never correctness.
+    by_crop = target.arm_rollback(cache)
     tokens, margins, rounds = [int(logits[-1].argmax())], [margin(logits[-1])], []
     proposer.reset()
     proposer.extend(aux, prompt[1:] + tokens)
     while len(tokens) < max_new and tokens[-1] not in target.eos_ids:
         k_eff = min(k, max_new - len(tokens) - 1)
         drafts = proposer.draft(k_eff) if k_eff else []
-        logits, aux = target.forward(tokens[-1:] + drafts, cache)
+        fed = tokens[-1:] + drafts
+        snapshot = None if by_crop else copy.deepcopy(cache)
+        logits, aux = target.forward(fed, cache)
         preds = logits.argmax(-1).tolist()
         a = 0
         while a < k_eff and drafts[a] == preds[a]:
@@ -187,7 +234,11 @@ def speculative(target: Target, proposer, prompt: list[int], k: int, max_new: in
         rounds.append((len(tokens), k_eff, a))
         margins += [margin(lg) for lg in logits[:len(emitted)]]
         tokens += emitted
-        Target.crop(cache, len(prompt) + len(tokens) - 1)
+        if by_crop:
+            Target.crop(cache, len(prompt) + len(tokens) - 1)
+        elif len(emitted) < len(fed):  # fed[:len(emitted)] = the last token + the accepted drafts
+            cache = snapshot
+            target.refeed(fed[:len(emitted)], cache)
         proposer.extend(aux[:len(emitted)], emitted)
     return {"tokens": tokens, "margins": margins, "rounds": rounds, "seconds": time.perf_counter() - t0}
 

@@ -8,7 +8,9 @@ vLLM convention at top level. Format B (speculators, ``Eagle3Speculator``, ``lay
 Both are written to a staging folder and checked by :mod:`eaglet.contract` (static, emulated
 vLLM/SGLang loaders, numeric parity, and the real vLLM-CPU load + run); only a passing export is
 moved into place, with ``contract.json`` last. A failing one leaves ``contract.failed.json`` and
-no complete-looking outputs, and the CLI exits nonzero.
+no complete-looking outputs, and the CLI exits nonzero. A check that did not run (e.g. the real-vLLM
+checks with ``vllm_check: false``) fails the export too unless ``accept_not_run`` names it
+(format B's checks as ``speculators.<name>``); ``contract.json`` still records it as not run.
 
     python -m eaglet.export --drafter results/RUN/train/drafter.safetensors \
         --identity resources/targets/NAME/identity.json --out results/RUN/drafter \
@@ -38,7 +40,7 @@ log = logging.getLogger("eaglet.export")
 # Weights stay fp32 (the trainer's dtype): engines cast at load time, and the numeric parity
 # check compares the exported tensors with the trained ones at 1e-4.
 DEFAULTS = dict(speculators=False, vllm_check=True, vllm_check_prompts=4, vllm_check_max_tokens=32,
-                num_speculative_tokens=3)
+                num_speculative_tokens=3, accept_not_run=())
 DTYPE = "float32"
 OUTPUTS = ("config.json", "model.safetensors", "contract.json")
 
@@ -184,25 +186,36 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
     if o["vllm_check"]:
         vllm = {"work_dir": work / "vllm", "python": vllm_python, "k": o["num_speculative_tokens"],
                 "n_prompts": o["vllm_check_prompts"], "max_tokens": o["vllm_check_max_tokens"]}
+    accept = _accepted(o["accept_not_run"])
     report = contract.check_export(stage_a, identity, trained_path=drafter_path, vllm=vllm,
-                                   train_summary=train_summary)
+                                   train_summary=train_summary, accept_not_run=accept)
     report["drafter_dir"] = str(out)
+    names = {ch["name"] for ch in report["checks"]}
     if o["speculators"]:
         spec = Path(speculators_dir) if speculators_dir else out.parent / f"{out.name}_speculators"
         stage_b = spec.parent / f".{spec.name}.staging"
         conf_b = speculators_config(cfg, identity, target_conf, o["num_speculative_tokens"])
         _write_dir(stage_b, conf_b, export_tensors(tensors, cfg, "layers.0"))
-        rep_b = contract.check_export(stage_b, identity, trained_path=drafter_path, vllm=None)
+        accept_b = [n[len("speculators."):] for n in accept if n.startswith("speculators.")]
+        rep_b = contract.check_export(stage_b, identity, trained_path=drafter_path, vllm=None,
+                                      accept_not_run=accept_b)
         rep_b["drafter_dir"] = str(spec)
         report["speculators"] = rep_b
         report["ok"] = report["ok"] and rep_b["ok"]
         report["failed"] += [f"speculators.{n}" for n in rep_b["failed"]]
+        report["not_run"] += [{**r, "name": f"speculators.{r['name']}"} for r in rep_b["not_run"]]
+        report["not_run_unaccepted"] += [f"speculators.{n}" for n in rep_b["not_run_unaccepted"]]
+        names |= {f"speculators.{ch['name']}" for ch in rep_b["checks"]}
+    ran = sorted(n for n in accept if n in names and n not in {r["name"] for r in report["not_run"]})
+    unknown = sorted(n for n in accept if n not in names)
+    if ran or unknown:  # harmless (accepting never turns a fail into a pass), but the config is stale
+        log.warning("export.accept_not_run names checks that ran %s / that this export has not %s", ran, unknown)
     if not report["ok"]:
         io.write_json(out / "contract.failed.json", report)
         shutil.rmtree(stage_a, ignore_errors=True)
         if o["speculators"]:
             shutil.rmtree(stage_b, ignore_errors=True)
-        raise ContractError(f"{out}: export failed its contract check: {report['failed']} "
+        raise ContractError(f"{out}: export failed its contract check: {_why(report)} "
                             f"(details in {out / 'contract.failed.json'})")
     if o["speculators"]:
         if spec.exists():
@@ -213,6 +226,22 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
     shutil.rmtree(stage_a)
     io.write_json(out / "contract.json", report)  # last: its presence means a complete, checked export
     return report
+
+
+def _accepted(names) -> list[str]:
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"export.accept_not_run: expected a list of check names, got {names!r}")
+    return list(names)
+
+
+def _why(report: dict) -> str:
+    parts = [f"failed {report['failed']}"] if report["failed"] else []
+    if report["not_run_unaccepted"]:
+        reasons = {r["name"]: r["reason"] for r in report["not_run"]}
+        parts.append(f"not run {report['not_run_unaccepted']} "
+                     f"({'; '.join(f'{n}: {reasons[n]}' for n in report['not_run_unaccepted'])}). "
+                     f"A check that did not run is not a pass: run it, or name it in export.accept_not_run")
+    return "; ".join(parts)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -236,9 +265,11 @@ def main(argv: list[str] | None = None) -> None:
     except (ContractError, io.ArtifactError, ValueError) as e:
         log.error("%s", e)
         raise SystemExit(1) from None
-    for ch in rep["checks"]:
-        log.info("%-24s %s", ch["name"], {True: "pass", False: "FAIL", None: "skipped"}[ch["ok"]])
-    log.info("export %s: contract passed (vLLM tau %s, trainer's simulated tau %s)", a.out,
+    for ch in rep["checks"] + [{**c, "name": f"speculators.{c['name']}"}
+                               for c in rep.get("speculators", {}).get("checks", [])]:
+        (log.warning if ch["ok"] is None else log.info)("%s", contract.status_line(ch))
+    log.info("export %s: contract passed, %d check(s) not run by the config's export.accept_not_run "
+             "(vLLM tau %s, trainer's simulated tau %s)", a.out, len(rep["not_run"]),
              rep.get("vllm_tau"), rep.get("train_simulated_tau"))
 
 

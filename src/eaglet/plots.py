@@ -2,11 +2,12 @@
 
 - ``coverage.png``: draft-vocab coverage against its size, the chosen size marked;
 - ``training.png``: training and validation loss, and per-TTT-step accuracy and simulated τ;
-- ``tables.html``: the tokenize metadata, the draft-vocab summary with its pinned tokens, and the
-  evaluation summary, as HTML tables.
+- ``tables.html``: the tokenize metadata, the draft-vocab summary with its pinned tokens, the export
+  contract (every check: pass, FAIL, or not run, both in red) and the evaluation summary, as HTML tables.
 
     python -m eaglet.plots --vocab results/r/vocab_map/vocab.json \
-        --metrics results/r/train/metrics.parquet --out-dir results/r/plots
+        --metrics results/r/train/metrics.parquet [--contract results/r/drafter/contract.json] \
+        --out-dir results/r/plots
 """
 
 from __future__ import annotations
@@ -87,8 +88,39 @@ def _kv_table(d: dict) -> str:
     return f"<table>{rows}</table>"
 
 
+# A check that did not run is not a pass: it is red like a failure, labelled "not run".
+STATUS_STYLE = {True: ("pass", "#1a7f37"), False: ("FAIL", "#cf222e"), None: ("not run", "#cf222e")}
+
+
+def contract_table(report: dict) -> str:
+    """The export contract as an HTML table: one row per check (format B's as speculators.*), its
+    status coloured, the reason a check did not run and whether export.accept_not_run accepts it."""
+    import html
+
+    checks = list(report["checks"]) + [{**c, "name": f"speculators.{c['name']}"}
+                                       for c in (report.get("speculators") or {}).get("checks", [])]
+    not_run = [c for c in checks if c["ok"] is None]
+    verdict = "passed" if report.get("ok") else "FAILED"
+    head = (f"<p>contract {verdict}: {sum(c['ok'] is True for c in checks)} pass, "
+            f"{sum(c['ok'] is False for c in checks)} FAIL, "
+            f"<span style='color:#cf222e;font-weight:bold'>{len(not_run)} not run</span></p>") if not_run else \
+        f"<p>contract {verdict}: every check ran</p>"
+    rows = []
+    for c in checks:
+        label, colour = STATUS_STYLE[c["ok"]]
+        note = ""
+        if c["ok"] is None:
+            note = html.escape(str(c.get("reason") or "")) + (
+                " <b>(accepted by export.accept_not_run)</b>" if c.get("accepted") else " <b>(not accepted)</b>")
+        elif c["ok"] is False:
+            note = html.escape(json.dumps(c.get("details"))[:400])
+        rows.append(f"<tr><td>{html.escape(c['name'])}</td>"
+                    f"<td style='color:{colour};font-weight:bold'>{label}</td><td>{note}</td></tr>")
+    return head + "<table><tr><th>check</th><th>status</th><th>why</th></tr>" + "".join(rows) + "</table>"
+
+
 def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str | Path | None = None,
-                evaluation: str | Path | None = None) -> None:
+                evaluation: str | Path | None = None, contract: str | Path | None = None) -> None:
     """One self-contained HTML page with the run's tables, for the report."""
     import html
 
@@ -108,6 +140,9 @@ def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str 
                   f"<td>{p['count']}</td><td>{p['frequency_rank']}</td><td>{p['would_be_in_without_pin']}</td></tr>"
                   for p in v["pinned"]]
         parts.append("</table>")
+    if contract:
+        parts += ["<h2 id='contract'>Export contract (drafter/contract.json)</h2>",
+                  contract_table(io.read_json(contract))]
     if evaluation:
         e = io.read_json(evaluation)
         parts += ["<h2 id='evaluation'>Evaluation summary</h2>", _kv_table(e.get("headline", e))]
@@ -123,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--metrics", default=None)
     p.add_argument("--metadata", default=None, help="tokenize metadata.json, for the tables page")
     p.add_argument("--evaluation", default=None, help="eval summary.json, for the tables page")
+    p.add_argument("--contract", default=None, help="the export's contract.json, for the tables page")
     p.add_argument("--out-dir", required=True)
     a = p.parse_args(argv)
     out = Path(a.out_dir)
@@ -130,8 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         coverage_plot(a.vocab, out / "coverage.png")
     if a.metrics:
         training_plot(a.metrics, out / "training.png")
-    if a.metadata or a.vocab or a.evaluation:
-        tables_html(out / "tables.html", a.metadata, a.vocab, a.evaluation)
+    if a.metadata or a.vocab or a.evaluation or a.contract:
+        tables_html(out / "tables.html", a.metadata, a.vocab, a.evaluation, a.contract)
 
 
 if __name__ == "__main__":

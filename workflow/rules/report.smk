@@ -10,6 +10,7 @@ rule plots:
         metadata=rules.tokenize.output.metadata,
         metrics=rules.train.output.metrics,
         evaluation=EVAL_SUMMARY,
+        contract=rules.export.output.contract,
     output:
         coverage=report(
             f"{RUN}/plots/coverage.png",
@@ -40,7 +41,8 @@ rule plots:
         ),
     shell:
         "python -m eaglet.plots --vocab {input.vocab:q} --metadata {input.metadata:q}"
-        " --metrics {input.metrics:q} {params.evaluation} --out-dir {params.out:q} 2> {log:q}"
+        " --metrics {input.metrics:q} --contract {input.contract:q} {params.evaluation}"
+        " --out-dir {params.out:q} 2> {log:q}"
 
 
 FINAL_OUTPUTS.extend(rules.plots.output)
