@@ -32,6 +32,8 @@ MARKERS = {
     "gemma3_text": (["<bos>", "<start_of_turn>", "<end_of_turn>"], "<start_of_turn>model\n", "<end_of_turn>"),
     "deepseek_v3": (["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"],
                     "<｜Assistant｜>", "<｜end▁of▁sentence｜>"),
+    "gpt_oss": (["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>"], "<|start|>assistant",
+                "<|return|>"),
 }
 
 
@@ -132,9 +134,13 @@ def test_tokenizer_fits_the_model(built):
     stop = model.generation_config.eos_token_id
     stop = stop if isinstance(stop, list) else [stop]
     assert tok.convert_tokens_to_ids(MARKERS[family][2]) in stop  # generation stops at the turn end
-    if tok.bos_token is not None and family != "llama":
-        assert conf.bos_token_id == tok.bos_token_id
-        assert tok("hi")["input_ids"][0] == tok.bos_token_id  # BOS added on encode, as the family does
+    if family != "llama":
+        spec = families.TOKENIZERS[family]
+        assert conf.bos_token_id == (tok.bos_token_id if spec["bos"] else None)
+        # BOS added on encode exactly where the family's tokenizer adds it (Llama 3, Gemma, DeepSeek).
+        first = tok("hi")["input_ids"][0]
+        assert (first == tok.bos_token_id) == spec["add_bos"] and (first == tok.bos_token_id) == (family in (
+            "llama3", "gemma3_text", "deepseek_v3"))
     if V > len(tok):  # padded rows exist in the head but are never predicted
         assert V % 64 == 0 and not model.get_output_embeddings().weight[len(tok):].any()
 
@@ -187,19 +193,26 @@ def test_family_features(built):
         assert cap and torch.allclose(out.logits, cap * torch.tanh(raw / cap), atol=1e-5)
         assert not torch.allclose(out.logits.softmax(-1), raw.softmax(-1), atol=1e-3)  # the cap matters
     if family == "deepseek_v3":
-        assert conf.kv_lora_rank == 64 and conf.q_lora_rank == 64 and hasattr(attn0, "kv_a_proj_with_mqa")
-        assert conf.qk_rope_head_dim == 32 and conf.qk_nope_head_dim == 32 and conf.v_head_dim == 64
+        # Latent 512 + rope 64: the only MLA size vLLM's CPU kernel serves.
+        assert conf.kv_lora_rank == 512 and conf.q_lora_rank == 64 and hasattr(attn0, "kv_a_proj_with_mqa")
+        assert conf.qk_rope_head_dim == 64 and conf.qk_nope_head_dim == 64 and conf.v_head_dim == 64
         rope = conf.rope_parameters
         assert rope["rope_type"] == "yarn" and rope["mscale_all_dim"] == 1.0 and rope["factor"] > 1
         # DeepSeek's YaRN: mscale == mscale_all_dim, so the rotary factor is 1 and the softmax scale
         # carries mscale(factor)^2 instead; the frequencies are interpolated.
         mscale = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0
-        assert attn0.scaling == pytest.approx((32 + 32) ** -0.5 * mscale ** 2)
-        plain = 1.0 / rope["rope_theta"] ** (torch.arange(0, 32, 2).float() / 32)
+        assert attn0.scaling == pytest.approx((64 + 64) ** -0.5 * mscale ** 2)
+        plain = 1.0 / rope["rope_theta"] ** (torch.arange(0, 64, 2).float() / 64)
         assert not torch.allclose(base.rotary_emb.inv_freq, plain)
         assert not hasattr(base.layers[0].mlp, "experts")  # first_k_dense_replace = 1
         assert base.layers[1].mlp.experts.gate_up_proj.shape[0] == conf.n_routed_experts == 8
         assert base.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0
+    if family == "gpt_oss":
+        assert conf.num_local_experts == 4 and base.layers[0].mlp.experts.gate_up_proj.shape[0] == 4
+        assert set(conf.layer_types) == {"sliding_attention", "full_attention"} and conf.sliding_window == 16
+        assert conf.rope_parameters["rope_type"] == "yarn"
+        assert attn0.sinks.abs().sum() > 0 and attn0.o_proj.bias.abs().sum() > 0
+        assert base.layers[0].mlp.router.bias.abs().sum() > 0
 
 
 def test_capture_matches_the_models_own_hidden_states(built):

@@ -62,14 +62,23 @@ FAMILY_CONFIGS: dict[str, dict] = {
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     # DeepSeek-V3: MLA (q and kv low-rank, decoupled rope dims), 8 routed experts in 4 groups,
     # top-2 of 2 groups, one shared expert, layer 0 dense; YaRN with DeepSeek-V3's mscale values.
+    # kv_lora_rank 512 + qk_rope_head_dim 64 are DeepSeek-V3's own: vLLM's CPU MLA decode kernel
+    # supports only that latent size (576), so smaller ranks would not be servable there.
     "deepseek_v3": dict(
         _SMALL, num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False,
-        q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
+        q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
         n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
         moe_intermediate_size=64, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
                          "beta_fast": 32.0, "beta_slow": 1.0}),
+    # GPT-OSS: alternating sliding (16 here, 128 real) / full attention with learned sinks, qkv and
+    # o biases, 4 experts top-2 with biased router and clamped SwiGLU, YaRN (factor 32, as real).
+    "gpt_oss": dict(
+        _SMALL, head_dim=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=16, tie_word_embeddings=False, attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 128, "truncate": False}),
 }
 
 # Llama 3.1 Instruct, shortened (no tools): the system header with the knowledge/date lines is
@@ -207,6 +216,35 @@ DEEPSEEK_V3_TEMPLATE = r"""{%- if not add_generation_prompt is defined %}{%- set
 {%- if add_generation_prompt %}{{- '<｜Assistant｜>' }}{%- endif %}
 """
 
+# GPT-OSS harmony format, shortened (no tools, no date line): a system message always, the
+# system/developer prompt as a developer message, assistant answers on the "final" channel, the
+# last assistant turn of a finished conversation ends with <|return|>, earlier ones with <|end|>.
+GPT_OSS_TEMPLATE = r"""{{- "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n" }}
+{{- "Knowledge cutoff: 2024-06\n\nReasoning: " + (reasoning_effort if reasoning_effort is defined else "medium") }}
+{{- "\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>" }}
+{%- if messages[0].role == "developer" or messages[0].role == "system" %}
+    {{- "<|start|>developer<|message|># Instructions\n\n" + messages[0].content + "\n\n<|end|>" }}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- for message in loop_messages %}
+    {%- if message.role == "user" %}
+        {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
+    {%- elif message.role == "assistant" %}
+        {%- if loop.last and not add_generation_prompt %}
+            {%- if message.thinking %}
+                {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+            {%- endif %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>" }}
+        {%- else %}
+            {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- "<|start|>assistant" }}{%- endif %}
+"""
+
 _QWEN_SPECIAL = ["<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>",
                  "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
                  "<|video_pad|>"]
@@ -240,10 +278,17 @@ TOKENIZERS: dict[str, dict] = {
         plain=["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"],
         bos="<｜begin▁of▁sentence｜>", eos="<｜end▁of▁sentence｜>", pad="<｜▁pad▁｜>", unk=None, add_bos=True,
         template=DEEPSEEK_V3_TEMPLATE, stop=["<｜end▁of▁sentence｜>"], pad_to=64),
+    # <|endoftext|> is SmolLM2's token 0, same string as o200k's.
+    "gpt_oss": dict(
+        special=["<|startoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+                 "<|message|>", "<|call|>"], plain=[],
+        bos="<|startoftext|>", eos="<|return|>", pad="<|endoftext|>", unk=None, add_bos=False,
+        template=GPT_OSS_TEMPLATE, stop=["<|return|>", "<|endoftext|>", "<|call|>"], pad_to=64),
 }
 TOKENIZERS["qwen3_moe"] = TOKENIZERS["qwen3"]
 
-FAMILIES: tuple[str, ...] = ("llama", "llama3", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "deepseek_v3")
+FAMILIES: tuple[str, ...] = ("llama", "llama3", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "deepseek_v3",
+                             "gpt_oss")
 
 # The historical tiny Llama (see target.py): 2 heads x 64 fit vLLM's CPU attention kernels.
 LLAMA_DEFAULTS = dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=2,
@@ -301,7 +346,8 @@ def _config(family: str, tokenizer, overrides: dict):
 
     cls = {"llama3": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
-           "gemma3_text": transformers.Gemma3TextConfig, "deepseek_v3": transformers.DeepseekV3Config}[family]
+           "gemma3_text": transformers.Gemma3TextConfig, "deepseek_v3": transformers.DeepseekV3Config,
+           "gpt_oss": transformers.GptOssConfig}[family]
     spec = TOKENIZERS[family]
     stop = [tokenizer.convert_tokens_to_ids(t) for t in spec["stop"]]
     kw = dict(FAMILY_CONFIGS[family], vocab_size=vocab_size_for(family, tokenizer),
@@ -316,14 +362,17 @@ def _perturb(model, vocab_used: int) -> None:
     import torch
 
     with torch.no_grad():
-        for name, module in model.named_modules():
+        for module in model.modules():
             kind = type(module).__name__
             if kind.endswith("RMSNorm") and getattr(module, "weight", None) is not None:
                 module.weight.add_(torch.randn_like(module.weight) * 0.3)
-            elif isinstance(module, torch.nn.Linear) and module.bias is not None:
-                module.bias.normal_(0, 0.2)
             if getattr(module, "e_score_correction_bias", None) is not None:  # DeepSeek routing bias
                 module.e_score_correction_bias.normal_(0, 0.1)
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):  # qkv/o, router and expert biases
+                p.normal_(0, 0.2)
+            elif name.endswith(".sinks"):  # GPT-OSS attention sinks (per-head logits)
+                p.normal_(0, 1.0)
         # Larger-than-default head init: a peaked next-token distribution (a drafter can learn it).
         head = model.get_output_embeddings().weight
         head.normal_(0, 0.2)
