@@ -8,11 +8,10 @@ import pytest
 import torch
 import yaml
 
+from conftest import REPO
 from eaglet import families, target
 from eaglet.extract import Capture
 from eaglet.families import FAMILIES, build_tiny
-
-from conftest import REPO
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is the capital of France?"},
@@ -69,6 +68,16 @@ def test_every_family_is_tested_and_in_the_schema():
     assert fam["enum"] == list(FAMILIES) and fam["default"] == "llama"
 
 
+def test_schema_accepts_each_family_and_refuses_others():
+    import jsonschema
+
+    schema = yaml.safe_load((REPO / "workflow/schemas/config.schema.yaml").read_text())
+    for fam in FAMILIES:
+        jsonschema.validate({"run": "r", "target": {"name": "t", "tiny": {"family": fam, "seed": 3}}}, schema)
+    with pytest.raises(jsonschema.ValidationError, match="mistral"):
+        jsonschema.validate({"run": "r", "target": {"name": "t", "tiny": {"family": "mistral"}}}, schema)
+
+
 def test_unknown_family_names_the_key():
     with pytest.raises(ValueError, match="target.tiny.family"):
         build_tiny("mistral")
@@ -76,11 +85,11 @@ def test_unknown_family_names_the_key():
 
 def test_llama_is_the_historical_tiny_model():
     model, tok = build_tiny("llama")
-    old = _pre_family_tiny_llama(tok).state_dict()
-    new = model.state_dict()
+    ref = _pre_family_tiny_llama(tok)
+    old, new = ref.state_dict(), model.state_dict()
     assert old.keys() == new.keys()
     assert all(torch.equal(old[k], new[k]) for k in old)
-    assert model.config.to_diff_dict() == _pre_family_tiny_llama(tok).config.to_diff_dict()
+    assert model.config.to_diff_dict() == ref.config.to_diff_dict()
 
 
 def test_save_reload_gives_identical_logits(built, tmp_path):
@@ -97,12 +106,11 @@ def test_save_reload_gives_identical_logits(built, tmp_path):
     assert tok2("hi there")["input_ids"] == tok("hi there")["input_ids"]  # same BOS behaviour
     with torch.no_grad():
         assert torch.equal(model(ids).logits, model2(ids).logits)
-    # Deterministic under the seed; another seed is another model.
-    again, _ = build_tiny(family, seed=0)
-    other, _ = build_tiny(family, seed=1)
+    # Deterministic under the seed; another seed is another model (4 layers: cheaper, same code).
+    one, again, other = (families.build_model(family, tok, seed=s, num_hidden_layers=4) for s in (0, 0, 1))
     with torch.no_grad():
-        assert torch.equal(again(ids).logits, model(ids).logits)
-        assert not torch.allclose(other(ids).logits, model(ids).logits)
+        assert torch.equal(again(ids).logits, one(ids).logits)
+        assert not torch.allclose(other(ids).logits, one(ids).logits)
 
 
 def test_chat_template_has_the_family_markers(built):

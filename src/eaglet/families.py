@@ -146,7 +146,8 @@ QWEN3_TEMPLATE = r"""{%- if messages[0].role == 'system' %}
         {%- endif %}
         {%- if loop.index0 > ns.last_query_index %}
             {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') }}
+                {{- '\n</think>\n\n' + content.lstrip('\n') }}
             {%- else %}
                 {{- '<|im_start|>' + message.role + '\n' + content }}
             {%- endif %}
@@ -193,7 +194,9 @@ GEMMA3_TEMPLATE = r"""{{ bos_token }}
 """
 
 # DeepSeek-V3 without tools: system prompts go right after BOS, assistant turns end with EOS.
-DEEPSEEK_V3_TEMPLATE = r"""{%- if not add_generation_prompt is defined %}{%- set add_generation_prompt = false %}{%- endif %}
+DEEPSEEK_V3_TEMPLATE = r"""{%- if not add_generation_prompt is defined %}
+    {%- set add_generation_prompt = false %}
+{%- endif %}
 {%- set ns = namespace(system_prompt='', is_first_sp=true) %}
 {%- for message in messages %}
     {%- if message['role'] == 'system' %}
