@@ -60,12 +60,19 @@ def top_table(counts: np.ndarray, tokenizer, n: int = 200) -> str:
 def run(tokens: str | Path, target: str | Path, out_dir: str | Path, top_n: int = 200) -> dict:
     from eaglet.target import load_identity, load_tokenizer
 
-    tok = load_tokenizer(load_identity(target)["path"])
+    ident = load_identity(target)
+    tok = load_tokenizer(ident["path"])
+    # Counts over the model's vocabulary (its logits), which checkpoints often pad past the
+    # tokenizer's length (Qwen, Gemma, DeepSeek: a multiple of 64 or 128): d2t/t2d index logits.
+    V = int(ident["vocab_size"])
+    if len(tok) > V:
+        raise io.ArtifactError(f"{target}: the tokenizer has {len(tok)} tokens, more than the model's "
+                               f"vocab_size {V}")
     table = io.read_parquet(tokens, columns=None)
     missing = {"input_ids", "loss_mask"} - set(table.column_names)
     if missing:
         raise io.ArtifactError(f"{tokens}: not a tokens file (missing columns {sorted(missing)})")
-    counts = count_tokens(table, len(tok), tokens)
+    counts = count_tokens(table, V, tokens)
     out_dir = Path(out_dir)
     io.save_tensors(out_dir / "freq.safetensors", counts)
     io.write_text(out_dir / "top.tsv", top_table(counts["counts"], tok, top_n))

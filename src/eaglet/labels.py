@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from eaglet import io
 from eaglet.model import read_target_tensor
@@ -54,9 +55,16 @@ class _Decoder(nn.Module):
         self.fn = fn
 
     def forward(self, *args, inputs_embeds=None, **kwargs):
-        from transformers.modeling_outputs import BaseModelOutputWithPast
+        return _DecoderOutput(last_hidden_state=self.fn(inputs_embeds))
 
-        return BaseModelOutputWithPast(last_hidden_state=self.fn(inputs_embeds))
+
+class _DecoderOutput(BaseModelOutputWithPast):
+    """A decoder output whose other fields (MoE ``router_logits``, ...) read as None."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
 
 
 def _module_name(root: nn.Module, mod: nn.Module) -> str:
