@@ -377,8 +377,12 @@ def run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat_
 
     tok, model = load_tokenizer(model_dir, chat_template, need_template=True), load_model(model_dir)
     tok.padding_side = "left"  # decoder-only batching: pad on the left so new tokens line up
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     eos_ids = stop_ids(tok, model)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if pad_id is None:
+        pad_id = min(eos_ids)
+    if tok.pad_token_id is None:  # Llama 3 ships no pad token; the left pads are masked anyway
+        tok.pad_token_id = pad_id
     sample = cfg["temperature"] > 0
     gen_kw = dict(max_new_tokens=cfg["max_tokens"], do_sample=sample, pad_token_id=pad_id,
                   eos_token_id=sorted(eos_ids))
