@@ -199,6 +199,7 @@ def test_nan_in_target_is_refused(tgt, tokens, tmp_path):
     name = next(k for k in w if k.endswith("layers.1.mlp.down_proj.weight"))
     w[name][:, :] = float("nan")
     io.save_tensors(bad / "model.safetensors", w, metadata={"format": "pt"})
-    io.write_json(tmp_path / "identity.json", {**tgt[0], "path": str(bad), "digest": "bad"})
+    io.write_json(tmp_path / "identity.json", {**tgt[0], "path": str(bad), "digest": "bad",
+                                               "files": io.folder_manifest(bad)})
     with pytest.raises(FloatingPointError, match="NaN/Inf"):
         extract(tokens[0], tmp_path / "identity.json", tmp_path / "s", progress=False)
