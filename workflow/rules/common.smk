@@ -69,7 +69,9 @@ def target_files(target):
     listing = []
     for f in files:
         st = f.stat() if f.exists() else None
-        listing.append([f.relative_to(root).as_posix(), st and st.st_size, st and st.st_mtime_ns])
+        listing.append(
+            [f.relative_to(root).as_posix(), st and st.st_size, st and st.st_mtime_ns]
+        )
     digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
     total = sum(size or 0 for _, size, _ in listing)
     return f"{len(listing)} files, {total} bytes, names/sizes/mtimes {digest}"
