@@ -235,9 +235,10 @@ def verify_manifest(folder: str | os.PathLike, manifest: dict[str, dict], record
     with the recorded sizes, and the recorded sha256 of every file that has one."""
     folder = Path(folder)
     have = {f.relative_to(folder).as_posix(): f for f in _visible_files(folder)}
-    for name in sorted(set(have) - set(manifest)):
-        raise ArtifactError(f"{folder / name}: not in the manifest recorded in {record} (added after "
-                            "the target was identified)")
+    extra = sorted(set(have) - set(manifest))
+    if extra:
+        raise ArtifactError(f"{folder / extra[0]}: not in the manifest recorded in {record} (added after "
+                            f"the target was identified; {len(extra)} such file(s))")
     for name, want in sorted(manifest.items()):
         f = folder / name
         if name not in have:
