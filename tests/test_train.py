@@ -68,6 +68,8 @@ def data(tiny_target, tmp_path_factory):
     t2d = torch.zeros(tiny_target["vocab_size"], dtype=torch.bool)
     t2d[used] = True
     io.save_tensors(out / "vocab.safetensors", {"d2t": used - torch.arange(VD), "t2d": t2d})
+    # vocab_map's record of its file, which `python -m eaglet.train` checks before reading it
+    io.write_json(out / "vocab.json", {io.DIGESTS_KEY: io.record_digests(out, ["vocab.safetensors"])})
     return {"index": [str(out / "shard_0" / "index.json")], "vocab": str(out / "vocab.safetensors"),
             "model": model, "t2d": t2d}
 

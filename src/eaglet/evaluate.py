@@ -520,6 +520,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     io.setup_logging(a.log)
     fn = evaluate_offline if a.mode == "offline" else evaluate_speculative
+    io.verify_recorded(a.drafter, Path(a.drafter).with_name("train_summary.json"))  # train's record
     try:
         fn(a.drafter, a.identity, io.parse_json_arg(a.sets), a.out_dir, threads=a.threads,
            **io.parse_json_arg(a.config, {}))

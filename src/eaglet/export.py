@@ -259,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     io.setup_logging(a.log)
     try:
+        io.verify_recorded(a.drafter, a.train_summary or Path(a.drafter).with_name("train_summary.json"))
         rep = export(a.drafter, a.out, a.identity, train_summary=a.train_summary,
                      speculators_dir=a.speculators_out, work_dir=a.work_dir, vllm_python=a.vllm_python,
                      **io.parse_json_arg(a.config, {}))

@@ -521,7 +521,9 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
                    "tok_s": tokens_seen / max(elapsed, 1e-9),
                    "final_train": last_train, "final_val": last_val,
                    "draft_vocab_size": len(d2t), "layer_ids": cfg.layer_ids, "label_check": label_check,
-                   "target_digest": identity["digest"], "params": p, "config": json.loads(cfg.to_json())}
+                   "target_digest": identity["digest"], "params": p, "config": json.loads(cfg.to_json()),
+                   # checked by export and evaluate (io.verify_recorded)
+                   io.DIGESTS_KEY: io.record_digests(out_dir, ["drafter.safetensors"])}
         io.write_json(out_dir / "train_summary.json", summary)
         log.info("trained %d steps: loss %.4f, tau %.3f (val %s)", total, last_train["loss"],
                  last_train["tau"], f"{last_val['tau']:.3f}" if last_val else "n/a")
@@ -547,6 +549,7 @@ def main(argv: list[str] | None = None) -> None:
     io.setup_logging(a.log if rank == 0 else None)
     from eaglet.target import load_identity
 
+    io.verify_recorded(a.vocab, Path(a.vocab).with_name("vocab.json"))  # vocab_map's record
     train(a.hidden, a.vocab, load_identity(a.target_identity), a.out_dir, io.parse_json_arg(a.params, {}))
 
 
