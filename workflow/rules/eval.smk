@@ -26,7 +26,15 @@ EVAL_OPTS = {
 
 rule evaluate_offline:
     input:
-        code=src("evaluate", "eval_sets", "eval_stats", "model", "target", "target_check", "io"),
+        code=src(
+            "evaluate",
+            "eval_sets",
+            "eval_stats",
+            "model",
+            "target",
+            "target_check",
+            "io",
+        ),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -52,7 +60,15 @@ rule evaluate_offline:
 # Timing: run alone (all cores), after the offline stage so the two never share the CPU.
 rule evaluate_speculative:
     input:
-        code=src("evaluate", "eval_sets", "eval_stats", "model", "target", "target_check", "io"),
+        code=src(
+            "evaluate",
+            "eval_sets",
+            "eval_stats",
+            "model",
+            "target",
+            "target_check",
+            "io",
+        ),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
