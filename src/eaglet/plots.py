@@ -119,6 +119,24 @@ def contract_table(report: dict) -> str:
     return head + "<table><tr><th>check</th><th>status</th><th>why</th></tr>" + "".join(rows) + "</table>"
 
 
+def domain_table(summary: dict) -> str:
+    """τ per domain at the headline k (exact offline chain), with its interval and verdict."""
+    import html
+
+    h = summary.get("headline") or {}
+    dom = h.get("tau_by_domain") or {}
+    if not dom:
+        return ""
+    num = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    rows = "".join(f"<tr><td>{html.escape(d)}</td><td>{v['prompts']}</td><td>{num(v['tau'])}</td>"
+                   f"<td>{num(v['ci'][0])} - {num(v['ci'][1])}</td>"
+                   f"<td>{'yes' if v['conclusive'] else 'no'}</td><td>{html.escape(v['note'])}</td></tr>"
+                   for d, v in dom.items())
+    return (f"<h3>τ per domain (k={h.get('k')}, exact offline chain, interval over prompts)</h3>"
+            "<table><tr><th>domain</th><th>prompts</th><th>τ</th><th>interval</th><th>conclusive</th>"
+            f"<th>note</th></tr>{rows}</table>")
+
+
 def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str | Path | None = None,
                 evaluation: str | Path | None = None, contract: str | Path | None = None) -> None:
     """One self-contained HTML page with the run's tables, for the report."""
@@ -145,7 +163,10 @@ def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str 
                   contract_table(io.read_json(contract))]
     if evaluation:
         e = io.read_json(evaluation)
-        parts += ["<h2 id='evaluation'>Evaluation summary</h2>", _kv_table(e.get("headline", e))]
+        parts += ["<h2 id='evaluation'>Evaluation summary</h2>"]
+        if (e.get("recommendation") or {}).get("sentence"):
+            parts.append(f"<p><b>{html.escape(e['recommendation']['sentence'])}</b></p>")
+        parts += [domain_table(e), _kv_table(e.get("headline", e))]
         if e.get("headline") is not None:
             parts += [_kv_table({k: v for k, v in e.items() if k != "headline"})]
     parts.append("</body></html>")
