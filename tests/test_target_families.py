@@ -53,8 +53,8 @@ def _run(runs, family: str):
     repo, cache = runs["repo"], runs["cache"]
     (repo / f"config/{family}.yaml").write_text(yaml.safe_dump(_config(family)))
     run = repo / "results" / f"fam-{family}"
-    smk(repo, cache, str(run / "drafter" / "contract.json"), str(run / "eval" / "offline.json"),
-        configfile=f"config/{family}.yaml")
+    rel = f"results/fam-{family}"  # Snakemake matches targets relative to the workflow folder
+    smk(repo, cache, f"{rel}/drafter/contract.json", f"{rel}/eval/offline.json", configfile=f"config/{family}.yaml")
     runs["done"][family] = run
     return run
 
@@ -101,11 +101,11 @@ def test_family_served_by_real_vllm_or_refused_at_the_start(runs, family):
     status, line = target_check.serving(ident["architecture"], repo / "envs" / "vllm" / ".venv")
     assert (status == "supported") == SERVED[family], line
     if not SERVED[family]:
-        code, out = smk(repo, cache, "-n", str(run / "drafter" / "contract.json"), check=False,
+        code, out = smk(repo, cache, "-n", f"results/fam-{family}/drafter/contract.json", check=False,
                         configfile=f"config/{family}-vllm.yaml")
         assert code != 0 and "SupportsEagle3" in out and "export.vllm_check" in out, out[-3000:]
         return
-    smk(repo, cache, str(run / "drafter" / "contract.json"), configfile=f"config/{family}-vllm.yaml")
+    smk(repo, cache, f"results/fam-{family}/drafter/contract.json", configfile=f"config/{family}-vllm.yaml")
     contract = json.loads((run / "drafter" / "contract.json").read_text())
     checks = {c["name"]: c for c in contract["checks"]}
     for name in ("vllm.load_run", "vllm.lossless", "vllm.aux_layers"):
