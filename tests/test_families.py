@@ -238,10 +238,13 @@ def test_capture_matches_the_models_own_hidden_states(built):
         ref = [model(x[None], output_hidden_states=True) for x in (a, b)]
         cap = Capture(model, list(range(1, N + 1)))
         try:
-            aux, final = cap(ids_BT, mask_BT)
+            pos = torch.tensor([0, 5, len(b) - 1])
+            aux, final, ref_logits = cap(ids_BT, mask_BT, pos)
         finally:
             cap.remove()
-        assert isinstance(model.model.norm, type(cap._norm))  # the norm is back
+        assert not model.model.norm._forward_hooks  # the hooks are gone
+        for s, r in enumerate(ref):  # the real head ran at the reference positions (label proof)
+            assert torch.allclose(ref_logits[s], r.logits[0, pos], atol=1e-4), family
         for s, (x, r) in enumerate(zip((a, b), ref)):
             T = len(x)
             for j in range(1, N):
