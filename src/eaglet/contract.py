@@ -542,9 +542,10 @@ def reference_step0(w: dict, c: dict, embed_VH, aux_BT3H, ids_BT, pos_BT):
     return full, pre_BTH
 
 
-def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, target_dir: str | Path,
+def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, identity: dict,
                  tol: float = 1e-4, seed: int = 0) -> dict:
-    """Reference forward on the exported files vs eaglet.model on the trainer's file, step 0."""
+    """Reference forward on the exported files vs eaglet.model on the trainer's file, step 0
+    (``identity``: the target's; its checkpoint gives the embedding)."""
     import torch
 
     if trained_path is None:
@@ -557,7 +558,7 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, targe
     _, c = effective_config(conf)
     w = {n: t.float() for n, t in io.load_tensors(Path(drafter_dir) / "model.safetensors").items()}
     w["d2t"] = io.load_tensors(Path(drafter_dir) / "model.safetensors", ["d2t"])["d2t"]
-    embed = target_embedding(target_dir).float()
+    embed = target_embedding(identity["path"]).float()
     k = dims(c)
     g = torch.Generator().manual_seed(seed)
     B, T = 2, 12
@@ -566,7 +567,7 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, targe
     pos = torch.arange(T).repeat(B, 1) + torch.tensor([[0], [5]])  # a batch row not starting at 0
     ref_full, ref_pre = reference_step0(w, c, embed, aux, ids, pos)
     with torch.no_grad():
-        drafter, _cfg, d2t, _t2d = em.load_drafter(trained_path, embed_weight=embed)
+        drafter, _cfg, d2t, _t2d = em.load_drafter(trained_path, identity, embed_weight=embed)
         drafter.float()
         logits, pre = drafter.forward_step(ids, drafter.project(aux.view(B, T, 3, k["Ht"])), pos)
         d2t = d2t.long()
@@ -683,10 +684,10 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
     det = {"num_drafts": drafts, "num_draft_tokens": sd.get("num_draft_tokens"),
            "num_accepted_tokens": accepted, "accepted_per_pos": sd.get("num_accepted_tokens_per_pos"),
            "k": k, "vllm_tau": tau,
-           "train_simulated_tau": train_tau}
-    # A drafter the trainer believes in must get *some* tokens accepted; a random one need not.
+           "train_chain_tau": train_tau}
+    # A drafter the trainer measured to chain must get *some* tokens accepted; a random one need not.
     ok = drafts > 0 and (train_tau is None or train_tau < min_train_tau or accepted > 0)
-    det["rule"] = f"drafts > 0, and accepted > 0 when the trainer's simulated tau >= {min_train_tau}"
+    det["rule"] = f"drafts > 0, and accepted > 0 when the trainer's validation chain tau at k={k} >= {min_train_tau}"
     out.append(_check("vllm.acceptance", ok, det))
     return out
 
@@ -706,8 +707,8 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     checks += _guarded("loader.vllm", lambda: [emulate_vllm(conf, header)])
     if fmt == "A":  # SGLang is given format A only: format B has no SGLang check to run
         checks += _guarded("loader.sglang", lambda: [emulate_sglang(conf, header)])
-    checks += _guarded("parity.step0", lambda: [parity_check(drafter_dir, trained_path, identity["path"])])
-    tau = train_tau(train_summary)
+    checks += _guarded("parity.step0", lambda: [parity_check(drafter_dir, trained_path, identity)])
+    tau = train_tau(train_summary, k=(vllm or {}).get("k", 3))
     if vllm is not None:
         want = (trained or {}).get("layer_ids") or conf.get("eagle_aux_hidden_state_layer_ids")
         checks += vllm_checks(drafter_dir, identity, want, train_tau=tau, **vllm)
@@ -717,7 +718,7 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     report = {"format": fmt, "drafter_dir": str(drafter_dir),
               "target": {x: identity.get(x) for x in ("name", "digest", "path")},
               "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids"),
-              "train_simulated_tau": tau, "checks": checks}
+              "train_chain_tau": tau, "checks": checks}
     report.update(verdict(checks, accept_not_run))
     acc = next((ch for ch in checks if ch["name"] == "vllm.acceptance"), None)
     if acc:
@@ -760,18 +761,22 @@ def trained_config(path: str | Path) -> dict:
         raise io.ArtifactError(f"{path}: metadata 'eaglet' is not JSON ({e})") from None
 
 
-def train_tau(summary) -> float | None:
-    """The trainer's simulated τ from train_summary.json: the last validation value, else the last
-    training value (``final_val.tau`` / ``final_train.tau``)."""
+def train_tau(summary, k: int | None = None) -> float | None:
+    """The trainer's exact greedy-chain τ on its validation set, from train_summary.json, for the
+    weights it kept (``best_val``, else ``final_val``): ``chain_tau_<k>`` at the k drafts vLLM runs,
+    else ``chain_tau``. None when the summary has none (no validation set, or a summary from
+    before the chain τ): the teacher-forced ``tf_tau`` overstates acceptance and gates nothing."""
     if summary is None:
         return None
     s = summary if isinstance(summary, dict) else io.read_json(summary)
-    for key in ("final_val", "final_train"):
+    for key in ("best_val", "final_val"):
         row = s.get(key)
-        if isinstance(row, dict) and isinstance(row.get("tau"), (int, float)):
-            return float(row["tau"])
-    v = s.get("simulated_tau", s.get("tau"))
-    return float(v) if isinstance(v, (int, float)) else None
+        if not isinstance(row, dict):
+            continue
+        for name in ([f"chain_tau_{k}"] if k is not None else []) + ["chain_tau"]:
+            if isinstance(row.get(name), (int, float)):
+                return float(row[name])
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:

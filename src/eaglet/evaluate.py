@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 
 from eaglet import eval_sets, io
-from eaglet.model import KVCache, load_drafter, load_target_embedding
+from eaglet.chain import accepted_prefix, chain_replay, rounds_tau
+from eaglet.model import KVCache, load_drafter
 from eaglet.target import load_identity, load_model, load_tokenizer, stop_ids
 
 log = logging.getLogger("eaglet.evaluate")
@@ -244,33 +245,6 @@ def speculative(target: Target, proposer, prompt: list[int], k: int, max_new: in
 
 
 # --------------------------------------------------------------------------- counting (pure)
-def accepted_prefix(drafts: list[int], truth: list[int]) -> int:
-    """Drafts that match the known continuation, from the first; past its end nothing matches."""
-    a = 0
-    while a < len(drafts) and a < len(truth) and drafts[a] == truth[a]:
-        a += 1
-    return a
-
-
-def chain_replay(accepted: list[int], n_tokens: int, max_new: int, k: int) -> list[tuple[int, int, int]]:
-    """The rounds the real loop runs, from the offline counts alone. ``accepted[g]`` = accepted
-    prefix of K >= k drafts from the round start after g emitted tokens (g >= 1; index 0 unused);
-    ``n_tokens`` = length of the greedy continuation. Returns (g, k_eff, accepted) per round."""
-    rounds, g = [], 1
-    while g < n_tokens:
-        k_eff = min(k, max_new - g - 1)
-        a = min(accepted[g], k_eff) if k_eff > 0 else 0
-        rounds.append((g, k_eff, a))
-        g = min(g + a + 1, n_tokens)  # the continuation ends at EOS or at max_new
-    return rounds
-
-
-def tau_of(rounds) -> float | None:
-    """Tokens per target forward over rounds with drafts: 1 + accepted / drafts (vLLM's τ)."""
-    drafted = [r for r in rounds if r[1] > 0]
-    return 1 + sum(r[2] for r in drafted) / len(drafted) if drafted else None
-
-
 def position_rates(accepted: list[int], valid: list[int], K: int) -> dict:
     """From every start: P(accepted >= j) and P(accepted >= j | >= j-1), j = 1..K, counting a
     start for position j only when the continuation extends that far (``valid``: positions left)."""
@@ -296,7 +270,7 @@ def _setup(drafter_path, identity_path, threads, stop_at_eos=True, chat_template
     if threads:
         torch.set_num_threads(int(threads))
     ident = load_identity(identity_path)
-    drafter, cfg, d2t, _ = load_drafter(drafter_path, embed_weight=load_target_embedding(ident["path"]))
+    drafter, cfg, d2t, _ = load_drafter(drafter_path, ident)
     if cfg.target_digest and cfg.target_digest != ident["digest"]:
         raise io.ArtifactError(f"{drafter_path}: trained for target {cfg.target_digest[:12]}, "
                                f"not {ident['digest'][:12]} ({identity_path})")
@@ -354,7 +328,7 @@ def _offline_stats(starts: list[dict], rounds_by_k: dict, K: int) -> dict:
     acc, valid = [s["accepted"] for s in starts], [s["valid"] for s in starts]
     return {"starts": len(starts),
             "tau": {k: tau_all_positions(acc, valid, k) for k in range(1, K + 1)},
-            "tau_chain": {k: tau_of(r) for k, r in rounds_by_k.items()},
+            "tau_chain": {k: rounds_tau(r) for k, r in rounds_by_k.items()},
             "tau_chain_se": {k: _se(r) for k, r in rounds_by_k.items()},
             "rounds": {k: len(r) for k, r in rounds_by_k.items()},
             **position_rates(acc, valid, K)}
@@ -449,7 +423,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
                                    "greedy_margin": gm, "spec_margin": sm, "explained_by_tie": tie})
                 log.warning("prompt %s k=%d: output differs from greedy at token %d (%s)", p["id"], k, j,
                             "numerical tie" if tie else "NOT a tie")
-            row["k"][k] = {"tau": tau_of(sp["rounds"]), "tokens": len(sp["tokens"]), "seconds": sp["seconds"],
+            row["k"][k] = {"tau": rounds_tau(sp["rounds"]), "tokens": len(sp["tokens"]), "seconds": sp["seconds"],
                            "identical": j is None, "rounds": len(sp["rounds"])}
             round_rows += [{"set": p["set"], "id": p["id"], "k": k, "g": g, "k_eff": ke, "accepted": a}
                            for g, ke, a in sp["rounds"]]
@@ -497,7 +471,7 @@ def _spec_stats(rows: list[dict], round_rows: list[dict], ks: list[int], set_nam
               if x["k"] == k and (set_name is None or x["set"] == set_name)]
         s_tok, s_s = sum(r["k"][k]["tokens"] for r in rows), sum(r["k"][k]["seconds"] for r in rows)
         reach = [sum(1 for r in rr if r[1] > j) for j in range(K)]
-        out["k"][k] = {"tau": tau_of(rr), "tau_se": _se(rr), "rounds": len(rr), "tokens": s_tok,
+        out["k"][k] = {"tau": rounds_tau(rr), "tau_se": _se(rr), "rounds": len(rr), "tokens": s_tok,
                        "seconds": round(s_s, 3), "tok_s": s_tok / s_s if s_s else None,
                        "speedup": g_s / s_s if s_s else None,
                        "accept_rate_per_pos": [sum(1 for r in rr if r[1] > j and r[2] > j) / reach[j]

@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drafter", required=True, help="train/drafter.safetensors")
     p.add_argument("--identity", required=True, help="the target's identity.json")
     p.add_argument("--out", required=True, help="folder for config.json, model.safetensors, contract.json")
-    p.add_argument("--train-summary", default=None, help="train_summary.json (simulated tau, for the record)")
+    p.add_argument("--train-summary", default=None,
+                   help="train_summary.json (its validation chain tau gates vllm.acceptance)")
     p.add_argument("--speculators-out", default=None, help="folder for format B (with speculators: true)")
     p.add_argument("--work-dir", default=None, help="vLLM check logs and cache (default OUT.check/)")
     p.add_argument("--vllm-python", default=None, help=f"vLLM interpreter (default {contract.VLLM_PYTHON})")
@@ -269,8 +270,8 @@ def main(argv: list[str] | None = None) -> None:
                                for c in rep.get("speculators", {}).get("checks", [])]:
         (log.warning if ch["ok"] is None else log.info)("%s", contract.status_line(ch))
     log.info("export %s: contract passed, %d check(s) not run by the config's export.accept_not_run "
-             "(vLLM tau %s, trainer's simulated tau %s)", a.out, len(rep["not_run"]),
-             rep.get("vllm_tau"), rep.get("train_simulated_tau"))
+             "(vLLM tau %s, trainer's validation chain tau %s)", a.out, len(rep["not_run"]),
+             rep.get("vllm_tau"), rep.get("train_chain_tau"))
 
 
 if __name__ == "__main__":
