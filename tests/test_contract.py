@@ -206,10 +206,16 @@ def test_reference_forward_matches_the_trainer_on_a_second_position_batch(tiny_t
     assert rep["ok"], rep
 
 
-def test_train_tau_reads_the_summary():
-    assert contract.train_tau({"final_train": {"tau": 1.5}, "final_val": {"tau": 1.7}}) == 1.7
-    assert contract.train_tau({"final_train": {"tau": 1.5}, "final_val": None}) == 1.5
-    assert contract.train_tau({}) is None
+def test_train_tau_is_the_validation_chain_tau_of_the_kept_weights():
+    """vllm.acceptance is gated on the exact chain τ, never on the optimistic teacher-forced one."""
+    row = {"tf_tau": 1.9, "chain_tau": 1.3, "chain_tau_3": 1.4}
+    s = {"final_train": {"tf_tau": 2.2}, "final_val": {**row, "chain_tau": 1.1, "chain_tau_3": 1.2}, "best_val": row}
+    assert contract.train_tau(s, k=3) == 1.4  # best_val (the kept weights), at the k vLLM runs
+    assert contract.train_tau(s, k=5) == 1.3 and contract.train_tau(s) == 1.3  # no such k: chain_tau (k = K)
+    assert contract.train_tau({"final_val": {"chain_tau_3": 1.2}}, k=3) == 1.2
+    # teacher-forced figures alone (or a summary from before the chain τ) gate nothing
+    assert contract.train_tau({"final_train": {"tau": 1.5}, "final_val": {"tau": 1.7, "tf_tau": 1.7}}) is None
+    assert contract.train_tau({"final_val": None, "best_val": None}) is None and contract.train_tau({}) is None
 
 
 # --------------------------------------------------------------------------- a check that did not run

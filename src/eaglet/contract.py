@@ -695,11 +695,12 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
 # --------------------------------------------------------------------------- the whole contract
 def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str | Path | None = None,
                  vllm: dict | None = None, train_summary: str | Path | dict | None = None,
-                 accept_not_run=()) -> dict:
+                 accept_not_run=(), k: int | None = None) -> dict:
     """Run every check on an exported directory; return the report: ``ok`` False if any failed or
     did not run without being named in ``accept_not_run``. ``vllm``: None to not run the real
     vLLM checks (they are then listed as not run), else kwargs for :func:`vllm_checks`
-    (``work_dir`` required)."""
+    (``work_dir`` required). ``k``: drafts per round the export is for (default: vllm's ``k``, 3),
+    the k of the trainer's chain τ recorded (and gating vllm.acceptance)."""
     trained = trained_config(trained_path) if trained_path else None
     conf, header = read_export(drafter_dir)
     fmt, _ = effective_config(conf)
@@ -708,7 +709,7 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     if fmt == "A":  # SGLang is given format A only: format B has no SGLang check to run
         checks += _guarded("loader.sglang", lambda: [emulate_sglang(conf, header)])
     checks += _guarded("parity.step0", lambda: [parity_check(drafter_dir, trained_path, identity)])
-    tau = train_tau(train_summary, k=(vllm or {}).get("k", 3))
+    tau = train_tau(train_summary, k=k or (vllm or {}).get("k", 3))
     if vllm is not None:
         want = (trained or {}).get("layer_ids") or conf.get("eagle_aux_hidden_state_layer_ids")
         checks += vllm_checks(drafter_dir, identity, want, train_tau=tau, **vllm)

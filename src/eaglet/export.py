@@ -188,7 +188,8 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
                 "n_prompts": o["vllm_check_prompts"], "max_tokens": o["vllm_check_max_tokens"]}
     accept = _accepted(o["accept_not_run"])
     report = contract.check_export(stage_a, identity, trained_path=drafter_path, vllm=vllm,
-                                   train_summary=train_summary, accept_not_run=accept)
+                                   train_summary=train_summary, accept_not_run=accept,
+                                   k=o["num_speculative_tokens"])
     report["drafter_dir"] = str(out)
     names = {ch["name"] for ch in report["checks"]}
     if o["speculators"]:
