@@ -159,10 +159,11 @@ def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_
     weights are those of the best validation chain τ, and that is what the summary reports."""
     from eaglet import evaluate as ev
     from eaglet.chain import chain_replay, rounds_tau
+    from eaglet.summary import lines as summary_lines
 
     K = PARAMS["ttt_steps"]
-    s = train(data["index"], data["vocab"], tiny_target, tmp_path, {**PARAMS, "val_every": 5})
-    va = pd.read_parquet(tmp_path / "metrics.parquet").query("split == 'val'")
+    s = train(data["index"], data["vocab"], tiny_target, tmp_path / "train", {**PARAMS, "val_every": 5})
+    va = pd.read_parquet(tmp_path / "train" / "metrics.parquet").query("split == 'val'")
     assert len(va) >= 4 and va.chain_rounds.min() > 0
     best = va.loc[va.chain_tau == va.chain_tau.max()].iloc[-1]  # the last of the best on a tie
     assert s["selected"]["step"] == best.step and s["best_val"]["chain_tau"] == best.chain_tau
@@ -170,7 +171,7 @@ def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_
     # the teacher-forced estimate is kept under its own name beside it
     assert s["best_val"]["tf_tau"] == best.tf_tau and "tau" not in s["best_val"]
 
-    drafter, _, d2t, _ = load_drafter(tmp_path / "drafter.safetensors", tiny_target)
+    drafter, _, d2t, _ = load_drafter(tmp_path / "train" / "drafter.safetensors", tiny_target)
     target = ev.Target(data["model"], LAYERS, eos_ids=set())
     proposer = ev.EagleProposer(drafter, d2t)
     ds = HiddenStateDataset(data["index"])
@@ -188,6 +189,13 @@ def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_
     assert s["best_val"]["chain_rounds"] == sum(1 for r in rounds[K] if r[1] > 0)
     # 30 samples: the held-out chain gains little, but some drafts are accepted (a random drafter: none)
     assert s["best_val"]["chain_tau"] == s["best_val"][f"chain_tau_{K}"] > 1.0
+
+    # what `make run` ends with (eaglet.summary) reads these very figures from train_summary.json
+    line = next(ln for ln in summary_lines(tmp_path) if ln.strip().startswith("train"))
+    assert f"{s['steps']} steps" in line and f"loss {s['final_train']['loss']:.3f}" in line, line
+    assert f"validation {s['final_val']['loss']:.3f}" in line, line
+    assert f"validation chain tau {s['best_val']['chain_tau']:.3f} at k={K}" in line, line
+    assert f"teacher-forced {s['best_val']['tf_tau']:.3f}" in line and f"kept step {best.step}" in line, line
 
 
 def test_checkpoint_selection_rule():
