@@ -245,3 +245,41 @@ def test_accepting_never_passes_a_failed_check():
     checks = [contract._check("a.x", False), contract._not_run("a.y", "why")]
     v = contract.verdict(checks, ["a.x", "a.y"])
     assert not v["ok"] and v["failed"] == ["a.x"] and v["not_run_unaccepted"] == []
+
+
+# A vLLM 0.x failure log as its runner writes it (worker, engine core, runner: three tracebacks).
+VLLM_FAILURE_LOG = """\
+(EngineCore pid=7) INFO 11-30 11:08:50 [core.py:99] starting
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] WorkerProc failed to start.
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] Traceback (most recent call last):
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953]   File "vllm/rotary.py", line 1, in get_rope
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953]     rope = get_rope(x, is_neox_style=True)
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953]            ^^^^^^^^^^^^^^
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] TypeError: get_rope() got an unexpected keyword argument 'is_neox_style'
+(EngineCore pid=7) ERROR 11-30 11:08:58 [core.py:1510] Traceback (most recent call last):
+(EngineCore pid=7) ERROR 11-30 11:08:58 [core.py:1510]   File "vllm/core.py", line 2, in run
+(EngineCore pid=7) ERROR 11-30 11:08:58 [core.py:1510]     raise e from None
+(EngineCore pid=7) ERROR 11-30 11:08:58 [core.py:1510] Exception: WorkerProc failed. See stack trace for root cause.
+Traceback (most recent call last):
+  File "vllm_check_runner.py", line 48, in main
+    llm = LLM(**kw)
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_engine_error_puts_the_root_cause_first():
+    assert contract.engine_error(VLLM_FAILURE_LOG) == [
+        "TypeError: get_rope() got an unexpected keyword argument 'is_neox_style'",
+        "Exception: WorkerProc failed. See stack trace for root cause.",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]
+    # no traceback: the last lines that name an error
+    assert contract.engine_error("INFO ok\nValueError: Model does not support EAGLE3 interface\n") == [
+        "ValueError: Model does not support EAGLE3 interface"]
+    assert contract.engine_error("all fine\n") == []
+
+
+def test_failure_errors_collects_the_error_of_each_failed_check():
+    checks = [{"name": "a", "ok": False, "details": {"error": "TypeError: x"}},
+              {"name": "b", "ok": True, "details": {"error": "ignored: it passed"}},
+              {"name": "c", "ok": False, "details": {"max_abs_logits": 1.0}}]
+    assert contract.failure_errors(checks) == {"a": "TypeError: x"}

@@ -233,3 +233,31 @@ def test_real_vllm_loads_and_runs_the_export(tiny_target, tmp_path):
     assert acc["num_drafts"] > 0 and acc["num_accepted_tokens"] > 0, acc
     assert rep["vllm_tau"] == acc["vllm_tau"] > 1.0 and rep["train_chain_tau"] == 2.0
     assert json.loads((out / "contract.json").read_text())["vllm_tau"] == acc["vllm_tau"]
+
+
+@pytest.mark.vllm
+def test_vllm_load_failure_puts_the_engine_error_in_the_record_and_the_message(tiny_target, tiny_drafter, tmp_path):
+    """A drafter whose config says intermediate_size 512 over 256-row MLP weights: vLLM's worker
+    fails loading the weights. The root cause (the worker's RuntimeError, not vLLM's "Engine core
+    initialization failed. See root cause above") is in contract.failed.json and in the
+    ContractError message; the plain run is not started for nothing."""
+    if contract.vllm_python() is None:
+        pytest.fail("envs/vllm/.venv absent or incomplete: run envs/vllm/setup.sh")
+    meta = json.loads(io.tensor_metadata(tiny_drafter)["eaglet"])
+    broken = tmp_path / "broken.safetensors"
+    io.save_tensors(broken, io.load_tensors(tiny_drafter),
+                    metadata={"eaglet": json.dumps({**meta, "intermediate_size": 2 * meta["intermediate_size"]})})
+    out = tmp_path / "drafter"
+    with pytest.raises(ContractError) as e:
+        export(broken, out, _ident(tiny_target), vllm_check=True, vllm_check_prompts=1, vllm_check_max_tokens=4,
+               work_dir=tmp_path / "work")
+    failed = json.loads((out / "contract.failed.json").read_text())
+    assert "vllm.load_run" in failed["failed"]
+    err = failed["errors"]["vllm.load_run"].splitlines()
+    # first the worker's own exception (the weight that does not fit), then vLLM's wrappers
+    assert err[0].startswith("spec: RuntimeError") and "512" in err[0] and "256" in err[0], err
+    assert any("See root cause above" in ln for ln in err[1:]), err
+    load = next(c for c in failed["checks"] if c["name"] == "vllm.load_run")["details"]
+    assert load["spec"]["rc"] not in (0, None) and load["plain"]["rc"] is None and "skipped" in load["plain"]
+    assert Path(load["spec"]["log"]).is_file()  # the whole log is still there
+    assert err[0].removeprefix("spec: ") in str(e.value) and "vllm.load_run" in str(e.value)

@@ -595,6 +595,33 @@ def vllm_python(path: str | None = None) -> Path | None:
     return p
 
 
+_LOG_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:(?:ERROR|WARNING|INFO|DEBUG|CRITICAL)\s+"
+                         r"\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?")
+_WRAPPER = ("See root cause above", "See stack trace for root cause")
+
+
+def engine_error(text: str, max_lines: int = 6) -> list[str]:
+    """The engine's own error from a vLLM log: the exception line that ends each traceback (vLLM's
+    worker, engine core and the runner each print one), root causes first and vLLM's wrappers
+    ("... See root cause above") last, without log prefixes; else the last lines that name an error.
+    What a failure record and its message show, so the cause is not left in a log file."""
+    lines = [_LOG_PREFIX.sub("", ln.rstrip()) for ln in text.splitlines()]
+    found, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("Traceback (most recent call last)"):
+            i += 1
+            while i < len(lines) and (lines[i].startswith((" ", "\t")) or not lines[i]):
+                i += 1  # the frames: indented (a blank line inside a frame is skipped too)
+            if i < len(lines):
+                found.append(lines[i][:500])
+        i += 1
+    if not found:
+        found = [ln[:500] for ln in lines if re.search(r"\b\w*(Error|Exception)\b", ln)][-max_lines:]
+    found = list(dict.fromkeys(found))
+    causes = [ln for ln in found if not any(w in ln for w in _WRAPPER)]
+    return (causes + [ln for ln in found if ln not in causes])[:max_lines]
+
+
 def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: list[str], *,
              work_dir: str | Path, python: str | Path, k: int = 3, max_tokens: int = 32,
              timeout: float = 900) -> dict:
@@ -631,6 +658,7 @@ def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: li
     res.update(rc=rc, seconds=round(time.time() - t0, 1), log=str(logf))
     if rc != 0:
         res["log_tail"] = text[-3000:]
+        res["engine_error"] = engine_error(text) or [f"vLLM run exited with {rc} and no error in {logf}"]
     # vLLM 0.32 logs "Using auxiliary layers from speculative config: (2, 4, 5)" (v1 runner) or
     # "Using Eagle3 auxiliary layers from config|model: ..." (runner v2); nothing when it falls
     # back to the target's defaults.
@@ -658,12 +686,17 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_prompts)]
     target_dir = identity["path"]
     run = dict(work_dir=work_dir, python=py, max_tokens=max_tokens)
-    plain = run_vllm(target_dir, None, prompts, **run)
+    # The drafter run first: when it cannot load, the plain run (minutes) would add nothing.
     spec = run_vllm(target_dir, drafter_dir, prompts, k=k, **run)
-    out = [_check("vllm.load_run", plain["rc"] == 0 and spec["rc"] == 0,
-                  {"plain": {x: plain.get(x) for x in ("rc", "seconds", "log", "log_tail", "vllm_version")},
-                   "spec": {x: spec.get(x) for x in ("rc", "seconds", "log", "log_tail", "vllm_version")},
-                   "sharing_log": spec.get("sharing_log")})]
+    plain = run_vllm(target_dir, None, prompts, **run) if spec["rc"] == 0 else \
+        {"rc": None, "skipped": "the run with the drafter failed"}
+    keys = ("rc", "seconds", "log", "engine_error", "log_tail", "vllm_version", "skipped")
+    det = {"plain": {x: plain[x] for x in keys if x in plain}, "spec": {x: spec[x] for x in keys if x in spec},
+           "sharing_log": spec.get("sharing_log")}
+    errors = [f"{tag}: {ln}" for tag, r in (("spec", spec), ("plain", plain)) for ln in r.get("engine_error", [])]
+    if errors:
+        det["error"] = "\n".join(errors)  # the engine's own error, first lines (the whole log: log)
+    out = [_check("vllm.load_run", plain["rc"] == 0 and spec["rc"] == 0, det)]
     if plain["rc"] != 0 or spec["rc"] != 0:
         return out + [_not_run(n, "vllm.load_run failed") for n in VLLM_CHECKS[1:]]
     a, b = plain["token_ids"], spec["token_ids"]
@@ -721,6 +754,7 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
               "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids"),
               "train_chain_tau": tau, "checks": checks}
     report.update(verdict(checks, accept_not_run))
+    report["errors"] = failure_errors(checks)
     acc = next((ch for ch in checks if ch["name"] == "vllm.acceptance"), None)
     if acc:
         report["vllm_tau"] = acc["details"].get("vllm_tau")
@@ -741,6 +775,13 @@ def verdict(checks: list[dict], accept_not_run=()) -> dict:
            "accept_not_run": sorted(accept)}
     out["ok"] = not out["failed"] and not out["not_run_unaccepted"]
     return out
+
+
+def failure_errors(checks: list[dict]) -> dict[str, str]:
+    """The error text each failed check recorded (``details.error``: an exception, the engine's
+    own error lines), by check name: the top of a failure record, and its message."""
+    return {ch["name"]: str(ch["details"]["error"]) for ch in checks
+            if ch["ok"] is False and isinstance(ch.get("details"), dict) and ch["details"].get("error")}
 
 
 def _guarded(name: str, fn) -> list[dict]:

@@ -237,6 +237,10 @@ def _accepted(names) -> list[str]:
 
 def _why(report: dict) -> str:
     parts = [f"failed {report['failed']}"] if report["failed"] else []
+    errors = {**report.get("errors", {}),
+              **{f"speculators.{n}": e for n, e in report.get("speculators", {}).get("errors", {}).items()}}
+    if errors:  # the engine's own error in the message, not only in a log file
+        parts.append("errors: " + "; ".join(f"{n}: " + " | ".join(e.splitlines()[:6]) for n, e in errors.items()))
     if report["not_run_unaccepted"]:
         reasons = {r["name"]: r["reason"] for r in report["not_run"]}
         parts.append(f"not run {report['not_run_unaccepted']} "
