@@ -37,9 +37,11 @@ vllm-env:
 test-deps:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
+# scripts/snakemake_resume.py: after a crashed run (kill -9, OOM) it notices the stale lock, says so,
+# unlocks and resumes with --rerun-incomplete; a live run's lock is left alone (README "Recovery").
 run: venv vllm-env
 	@mkdir -p "$$SNAKEMAKE_OUTPUT_CACHE"
-	$(SNAKEMAKE)
+	$(BIN)/python scripts/snakemake_resume.py $(SNAKEMAKE)
 	$(SNAKEMAKE) --report results/$(RUN_NAME)/report.html
 	@$(BIN)/python -m eaglet.summary results/$(RUN_NAME)
 
