@@ -285,7 +285,7 @@ def test_corrupt_checkpoint_is_refused_naming_the_file(tiny_target, data, tmp_pa
 
 
 def test_ddp_gloo_matches_single_process(tiny_target, data, tmp_path):
-    params = {**PARAMS, "max_steps": 4, "val_fraction": 0.0, "oov_rule": "label", "noise_std": 0.05}
+    params = {**PARAMS, "max_steps": 4, "val_every": 4, "oov_rule": "label", "noise_std": 0.05}
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     subprocess.run(_cli(data, tiny_target, single, {**params, "grad_accum": 2}), check=True, capture_output=True)
     r = subprocess.run(_cli(data, tiny_target, ddp, params, nproc=2), capture_output=True, text=True)
@@ -293,7 +293,11 @@ def test_ddp_gloo_matches_single_process(tiny_target, data, tmp_path):
     s = json.loads((ddp / "train_summary.json").read_text())
     assert s["world_size"] == 2 and s["micro_batches_per_step"] == 2
     a, b = pd.read_parquet(single / "metrics.parquet"), pd.read_parquet(ddp / "metrics.parquet")
-    assert len(a) == len(b) == 4
+    assert len(a) == len(b) == 5  # 4 steps, one validation pass
+    # validation is split over the ranks and summed: the same chain counts as one process
+    va, vb = a[a.split == "val"].iloc[0], b[b.split == "val"].iloc[0]
+    assert va.chain_rounds == vb.chain_rounds > 0 and va.chain_tau == pytest.approx(vb.chain_tau, abs=1e-12)
+    a, b = a[a.split == "train"], b[b.split == "train"]
     assert (a.loss - b.loss).abs().max() < 1e-4 and (a.tokens == b.tokens).all()
     ta, tb = io.load_tensors(single / "drafter.safetensors"), io.load_tensors(ddp / "drafter.safetensors")
     assert torch.equal(ta["d2t"], tb["d2t"]) and torch.equal(ta["t2d"], tb["t2d"])
