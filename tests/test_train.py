@@ -196,6 +196,11 @@ def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_
     assert f"validation {s['final_val']['loss']:.3f}" in line, line
     assert f"validation chain tau {s['best_val']['chain_tau']:.3f} at k={K}" in line, line
     assert f"teacher-forced {s['best_val']['tf_tau']:.3f}" in line and f"kept step {best.step}" in line, line
+    # the report's training plot reads the renamed columns (teacher-forced and chain τ)
+    from eaglet.plots import training_plot
+
+    training_plot(tmp_path / "train" / "metrics.parquet", tmp_path / "training.png")
+    assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_checkpoint_selection_rule():
