@@ -1,7 +1,8 @@
 """Plots for the HTML report, drawn from the stage artifacts (matplotlib, PNG):
 
 - ``coverage.png``: draft-vocab coverage against its size, the chosen size marked;
-- ``training.png``: training and validation loss, and per-TTT-step accuracy and simulated τ;
+- ``training.png``: training and validation loss, per-TTT-step teacher-forced accuracy, and τ
+  (teacher-forced estimate, and the validation chain τ);
 - ``tables.html``: the tokenize metadata, the draft-vocab summary with its pinned tokens, the export
   contract (every check: pass, FAIL, or not run, both in red) and the evaluation summary, as HTML tables.
 
