@@ -42,8 +42,10 @@ test-deps:
 cache-dir:
 	@bash scripts/cache_dir.sh
 
+# scripts/snakemake_resume.py: after a crashed run (kill -9, OOM) it notices the stale lock, says so,
+# unlocks and resumes with --rerun-incomplete; a live run's lock is left alone (README "Recovery").
 run: venv vllm-env cache-dir
-	$(SNAKEMAKE)
+	$(BIN)/python scripts/snakemake_resume.py $(SNAKEMAKE)
 	$(SNAKEMAKE) --report results/$(RUN_NAME)/report.html
 	@$(BIN)/python -m eaglet.summary results/$(RUN_NAME)
 

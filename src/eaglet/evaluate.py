@@ -51,7 +51,8 @@ from pathlib import Path
 import torch
 
 from eaglet import eval_sets, eval_stats, io
-from eaglet.model import KVCache, load_drafter, load_target_embedding
+from eaglet.chain import accepted_prefix, chain_replay, rounds_tau
+from eaglet.model import KVCache, load_drafter
 from eaglet.target import load_identity, load_model, load_tokenizer, stop_ids
 
 log = logging.getLogger("eaglet.evaluate")
@@ -254,33 +255,6 @@ def speculative(target: Target, proposer, prompt: list[int], k: int, max_new: in
 
 
 # --------------------------------------------------------------------------- counting (pure)
-def accepted_prefix(drafts: list[int], truth: list[int]) -> int:
-    """Drafts that match the known continuation, from the first; past its end nothing matches."""
-    a = 0
-    while a < len(drafts) and a < len(truth) and drafts[a] == truth[a]:
-        a += 1
-    return a
-
-
-def chain_replay(accepted: list[int], n_tokens: int, max_new: int, k: int) -> list[tuple[int, int, int]]:
-    """The rounds the real loop runs, from the offline counts alone. ``accepted[g]`` = accepted
-    prefix of K >= k drafts from the round start after g emitted tokens (g >= 1; index 0 unused);
-    ``n_tokens`` = length of the greedy continuation. Returns (g, k_eff, accepted) per round."""
-    rounds, g = [], 1
-    while g < n_tokens:
-        k_eff = min(k, max_new - g - 1)
-        a = min(accepted[g], k_eff) if k_eff > 0 else 0
-        rounds.append((g, k_eff, a))
-        g = min(g + a + 1, n_tokens)  # the continuation ends at EOS or at max_new
-    return rounds
-
-
-def tau_of(rounds) -> float | None:
-    """Tokens per target forward over rounds with drafts: 1 + accepted / drafts (vLLM's τ)."""
-    drafted = [r for r in rounds if r[1] > 0]
-    return 1 + sum(r[2] for r in drafted) / len(drafted) if drafted else None
-
-
 def position_rates(accepted: list[int], valid: list[int], K: int) -> dict:
     """From every start: P(accepted >= j) and P(accepted >= j | >= j-1), j = 1..K, counting a
     start for position j only when the continuation extends that far (``valid``: positions left)."""
@@ -306,7 +280,7 @@ def _setup(drafter_path, identity_path, threads, stop_at_eos=True, chat_template
     if threads:
         torch.set_num_threads(int(threads))
     ident = load_identity(identity_path)
-    drafter, cfg, d2t, _ = load_drafter(drafter_path, embed_weight=load_target_embedding(ident["path"]))
+    drafter, cfg, d2t, _ = load_drafter(drafter_path, ident)
     if cfg.target_digest and cfg.target_digest != ident["digest"]:
         raise io.ArtifactError(f"{drafter_path}: trained for target {cfg.target_digest[:12]}, "
                                f"not {ident['digest'][:12]} ({identity_path})")
@@ -396,7 +370,7 @@ def _offline_stats(starts: list[dict], rounds_by_k: dict, K: int) -> dict:
     acc, valid = [s["accepted"] for s in starts], [s["valid"] for s in starts]
     return {"starts": len(starts),
             "tau": {k: tau_all_positions(acc, valid, k) for k in range(1, K + 1)},
-            "tau_chain": {k: tau_of(r) for k, r in rounds_by_k.items()},
+            "tau_chain": {k: rounds_tau(r) for k, r in rounds_by_k.items()},
             "tau_chain_se": {k: _se(r) for k, r in rounds_by_k.items()},
             "rounds": {k: len(r) for k, r in rounds_by_k.items()},
             "chain_per_pos": {k: chain_counts(r) for k, r in rounds_by_k.items()},
@@ -533,7 +507,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
                             "numerical tie" if tie else "NOT a tie")
             pairs = paired_speedups(samples, k)
             row["chain"][k] = prompt_chain(sp["rounds"])
-            row["k"][k] = {"tau": tau_of(sp["rounds"]), "tokens": len(sp["tokens"]),
+            row["k"][k] = {"tau": rounds_tau(sp["rounds"]), "tokens": len(sp["tokens"]),
                            "seconds": statistics.median(s["spec_s"][k] for s in samples),
                            "speedup_samples": pairs, "speedup": statistics.median(pairs),
                            "identical": j is None, "rounds": len(sp["rounds"])}
@@ -592,7 +566,7 @@ def _spec_stats(rows: list[dict], round_rows: list[dict], ks: list[int], set_nam
         reach = [sum(1 for r in rr if r[1] > j) for j in range(k)]
         sp = eval_stats.speedup_interval([r["k"][k]["speedup"] for r in rows], o["confidence"],
                                          o["max_relative_width"])
-        out["k"][k] = {"tau": tau_of(rr), "tau_se": _se(rr), "rounds": len(rr), "tokens": s_tok,
+        out["k"][k] = {"tau": rounds_tau(rr), "tau_se": _se(rr), "rounds": len(rr), "tokens": s_tok,
                        "tau_ci": eval_stats.tau_interval([tuple(r["chain"][k]) for r in rows], o["confidence"],
                                                          o["max_relative_width"]),
                        "seconds": round(s_s, 3), "tok_s": s_tok / s_s if s_s else None,

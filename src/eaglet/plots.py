@@ -1,7 +1,8 @@
 """Plots for the HTML report, drawn from the stage artifacts (matplotlib, PNG):
 
 - ``coverage.png``: draft-vocab coverage against its size, the chosen size marked;
-- ``training.png``: training and validation loss, and per-TTT-step accuracy and simulated τ;
+- ``training.png``: training and validation loss, per-TTT-step teacher-forced accuracy, and τ
+  (teacher-forced estimate, and the validation chain τ);
 - ``tables.html``: the tokenize metadata, the draft-vocab summary with its pinned tokens, the export
   contract (every check: pass, FAIL, or not run, both in red) and the evaluation summary, as HTML tables.
 
@@ -52,7 +53,7 @@ def training_plot(metrics_parquet: str | Path, out: str | Path) -> None:
     plt = _plt()
     df = io.read_parquet(metrics_parquet).to_pandas()
     tr, va = df[df["split"] == "train"], df[df["split"] == "val"]
-    acc_cols = sorted((c for c in df.columns if c.startswith("acc_")), key=lambda c: int(c[4:]))
+    acc_cols = sorted((c for c in df.columns if c.startswith("tf_acc_")), key=lambda c: int(c[7:]))
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
     a1.plot(tr["step"], tr["loss"], label="train", alpha=0.8)
     if len(va):
@@ -62,14 +63,15 @@ def training_plot(metrics_parquet: str | Path, out: str | Path) -> None:
     a1.legend()
     src = va if len(va) else tr
     for c in acc_cols:
-        a2.plot(src["step"], src[c], marker="o" if len(src) < 20 else None, label=f"step {c[4:]}")
-    a2.set_title(f"per-TTT-step accuracy ({'validation' if len(va) else 'train'})")
+        a2.plot(src["step"], src[c], marker="o" if len(src) < 20 else None, label=f"step {c[7:]}")
+    a2.set_title(f"per-TTT-step teacher-forced accuracy ({'validation' if len(va) else 'train'})")
     a2.set_xlabel("optimizer step")
     a2.legend(fontsize=7)
-    a3.plot(tr["step"], tr["tau"], label="train", alpha=0.8)
+    a3.plot(tr["step"], tr["tf_tau"], label="train, teacher-forced 1 + Σ_k Π_{i≤k} acc_i", alpha=0.8)
     if len(va):
-        a3.plot(va["step"], va["tau"], marker="o", label="validation")
-    a3.set_title("simulated τ = 1 + Σ_k Π_{i≤k} acc_i")
+        a3.plot(va["step"], va["tf_tau"], marker="o", label="validation, teacher-forced")
+        a3.plot(va["step"], va["chain_tau"], marker="s", label="validation, exact greedy chain")
+    a3.set_title("τ (chain: k = ttt_steps drafts per round)")
     a3.set_xlabel("optimizer step")
     a3.legend()
     for a in (a1, a2, a3):
