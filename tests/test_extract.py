@@ -146,6 +146,8 @@ def test_one_shard_equals_three_shards(tgt, tokens, one_shard, tmp_path):
 def test_kill_mid_shard_then_resume(tgt, tmp_path, caplog):
     tok = tmp_path / "tokens.parquet"
     write_tokens(tok, 60, seed=1, lo=8, hi=24)
+    # tokenize's record of its file, which `python -m eaglet.extract` checks before reading it
+    io.write_json(tmp_path / "metadata.json", {io.DIGESTS_KEY: io.record_digests(tmp_path, [tok.name])})
     out, work = tmp_path / "shard_0", tmp_path / "shard_0.partial"
     cmd = [sys.executable, "-m", "eaglet.extract", "--tokens", str(tok), "--identity", str(tgt[1]),
            "--out", str(out), "--work", str(work), "--dtype", "bfloat16", "--token-budget", "24",
@@ -213,6 +215,7 @@ def test_nan_in_target_is_refused(tgt, tokens, tmp_path):
     name = next(k for k in w if k.endswith("layers.1.mlp.down_proj.weight"))
     w[name][:, :] = float("nan")
     io.save_tensors(bad / "model.safetensors", w, metadata={"format": "pt"})
-    io.write_json(tmp_path / "identity.json", {**tgt[0], "path": str(bad), "digest": "bad"})
+    io.write_json(tmp_path / "identity.json", {**tgt[0], "path": str(bad), "digest": "bad",
+                                               "files": io.folder_manifest(bad)})
     with pytest.raises(FloatingPointError, match="NaN/Inf"):
         extract(tokens[0], tmp_path / "identity.json", tmp_path / "s", progress=False)

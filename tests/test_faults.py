@@ -638,12 +638,9 @@ def _pids_in(root: Path) -> list[int]:
     return pids
 
 
-def test_kill_snakemake_mid_job_leaves_nothing_complete_and_reruns(canned, tiny_target, tmp_path):
-    """SIGKILL a Snakemake run (its whole process group: scheduler and job) while `generate` is
-    writing parts. No output of the killed job exists; a leftover output file is flagged as
-    incomplete by Snakemake, not trusted; the rerun resumes from the parts and completes. Then one
-    complete output is corrupted in place: the consuming rule fails naming it, and nothing
-    downstream is made from it."""
+def _slow_generate_workflow(tmp_path: Path, canned: str, tiny_target: dict) -> Path:
+    """A workflow clone whose `generate` job is slow (the canned server's SLOW prompts), 24 prompts
+    in chunks of 2: long enough to be killed mid-job."""
     wf = clone(tmp_path / "wf")
     src = tmp_path / "data.jsonl"
     src.write_text("".join(json.dumps({"id": f"q{i}", "conversations": [
@@ -657,6 +654,16 @@ def test_kill_snakemake_mid_job_leaves_nothing_complete_and_reruns(canned, tiny_
     # The target is not what this test is about: the session's tiny target stands in for the
     # target_model rule's outputs (copied, so they are newer than that rule's inputs).
     shutil.copytree(Path(tiny_target["path"]).parent, wf / "resources" / "targets" / "tiny-llama")
+    return wf
+
+
+def test_kill_snakemake_mid_job_leaves_nothing_complete_and_reruns(canned, tiny_target, tmp_path):
+    """SIGKILL a Snakemake run (its whole process group: scheduler and job) while `generate` is
+    writing parts. No output of the killed job exists; a leftover output file is flagged as
+    incomplete by Snakemake, not trusted; the rerun resumes from the parts and completes. Then one
+    complete output is corrupted in place: the consuming rule fails naming it, and nothing
+    downstream is made from it."""
+    wf = _slow_generate_workflow(tmp_path, canned, tiny_target)
     gen = wf / "results" / "faults" / "generate"
     outputs = [gen / "conversations.parquet", gen / "errors.parquet", gen / "generate_summary.json"]
     target = "results/faults/generate/generate_summary.json"
@@ -707,6 +714,59 @@ def test_kill_snakemake_mid_job_leaves_nothing_complete_and_reruns(canned, tiny_
     assert re.search(r"Error in rule tokenize", out), out[-3000:]
     assert not (tok / "tokens.parquet").exists() and not (tok / "metadata.json").exists()
     assert not (wf / "results" / "faults" / "token_freq").exists()
+
+
+def test_make_run_notices_a_stale_lock_unlocks_and_resumes(canned, tiny_target, tmp_path):
+    """scripts/snakemake_resume.py (what `make run` calls): while a Snakemake run is live it leaves
+    its lock alone; after that run is SIGKILLed (plain Snakemake then stops at "cannot be locked")
+    it says the lock is stale, unlocks and resumes with --rerun-incomplete, and the run completes
+    from the killed job's parts."""
+    wf = _slow_generate_workflow(tmp_path, canned, tiny_target)
+    gen = wf / "results" / "faults" / "generate"
+    target = "results/faults/generate/generate_summary.json"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("SNAKEMAKE_OUTPUT_CACHE", None)
+    smk = [sys.executable, "-m", "snakemake", target, "--cores", "2", "--configfile", "config/faults.yaml"]
+
+    def resume():
+        return subprocess.run([sys.executable, str(REPO / "scripts" / "snakemake_resume.py"), *smk], cwd=wf,
+                              env=env, capture_output=True, text=True, timeout=600)
+
+    log = tmp_path / "killed_run.log"
+    proc = _smk(wf, target, configfile="config/faults.yaml", log=log)
+    deadline = time.monotonic() + 300
+    while len(list((gen / "parts").glob("part_*.parquet"))) < 2:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"generate never ran long enough:\n{log.read_text()[-4000:]}")
+        time.sleep(0.05)
+    locks = wf / ".snakemake" / "locks"
+    try:
+        live = resume()
+        assert live.returncode == 1 and "still running" in live.stderr and f"pid {proc.pid}" in live.stderr, live
+        assert proc.poll() is None and list(locks.glob("*"))  # the live run and its lock untouched
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    time.sleep(0.5)
+    assert not _pids_in(wf), "a process of the killed run survived"
+    assert list(locks.glob("*"))
+    code, out = _smk(wf, target, configfile="config/faults.yaml")
+    assert code != 0 and "cannot be locked" in out, out[-3000:]  # what `make run` used to stop at
+
+    r = resume()
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "stale lock" in r.stderr and "--rerun-incomplete" in r.stderr, r.stderr[-2000:]
+    out = r.stdout + r.stderr
+    assert "Unlocked working directory" in out and re.search(r"rule generate:", out), out[-3000:]
+    assert not re.search(r"rule (prompts|target_model):", out)  # only the killed job reruns
+    assert not list(locks.glob("*"))
+    s = io.read_json(gen / "generate_summary.json")
+    assert s["samples"] == 24 and s["this_run"]["skipped"] >= 4  # resumed from the killed job's parts
+    # nothing left to recover: the next call just runs Snakemake (nothing to do)
+    again = resume()
+    assert again.returncode == 0 and "snakemake_resume:" not in again.stderr
+    assert "Nothing to be done" in again.stdout + again.stderr
 
 
 # =========================================================================== R8: no pickle, no shell

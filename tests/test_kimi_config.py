@@ -1,7 +1,7 @@
 """config/kimi-k2.5.yaml dry-runs to the jobs an 8-GPU machine needs, with no model: the target
 is a config-only checkpoint folder made here (a Kimi-like config.json: 61 layers, hidden 7168,
 vocab 163,840, and small tokenizer files carrying Kimi's chat markers). Prints the hidden-state
-storage estimate. Rules not yet in the workflow are skipped, naming the rule."""
+storage estimate. A rule missing from the workflow fails the test that needs it, naming the rule."""
 
 import json
 import os
@@ -100,9 +100,7 @@ def dry_run(repo, name: str, **overrides) -> tuple[str, list[dict]]:
     way an 8-GPU machine runs it."""
     conf = json.loads(json.dumps(KIMI))
     conf["target"]["path"] = str(repo["ckpt"])
-    if "generate" not in repo["rules"]:
-        # tokenize would read conversations nobody makes
-        conf["generate"]["enabled"] = False
+    assert "generate" in repo["rules"], "rule generate is missing from the workflow"
     for section, values in overrides.items():
         conf[section].update(values)
     (repo["wd"] / f"config/{name}.yaml").write_text(yaml.safe_dump(conf))
@@ -172,8 +170,7 @@ def test_dry_run_plans_one_job_per_stage(repo, kimi_plan):
 
 
 def test_extraction_is_one_job_over_the_eight_gpus(repo, kimi_plan):
-    if "extract_hidden_states" not in repo["rules"]:
-        pytest.skip("rule extract_hidden_states not in the workflow yet")
+    assert "extract_hidden_states" in repo["rules"], "rule extract_hidden_states is missing from the workflow"
     shards = [j for j in kimi_plan[1] if j["rule"] == "extract_hidden_states"]
     assert len(shards) == KIMI["extract"]["shards"] == 1
     assert shards[0]["resources"].get("gpu") == "8"
@@ -183,8 +180,7 @@ def test_extraction_is_one_job_over_the_eight_gpus(repo, kimi_plan):
 def test_eight_one_gpu_shards_have_distinct_cache_keys(repo):
     """The same config as 8 one-GPU shards: 8 jobs, each gpu=1, each with its own shard index in
     params (the between-workflow cache keys on params, not on wildcards or output paths)."""
-    if "extract_hidden_states" not in repo["rules"]:
-        pytest.skip("rule extract_hidden_states not in the workflow yet")
+    assert "extract_hidden_states" in repo["rules"], "rule extract_hidden_states is missing from the workflow"
     _, jobs = dry_run(repo, "kimi_8shards", extract={"shards": 8, "gpus_per_shard": 1})
     shards = sorted((j for j in jobs if j["rule"] == "extract_hidden_states"), key=lambda j: j["wildcards"])
     assert [j["wildcards"] for j in shards] == [f"shard={i}" for i in range(8)]
@@ -197,8 +193,7 @@ def test_eight_one_gpu_shards_have_distinct_cache_keys(repo):
 
 
 def test_training_is_one_job_on_eight_gpus(repo, kimi_plan):
-    if "train" not in repo["rules"]:
-        pytest.skip("rule train not in the workflow yet")
+    assert "train" in repo["rules"], "rule train is missing from the workflow"
     train = [j for j in kimi_plan[1] if j["rule"] == "train"]
     assert len(train) == 1 and train[0]["resources"].get("gpu") == "8"
     shell = train[0]["shell"].replace("=", " ")
@@ -207,8 +202,7 @@ def test_training_is_one_job_on_eight_gpus(repo, kimi_plan):
 
 
 def test_generation_serves_kimi_with_tensor_parallelism_8(repo, kimi_plan):
-    if "generate" not in repo["rules"]:
-        pytest.skip("rule generate not in the workflow yet")
+    assert "generate" in repo["rules"], "rule generate is missing from the workflow"
     gen = [j for j in kimi_plan[1] if j["rule"] == "generate"]
     assert len(gen) == 1
     assert '"tensor_parallel_size": 8' in gen[0]["shell"] and '"reasoning_parser": "kimi_k2"' in gen[0]["shell"]

@@ -1,6 +1,7 @@
 """The drafter: export names/shapes, the step forward against a naive reference, the TTT
 attention pattern against real incremental drafting with a KV cache, and the file round trip."""
 
+import json
 import math
 from pathlib import Path
 
@@ -151,15 +152,27 @@ def test_save_load_round_trip(tiny_target, tmp_path):
     save_drafter(path, m, cfg, d2t, t2d)
     raw = io.load_tensors(path)
     assert "embed_tokens.weight" not in raw and raw["d2t"].dtype == torch.int64 and raw["t2d"].dtype == torch.bool
-    m2, cfg2, d2t2, t2d2 = load_drafter(path)
+    # relocatable: the file names no path (only the target's digest); moved elsewhere, it loads
+    # against the target given explicitly
+    assert str(tiny_target["path"]) not in json.dumps(io.tensor_metadata(path))
+    moved = tmp_path / "elsewhere" / "copy.safetensors"
+    moved.parent.mkdir()
+    path.rename(moved)
+    m2, cfg2, d2t2, t2d2 = load_drafter(moved, tiny_target)
     assert cfg2 == cfg and torch.equal(d2t2, d2t) and torch.equal(t2d2, t2d)
     for k, v in m.state_dict().items():
         assert torch.equal(v, m2.state_dict()[k]), k
-    # without the target checkpoint the embedding is unknown: refuse clearly
-    bad = DrafterConfig(**{**cfg.__dict__, "target_path": str(tmp_path / "nowhere")})
-    save_drafter(tmp_path / "bad.safetensors", m, bad, d2t, t2d)
+    # the digest is the check that the given target is the one it was trained for
+    with pytest.raises(io.ArtifactError, match="trained for target"):
+        load_drafter(moved, {**tiny_target, "digest": "f" * 64})
+    # without the target checkpoint the embedding is unknown: refuse clearly, naming the folder
     with pytest.raises(io.ArtifactError, match="nowhere"):
-        load_drafter(tmp_path / "bad.safetensors")
+        load_drafter(moved, {**tiny_target, "path": str(tmp_path / "nowhere")})
+    # a file written when the config still held the target's path loads (the key is ignored)
+    meta = json.loads(io.tensor_metadata(moved)["eaglet"])
+    io.save_tensors(tmp_path / "old.safetensors", io.load_tensors(moved),
+                    metadata={"eaglet": json.dumps({**meta, "target_path": "/gone/away"})})
+    assert load_drafter(tmp_path / "old.safetensors", tiny_target)[1] == cfg
 
 
 def test_read_target_rows(tiny_target):

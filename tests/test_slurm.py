@@ -102,9 +102,9 @@ def runs(cluster, tmp_path_factory):
     # training job whose GPU request is checked below). Not the whole DAG: export's vLLM check
     # and evaluation would make this run far longer than the point it proves.
     smoke = yaml.safe_load((REPO / "config/smoke.yaml").read_text())
+    assert "extract_hidden_states" in rules, "rule extract_hidden_states is missing from the workflow"
     targets = [f"{RUN}/vocab_map/vocab.json"]
-    if "extract_hidden_states" in rules:
-        targets += [f"{RUN}/extract/shard_{i}" for i in range(smoke.get("extract", {}).get("shards", 1))]
+    targets += [f"{RUN}/extract/shard_{i}" for i in range(smoke.get("extract", {}).get("shards", 1))]
     local_p = subprocess.Popen(smk_cmd(targets, "--cores", "2"), cwd=local, env=smk_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     slurm_p = subprocess.run(smk_cmd(targets, *SLURM_ARGS), cwd=remote,
@@ -233,8 +233,7 @@ def _gpu_submission(runs, cluster, name, conf_edit, target):
 
 
 def test_extraction_shard_requests_its_gpus_from_slurm(runs, cluster):
-    if "extract_hidden_states" not in runs["rules"]:
-        pytest.skip("rule extract_hidden_states not in the workflow yet")
+    assert "extract_hidden_states" in runs["rules"], "rule extract_hidden_states is missing from the workflow"
     # a second shard: a job that has not run yet, so nothing finished is touched
     calls = _gpu_submission(runs, cluster, "gpu_extract", {"extract": {"shards": 2, "gpus_per_shard": 1}},
                             f"{RUN}/extract/shard_1")
@@ -247,10 +246,7 @@ def test_extraction_shard_requests_its_gpus_from_slurm(runs, cluster):
 
 
 def test_training_requests_all_its_gpus_as_one_job(runs, cluster):
-    if "train" not in runs["rules"]:
-        pytest.skip("rule train not in the workflow yet")
-    if "extract_hidden_states" not in runs["rules"]:
-        pytest.skip("rule extract_hidden_states not in the workflow yet (train's input)")
+    assert {"train", "extract_hidden_states"} <= runs["rules"], f"rules missing from the workflow: {runs['rules']}"
     calls = _gpu_submission(runs, cluster, "gpu_train", {"train": {"gpus": 2}},
                             f"{RUN}/train/train_summary.json")
     # train's upstream (vocab_map, extraction) finished in the SLURM run: only train is asked for

@@ -1,23 +1,74 @@
 """target: materialisation and identity."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 
-from eaglet.target import default_layer_ids, load_tokenizer, validate_layer_ids
+from eaglet import io
+from eaglet.target import default_layer_ids, load_identity, load_tokenizer, materialise, validate_layer_ids
 
 
-def test_local_checkpoint_is_linked_not_copied(tiny_target, tmp_path):
-    """target.path: a local safetensors checkpoint is linked (a 1T target cannot be re-saved),
-    and its identity digest equals that of the same weights materialised."""
-    from pathlib import Path
+def user_checkpoint(tiny_target, dest: Path) -> Path:
+    """A copy of the tiny target's checkpoint standing in for a user's own local folder, its files
+    owner-only (0600) as a user's downloaded weights may be."""
+    shutil.copytree(tiny_target["path"], dest)
+    for f in dest.iterdir():
+        f.chmod(0o600)
+    return dest
 
-    from eaglet.target import load_identity, materialise
 
-    ident = materialise({"name": "linked", "path": tiny_target["path"]}, tmp_path / "t")
-    model = Path(load_identity(tmp_path / "t" / "identity.json")["path"])
-    weights = model / "model.safetensors"
-    assert weights.is_symlink() and weights.resolve() == (Path(tiny_target["path"]) / "model.safetensors").resolve()
+def test_local_checkpoint_is_read_in_place_never_linked(tiny_target, tmp_path):
+    """target.path: a local safetensors checkpoint is neither re-saved (a 1T target cannot be) nor
+    linked (the cache would re-permission the user's files through the links): identity.json
+    records the folder's absolute path; the digest equals that of the same weights materialised."""
+    user = user_checkpoint(tiny_target, tmp_path / "user")
+    modes = {f.name: f.stat().st_mode for f in user.iterdir()}
+    ident = materialise({"name": "local", "path": str(user)}, tmp_path / "t")
+    assert not [p for p in (tmp_path / "t").rglob("*") if p.is_symlink()]
     assert ident["digest"] == tiny_target["digest"] and ident["num_layers"] == tiny_target["num_layers"]
-    assert load_tokenizer(model).chat_template
+    loaded = load_identity(tmp_path / "t" / "identity.json")
+    assert loaded["path"] == str(user)
+    assert load_tokenizer(loaded["path"]).chat_template
+    assert {f.name: f.stat().st_mode for f in user.iterdir()} == modes
+
+
+def test_identity_records_a_manifest_that_every_read_checks(tiny_target, tmp_path):
+    """load_identity refuses, naming the file, a target folder changed since target_model identified
+    it: a small file edited, a file added (a legacy chat template file), a big file resized."""
+    user = user_checkpoint(tiny_target, tmp_path / "user")
+    materialise({"name": "local", "path": str(user)}, tmp_path / "t")
+    ident_path = tmp_path / "t" / "identity.json"
+    files = load_identity(ident_path)["files"]
+    assert files["config.json"]["sha256"] and files["model.safetensors"]["size"] > 0
+
+    conf = user / "config.json"
+    original = conf.read_bytes()
+    conf.write_bytes(original.replace(b'"hidden_act": "silu"', b'"hidden_act": "gelu"'))
+    assert conf.stat().st_size == len(original)  # same size: only the digest can tell
+    with pytest.raises(io.ArtifactError, match=r"config\.json: sha256 differs"):
+        load_identity(ident_path)
+    conf.write_bytes(original)
+    load_identity(ident_path)
+
+    (user / "chat_template.json").write_text('{"chat_template": "{{ messages }}"}')
+    with pytest.raises(io.ArtifactError, match=r"chat_template\.json: not in the manifest"):
+        load_identity(ident_path)
+    (user / "chat_template.json").unlink()
+
+    with open(user / "model.safetensors", "ab") as fh:
+        fh.write(b"\0")
+    with pytest.raises(io.ArtifactError, match=r"model\.safetensors: \d+ bytes"):
+        load_identity(ident_path)
+
+
+def test_big_files_are_checked_by_size_small_ones_by_digest(tmp_path, monkeypatch):
+    """The stated cost choice: files above io.FULL_HASH_MAX_BYTES carry a size only."""
+    (tmp_path / "big.bin").write_bytes(b"x" * 100)
+    (tmp_path / "small.json").write_text("{}")
+    monkeypatch.setattr(io, "FULL_HASH_MAX_BYTES", 50)
+    m = io.folder_manifest(tmp_path)
+    assert m["big.bin"] == {"size": 100} and set(m["small.json"]) == {"size", "sha256"}
 
 
 def test_layer_ids_default_and_validation():

@@ -62,7 +62,8 @@ def base_target(tmp_path_factory):
     conf.pop("chat_template", None)
     (model_dir / "tokenizer_config.json").write_text(json.dumps(conf))
     assert not target_check.has_chat_template(model_dir)
-    io.write_json(out / "identity.json", identity_of(model_dir, "base", "test"))
+    io.write_json(out / "identity.json", {**identity_of(model_dir, "base", "test"),
+                                          "files": io.folder_manifest(model_dir)})
     return out / "identity.json", template, chain
 
 

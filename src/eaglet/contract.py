@@ -542,9 +542,10 @@ def reference_step0(w: dict, c: dict, embed_VH, aux_BT3H, ids_BT, pos_BT):
     return full, pre_BTH
 
 
-def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, target_dir: str | Path,
+def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, identity: dict,
                  tol: float = 1e-4, seed: int = 0) -> dict:
-    """Reference forward on the exported files vs eaglet.model on the trainer's file, step 0."""
+    """Reference forward on the exported files vs eaglet.model on the trainer's file, step 0
+    (``identity``: the target's; its checkpoint gives the embedding)."""
     import torch
 
     if trained_path is None:
@@ -557,7 +558,7 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, targe
     _, c = effective_config(conf)
     w = {n: t.float() for n, t in io.load_tensors(Path(drafter_dir) / "model.safetensors").items()}
     w["d2t"] = io.load_tensors(Path(drafter_dir) / "model.safetensors", ["d2t"])["d2t"]
-    embed = target_embedding(target_dir).float()
+    embed = target_embedding(identity["path"]).float()
     k = dims(c)
     g = torch.Generator().manual_seed(seed)
     B, T = 2, 12
@@ -566,7 +567,7 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, targe
     pos = torch.arange(T).repeat(B, 1) + torch.tensor([[0], [5]])  # a batch row not starting at 0
     ref_full, ref_pre = reference_step0(w, c, embed, aux, ids, pos)
     with torch.no_grad():
-        drafter, _cfg, d2t, _t2d = em.load_drafter(trained_path, embed_weight=embed)
+        drafter, _cfg, d2t, _t2d = em.load_drafter(trained_path, identity, embed_weight=embed)
         drafter.float()
         logits, pre = drafter.forward_step(ids, drafter.project(aux.view(B, T, 3, k["Ht"])), pos)
         d2t = d2t.long()
@@ -592,6 +593,33 @@ def vllm_python(path: str | None = None) -> Path | None:
     if not p.exists() or not (venv / ".eaglet-setup-complete").exists():
         return None
     return p
+
+
+_LOG_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:(?:ERROR|WARNING|INFO|DEBUG|CRITICAL)\s+"
+                         r"\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?")
+_WRAPPER = ("See root cause above", "See stack trace for root cause")
+
+
+def engine_error(text: str, max_lines: int = 6) -> list[str]:
+    """The engine's own error from a vLLM log: the exception line that ends each traceback (vLLM's
+    worker, engine core and the runner each print one), root causes first and vLLM's wrappers
+    ("... See root cause above") last, without log prefixes; else the last lines that name an error.
+    What a failure record and its message show, so the cause is not left in a log file."""
+    lines = [_LOG_PREFIX.sub("", ln.rstrip()) for ln in text.splitlines()]
+    found, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("Traceback (most recent call last)"):
+            i += 1
+            while i < len(lines) and (lines[i].startswith((" ", "\t")) or not lines[i]):
+                i += 1  # the frames: indented (a blank line inside a frame is skipped too)
+            if i < len(lines):
+                found.append(lines[i][:500])
+        i += 1
+    if not found:
+        found = [ln[:500] for ln in lines if re.search(r"\b\w*(Error|Exception)\b", ln)][-max_lines:]
+    found = list(dict.fromkeys(found))
+    causes = [ln for ln in found if not any(w in ln for w in _WRAPPER)]
+    return (causes + [ln for ln in found if ln not in causes])[:max_lines]
 
 
 def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: list[str], *,
@@ -630,6 +658,7 @@ def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: li
     res.update(rc=rc, seconds=round(time.time() - t0, 1), log=str(logf))
     if rc != 0:
         res["log_tail"] = text[-3000:]
+        res["engine_error"] = engine_error(text) or [f"vLLM run exited with {rc} and no error in {logf}"]
     # vLLM 0.32 logs "Using auxiliary layers from speculative config: (2, 4, 5)" (v1 runner) or
     # "Using Eagle3 auxiliary layers from config|model: ..." (runner v2); nothing when it falls
     # back to the target's defaults.
@@ -657,12 +686,17 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_prompts)]
     target_dir = identity["path"]
     run = dict(work_dir=work_dir, python=py, max_tokens=max_tokens)
-    plain = run_vllm(target_dir, None, prompts, **run)
+    # The drafter run first: when it cannot load, the plain run (minutes) would add nothing.
     spec = run_vllm(target_dir, drafter_dir, prompts, k=k, **run)
-    out = [_check("vllm.load_run", plain["rc"] == 0 and spec["rc"] == 0,
-                  {"plain": {x: plain.get(x) for x in ("rc", "seconds", "log", "log_tail", "vllm_version")},
-                   "spec": {x: spec.get(x) for x in ("rc", "seconds", "log", "log_tail", "vllm_version")},
-                   "sharing_log": spec.get("sharing_log")})]
+    plain = run_vllm(target_dir, None, prompts, **run) if spec["rc"] == 0 else \
+        {"rc": None, "skipped": "the run with the drafter failed"}
+    keys = ("rc", "seconds", "log", "engine_error", "log_tail", "vllm_version", "skipped")
+    det = {"plain": {x: plain[x] for x in keys if x in plain}, "spec": {x: spec[x] for x in keys if x in spec},
+           "sharing_log": spec.get("sharing_log")}
+    errors = [f"{tag}: {ln}" for tag, r in (("spec", spec), ("plain", plain)) for ln in r.get("engine_error", [])]
+    if errors:
+        det["error"] = "\n".join(errors)  # the engine's own error, first lines (the whole log: log)
+    out = [_check("vllm.load_run", plain["rc"] == 0 and spec["rc"] == 0, det)]
     if plain["rc"] != 0 or spec["rc"] != 0:
         return out + [_not_run(n, "vllm.load_run failed") for n in VLLM_CHECKS[1:]]
     a, b = plain["token_ids"], spec["token_ids"]
@@ -683,10 +717,10 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
     det = {"num_drafts": drafts, "num_draft_tokens": sd.get("num_draft_tokens"),
            "num_accepted_tokens": accepted, "accepted_per_pos": sd.get("num_accepted_tokens_per_pos"),
            "k": k, "vllm_tau": tau,
-           "train_simulated_tau": train_tau}
-    # A drafter the trainer believes in must get *some* tokens accepted; a random one need not.
+           "train_chain_tau": train_tau}
+    # A drafter the trainer measured to chain must get *some* tokens accepted; a random one need not.
     ok = drafts > 0 and (train_tau is None or train_tau < min_train_tau or accepted > 0)
-    det["rule"] = f"drafts > 0, and accepted > 0 when the trainer's simulated tau >= {min_train_tau}"
+    det["rule"] = f"drafts > 0, and accepted > 0 when the trainer's validation chain tau at k={k} >= {min_train_tau}"
     out.append(_check("vllm.acceptance", ok, det))
     return out
 
@@ -694,11 +728,12 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
 # --------------------------------------------------------------------------- the whole contract
 def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str | Path | None = None,
                  vllm: dict | None = None, train_summary: str | Path | dict | None = None,
-                 accept_not_run=()) -> dict:
+                 accept_not_run=(), k: int | None = None) -> dict:
     """Run every check on an exported directory; return the report: ``ok`` False if any failed or
     did not run without being named in ``accept_not_run``. ``vllm``: None to not run the real
     vLLM checks (they are then listed as not run), else kwargs for :func:`vllm_checks`
-    (``work_dir`` required)."""
+    (``work_dir`` required). ``k``: drafts per round the export is for (default: vllm's ``k``, 3),
+    the k of the trainer's chain τ recorded (and gating vllm.acceptance)."""
     trained = trained_config(trained_path) if trained_path else None
     conf, header = read_export(drafter_dir)
     fmt, _ = effective_config(conf)
@@ -706,8 +741,8 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     checks += _guarded("loader.vllm", lambda: [emulate_vllm(conf, header)])
     if fmt == "A":  # SGLang is given format A only: format B has no SGLang check to run
         checks += _guarded("loader.sglang", lambda: [emulate_sglang(conf, header)])
-    checks += _guarded("parity.step0", lambda: [parity_check(drafter_dir, trained_path, identity["path"])])
-    tau = train_tau(train_summary)
+    checks += _guarded("parity.step0", lambda: [parity_check(drafter_dir, trained_path, identity)])
+    tau = train_tau(train_summary, k=k or (vllm or {}).get("k", 3))
     if vllm is not None:
         want = (trained or {}).get("layer_ids") or conf.get("eagle_aux_hidden_state_layer_ids")
         checks += vllm_checks(drafter_dir, identity, want, train_tau=tau, **vllm)
@@ -717,8 +752,9 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     report = {"format": fmt, "drafter_dir": str(drafter_dir),
               "target": {x: identity.get(x) for x in ("name", "digest", "path")},
               "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids"),
-              "train_simulated_tau": tau, "checks": checks}
+              "train_chain_tau": tau, "checks": checks}
     report.update(verdict(checks, accept_not_run))
+    report["errors"] = failure_errors(checks)
     acc = next((ch for ch in checks if ch["name"] == "vllm.acceptance"), None)
     if acc:
         report["vllm_tau"] = acc["details"].get("vllm_tau")
@@ -741,6 +777,13 @@ def verdict(checks: list[dict], accept_not_run=()) -> dict:
     return out
 
 
+def failure_errors(checks: list[dict]) -> dict[str, str]:
+    """The error text each failed check recorded (``details.error``: an exception, the engine's
+    own error lines), by check name: the top of a failure record, and its message."""
+    return {ch["name"]: str(ch["details"]["error"]) for ch in checks
+            if ch["ok"] is False and isinstance(ch.get("details"), dict) and ch["details"].get("error")}
+
+
 def _guarded(name: str, fn) -> list[dict]:
     """A broken export can break a check itself (a missing config field, an impossible shape):
     that is a failed check, not a crash."""
@@ -760,18 +803,22 @@ def trained_config(path: str | Path) -> dict:
         raise io.ArtifactError(f"{path}: metadata 'eaglet' is not JSON ({e})") from None
 
 
-def train_tau(summary) -> float | None:
-    """The trainer's simulated τ from train_summary.json: the last validation value, else the last
-    training value (``final_val.tau`` / ``final_train.tau``)."""
+def train_tau(summary, k: int | None = None) -> float | None:
+    """The trainer's exact greedy-chain τ on its validation set, from train_summary.json, for the
+    weights it kept (``best_val``, else ``final_val``): ``chain_tau_<k>`` at the k drafts vLLM runs,
+    else ``chain_tau``. None when the summary has none (no validation set, or a summary from
+    before the chain τ): the teacher-forced ``tf_tau`` overstates acceptance and gates nothing."""
     if summary is None:
         return None
     s = summary if isinstance(summary, dict) else io.read_json(summary)
-    for key in ("final_val", "final_train"):
+    for key in ("best_val", "final_val"):
         row = s.get(key)
-        if isinstance(row, dict) and isinstance(row.get("tau"), (int, float)):
-            return float(row["tau"])
-    v = s.get("simulated_tau", s.get("tau"))
-    return float(v) if isinstance(v, (int, float)) else None
+        if not isinstance(row, dict):
+            continue
+        for name in ([f"chain_tau_{k}"] if k is not None else []) + ["chain_tau"]:
+            if isinstance(row.get(name), (int, float)):
+                return float(row[name])
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:

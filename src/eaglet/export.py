@@ -188,7 +188,8 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
                 "n_prompts": o["vllm_check_prompts"], "max_tokens": o["vllm_check_max_tokens"]}
     accept = _accepted(o["accept_not_run"])
     report = contract.check_export(stage_a, identity, trained_path=drafter_path, vllm=vllm,
-                                   train_summary=train_summary, accept_not_run=accept)
+                                   train_summary=train_summary, accept_not_run=accept,
+                                   k=o["num_speculative_tokens"])
     report["drafter_dir"] = str(out)
     names = {ch["name"] for ch in report["checks"]}
     if o["speculators"]:
@@ -236,6 +237,10 @@ def _accepted(names) -> list[str]:
 
 def _why(report: dict) -> str:
     parts = [f"failed {report['failed']}"] if report["failed"] else []
+    errors = {**report.get("errors", {}),
+              **{f"speculators.{n}": e for n, e in report.get("speculators", {}).get("errors", {}).items()}}
+    if errors:  # the engine's own error in the message, not only in a log file
+        parts.append("errors: " + "; ".join(f"{n}: " + " | ".join(e.splitlines()[:6]) for n, e in errors.items()))
     if report["not_run_unaccepted"]:
         reasons = {r["name"]: r["reason"] for r in report["not_run"]}
         parts.append(f"not run {report['not_run_unaccepted']} "
@@ -250,7 +255,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drafter", required=True, help="train/drafter.safetensors")
     p.add_argument("--identity", required=True, help="the target's identity.json")
     p.add_argument("--out", required=True, help="folder for config.json, model.safetensors, contract.json")
-    p.add_argument("--train-summary", default=None, help="train_summary.json (simulated tau, for the record)")
+    p.add_argument("--train-summary", default=None,
+                   help="train_summary.json (its validation chain tau gates vllm.acceptance)")
     p.add_argument("--speculators-out", default=None, help="folder for format B (with speculators: true)")
     p.add_argument("--work-dir", default=None, help="vLLM check logs and cache (default OUT.check/)")
     p.add_argument("--vllm-python", default=None, help=f"vLLM interpreter (default {contract.VLLM_PYTHON})")
@@ -259,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     io.setup_logging(a.log)
     try:
+        io.verify_recorded(a.drafter, a.train_summary or Path(a.drafter).with_name("train_summary.json"))
         rep = export(a.drafter, a.out, a.identity, train_summary=a.train_summary,
                      speculators_dir=a.speculators_out, work_dir=a.work_dir, vllm_python=a.vllm_python,
                      **io.parse_json_arg(a.config, {}))
@@ -269,8 +276,8 @@ def main(argv: list[str] | None = None) -> None:
                                for c in rep.get("speculators", {}).get("checks", [])]:
         (log.warning if ch["ok"] is None else log.info)("%s", contract.status_line(ch))
     log.info("export %s: contract passed, %d check(s) not run by the config's export.accept_not_run "
-             "(vLLM tau %s, trainer's simulated tau %s)", a.out, len(rep["not_run"]),
-             rep.get("vllm_tau"), rep.get("train_simulated_tau"))
+             "(vLLM tau %s, trainer's validation chain tau %s)", a.out, len(rep["not_run"]),
+             rep.get("vllm_tau"), rep.get("train_chain_tau"))
 
 
 if __name__ == "__main__":

@@ -289,6 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
+    io.verify_recorded(a.tokens, Path(a.tokens).with_name("metadata.json"))  # tokenize's record
     extract(a.tokens, a.identity, a.out, a.shard, a.num_shards, io.parse_json_arg(a.layer_ids),
             a.dtype, a.token_budget, a.chunk_mb, a.device, a.work, progress=not a.no_progress)
 

@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
+    io.verify_recorded(a.tokens, Path(a.tokens).with_name("metadata.json"))  # tokenize's record
     s = run(a.tokens, a.target, a.out_dir, a.top)
     log.info("token_freq: %d assistant tokens, %d distinct ids of %d", s["tokens"], s["distinct"],
              s["vocab_size"])

@@ -175,6 +175,81 @@ def digest_of(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+# Recorded digests. Cached outputs live in the between-workflow cache, which Snakemake makes
+# world-writable (0666 files): a producing stage records the sha256 of what it wrote in its own
+# summary JSON (key "sha256"), and the consuming stage checks it on read, so an artifact altered
+# inside the cache is refused, naming the file, instead of trusted.
+DIGESTS_KEY = "sha256"
+# Files up to this size are re-hashed on every read of a folder manifest (config, tokenizer,
+# chat template, small weight shards); bigger ones are checked by size (a 547 GB target cannot be
+# re-hashed by every stage that reads it; its weight digest is computed once, by target_model).
+FULL_HASH_MAX_BYTES = 64 << 20
+
+
+def record_digests(folder: str | os.PathLike, names: list[str]) -> dict[str, str]:
+    """``{name: sha256}`` of files a stage wrote into ``folder``, for its summary JSON."""
+    return {n: file_digest(Path(folder) / n) for n in names}
+
+
+def verify_recorded(path: str | os.PathLike, record: str | os.PathLike) -> None:
+    """Refuse ``path`` unless its sha256 equals the one its producing stage recorded for it in the
+    JSON file ``record`` (key "sha256", by file name)."""
+    path = Path(path)
+    want = (read_json(record).get(DIGESTS_KEY) or {}).get(path.name)
+    if want is None:
+        raise ArtifactError(f"{path}: no sha256 recorded for it in {record} (written by an older "
+                            "eaglet, or altered): rerun the stage that made it")
+    if not path.exists():
+        raise ArtifactError(f"{path}: missing")
+    if file_digest(path) != want:
+        raise ArtifactError(f"{path}: sha256 differs from the one recorded in {record} "
+                            "(altered or corrupt; it may sit in the shared output cache)")
+
+
+def _visible_files(folder: Path) -> list[Path]:
+    """Files under ``folder`` (recursively, links followed), skipping dot-names: Snakemake's
+    .snakemake_timestamp and huggingface_hub's .cache/ change without the model changing."""
+    out = []
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        out += [Path(root) / f for f in sorted(files) if not f.startswith(".")]
+    return out
+
+
+def folder_manifest(folder: str | os.PathLike) -> dict[str, dict]:
+    """``{relative path: {"size", "sha256"?}}`` for every file of a folder: sha256 for files up to
+    FULL_HASH_MAX_BYTES, size only for bigger ones (see verify_manifest)."""
+    folder = Path(folder)
+    out = {}
+    for f in _visible_files(folder):
+        size = f.stat().st_size
+        entry: dict[str, Any] = {"size": size}
+        if size <= FULL_HASH_MAX_BYTES:
+            entry["sha256"] = file_digest(f)
+        out[f.relative_to(folder).as_posix()] = entry
+    return out
+
+
+def verify_manifest(folder: str | os.PathLike, manifest: dict[str, dict], record: str | os.PathLike) -> None:
+    """Refuse ``folder`` unless it holds exactly the files of ``manifest`` (recorded in ``record``)
+    with the recorded sizes, and the recorded sha256 of every file that has one."""
+    folder = Path(folder)
+    have = {f.relative_to(folder).as_posix(): f for f in _visible_files(folder)}
+    extra = sorted(set(have) - set(manifest))
+    if extra:
+        raise ArtifactError(f"{folder / extra[0]}: not in the manifest recorded in {record} (added after "
+                            f"the target was identified; {len(extra)} such file(s))")
+    for name, want in sorted(manifest.items()):
+        f = folder / name
+        if name not in have:
+            raise ArtifactError(f"{f}: missing (recorded in {record})")
+        size = f.stat().st_size
+        if size != want["size"]:
+            raise ArtifactError(f"{f}: {size} bytes, {record} recorded {want['size']} (altered or truncated)")
+        if "sha256" in want and file_digest(f) != want["sha256"]:
+            raise ArtifactError(f"{f}: sha256 differs from the one recorded in {record} (altered or corrupt)")
+
+
 # --------------------------------------------------------------------------- logging / CLI
 def setup_logging(log_file: str | os.PathLike | None = None, level: int = logging.INFO) -> None:
     """Log to stderr, and to ``log_file`` too when given. Silences chatty third-party loggers."""

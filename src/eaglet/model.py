@@ -27,7 +27,9 @@ API
         # simulation: from index t, draft k is accepted iff drafts 0..k all hit, i.e.
         # argmax(logits_j[t]) + d2t[...] == x[t+2+j] for every j <= k (teacher forcing = the
         # inputs a real chain sees while it keeps being accepted).
-    model, cfg, d2t, t2d = load_drafter("results/RUN/train/drafter.safetensors")
+    model, cfg, d2t, t2d = load_drafter("results/RUN/train/drafter.safetensors", identity)
+        # identity: the target's (eaglet.target.load_identity); the file holds no path, only the
+        # target's digest, checked against it: a drafter file can be moved or copied anywhere
     save_drafter(path, model, cfg, d2t, t2d)
     W = read_target_tensor(model_dir, "lm_head.weight", rows=idx)   # rows of a target tensor
 
@@ -74,8 +76,7 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     hidden_act: str = "silu"
     max_position_embeddings: int = 4096
-    target_digest: str = ""
-    target_path: str = ""
+    target_digest: str = ""    # the target it was trained for (its identity digest); no path: relocatable
     ttt_steps: int = 7
     # Flat RoPE config (eaglet.rope.drafter_rope of the target); None = plain RoPE at rope_theta
     # (drafters written before this key existed).
@@ -104,7 +105,7 @@ class DrafterConfig:
                   # (a Gemma target's gelu_pytorch_tanh would not load)
                   hidden_act="silu",
                   max_position_embeddings=int(identity.get("max_position_embeddings") or 4096),
-                  target_digest=str(identity.get("digest", "")), target_path=str(identity.get("path", "")))
+                  target_digest=str(identity.get("digest", "")))
         kw.update(overrides)
         return cls(**kw)
 
@@ -114,6 +115,7 @@ class DrafterConfig:
     @classmethod
     def from_json(cls, text: str, where: str = "config") -> DrafterConfig:
         d = json.loads(text)
+        d.pop("target_path", None)  # files written before drafters were relocatable; never read
         names = {f.name for f in dataclasses.fields(cls)}
         unknown, missing = set(d) - names, {f.name for f in dataclasses.fields(cls)
                                             if f.default is dataclasses.MISSING} - set(d)
@@ -391,9 +393,12 @@ def save_drafter(path: str | Path, model: Eagle3Drafter, cfg: DrafterConfig,
     io.save_tensors(path, tensors, metadata={META_KEY: cfg.to_json()})
 
 
-def load_drafter(path: str | Path, map_location: str = "cpu", embed_weight: torch.Tensor | None = None):
-    """Read a drafter file; the embedding comes from ``cfg.target_path`` unless given.
-    Returns ``(model, cfg, d2t, t2d)``; the model is in eval mode."""
+def load_drafter(path: str | Path, target: dict, map_location: str = "cpu",
+                 embed_weight: torch.Tensor | None = None):
+    """Read a drafter file for the target whose identity (eaglet.target.load_identity) is given:
+    the file names no target path (it can be moved), only the digest of the target it was trained
+    for, which must be ``target["digest"]``; the frozen embedding is read from ``target["path"]``
+    unless ``embed_weight`` is given. Returns ``(model, cfg, d2t, t2d)``; the model is in eval mode."""
     path = Path(path)
     meta = io.tensor_metadata(path) if path.exists() else None
     if meta is None:
@@ -405,10 +410,13 @@ def load_drafter(path: str | Path, map_location: str = "cpu", embed_weight: torc
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
     if d2t is None or t2d is None:
         raise io.ArtifactError(f"{path}: missing d2t/t2d")
+    if cfg.target_digest and cfg.target_digest != target.get("digest"):
+        raise io.ArtifactError(f"{path}: trained for target {cfg.target_digest[:12]}, not "
+                               f"{str(target.get('digest'))[:12]} ({target.get('name')} at {target.get('path')})")
     if embed_weight is None:
-        tp = Path(cfg.target_path)
-        if not tp.is_dir():
-            raise io.ArtifactError(f"{path}: target checkpoint {tp} (config target_path) not found; "
+        tp = Path(str(target.get("path", "")))
+        if not target.get("path") or not tp.is_dir():
+            raise io.ArtifactError(f"{path}: target checkpoint {tp} (the identity's path) not found; "
                                    "the drafter shares the target's embedding")
         embed_weight = load_target_embedding(tp)
     model = Eagle3Drafter(cfg, embed_weight)

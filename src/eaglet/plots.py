@@ -1,7 +1,8 @@
 """Plots for the HTML report, drawn from the stage artifacts (matplotlib, PNG):
 
 - ``coverage.png``: draft-vocab coverage against its size, the chosen size marked;
-- ``training.png``: training and validation loss, and per-TTT-step accuracy and simulated τ;
+- ``training.png``: training and validation loss, per-TTT-step teacher-forced accuracy, and τ
+  (teacher-forced estimate, and the validation chain τ);
 - ``tables.html``: the tokenize metadata, the draft-vocab summary with its pinned tokens, the export
   contract (every check: pass, FAIL, or not run, both in red) and the evaluation summary, as HTML tables.
 
@@ -52,7 +53,7 @@ def training_plot(metrics_parquet: str | Path, out: str | Path) -> None:
     plt = _plt()
     df = io.read_parquet(metrics_parquet).to_pandas()
     tr, va = df[df["split"] == "train"], df[df["split"] == "val"]
-    acc_cols = sorted((c for c in df.columns if c.startswith("acc_")), key=lambda c: int(c[4:]))
+    acc_cols = sorted((c for c in df.columns if c.startswith("tf_acc_")), key=lambda c: int(c[7:]))
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
     a1.plot(tr["step"], tr["loss"], label="train", alpha=0.8)
     if len(va):
@@ -62,14 +63,15 @@ def training_plot(metrics_parquet: str | Path, out: str | Path) -> None:
     a1.legend()
     src = va if len(va) else tr
     for c in acc_cols:
-        a2.plot(src["step"], src[c], marker="o" if len(src) < 20 else None, label=f"step {c[4:]}")
-    a2.set_title(f"per-TTT-step accuracy ({'validation' if len(va) else 'train'})")
+        a2.plot(src["step"], src[c], marker="o" if len(src) < 20 else None, label=f"step {c[7:]}")
+    a2.set_title(f"per-TTT-step teacher-forced accuracy ({'validation' if len(va) else 'train'})")
     a2.set_xlabel("optimizer step")
     a2.legend(fontsize=7)
-    a3.plot(tr["step"], tr["tau"], label="train", alpha=0.8)
+    a3.plot(tr["step"], tr["tf_tau"], label="train, teacher-forced 1 + Σ_k Π_{i≤k} acc_i", alpha=0.8)
     if len(va):
-        a3.plot(va["step"], va["tau"], marker="o", label="validation")
-    a3.set_title("simulated τ = 1 + Σ_k Π_{i≤k} acc_i")
+        a3.plot(va["step"], va["tf_tau"], marker="o", label="validation, teacher-forced")
+        a3.plot(va["step"], va["chain_tau"], marker="s", label="validation, exact greedy chain")
+    a3.set_title("τ (chain: k = ttt_steps drafts per round)")
     a3.set_xlabel("optimizer step")
     a3.legend()
     for a in (a1, a2, a3):
@@ -119,6 +121,24 @@ def contract_table(report: dict) -> str:
     return head + "<table><tr><th>check</th><th>status</th><th>why</th></tr>" + "".join(rows) + "</table>"
 
 
+def domain_table(summary: dict) -> str:
+    """τ per domain at the headline k (exact offline chain), with its interval and verdict."""
+    import html
+
+    h = summary.get("headline") or {}
+    dom = h.get("tau_by_domain") or {}
+    if not dom:
+        return ""
+    num = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    rows = "".join(f"<tr><td>{html.escape(d)}</td><td>{v['prompts']}</td><td>{num(v['tau'])}</td>"
+                   f"<td>{num(v['ci'][0])} - {num(v['ci'][1])}</td>"
+                   f"<td>{'yes' if v['conclusive'] else 'no'}</td><td>{html.escape(v['note'])}</td></tr>"
+                   for d, v in dom.items())
+    return (f"<h3>τ per domain (k={h.get('k')}, exact offline chain, interval over prompts)</h3>"
+            "<table><tr><th>domain</th><th>prompts</th><th>τ</th><th>interval</th><th>conclusive</th>"
+            f"<th>note</th></tr>{rows}</table>")
+
+
 def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str | Path | None = None,
                 evaluation: str | Path | None = None, contract: str | Path | None = None) -> None:
     """One self-contained HTML page with the run's tables, for the report."""
@@ -145,7 +165,10 @@ def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str 
                   contract_table(io.read_json(contract))]
     if evaluation:
         e = io.read_json(evaluation)
-        parts += ["<h2 id='evaluation'>Evaluation summary</h2>", _kv_table(e.get("headline", e))]
+        parts += ["<h2 id='evaluation'>Evaluation summary</h2>"]
+        if (e.get("recommendation") or {}).get("sentence"):
+            parts.append(f"<p><b>{html.escape(e['recommendation']['sentence'])}</b></p>")
+        parts += [domain_table(e), _kv_table(e.get("headline", e))]
         if e.get("headline") is not None:
             parts += [_kv_table({k: v for k, v in e.items() if k != "headline"})]
     parts.append("</body></html>")

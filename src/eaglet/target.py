@@ -5,7 +5,8 @@ The default target is SmolLM2-135M-Instruct, shipped as a GGUF file inside the P
 config and save a normal safetensors checkpoint under ``resources/targets/<name>/model`` once,
 plus ``identity.json`` whose ``digest`` (sha256 of the weights) keys every downstream cache.
 
-Any local HF checkpoint works too (``target.path``). ``target.tiny`` builds a small random model
+Any local HF checkpoint works too (``target.path``): read in place, never linked, copied or
+re-permissioned (see materialise). ``target.tiny`` builds a small random model
 in-process, for tests: ``family`` (default ``llama``, the SmolLM2 tokenizer) picks one of
 ``eaglet.families.FAMILIES``, with its own tokenizer and chat template; other keys override its config.
 
@@ -232,7 +233,10 @@ def family_facts(conf: dict) -> dict:
 
 
 def materialise(cfg: dict, out: str | Path) -> dict:
-    """Write ``out/model`` (HF checkpoint) and ``out/identity.json``; return the identity."""
+    """Write ``out/model`` and ``out/identity.json``; return the identity.
+
+    identity.json records ``files``, the manifest of the model folder (every file's size, and the
+    sha256 of files up to io.FULL_HASH_MAX_BYTES), which load_identity checks on every read."""
     out = Path(out)
     model_dir = out / "model"
     tmp_dir = out / ".model.tmp"
@@ -240,19 +244,26 @@ def materialise(cfg: dict, out: str | Path) -> dict:
         shutil.rmtree(tmp_dir)
     src_dir = Path(cfg["path"]) if cfg.get("path") and cfg.get("tiny") is None else None
     if src_dir is not None and src_dir.is_dir() and any(src_dir.glob("*.safetensors")):
-        # A local safetensors checkpoint is linked, not loaded and re-saved: a 1T-parameter
-        # target (the seed's 547 GB) cannot pass through one process's memory.
+        # A local safetensors checkpoint is read in place: not loaded and re-saved (a 1T-parameter
+        # target, the seed's 547 GB, cannot pass through one process's memory), not copied, and
+        # not linked: this rule is cached, Snakemake's cache chmods every file it stores 0666
+        # following links, and a folder of links into the user's checkpoint made the user's own
+        # weights world-writable. The pipeline never changes, moves or re-permissions files it
+        # does not own, so model/ holds only a note and identity.json the folder's absolute path.
+        src_dir = Path(os.path.abspath(src_dir))
         tmp_dir.mkdir(parents=True)
-        for f in sorted(src_dir.iterdir()):
-            if f.is_file():
-                (tmp_dir / f.name).symlink_to(f.resolve())
+        io.write_json(tmp_dir / "source.json", {
+            "path": str(src_dir),
+            "why": "a local target.path is read in place; identity.json holds its path and manifest"})
         if model_dir.exists():
             shutil.rmtree(model_dir)
         tmp_dir.rename(model_dir)
-        ident = identity_of(model_dir, cfg["name"], str(src_dir))
+        ident = identity_of(src_dir, cfg["name"], str(src_dir))
+        ident["path"] = str(src_dir)  # absolute: load_identity keeps it as it is
+        ident["files"] = io.folder_manifest(src_dir)
         io.write_json(out / "identity.json", ident)
-        log.info("target %s linked from %s: %d layers, hidden %d, vocab %d, digest %s", ident["name"], src_dir,
-                 ident["num_layers"], ident["hidden_size"], ident["vocab_size"], ident["digest"][:12])
+        log.info("target %s read in place from %s: %d layers, hidden %d, vocab %d, digest %s", ident["name"],
+                 src_dir, ident["num_layers"], ident["hidden_size"], ident["vocab_size"], ident["digest"][:12])
         return ident
     tokenizer = _load_tokenizer_source(cfg)
     model = _build_model(cfg, tokenizer)
@@ -264,20 +275,29 @@ def materialise(cfg: dict, out: str | Path) -> dict:
         shutil.rmtree(model_dir)
     tmp_dir.rename(model_dir)  # the checkpoint appears whole or not at all
     ident = identity_of(model_dir, cfg["name"], source)
+    ident["files"] = io.folder_manifest(model_dir)
     io.write_json(out / "identity.json", ident)
     log.info("target %s: %d layers, hidden %d, vocab %d, digest %s", ident["name"], ident["num_layers"],
              ident["hidden_size"], ident["vocab_size"], ident["digest"][:12])
     return ident
 
 
-def load_identity(path: str | Path) -> dict:
-    """The identity JSON with ``path`` resolved to an absolute model folder."""
+def load_identity(path: str | Path, verify: bool = True) -> dict:
+    """The identity JSON with ``path`` resolved to an absolute model folder, checked against the
+    recorded manifest (``verify``): the same file names and sizes, and the same sha256 for every
+    file up to io.FULL_HASH_MAX_BYTES (config, tokenizer, chat template, small shards). Big weight
+    shards are checked by size only: re-hashing a 547 GB target in every stage is not cheap; their
+    digest was computed once by target_model. The folder may sit in the shared output cache, which
+    Snakemake makes world-writable, or be the user's own folder changed since it was identified."""
     ident = io.read_json(path)
-    for key in ("digest", "num_layers", "hidden_size", "vocab_size", "path"):
+    for key in ("digest", "num_layers", "hidden_size", "vocab_size", "path", "files"):
         if key not in ident:
-            raise io.ArtifactError(f"{path}: identity JSON lacks {key!r}")
-    # absolute(), not resolve(): a cached identity.json is a symlink into the cache folder.
+            raise io.ArtifactError(f"{path}: identity JSON lacks {key!r} (rerun target_model)")
+    # absolute(), not resolve(): a cached identity.json is a symlink into the cache folder. A local
+    # target.path is recorded absolute and stays as it is.
     ident["path"] = os.path.normpath(Path(path).absolute().parent / ident["path"])
+    if verify:
+        io.verify_manifest(ident["path"], ident["files"], path)
     return ident
 
 

@@ -238,6 +238,8 @@ def run(conversations: str | Path, target: str | Path, out_dir: str | Path, max_
         "max_length": max_length,
         "overlong": overlong,
         "truncated": int(sum(1 for r in kept if r["num_tokens"] == max_length)),
+        # checked by the stages that read tokens.parquet (io.verify_recorded)
+        io.DIGESTS_KEY: io.record_digests(out_dir, ["tokens.parquet"]),
     }
     io.write_json(out_dir / "metadata.json", meta)
     return meta

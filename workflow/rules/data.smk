@@ -9,11 +9,15 @@ rule target_model:
         identity=TARGET_ID,
     log:
         f"logs/target_model/{config['target']['name']}.log",
+    # Cached: the job hashes the weights once (a 547 GB target takes the better part of an hour),
+    # keyed on the folder's content identity. Safe to cache because its outputs hold no link to a
+    # file the pipeline does not own: a local target.path is read in place (eaglet.target.materialise).
     cache: True
     conda:
         "../../envs/eaglet.yaml"
     params:
         target=as_json(config["target"]),
+        files=target_files(config["target"]),
         out=out_dir,
     shell:
         "python -m eaglet.target --config {params.target:q} --out {params.out:q} --log {log:q}"

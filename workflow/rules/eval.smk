@@ -17,13 +17,24 @@ EVAL_OPTS = {
         "tie_eps",
         "stop_at_eos",
         "max_prompt_tokens",
+        "repeats",
+        "confidence",
+        "max_relative_width",
     )
 } | {"chat_template": CHAT_TEMPLATE or None}
 
 
 rule evaluate_offline:
     input:
-        code=src("evaluate", "eval_sets", "model", "target", "target_check", "io"),
+        code=src(
+            "evaluate",
+            "eval_sets",
+            "eval_stats",
+            "model",
+            "target",
+            "target_check",
+            "io",
+        ),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -49,7 +60,15 @@ rule evaluate_offline:
 # Timing: run alone (all cores), after the offline stage so the two never share the CPU.
 rule evaluate_speculative:
     input:
-        code=src("evaluate", "eval_sets", "model", "target", "target_check", "io"),
+        code=src(
+            "evaluate",
+            "eval_sets",
+            "eval_stats",
+            "model",
+            "target",
+            "target_check",
+            "io",
+        ),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -74,7 +93,15 @@ rule evaluate_speculative:
 
 rule evaluate_vllm:
     input:
-        code=src("evaluate_vllm", "vllm_eval_runner", "eval_sets", "target", "target_check", "io"),
+        code=src(
+            "evaluate_vllm",
+            "vllm_eval_runner",
+            "eval_sets",
+            "eval_stats",
+            "target",
+            "target_check",
+            "io",
+        ),
         config=rules.export.output.config,
         weights=rules.export.output.weights,
         identity=TARGET_ID,
@@ -118,7 +145,7 @@ rule evaluate_vllm:
 rule eval_summary:
     input:
         **({"vllm": rules.evaluate_vllm.output.vllm} if EVAL["vllm"]["enabled"] else {}),
-        code=src("eval_summary", "io"),
+        code=src("eval_summary", "eval_stats", "io"),
         offline=rules.evaluate_offline.output.offline,
         positions=rules.evaluate_offline.output.positions,
         offline_rounds=rules.evaluate_offline.output.rounds,

@@ -1,0 +1,106 @@
+"""Statistics of the evaluation figures: bootstrap intervals over prompts, an honest verdict on
+whether an interval allows a conclusion, the break-even acceptance length of a draft length, and the
+two-proportion test that compares vLLM's acceptance counts with the offline simulator's.
+
+Why prompts are the unit: rounds and repeated timings of one prompt are not independent (a prompt
+the drafter knows well gives long accepted runs all along; a background job slows every repeat
+of a few seconds), so intervals resample whole prompts (a cluster bootstrap), seeded, so the same
+artifacts give the same interval.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import numpy as np
+
+BOOTSTRAP_SAMPLES = 2000
+SEED = 0
+
+
+# --------------------------------------------------------------------------- bootstrap
+def bootstrap(groups: list, stat, level: float = 0.95, n_boot: int = BOOTSTRAP_SAMPLES, seed: int = SEED) -> dict:
+    """Percentile interval of ``stat(groups)`` from resampling the groups (prompts) with
+    replacement. ``stat`` maps a list of groups to a float (None when undefined). With fewer than
+    two groups there is no interval (lo = hi = None)."""
+    est = stat(groups)
+    out = {"estimate": est, "lo": None, "hi": None, "level": level, "n": len(groups),
+           "bootstrap": n_boot, "seed": seed}
+    if est is None or len(groups) < 2:
+        return out
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(groups), size=(n_boot, len(groups)))
+    vals = [v for v in (stat([groups[i] for i in row]) for row in idx) if v is not None]
+    if not vals:
+        return out
+    a = (1 - level) / 2
+    out["lo"], out["hi"] = (float(x) for x in np.quantile(vals, [a, 1 - a]))
+    return out
+
+
+def pooled_tau(groups: list[tuple[int, int]]) -> float | None:
+    """τ of prompts pooled: 1 + Σ accepted / Σ rounds with drafts; a group = (accepted, rounds)."""
+    rounds = sum(g[1] for g in groups)
+    return 1 + sum(g[0] for g in groups) / rounds if rounds else None
+
+
+def median(groups: list[float]) -> float | None:
+    return float(np.median(groups)) if len(groups) else None
+
+
+def tau_interval(per_prompt: list[tuple[int, int]], level: float = 0.95, max_rel_width: float = 0.5) -> dict:
+    """τ with its interval over prompts; ``per_prompt`` = (accepted, rounds with drafts) each."""
+    ci = bootstrap([g for g in per_prompt if g[1]], pooled_tau, level)
+    return {**ci, **verdict(ci, "τ", null=None, max_rel_width=max_rel_width)}
+
+
+def speedup_interval(per_prompt: list[float], level: float = 0.95, max_rel_width: float = 0.5) -> dict:
+    """Median over prompts of each prompt's median paired speedup, with its interval over prompts."""
+    ci = bootstrap(list(per_prompt), median, level)
+    return {**ci, **verdict(ci, "speedup", null=1.0, max_rel_width=max_rel_width)}
+
+
+def verdict(ci: dict, what: str, null: float | None, max_rel_width: float) -> dict:
+    """Whether the interval allows a conclusion, and a sentence that says so.
+
+    Not conclusive when there is no interval (fewer than two prompts), when it contains ``null``
+    (for a speedup, 1.0: it cannot tell faster from slower), or when its width exceeds
+    ``max_rel_width`` times the estimate (the figure is mostly noise)."""
+    est, lo, hi = ci["estimate"], ci["lo"], ci["hi"]
+    if est is None:
+        return {"conclusive": False, "note": f"{what}: nothing measured"}
+    if lo is None:
+        return {"conclusive": False, "note": f"{what} {est:.3g} from {ci['n']} prompt(s): no interval, not conclusive"}
+    band = f"{what} {est:.3g} ({100 * ci['level']:.0f}% CI {lo:.3g}-{hi:.3g}, {ci['n']} prompts)"
+    if null is not None and lo <= null <= hi:
+        return {"conclusive": False, "note": f"{band} spans {null:g}: cannot tell whether it is above or below"}
+    if hi - lo > max_rel_width * abs(est):
+        return {"conclusive": False,
+                "note": f"{band} is wider than {max_rel_width:g} x the estimate: too noisy to conclude"}
+    return {"conclusive": True, "note": band}
+
+
+# --------------------------------------------------------------------------- cost model
+def break_even_tau(t_verify: float, k: int, t_draft: float, t_step: float) -> float:
+    """The τ at which speculation with k drafts breaks even: one round costs a verify forward of
+    k+1 tokens and k drafter steps and emits τ tokens; plain decoding emits one token per step."""
+    return (t_verify + k * t_draft) / t_step
+
+
+# --------------------------------------------------------------------------- vLLM vs offline
+def two_proportion_z(a1: int, n1: int, a2: int, n2: int) -> float | None:
+    """z of the difference of two acceptance proportions a1/n1 and a2/n2 (pooled variance); None
+    when a side has no drafts."""
+    if not n1 or not n2:
+        return None
+    p = (a1 + a2) / (n1 + n2)
+    se = math.sqrt(p * (1 - p) * (1 / n1 + 1 / n2))
+    if se == 0:  # both 0 % or both 100 %: equal
+        return 0.0
+    return (a1 / n1 - a2 / n2) / se
+
+
+def z_critical(alpha: float, m: int) -> float:
+    """Two-sided critical |z| at family-wise level ``alpha`` over ``m`` tests (Bonferroni)."""
+    return NormalDist().inv_cdf(1 - alpha / (2 * max(m, 1)))
