@@ -228,6 +228,11 @@ def test_real_vllm_loads_and_runs_the_export(tiny_target, tmp_path):
     assert by["vllm.lossless"]["details"]["tokens"] == n * max_tokens
     assert by["vllm.aux_layers"]["details"]["reported"] == [2, 4, 5]
     assert by["vllm.shared_weights"]["details"]["shares_target_embedding"] is True
+    # the known answer (eaglet.known_answer) ran first, with the trained ids: every first draft accepted
+    names = [c["name"] for c in rep["checks"]]
+    assert names.index("vllm.known_answer") < names.index("vllm.load_run")
+    assert by["vllm.known_answer"]["details"]["first_draft_rate"] == 1.0
+    assert by["vllm.known_answer"]["details"]["aux_layers"] == [2, 4, 5]
     acc = by["vllm.acceptance"]["details"]
     assert acc["num_drafts"] > 0 and acc["num_accepted_tokens"] > 0, acc
     assert rep["vllm_tau"] == acc["vllm_tau"] > 1.0 and rep["train_simulated_tau"] == 2.0

@@ -145,11 +145,14 @@ def build_twin(identity: dict, out_dir: str | Path, seed: int = 0) -> dict:
     lay = _layout(H, d)
     m, bias, reg = lay["m"], lay["bias"], lay["reg"]
     g = torch.Generator().manual_seed(seed)
-    order = torch.randperm(V, generator=g)
-    pi = torch.empty(V, dtype=torch.long)
-    pi[order] = order.roll(-1)                      # one cycle through the whole vocabulary
-    pi_inv = torch.empty(V, dtype=torch.long)
-    pi_inv[pi] = torch.arange(V)
+    # One cycle through the tokenizer's ids (Qwen/Gemma pad the vocabulary past them: padded ids
+    # keep zero head rows, logit 0 < the answer's, so they are never greedy).
+    n = min(V, _tokenizer_size(tmp) or V)
+    order = torch.randperm(n, generator=g)
+    pi = torch.arange(V)
+    pi[order] = order.roll(-1)
+    pi_inv = torch.arange(V)
+    pi_inv[pi[:n]] = torch.arange(n)
     a = torch.randn(V, m, generator=g)
     a = a / a.norm(dim=-1, keepdim=True) * math.sqrt(H - 1)   # |E_v| = sqrt(H): rms 1
     w = torch.ones(H)
@@ -170,7 +173,7 @@ def build_twin(identity: dict, out_dir: str | Path, seed: int = 0) -> dict:
             layer.mlp.up_proj.weight[0, bias] = 1.0
             layer.mlp.down_proj.weight[reg, 0] = 1.0  # + silu(4 n_b) n_b > 0 into the register
         model.model.norm.weight.copy_(w)
-        model.get_output_embeddings().weight[:, :m] = a[pi_inv] / w[:m]
+        model.get_output_embeddings().weight[:n, :m] = a[pi_inv[:n]] / w[:m]
     # The register values, measured (vLLM computes the same fp32 sums)
     with torch.no_grad():
         hs = model(torch.arange(16)[None] * 7 % V, output_hidden_states=True).hidden_states
@@ -187,6 +190,15 @@ def build_twin(identity: dict, out_dir: str | Path, seed: int = 0) -> dict:
     ident = identity_of(model_dir, f"{identity.get('name', 'target')}-known-answer-twin", "eaglet.known_answer")
     io.write_json(out / "identity.json", ident)
     return load_identity(out / "identity.json")
+
+
+def _tokenizer_size(model_dir: Path) -> int | None:
+    try:
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(str(model_dir)))
+    except (OSError, ValueError):
+        return None
 
 
 def successor(twin: dict) -> torch.Tensor:
@@ -433,6 +445,7 @@ def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | P
     if not layer_ids:
         return contract._not_run(name, "no trained layer ids to build the known answer with")
     py = contract.vllm_python(python)
+    built = twin is None
     if py is None:
         return contract._check(name, False, {"error": f"vLLM environment not found or incomplete "
                                              f"({python or contract.VLLM_PYTHON}); run envs/vllm/setup.sh"})
@@ -447,6 +460,10 @@ def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | P
                              max_tokens=max_tokens)
     ok, det = judge(twin, prompts, spec, max_tokens)
     det.update(twin=twin["path"], drafter_dir=str(drafter_dir), layer_ids=list(layer_ids), k=k)
+    if built:  # a SmolLM2-size twin is ~330 MB: build_twin(identity, dir) rebuilds it bit for bit (seed 0)
+        for f in Path(twin["path"]).glob("*.safetensors"):
+            f.unlink()
+        det["twin_weights"] = "removed after the run; eaglet.known_answer.build_twin rebuilds them (seed 0)"
     return contract._check(name, ok, det)
 
 
