@@ -112,3 +112,19 @@ def test_real_vllm_accepts_the_known_answer_and_rejects_each_breakage(known):
         assert not ok
         assert contract.verdict([contract._check("vllm.known_answer", ok, det)])["failed"] == ["vllm.known_answer"]
     assert res[ka.BREAKAGES.index("layer_ids_minus_one") + 1]["aux_layers"] == [i - 1 for i in IDS]
+
+
+def test_known_answer_is_checked_before_the_trained_drafter(tiny_target, tiny_drafter, tmp_path):
+    """With the vLLM run on, vllm.known_answer comes first and is a check that can fail (here: no
+    vLLM interpreter at the given path, so it fails; it does not pass or vanish)."""
+    from eaglet.export import export
+
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    export(tiny_drafter, tmp_path / "d", ident, vllm_check=False, accept_not_run=list(contract.VLLM_CHECKS))
+    rep = contract.check_export(tmp_path / "d", tiny_target, trained_path=tiny_drafter,
+                                vllm={"work_dir": tmp_path / "w", "python": str(tmp_path / "none" / "bin" / "python")})
+    names = [c["name"] for c in rep["checks"]]
+    assert names.index("vllm.known_answer") == names.index("vllm.load_run") - 1
+    known = next(c for c in rep["checks"] if c["name"] == "vllm.known_answer")
+    assert known["ok"] is False and "vLLM environment not found" in known["details"]["error"]
+    assert "vllm.known_answer" in rep["failed"] and not rep["ok"]
