@@ -7,6 +7,7 @@ state), and compares the two JSON results.
 
     envs/vllm/.venv/bin/python src/eaglet/vllm_check_runner.py --target MODEL_DIR \
         --prompts prompts.json --max-tokens 32 --out spec.json [--drafter DRAFTER_DIR --k 3]
+        [--more '[["DRAFTER2", "spec2.json"], ...]']   # more drafters, a fresh LLM each (eaglet.known_answer)
 
 Output JSON: {"vllm_version", "token_ids": [[...] per prompt], "texts": [...],
               "spec_decode": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
