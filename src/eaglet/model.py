@@ -100,7 +100,9 @@ class DrafterConfig:
                   rms_norm_eps=float(identity.get("rms_norm_eps") or 1e-6),
                   rope_theta=float(rope["rope_theta"]) if rope else float(identity.get("rope_theta") or 1e4),
                   rope_parameters=rope,
-                  hidden_act=str(identity.get("hidden_act") or "silu"),
+                  # The drafter's own MLP, not the target's: vLLM and SGLang load it as a Llama layer,
+                  # whose MLP is silu only (a Gemma target's gelu_pytorch_tanh is not the drafter's).
+                  hidden_act="silu",
                   max_position_embeddings=int(identity.get("max_position_embeddings") or 4096),
                   target_digest=str(identity.get("digest", "")), target_path=str(identity.get("path", "")))
         kw.update(overrides)
