@@ -37,7 +37,8 @@ pytestmark = pytest.mark.slow
 def smk(cwd: Path, cache: Path, configfile: str, *args, timeout=1500):
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", configfile, "--cache", *args]
+    # targets before --cache: it takes rule names after it
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", configfile, *args, "--cache"]
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout + p.stderr
 
@@ -113,6 +114,7 @@ def test_gemma3_stops_at_the_start_then_runs_end_to_end(workflow):
     code, out = smk(a, cache, config_c, "results/gemma3-270m/drafter/contract.json",
                     "results/gemma3-270m/eval/offline.json")
     assert code == 0, out[-6000:]
+    assert "evaluate_speculative" not in out and "localrule all" not in out, "ran more than asked"
     run = a / "results/gemma3-270m"
     ident = json.loads((a / "resources/targets/gemma-3-270m/identity.json").read_text())
     assert ident["architecture"] == "Gemma3ForCausalLM" and ident["norm_class"] == "Gemma3RMSNorm"
