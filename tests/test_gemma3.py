@@ -37,8 +37,8 @@ pytestmark = pytest.mark.slow
 def smk(cwd: Path, cache: Path, configfile: str, *args, timeout=1500):
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    # targets before --cache: it takes rule names after it
-    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", configfile, *args, "--cache"]
+    # targets first: --configfile and --cache take every word after them
+    cmd = [sys.executable, "-m", "snakemake", *args, "--cores", "2", "--configfile", configfile, "--cache"]
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout + p.stderr
 
