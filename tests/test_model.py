@@ -182,3 +182,13 @@ def test_read_target_rows(tiny_target):
     assert torch.equal(part, full[rows])
     with pytest.raises(io.ArtifactError, match="no tensor"):
         read_target_tensor(tiny_target["path"], "model.nothing.weight")
+
+
+def test_drafter_is_silu_whatever_the_target_activation(tiny_target):
+    """The drafter layer is a Llama layer in vLLM and SGLang (their LlamaMLP supports silu only); the
+    target's activation is not the drafter's. A Gemma 3 target (gelu_pytorch_tanh) made the trainer
+    fail after generation and extraction: "hidden_act 'gelu_pytorch_tanh': only silu is implemented"."""
+    gemma_like = {**tiny_target, "hidden_act": "gelu_pytorch_tanh", "activation": "gelu_pytorch_tanh"}
+    cfg = DrafterConfig.from_identity(gemma_like, VD, [2, 4, 5], ttt_steps=3)
+    assert cfg.hidden_act == "silu"
+    Eagle3Drafter(cfg, load_target_embedding(tiny_target["path"]))  # builds

@@ -302,3 +302,69 @@ def test_built_target_is_reported_from_its_recorded_identity(tmp_path):
     ident.write_text(json.dumps({"architecture": "Gemma3ForCausalLM"}))
     (line,) = target_check.parse_time(conf, tmp_path)
     assert "can NOT serve an EAGLE-3 drafter for Gemma3ForCausalLM" in line
+
+
+def test_user_text_with_braces_reaches_every_stage_verbatim(tmp_path):
+    """Snakemake formats params *strings* with the job's wildcards: Gemma 3's template starts with
+    ``{{ bos_token }}``, which stopped the DAG with ``WildcardError: 'bos_token'`` (and ``{name}``
+    in other user text would have been substituted or refused). Every stage that takes user text
+    must get it exactly as written."""
+    import re
+    import shlex
+
+    a = clone(tmp_path / "wf")
+    template = (REPO / "config/templates/gemma3.jinja").read_text()
+    assert "{{ bos_token }}" in template
+    conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
+    conf["target"]["chat_template"] = "config/templates/gemma3.jinja"
+    conf["vocab"]["pinned"] = ["{run}", "{{ eos_token }}"]
+    conf["prompts"]["split"] = "{split}"
+    conf["generate"]["reject_markers"] = ["{marker}"]
+    (a / "config/t.yaml").write_text(yaml.safe_dump(conf))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "1", "--configfile", "config/t.yaml"],
+                       cwd=a, env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    args = {}
+    # A command holding the template spans lines; each ends at the blank line before the next job.
+    for cmd in re.findall(r"Shell command: (python -m eaglet.*?)\n\n", out + "\n\n", re.S):
+        argv = shlex.split(cmd)
+        args[argv[argv.index("-m") + 1]] = argv
+    seen = {}
+    for module, argv in args.items():
+        for x in argv:
+            if x == f"--chat-template={template}":
+                seen[module] = "flag"
+            elif x.startswith("{"):
+                try:
+                    d = json.loads(x)
+                except json.JSONDecodeError:
+                    continue
+                if template in (d.get("chat_template") or "", (d.get("target") or {}).get("chat_template")):
+                    seen[module] = "json"
+    # target_model gets the key (a path); every stage that renders conversations gets the text
+    assert {"eaglet.tokenize", "eaglet.vocab", "eaglet.generate", "eaglet.evaluate"} <= set(seen), (seen, out[-3000:])
+    assert json.loads(args["eaglet.vocab"][args["eaglet.vocab"].index("--pinned") + 1]) == ["{run}", "{{ eos_token }}"]
+    assert "--split={split}" in args["eaglet.prompts"] or "{split}" in args["eaglet.prompts"]
+
+
+def test_vllm_check_off_without_accepting_its_checks_is_refused_at_the_start(tmp_path):
+    """The serving refusal says to set export.vllm_check: false; a user who did only that trained
+    for the whole run and then failed at export (its real-vLLM checks not run and not accepted).
+    The config already says they will not run: refuse at the start, naming export.accept_not_run."""
+    from eaglet.contract import VLLM_CHECKS
+
+    conf = {"target": {"name": "t", "tiny": {}, "path": None, "chat_template": None},
+            "evaluate": {"vllm": {"env": str(VLLM_ENV), "enabled": False}},
+            "export": {"vllm_check": False, "accept_not_run": list(VLLM_CHECKS[:2])}}
+    with pytest.raises(ValueError, match=r"export\.accept_not_run") as e:
+        target_check.parse_time(conf, tmp_path)
+    assert all(n in str(e.value) for n in VLLM_CHECKS[2:]) and VLLM_CHECKS[0] not in str(e.value)
+    conf["export"]["accept_not_run"] = list(VLLM_CHECKS)
+    assert target_check.parse_time(conf, tmp_path)
+    conf["export"]["speculators"] = True  # format B is never run in real vLLM
+    with pytest.raises(ValueError, match=r"speculators\.vllm\.load_run"):
+        target_check.parse_time(conf, tmp_path)
+    conf["export"] = {"vllm_check": True, "accept_not_run": []}
+    assert target_check.parse_time(conf, tmp_path)

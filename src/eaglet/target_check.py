@@ -203,11 +203,30 @@ def serving(arch: str, env: str | Path) -> tuple[str, str]:
 
 
 # --------------------------------------------------------------------------- the workflow
+def unaccepted_not_run(export: dict) -> list[str]:
+    """Contract checks the config already says will not run (the real-vLLM ones with
+    ``export.vllm_check: false``; format B's always) that ``export.accept_not_run`` does not list.
+    Each would fail the export at the end of the run, after training."""
+    from eaglet.contract import VLLM_CHECKS
+
+    off = [] if export.get("vllm_check", True) else list(VLLM_CHECKS)
+    if export.get("speculators"):  # format B is never run in real vLLM
+        off += [f"speculators.{n}" for n in VLLM_CHECKS]
+    accepted = set(export.get("accept_not_run") or ())
+    return [n for n in off if n not in accepted]
+
+
 def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
     """Check a validated workflow config against the target it names; return the lines to log.
     Raises ValueError naming the config key when the run cannot succeed."""
     t = config["target"]
     lines: list[str] = []
+    missing = unaccepted_not_run(config.get("export", {}))
+    if missing:
+        raise ValueError(f"export.accept_not_run: the config turns off contract checks {missing} "
+                         "(export.vllm_check: false / export.speculators: true), and a check that did not run "
+                         "fails the export after training unless it is named here: add them to "
+                         "export.accept_not_run, or turn the check on")
     template = chat_template_text(t.get("chat_template"), workdir)
     ev = config.get("evaluate", {}).get("vllm", {})
     env = Path(workdir) / ev.get("env", "envs/vllm/.venv")
@@ -239,5 +258,6 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
                             ("evaluate.vllm.enabled", ev.get("enabled"))) if on]
     if status == "unsupported" and uses:
         raise ValueError(f"{' and '.join(uses)}: {line}. Set {' and '.join(f'{k}: false' for k in uses)} "
-                         "to train and export without serving it in vLLM")
+                         "(and list the real-vLLM checks that then do not run in export.accept_not_run) to train "
+                         "and export without serving it in vLLM")
     return lines

@@ -42,9 +42,18 @@ def src(*modules):
     return [f"src/eaglet/{m}.py" for m in modules]
 
 
+def verbatim(value):
+    """A params value passed exactly as written. Snakemake formats params *strings* with the job's
+    wildcards: user text holding `{name}` (Jinja's `{{ bos_token }}` in Gemma's chat template) stopped
+    the DAG with a WildcardError, or would be substituted. A function's value is used as is, and still
+    enters the cache key and the rerun triggers."""
+    return lambda wildcards: value
+
+
 def as_json(value):
-    """A params value as a JSON string for a CLI flag (quoted with :q in the shell line)."""
-    return json.dumps(value, sort_keys=True)
+    """A params value: the JSON text of `value` for a CLI flag (quoted with :q in the shell line),
+    verbatim (user strings inside may hold braces)."""
+    return verbatim(json.dumps(value, sort_keys=True))
 
 
 def out_dir(wildcards, output):
@@ -101,9 +110,9 @@ def conversations_for_tokenize():
 def extract_layer_ids(wildcards, input):
     """Aux layer ids in vLLM convention: configured, or (2, N//2, N-3) of the target."""
     if config["extract"]["layer_ids"]:
-        return as_json(config["extract"]["layer_ids"])
+        return json.dumps(config["extract"]["layer_ids"], sort_keys=True)
     n = json.loads(Path(input.identity).read_text())["num_layers"]
-    return as_json([2, n // 2, n - 3])
+    return json.dumps([2, n // 2, n - 3], sort_keys=True)
 
 
 def train_launcher(wildcards, resources):

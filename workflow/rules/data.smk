@@ -43,8 +43,8 @@ rule prompts:
     params:
         out=out_dir,
         source=config["prompts"]["source"],
-        path=config["prompts"]["path"] or "",
-        split=config["prompts"]["split"],
+        path=verbatim(config["prompts"]["path"] or ""),
+        split=verbatim(config["prompts"]["split"]),
         n=config["prompts"]["n"],
         heldout=config["prompts"]["heldout"],
         seed=config["prompts"]["seed"],
@@ -79,7 +79,7 @@ rule tokenize:
         max_length=config["tokenize"]["max_length"],
         overlong=config["tokenize"]["overlong"],
         batch_size=config["tokenize"]["batch_size"],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=verbatim(CHAT_TEMPLATE),
     shell:
         "python -m eaglet.tokenize --conversations {input.conversations:q} --target {input.identity:q}"
         " --max-length {params.max_length} --overlong {params.overlong} --chat-template={params.chat_template:q}"
@@ -137,7 +137,7 @@ rule vocab_map:
         pin_special=config["vocab"]["pin_special_tokens"],
         pinned=as_json(config["vocab"]["pinned"]),
         curve_points=config["vocab"]["curve_points"],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=verbatim(CHAT_TEMPLATE),
     shell:
         "python -m eaglet.vocab --counts {input.counts:q} --target {input.identity:q}"
         " --draft-vocab-size {params.draft_vocab_size} --pin-special {params.pin_special}"

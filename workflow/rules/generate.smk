@@ -5,7 +5,7 @@
 # settings (servers, concurrency, timeouts, vLLM launch options) change how the data is made,
 # not what it is, so they stay out of the cache key and the rerun triggers (the same model and
 # sampling through `vllm` or `openai` is the same data).
-GENERATE_CONFIG = as_json(config["generate"])
+GENERATE_CONFIG = json.dumps(config["generate"], sort_keys=True)
 GENERATE_GPUS = (
     config["generate"]["vllm"]["tensor_parallel_size"]
     if config["generate"]["backend"] == "vllm"
@@ -53,7 +53,7 @@ rule generate:
     params:
         digest=target_digest,
         sampling=GENERATE_SAMPLING,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=verbatim(CHAT_TEMPLATE),
         out=out_dir,
     shell:
         "python -m eaglet.generate --conversations {input.conversations:q}"
