@@ -188,6 +188,7 @@ def build_twin(identity: dict, out_dir: str | Path, seed: int = 0) -> dict:
     shutil.rmtree(model_dir, ignore_errors=True)
     tmp.rename(model_dir)
     ident = identity_of(model_dir, f"{identity.get('name', 'target')}-known-answer-twin", "eaglet.known_answer")
+    ident["files"] = io.folder_manifest(model_dir)  # what load_identity checks on every read
     io.write_json(out / "identity.json", ident)
     return load_identity(out / "identity.json")
 
@@ -267,7 +268,7 @@ def build_drafter(twin: dict, identity: dict, path: str | Path, prompts: list[st
     rest = rest[~torch.isin(rest, seen)][: vd - len(seen)]
     used = torch.cat([seen, rest]).sort().values
     cfg = em.DrafterConfig.from_identity(identity, draft_vocab_size=vd, layer_ids=ids,
-                                         target_path=str(tdir), target_digest=twin["digest"])
+                                         target_digest=twin["digest"])
     H, d = cfg.hidden_size, cfg.head_dim
     m, bias, reg = lay["m"], lay["bias"], lay["reg"]
     emb = em.load_target_embedding(tdir).float()
@@ -347,9 +348,9 @@ def offline_first_draft(twin: dict, drafter_path: str | Path, prompts: list[str]
     """eaglet's own speculative loop (evaluate.speculative: the twin in HF, the drafter's
     forward_step with its KV cache) on the prompts: the output must be the known chain and every
     first draft accepted."""
-    from eaglet.model import load_drafter, load_target_embedding
+    from eaglet.model import load_drafter
 
-    drafter, cfg, d2t, _ = load_drafter(drafter_path, embed_weight=load_target_embedding(twin["path"]))
+    drafter, cfg, d2t, _ = load_drafter(drafter_path, twin)
     return _offline(twin, drafter, cfg, d2t, prompts, k, max_tokens)
 
 
