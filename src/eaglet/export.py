@@ -172,6 +172,7 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
     if unknown:
         raise ValueError(f"export: unknown options {sorted(unknown)}")
     identity = load_identity(identity_path)
+    identity["identity_path"] = str(identity_path)  # the contract's offline chain loads the target from it
     identity["path"] = str(Path(identity["path"]).resolve())
     target_conf = io.read_json(Path(identity["path"]) / "config.json")
     tensors, cfg = read_trained(drafter_path, identity)
