@@ -236,7 +236,9 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
         ident = Path(workdir) / "resources" / "targets" / t["name"] / "identity.json"
         if ident.is_file():
             arch = json.loads(ident.read_text()).get("architecture", "?")
-            lines.append(serving(arch, env)[1])
+            status, line = serving(arch, env)
+            lines.append(line)
+            _refuse_unserved(status, line, config, ev)
         else:
             lines.append(f"target {t['name']!r} is built by the first job (target_model), which checks its chat "
                          "template and whether vLLM can serve an EAGLE-3 drafter for it")
@@ -254,10 +256,15 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
     arch = architecture(conf)
     status, line = serving(arch, env)
     lines.append(line)
+    _refuse_unserved(status, line, config, ev)
+    return lines
+
+
+def _refuse_unserved(status: str, line: str, config: dict, ev: dict) -> None:
+    """Refuse a run that would serve the drafter in a vLLM that cannot serve this architecture."""
     uses = [k for k, on in (("export.vllm_check", config.get("export", {}).get("vllm_check")),
                             ("evaluate.vllm.enabled", ev.get("enabled"))) if on]
     if status == "unsupported" and uses:
         raise ValueError(f"{' and '.join(uses)}: {line}. Set {' and '.join(f'{k}: false' for k in uses)} "
                          "(and list the real-vLLM checks that then do not run in export.accept_not_run) to train "
                          "and export without serving it in vLLM")
-    return lines
