@@ -657,6 +657,18 @@ def _slow_generate_workflow(tmp_path: Path, canned: str, tiny_target: dict) -> P
     return wf
 
 
+def _run_until_two_parts(wf: Path, gen: Path, target: str, log: Path):
+    """Start Snakemake on the slow generate workflow; return its process once two parts exist."""
+    proc = _smk(wf, target, configfile="config/faults.yaml", log=log)
+    deadline = time.monotonic() + 300
+    while len(list((gen / "parts").glob("part_*.parquet"))) < 2:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"generate never ran long enough to be killed:\n{log.read_text()[-4000:]}")
+        time.sleep(0.05)
+    return proc
+
+
 def test_kill_snakemake_mid_job_leaves_nothing_complete_and_reruns(canned, tiny_target, tmp_path):
     """SIGKILL a Snakemake run (its whole process group: scheduler and job) while `generate` is
     writing parts. No output of the killed job exists; a leftover output file is flagged as
@@ -668,14 +680,7 @@ def test_kill_snakemake_mid_job_leaves_nothing_complete_and_reruns(canned, tiny_
     outputs = [gen / "conversations.parquet", gen / "errors.parquet", gen / "generate_summary.json"]
     target = "results/faults/generate/generate_summary.json"
 
-    log = tmp_path / "killed_run.log"
-    proc = _smk(wf, target, configfile="config/faults.yaml", log=log)
-    deadline = time.monotonic() + 300
-    while len(list((gen / "parts").glob("part_*.parquet"))) < 2:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"generate never ran long enough to be killed:\n{log.read_text()[-4000:]}")
-        time.sleep(0.05)
+    proc = _run_until_two_parts(wf, gen, target, tmp_path / "killed_run.log")
     assert [p for p in _pids_in(wf) if p != proc.pid], "no job process to kill"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -732,14 +737,7 @@ def test_make_run_notices_a_stale_lock_unlocks_and_resumes(canned, tiny_target, 
         return subprocess.run([sys.executable, str(REPO / "scripts" / "snakemake_resume.py"), *smk], cwd=wf,
                               env=env, capture_output=True, text=True, timeout=600)
 
-    log = tmp_path / "killed_run.log"
-    proc = _smk(wf, target, configfile="config/faults.yaml", log=log)
-    deadline = time.monotonic() + 300
-    while len(list((gen / "parts").glob("part_*.parquet"))) < 2:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"generate never ran long enough:\n{log.read_text()[-4000:]}")
-        time.sleep(0.05)
+    proc = _run_until_two_parts(wf, gen, target, tmp_path / "killed_run.log")
     locks = wf / ".snakemake" / "locks"
     try:
         live = resume()
