@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from conftest import VLLM_ENV, clone
-from eaglet import io, target_check
+from eaglet import contract, io, target_check
 from eaglet.target import identity_of, load_tokenizer, materialise, stop_ids, turn_end_ids
 
 REPO = Path(__file__).resolve().parents[1]
@@ -300,7 +300,12 @@ def test_built_target_is_reported_from_its_recorded_identity(tmp_path):
     ident = tmp_path / "resources/targets/t/identity.json"
     ident.parent.mkdir(parents=True)
     ident.write_text(json.dumps({"architecture": "Gemma3ForCausalLM"}))
-    (line,) = target_check.parse_time(conf, tmp_path)
+    # recorded and unsupported, with vLLM in use: refused at the start, like a target.path
+    with pytest.raises(ValueError, match="can NOT serve an EAGLE-3 drafter for Gemma3ForCausalLM"):
+        target_check.parse_time(conf, tmp_path)
+    off = {**conf, "evaluate": {"vllm": {"env": str(VLLM_ENV), "enabled": False}},
+           "export": {"vllm_check": False, "accept_not_run": list(contract.VLLM_CHECKS)}}
+    (line,) = target_check.parse_time(off, tmp_path)
     assert "can NOT serve an EAGLE-3 drafter for Gemma3ForCausalLM" in line
 
 

@@ -204,7 +204,7 @@ def _tokenizer_size(model_dir: Path) -> int | None:
 
 def successor(twin: dict) -> torch.Tensor:
     """pi: the twin's greedy next token of every token id."""
-    return torch.load(Path(twin["path"]) / "pi.pt")
+    return torch.load(Path(twin["path"]) / "pi.pt", weights_only=True)  # never unpickle objects
 
 
 def chain(twin: dict, last_token: int, n: int) -> list[int]:
