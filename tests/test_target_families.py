@@ -18,8 +18,12 @@ from test_workflow import smk
 
 # What vLLM 0.32 (envs/vllm) serves with EAGLE-3 among the tiny families (read from its source by
 # eaglet.target_check; asserted below so a change in the engine shows up here).
+# DeepSeek-V3 implements the interface, but on vLLM-CPU its MLA kernel and the drafter's attention
+# share no KV block size (target_check.cpu_mla_block_sizes): refused here, served by a GPU build.
 SERVED = {"llama": True, "llama3": True, "qwen2": True, "qwen3": True, "qwen3_moe": True,
-          "gemma3_text": False, "deepseek_v3": True, "gpt_oss": True}
+          "gemma3_text": False, "deepseek_v3": False, "gpt_oss": True}
+# What the start-of-run refusal names for each family vLLM-CPU cannot serve
+REFUSAL = {"gemma3_text": "SupportsEagle3", "deepseek_v3": "No common block size"}
 VLLM_CHECKS = ["vllm.load_run", "vllm.lossless", "vllm.aux_layers", "vllm.shared_weights", "vllm.acceptance",
                "vllm.known_answer"]
 # Families eaglet.known_answer builds a twin for (the others' vllm.known_answer is not run, by name)
@@ -88,16 +92,8 @@ def test_family_runs_the_dag_with_proven_labels_and_parity(runs, family):
     assert "heldout" in json.dumps(offline)
 
 
-# Known open cell (README "Supported targets"): vLLM-CPU 0.32 fails to load the tiny DeepSeek-V3
-# target ("KeyError: 'layers.1.mlp.gate.e_score_correction_bias'" in its weight loader: it creates
-# that parameter only for topk_method "noaux_tc", which the tiny config does not set). strict: the
-# day it loads, this xfail fails and the cell must be updated. Not a skip: the test runs every time.
-VLLM_OPEN = {"deepseek_v3": "vLLM-CPU 0.32 cannot load the tiny DeepSeek-V3 target (e_score_correction_bias)"}
-
-
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=VLLM_OPEN[f]))
-                                    if f in VLLM_OPEN else f for f in families.FAMILIES])
+@pytest.mark.parametrize("family", families.FAMILIES)
 def test_family_served_by_real_vllm_or_refused_at_the_start(runs, family):
     """Served families: the export's contract loads target + drafter in real vLLM-CPU and its
     output equals plain greedy. Others: `snakemake -n` refuses, naming the engine feature."""
@@ -109,12 +105,12 @@ def test_family_served_by_real_vllm_or_refused_at_the_start(runs, family):
     conf = _config(family, vllm_check=True, accept_not_run=[] if family in TWIN else ["vllm.known_answer"])
     (repo / f"config/{family}-vllm.yaml").write_text(yaml.safe_dump(conf))
     ident = json.loads((repo / "resources" / "targets" / f"tiny-{family}" / "identity.json").read_text())
-    status, line = target_check.serving(ident["architecture"], repo / "envs" / "vllm" / ".venv")
+    status, line = target_check.serving(ident["architecture"], repo / "envs" / "vllm" / ".venv", ident.get("attention"))
     assert (status == "supported") == SERVED[family], line
     if not SERVED[family]:
         code, out = smk(repo, cache, "-n", f"results/fam-{family}/drafter/contract.json", check=False,
                         configfile=f"config/{family}-vllm.yaml")
-        assert code != 0 and "SupportsEagle3" in out and "export.vllm_check" in out, out[-3000:]
+        assert code != 0 and REFUSAL[family] in out and "export.vllm_check" in out, out[-3000:]
         return
     smk(repo, cache, f"results/fam-{family}/drafter/contract.json", configfile=f"config/{family}-vllm.yaml")
     contract = json.loads((run / "drafter" / "contract.json").read_text())

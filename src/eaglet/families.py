@@ -69,6 +69,9 @@ FAMILY_CONFIGS: dict[str, dict] = {
         q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
         n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
         moe_intermediate_size=64, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        # As DeepSeek-V3's own config.json: vLLM creates the router's e_score_correction_bias (which
+        # transformers' DeepseekV3TopkRouter always has) only for this topk_method.
+        topk_method="noaux_tc",
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
                          "beta_fast": 32.0, "beta_slow": 1.0}),

