@@ -167,7 +167,8 @@ def _fake_engine(root: Path, dist: str, mla_sizes: str) -> Path:
     (models / "deepseek_v2.py").write_text("class DeepseekV3ForCausalLM(nn.Module, SupportsEagle3):\n    pass\n")
     backends = pkg / "vllm" / "v1" / "attention" / "backends"
     (backends / "mla").mkdir(parents=True)
-    body = "class B:\n    @staticmethod\n    def get_supported_kernel_block_sizes(kv_cache_spec=None):\n        return {}\n"
+    body = ("class B:\n    @staticmethod\n"
+            "    def get_supported_kernel_block_sizes(kv_cache_spec=None):\n        return {}\n")
     (backends / "mla" / "cpu_mla.py").write_text(body.format(mla_sizes))
     (backends / "cpu_attn.py").write_text(body.format("[MultipleOf(32)]"))
     return root
