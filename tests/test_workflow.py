@@ -151,3 +151,35 @@ def test_report_holds_every_plot_and_table_and_renders(finished_run, tmp_path):
     # The report is a script-built page: the rendered DOM must be much more than the bare shell,
     # and show the workflow's own categories.
     assert len(p.stdout) > 10_000 and "Data" in p.stdout
+
+
+def test_summary_prints_the_measured_table_from_the_artifacts(finished_run):
+    """`python -m eaglet.summary results/<run>` (what `make run` ends with, pasted into the README):
+    one row per stage made of that stage's artifact, wall times from provenance.json; a wrong run
+    folder is a clear error."""
+    import json
+
+    a, _ = finished_run
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    p = subprocess.run([sys.executable, "-m", "eaglet.summary", "results/smoke"], cwd=a, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rows = {ln.split("|")[1].strip(): ln for ln in p.stdout.splitlines() if ln.startswith("| ")}
+    stages = {"target", "generate", "tokenize / vocab", "extract", "train", "export", "evaluate", "**total**"}
+    assert stages <= set(rows), rows
+    run = a / "results" / "smoke"
+    meta = json.loads((run / "tokenize/metadata.json").read_text())
+    gen = json.loads((run / "generate/generate_summary.json").read_text())
+    contract = json.loads((run / "drafter/contract.json").read_text())
+    tokens = f"{meta['total_tokens']:,} tokens"
+    assert tokens in rows["tokenize / vocab"] and tokens in rows["extract"]
+    assert f"{gen['completion_tokens']:,} completion tokens" in rows["generate"]
+    # the smoke config turns the real-vLLM checks off: the row names them as not run, not as passed
+    assert "contract passed" in rows["export"] and all(x["name"] in rows["export"] for x in contract["not_run"])
+    assert "lossless: HF loop yes" in rows["evaluate"]
+    prov = json.loads((run / "provenance.json").read_text())
+    train_s = sum(t["seconds"] for t in prov["stage_wall_times"] if t["rule"] == "train")
+    assert rows["train"].rstrip(" |").endswith(f"{train_s:.0f} s") or "min" in rows["train"], rows["train"]
+    p = subprocess.run([sys.executable, "-m", "eaglet.summary", "results/nope"], cwd=a, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "no such run folder" in p.stderr

@@ -93,7 +93,8 @@ def stage_times(run_dir: Path, workdir: Path = Path(".")) -> list[dict]:
         start, end = rec.get("starttime"), rec.get("endtime")
         key = (rec.get("rule"), int(start or 0), int(end or 0))  # one job, several outputs
         if rec.get("rule") and start and end and key not in seen:
-            seen[key] = {"rule": rec["rule"], "seconds": round(end - start, 1), "output": path}
+            seen[key] = {"rule": rec["rule"], "seconds": round(end - start, 1), "output": path,
+                         "start": round(start, 1), "end": round(end, 1)}
     return sorted(seen.values(), key=lambda r: r["output"])
 
 
