@@ -891,6 +891,8 @@ UNQUOTED_OK = {
     ("extract_hidden_states", "params.shard"): ("int", "int() of the shard wildcard, constrained to \\d+"),
     ("extract_hidden_states", "params.num_shards"): ("int", "len() of the shard list"),
     ("train", "resources.gpu"): ("schema", "train.gpus"),
+    # generate.vllm.tensor_parallel_size with the CUDA vLLM backend, else 0
+    ("generate", "resources.gpu"): ("schema", "generate.vllm.tensor_parallel_size"),
     ("train", "params.launcher"): ("int", "'python' or the torchrun line with int(resources.gpu)"),
     ("evaluate_offline", "threads"): ("int", "Snakemake's thread count"),
     ("evaluate_speculative", "threads"): ("int", "Snakemake's thread count"),
@@ -991,6 +993,8 @@ def test_hostile_config_strings_execute_nothing(tmp_path):
         run_line(cmd)
     calls = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(calls) == len(commands)
+    # The stub python records the GPU-slot launcher's argv: the stage's follows its `--`.
+    calls = [c[c.index("--") + 2:] if c[:2] == ["-m", "eaglet.gpu_slots"] else c for c in calls]
     assert not list(tmp_path.glob("PWNED*")) and not list(scratch.rglob("PWNED*"))
     holding = [a for c in calls for a in c if evil in a]
     modules = {c[c.index("-m") + 1] for c in calls if any(evil in a for a in c)}
