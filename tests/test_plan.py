@@ -2,6 +2,7 @@
 shapes (fp32 as the CPU trains, bf16 autocast as CUDA does), the drafter's parameter count on the
 meta device at Kimi-K2.5's shapes, the refusal naming resources.gpu_memory_gb, and the CLI."""
 
+import re
 import weakref
 
 import pytest
@@ -155,6 +156,7 @@ def test_cli_prints_the_table_and_refuses(kimi, tmp_path, capsys):
     out = capsys.readouterr().out
     print(out)
     assert "57,349 B" in out and "2.349 TB" in out and "PEAK (bfloat16, B=1, T=4096" in out
+    assert re.search(r"target_head +\| 0.9 GiB", out)  # oov_rule: label, merged from config.yaml
     assert "vLLM server /GPU" in out and "140 GiB per GPU" in out
     small = tmp_path / "small.yaml"
     small.write_text(yaml.safe_dump({**config, "resources": {"gpu_memory_gb": 24}}))

@@ -314,13 +314,16 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def load_config(path: str | Path) -> dict:
-    """A config file validated against the workflow's schema, defaults filled (as Snakemake does)."""
+    """The config a run of ``snakemake --configfile path`` sees: the Snakefile's own
+    ``config/config.yaml`` updated key by key with ``path`` (Snakemake's merge: the Kimi config
+    inherits ``train.oov_rule: label`` from it), validated with the schema's defaults filled."""
     import yaml
-    from snakemake.utils import validate
+    from snakemake.utils import update_config, validate
 
-    config = yaml.safe_load(Path(path).read_text())
-    validate(config, str(Path(__file__).resolve().parents[2] / "workflow/schemas/config.schema.yaml"),
-             set_default=True)
+    root = Path(__file__).resolve().parents[2]
+    config = yaml.safe_load((root / "config/config.yaml").read_text())
+    update_config(config, yaml.safe_load(Path(path).read_text()))
+    validate(config, str(root / "workflow/schemas/config.schema.yaml"), set_default=True)
     return config
 
 
