@@ -91,8 +91,9 @@ def measured_peak(s: dict, Vd: int, B: int, T: int, steps: int, bf16: bool) -> i
 # a linear-dominated shape (wide hidden, many tokens, short T) and a quadratic one (long T, GQA)
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("kw,Vd,B,T,K", [(dict(H=96, d=24, I=256, V=3000), 1000, 8, 16, 7),
-                                         (dict(heads=8, kv=2, d=8), 100, 1, 256, 3)],
-                         ids=["linear-dominated", "quadratic"])
+                                         (dict(heads=8, kv=2, d=8), 100, 1, 256, 3),
+                                         (dict(heads=4, kv=2, d=8), 100, 1, 700, 4)],
+                         ids=["linear-dominated", "long-T", "long-T-3-chunks"])
 def test_training_peak_is_within_15_percent_of_a_measured_step(kw, Vd, B, T, K, bf16):
     s = shapes(**kw)
     measured = measured_peak(s, Vd, B, T, K, bf16)
@@ -141,10 +142,16 @@ def test_kimi_figures_are_finite_and_too_small_a_gpu_is_refused(kimi):
     small = {**config, "resources": {"gpu_memory_gb": 48}}
     with pytest.raises(ValueError, match=r"resources\.gpu_memory_gb.*training rank.*extraction shard"):
         plan.check(plan.make_plan(small, target_bytes=547e9), small)
-    # the code's attention at the seed's 16,384-token budget does not fit one H200; O(T) would
+    # the seed's 16,384-token budget fits one H200 with the O(T) attention; materialised scores would not
     big = {**config, "train": {**config["train"], "token_budget": 16384}}
-    assert plan.refusals(plan.make_plan(big), big)
-    assert not plan.refusals(plan.make_plan(big, attention="linear"), big)
+    assert not plan.refusals(plan.make_plan(big), big)
+    assert plan.refusals(plan.make_plan(big, attention="scores"), big)
+
+
+def test_plan_assumes_the_models_attention():
+    from eaglet import model
+
+    assert plan.TTT_ATTENTION == "linear" and plan.TTT_QUERY_CHUNK == model.TTT_QUERY_CHUNK
 
 
 def test_cli_prints_the_table_and_refuses(kimi, tmp_path, capsys):
@@ -155,7 +162,7 @@ def test_cli_prints_the_table_and_refuses(kimi, tmp_path, capsys):
                "--target-config", str(ckpt / "config.json"), "--target-bytes", "547e9"])
     out = capsys.readouterr().out
     print(out)
-    assert "57,349 B" in out and "2.349 TB" in out and "PEAK (bfloat16, B=1, T=4096" in out
+    assert "57,349 B" in out and "2.349 TB" in out and "PEAK (bfloat16, B=4, T=4096" in out
     assert re.search(r"target_head +\| 0.9 GiB", out)  # oov_rule: label, merged from config.yaml
     assert "vLLM server /GPU" in out and "140 GiB per GPU" in out
     small = tmp_path / "small.yaml"

@@ -41,7 +41,7 @@ from pathlib import Path
 GIB = 1 << 30
 CONTEXT_GIB = 1.0       # per GPU process, outside PyTorch's allocator: CUDA context + cuBLAS workspace
 TYPICAL_TOKENS = 1500   # tokens per regenerated conversation (the Kimi config's storage comment)
-TTT_ATTENTION = "scores"
+TTT_ATTENTION = "linear"
 # Bytes kept for backward by one TTT step, per token, by what they scale with (census of
 # ttt_unroll + TTTObjective's saved tensors). H: norms' inputs and outputs, the cat(embed, hidden)
 # input of q/k/v (one bf16 cast per projection under autocast), residuals; I: the MLP's four;
@@ -52,6 +52,12 @@ SAVED = {"float32": {"H": 40, "I": 16, "q": 4, "d": 8, "V": 4, "one": 12},
 SCORES_BYTES = {"float32": 4, "bfloat16": 6}  # softmax weights per element (+ bf16 copy under autocast)
 # their backward's transient per element: the weights' gradient and the softmax backward's product
 SCORES_GRAD_BYTES = {"float32": 10, "bfloat16": 4}
+# The O(T) attention (model.ttt_attention; "linear"): query chunks of TTT_QUERY_CHUNK recomputed one at
+# a time in backward, so the only T-wide tensors are one chunk's scores [B, h, C, <=T+k], its masked
+# copy, the concatenation with the diagonal scores, the fp32 softmax and their gradients, alive together
+# for the last chunk (C x T). Bytes per element of that chunk, from the measured census (tests/test_plan.py).
+TTT_QUERY_CHUNK = 256  # = eaglet.model.TTT_QUERY_CHUNK (asserted by tests/test_plan.py; no torch import here)
+CHUNK_BYTES = {"float32": 14, "bfloat16": 10}
 
 
 # --------------------------------------------------------------------------- shapes
@@ -97,14 +103,27 @@ def ttt_activations(B: int, T: int, s: dict, draft_vocab_size: int, steps: int, 
     linear = 0
     scores = 0
     for k in range(steps):
-        linear += N * (c["H"] * H + c["I"] * Im + c["q"] * (4 + k) * h * d + c["d"] * d + c["one"])
+        # the dense scores path also keeps step k's stack of k diagonal values; the chunked one does not
+        kept = 4 + (k if attention == "scores" else 0)
+        linear += N * (c["H"] * H + c["I"] * Im + c["q"] * kept * h * d + c["d"] * d + c["one"])
         linear += 4 * B * max(0, T - 2 - k) * Vd
         if k and attention == "scores":
             scores += SCORES_BYTES[dtype] * B * h * T * (T + k)
     # once: g = fc(aux) (fp32), or under autocast the bf16 casts of aux and of the weights
     once = 4 * N * H if dtype == "float32" else 2 * 3 * N * H + 2 * drafter_params(s, Vd)["cast"]
-    once += 4 * B * h * T + 2 * T * T  # step 0's log-sum-exp, the causal masks
+    once += 4 * B * h * T + (2 * T * T if attention == "scores" else 0)  # step 0's log-sum-exp, the causal masks
     return {"per_token_steps": linear, "attention_scores": scores, "once": once}
+
+
+def _attention_transient(B: int, T: int, h: int, K: int, dtype: str, attention: str) -> int:
+    """Backward's largest attention transient: the whole softmax weights' gradient (scores) or one
+    recomputed query chunk (linear)."""
+    if attention == "scores":
+        return SCORES_GRAD_BYTES[dtype] * B * h * T * (T + K)
+    # chunk i holds queries lo..hi-1 over keys 0..hi-1 (+ its diagonals): the widest is not always the last
+    widest = max((min(T, lo + TTT_QUERY_CHUNK) - lo) * (min(T, lo + TTT_QUERY_CHUNK) + K)
+                 for lo in range(0, T, TTT_QUERY_CHUNK))
+    return CHUNK_BYTES[dtype] * B * h * widest if K > 1 else 0
 
 
 def training_rank(config: dict, s: dict, attention: str = TTT_ATTENTION) -> dict:
@@ -128,9 +147,9 @@ def training_rank(config: dict, s: dict, attention: str = TTT_ATTENTION) -> dict
         "batch": N * (8 + 2 + 4 * 3 * H + 4 * H + 4 * Vd) + (12 * N * H if t.get("noise_std") else 0),
         "activations": sum(act.values()),
         # backward of the last step's loss: d(lp) and d(logits) [N, V_d] fp32; or of its
-        # softmax weights [B, h, T, T+K]
-        "backward_transient": max(8 * N * Vd, SCORES_GRAD_BYTES[dtype] * B * s["num_heads"] * T
-                                  * (T + int(t["ttt_steps"])) if attention == "scores" else 0),
+        # softmax weights [B, h, T, T+K]; or of one recomputed query chunk (linear)
+        "backward_transient": max(8 * N * Vd, _attention_transient(B, T, s["num_heads"], int(t["ttt_steps"]),
+                                                                   dtype, attention)),
         "context": int(CONTEXT_GIB * GIB) if gpu else 0,
     }
     return {"shape": {"B": B, "T": T, "tokens": N, "dtype": dtype, "attention": attention},
