@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -73,3 +74,32 @@ def test_too_many_gpus_is_refused(tmp_path):
     p = launch(["--gpus", "3", "--total", "2", "--lock-dir", str(tmp_path / "locks")], tmp_path / "o.json")
     assert p.wait(30) != 0
     assert "3 GPUs wanted" in p.stderr.read()
+
+
+# A stage that starts a server (eaglet.generate -> vllm_server.start): the server is a child in
+# its own session that inherits the environment; the stage waits for it, as serve() does.
+SERVER_PARENT = ("import subprocess, sys; "
+                 "sys.exit(subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]], "
+                 "start_new_session=True).wait())")
+
+
+def test_a_server_started_by_a_job_stays_on_the_jobs_gpus(tmp_path):
+    """Issue 14: generate's vLLM server next to extraction shards. The server runs on the GPUs
+    its job took, and no other job gets them while it runs."""
+    total, locks = 4, str(tmp_path / "locks")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    server = subprocess.Popen([sys.executable, "-m", "eaglet.gpu_slots", "--gpus", "2", "--total", str(total),
+                               "--lock-dir", locks, "--", sys.executable, "-c", SERVER_PARENT, CHILD,
+                               str(tmp_path / "server.json")], env=env, stderr=subprocess.PIPE, text=True)
+    shards = [launch(["--gpus", "1", "--total", str(total), "--lock-dir", locks], tmp_path / f"shard{k}.json")
+              for k in range(3)]
+    assert server.wait(60) == 0, server.stderr.read()
+    granted = re.search(r"CUDA_VISIBLE_DEVICES=([\d,]+)", server.stderr.read()).group(1)
+    for p in shards:
+        assert p.wait(60) == 0, p.stderr.read()
+    records = [json.loads((tmp_path / f"{n}.json").read_text()) for n in ("server", "shard0", "shard1", "shard2")]
+    assert records[0]["cvd"] == granted  # the server sees exactly its job's GPUs
+    _check_no_overlap(records, total)
+    # Five GPUs wanted of four: a shard waited for the server (or another shard) to let go.
+    starts = sorted(r["start"] for r in records)
+    assert starts[-1] - starts[0] >= 0.35

@@ -1,6 +1,8 @@
 """Hidden-state shard format: round trip, fp8, resume, and refusing broken shards."""
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,14 +110,52 @@ def shard(tmp_path):
     return tmp_path / "s"
 
 
+def _rows_by_chunk(shard) -> dict[int, list[int]]:
+    """Dataset positions of each chunk's samples (one shard: dataset order is index order)."""
+    out: dict[int, list[int]] = {}
+    for i, s in enumerate(json.loads((shard / "index.json").read_text())["samples"]):
+        out.setdefault(s["chunk"], []).append(i)
+    return out
+
+
+def test_open_hashes_nothing_and_each_chunk_is_hashed_once_when_read(shard, monkeypatch):
+    """Issue 14: hashing every chunk at open stalled rank 0 past the NCCL time-out at TB scale."""
+    hashed: list[str] = []
+    digest = io.file_digest
+
+    def counting_digest(path, *a, **k):
+        hashed.append(Path(path).name)
+        return digest(path, *a, **k)
+
+    monkeypatch.setattr(io, "file_digest", counting_digest)
+    ds = HiddenStateDataset([shard / "index.json"], max_open=1)  # max_open=1: every switch reopens
+    assert hashed == []
+    by_chunk = _rows_by_chunk(shard)
+    assert len(by_chunk) >= 3
+    for _ in range(2):
+        for i in range(len(ds)):
+            ds.sample(i)
+            ds.input_ids(i)
+    assert sorted(hashed) == [f"chunk_{j:05d}.safetensors" for j in sorted(by_chunk)]
+    hashed.clear()
+    HiddenStateDataset([shard / "index.json"], verify="header").sample(0)
+    assert hashed == []
+
+
 @pytest.mark.faults
-def test_flipped_byte_is_refused_naming_the_chunk(shard):
+def test_flipped_byte_opens_but_its_chunk_is_refused_when_read(shard):
     f = shard / "chunk_00001.safetensors"
     data = bytearray(f.read_bytes())
-    data[-3] ^= 0xFF
+    data[-3] ^= 0xFF  # in the tensor data: the header and size still agree with the index
     f.write_bytes(bytes(data))
-    with pytest.raises(io.ArtifactError, match="chunk_00001.safetensors.*sha256"):
-        HiddenStateDataset([shard / "index.json"])
+    ds = HiddenStateDataset([shard / "index.json"])
+    by_chunk = _rows_by_chunk(shard)
+    for i in by_chunk[0] + by_chunk[2]:
+        assert ds.sample(i)["aux"].shape[0] == ds.num_tokens[i]
+    for read in (ds.sample, ds.input_ids):
+        for i in by_chunk[1]:  # refused every time, not just the first
+            with pytest.raises(io.ArtifactError, match=f"{re.escape(str(f))}: sha256 differs.*index.json"):
+                read(i)
 
 
 @pytest.mark.faults

@@ -208,3 +208,15 @@ def test_generation_serves_kimi_with_tensor_parallelism_8(repo, kimi_plan):
     assert '"tensor_parallel_size": 8' in gen[0]["shell"] and '"reasoning_parser": "kimi_k2"' in gen[0]["shell"]
     # The server's tensor-parallel GPUs are the job's: a scheduler must hand them over.
     assert gen[0]["resources"].get("gpu") == "8"
+
+
+def test_every_gpu_job_takes_its_gpus_through_gpu_slots(repo, kimi_plan):
+    """Issue 14: generate declared 8 GPUs but its vLLM server took whatever CUDA showed it, so it
+    could land on GPUs an extraction shard held. Every job with a gpu resource starts with the
+    slot launcher, asking for that many GPUs (the launcher exports them as CUDA_VISIBLE_DEVICES,
+    which the server inherits)."""
+    gpu_jobs = [j for j in kimi_plan[1] if int(j["resources"].get("gpu", 0)) > 0]
+    assert {j["rule"] for j in gpu_jobs} >= {"generate", "extract_hidden_states", "train"}
+    for j in gpu_jobs:
+        want = f"python -m eaglet.gpu_slots --gpus {j['resources']['gpu']} -- "
+        assert j["shell"].startswith(want), (j["rule"], j["shell"][:200])

@@ -1,5 +1,6 @@
 """The drafter: export names/shapes, the step forward against a naive reference, the TTT
-attention pattern against real incremental drafting with a KV cache, and the file round trip."""
+attention pattern against real incremental drafting with a KV cache and against the dense
+O(T^2) form it replaced (values, gradients, memory), and the file round trip."""
 
 import json
 import math
@@ -8,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from eaglet import io
 from eaglet.model import (
@@ -140,6 +143,105 @@ def test_ttt_unroll_equals_incremental_drafting(tiny_target):
                 assert len(cache) == t + K
                 cache.truncate(t + 1)
                 assert len(cache) == t + 1
+
+
+def ttt_unroll_dense(m, x_BT, g_BTH, steps):
+    """The TTT unroll as it was written before issue 14: one dense [B, h, T, T + k] score tensor
+    per step (O(T^2) memory), kept here only as the value reference for the chunked attention."""
+    B, T = x_BT.shape
+    pos0 = torch.arange(T).expand(B, T)
+    hidden, k0, v0, diag_k, diag_v = g_BTH, None, None, [], []
+    scale = 1.0 / math.sqrt(m.cfg.head_dim)
+    causal_TT = torch.ones(T, T, dtype=torch.bool).tril()
+    for k in range(steps):
+        ids = torch.zeros_like(x_BT)
+        if T > 1 + k:
+            ids[:, :T - 1 - k] = x_BT[:, 1 + k:]
+        q, kk, vv = m._qkv(ids, hidden, pos0 + k)
+        if k == 0:
+            k0, v0 = m._rep(kk), m._rep(vv)
+            att = F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
+        else:
+            diag_k.append(m._rep(kk))
+            diag_v.append(m._rep(vv))
+            s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~causal_TT, float("-inf"))
+            sd = torch.stack([(q * dk).sum(-1) for dk in diag_k], -1) * scale
+            p = torch.softmax(torch.cat([s0, sd], -1).float(), -1).to(q.dtype)
+            att = p[..., :T] @ v0 + (p[..., T:, None] * torch.stack(diag_v, -2)).sum(-2)
+        hidden = m._finish(att, hidden)
+        yield k, m.logits(hidden), hidden
+
+
+def _unroll_loss_and_grads(m, unroll, x, g, steps):
+    """Forward values and the gradients of a fixed random functional of every step's outputs."""
+    g = g.clone().requires_grad_(True)
+    m.zero_grad()
+    outs = [(lg, h) for _, lg, h in unroll(x, g, steps)]
+    gen = torch.Generator().manual_seed(5)
+    loss = sum((lg * torch.randn(lg.shape, generator=gen)).sum() + (h * torch.randn(h.shape, generator=gen)).sum()
+               for lg, h in outs)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}  # fc: unused
+    return outs, {**grads, "g": g.grad}
+
+
+def test_ttt_attention_equals_the_dense_reference(tiny_target):
+    """Issue 14: the chunked TTT attention gives today's values and gradients (fp32, 1e-5), over
+    several query chunks, the last one partial, with GQA (2 heads on 1 kv head)."""
+    from eaglet.model import TTT_QUERY_CHUNK
+
+    cfg, m = make(tiny_target)
+    torch.manual_seed(3)
+    B, T, K = 2, 2 * TTT_QUERY_CHUNK + 37, 4
+    x = torch.randint(0, cfg.vocab_size, (B, T))
+    g = torch.randn(B, T, cfg.hidden_size)
+    got, got_grads = _unroll_loss_and_grads(m, m.ttt_unroll, x, g, K)
+    ref, ref_grads = _unroll_loss_and_grads(m, lambda *a: ttt_unroll_dense(m, *a), x, g, K)
+    for k, ((lg, h), (rlg, rh)) in enumerate(zip(got, ref)):
+        assert torch.allclose(lg, rlg, atol=1e-5, rtol=0), (k, (lg - rlg).abs().max())
+        assert torch.allclose(h, rh, atol=1e-5, rtol=0), (k, (h - rh).abs().max())
+    assert got_grads.keys() == ref_grads.keys()
+    for n, gr in ref_grads.items():
+        tol = 1e-5 * max(1.0, gr.abs().max().item())  # large parameter gradients: relative to their scale
+        assert torch.allclose(got_grads[n], gr, atol=tol, rtol=0), (n, (got_grads[n] - gr).abs().max())
+
+
+class LargestAllocation(TorchDispatchMode):
+    """The largest storage (bytes) any aten op returns while active, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes, self.where = 0, ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > self.nbytes:
+                self.nbytes, self.where = t.untyped_storage().nbytes(), f"{func} {tuple(t.shape)}"
+        return out
+
+
+def largest_ttt_allocation(m, T, steps=3, B=1):
+    """LargestAllocation over one training-like forward + backward of the unroll at length T."""
+    torch.manual_seed(4)
+    x = torch.randint(0, m.cfg.vocab_size, (B, T))
+    g = torch.randn(B, T, m.cfg.hidden_size, requires_grad=True)
+    with LargestAllocation() as rec:
+        sum(lg.float().square().mean() for _, lg, _ in m.ttt_unroll(x, g, steps)).backward()
+    return rec
+
+
+def test_ttt_attention_memory_is_linear_in_T(tiny_target):
+    """Issue 14: no tensor of the TTT unroll (forward + backward) grows as T^2. The dense form
+    allocated [B, h, T, T + k] fp32 scores per step (33.6 MB here at T=2048, 16 GB per step at the
+    Kimi config); doubling T must at most double the largest allocation, and at T=2048 it must stay
+    well below one [B, h, T, T] fp32 score tensor."""
+    cfg, m = make(tiny_target)
+    m.train()
+    small, big = largest_ttt_allocation(m, 1024), largest_ttt_allocation(m, 2048)
+    dense = 1 * cfg.num_heads * 2048 * 2048 * 4
+    assert big.nbytes < dense / 4, (big.nbytes, big.where)
+    assert big.nbytes <= 2.2 * small.nbytes, (small.nbytes, small.where, big.nbytes, big.where)
 
 
 def test_save_load_round_trip(tiny_target, tmp_path):

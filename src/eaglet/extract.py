@@ -262,7 +262,8 @@ def _run(model, writer, ids, inputs, masks, layer_ids, H, token_budget, device, 
 
 
 def _verify(out_dir, want_ids: list[str], want_input: dict) -> None:
-    """Re-read the finished shard: every chunk hashed, shapes checked, ids equal the tokens."""
+    """Re-read the finished shard: shapes checked, ids equal the tokens; reading every sample's
+    ids hashes every chunk (HiddenStateDataset hashes a chunk when first read)."""
     ds = HiddenStateDataset([Path(out_dir) / "index.json"], verify="sha")
     if sorted(ds.ids) != sorted(want_ids):
         raise io.ArtifactError(f"{out_dir}/index.json: holds {len(ds)} samples, shard needs {len(want_ids)}")

@@ -246,9 +246,12 @@ class ShardWriter:
 class HiddenStateDataset:
     """All shards as one dataset, read lazily per chunk (memory-mapped), never copied.
 
-    ``verify``: "sha" (default) hashes every chunk against index.json once at open; "header"
-    only checks that each chunk exists, opens, and holds the token/sample counts the index says
-    (for TB-scale data where hashing costs minutes).
+    Opening is cheap: the index must be complete, and each chunk must exist and hold (header and
+    file size) the token/sample counts the index says. ``verify="sha"`` (default) also hashes a
+    chunk against index.json's sha256 the first time it is read, before any tensor of it is
+    returned, once per process. Hashing every chunk up front cost rank 0 minutes to hours at TB
+    scale while the other ranks sat in DDP init until NCCL timed out (issue 14). ``"header"``
+    never hashes.
     """
 
     def __init__(self, index_paths, verify: str = "sha", max_open: int = 16):
@@ -265,6 +268,9 @@ class HiddenStateDataset:
         self._where: list[tuple[Path, int]] = []  # (chunk path, row)
         self._max_open = max_open
         self._open: OrderedDict[Path, tuple] = OrderedDict()
+        self._verify = verify
+        self._sha: dict[Path, tuple[str, Path]] = {}  # chunk -> (sha256 in its index, the index)
+        self._verified: set[Path] = set()  # chunks hashed and found intact by this process
         for p in index_paths:
             self._add_shard(Path(p), verify)
 
@@ -289,8 +295,10 @@ class HiddenStateDataset:
             f = path.parent / c["file"]
             if not f.exists():
                 raise io.ArtifactError(f"{f}: chunk listed in {path} is missing")
-            if verify == "sha" and io.file_digest(f) != c.get("sha256"):
-                raise io.ArtifactError(f"{f}: sha256 differs from {path} (corrupt or altered chunk)")
+            if verify == "sha":  # hashed when first read (_check_sha), not here
+                if not isinstance(c.get("sha256"), str):
+                    raise io.ArtifactError(f"{path}: chunk {c['file']} has no sha256")
+                self._sha[f] = (c["sha256"], path)
             shapes = _chunk_shapes(f)
             T, S = c["num_tokens"], c["num_samples"]
             want = {"input_ids": [T], "loss_mask": [T], "offsets": [S + 1], "aux": [T, 3, H], "final": [T, H]}
@@ -320,6 +328,7 @@ class HiddenStateDataset:
             return self._open[f]
         from safetensors import safe_open
 
+        self._check_sha(f)
         try:
             h = safe_open(str(f), framework="pt", device="cpu")
             offsets = h.get_tensor("offsets")
@@ -329,6 +338,19 @@ class HiddenStateDataset:
         if len(self._open) > self._max_open:
             self._open.popitem(last=False)
         return self._open[f]
+
+    def _check_sha(self, f: Path) -> None:
+        """Hash chunk ``f`` against its index the first time this process reads it.
+
+        A handle evicted from the LRU and reopened is not hashed again: the hash proves the
+        file was intact when read, and re-hashing per reopen would cost a full read each time.
+        """
+        if f in self._verified or f not in self._sha:
+            return
+        want, index = self._sha[f]
+        if io.file_digest(f) != want:
+            raise io.ArtifactError(f"{f}: sha256 differs from {index} (corrupt or altered chunk)")
+        self._verified.add(f)
 
     def sample(self, i: int) -> dict:
         f, row = self._where[i]

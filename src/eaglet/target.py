@@ -103,6 +103,22 @@ def _build_model(cfg: dict, tokenizer):
     return model
 
 
+def shape_facts(conf: dict) -> dict:
+    """The shapes of a config.json that the drafter is built from: shared by the identity (after
+    target_model) and eaglet.plan (at parse time, before any weights are read)."""
+    text = conf.get("text_config", conf)
+    heads = text["num_attention_heads"]
+    return {
+        "num_layers": text["num_hidden_layers"],
+        "hidden_size": text["hidden_size"],
+        "vocab_size": text["vocab_size"],
+        "num_heads": heads,
+        "num_kv_heads": text.get("num_key_value_heads", heads),
+        "head_dim": text.get("head_dim") or text["hidden_size"] // heads,
+        "intermediate_size": text["intermediate_size"],
+    }
+
+
 def identity_of(model_dir: Path, name: str, source: str) -> dict:
     """Identity JSON: content digest of the weight files plus the shape facts stages need."""
     conf = json.loads((model_dir / "config.json").read_text())
@@ -116,7 +132,6 @@ def identity_of(model_dir: Path, name: str, source: str) -> dict:
         h.update(w.name.encode())
         h.update(io.file_digest(w).encode())
     text = conf.get("text_config", conf)
-    heads = text["num_attention_heads"]
     return {
         "name": name,
         # Relative to identity.json, so a cached or copied target folder stays valid.
@@ -125,13 +140,7 @@ def identity_of(model_dir: Path, name: str, source: str) -> dict:
         "digest": h.hexdigest(),
         "architecture": (conf.get("architectures") or ["?"])[0],
         "model_type": text.get("model_type", conf.get("model_type")),
-        "num_layers": text["num_hidden_layers"],
-        "hidden_size": text["hidden_size"],
-        "vocab_size": text["vocab_size"],
-        "num_heads": heads,
-        "num_kv_heads": text.get("num_key_value_heads", heads),
-        "head_dim": text.get("head_dim") or text["hidden_size"] // heads,
-        "intermediate_size": text["intermediate_size"],
+        **shape_facts(conf),
         "rms_norm_eps": text.get("rms_norm_eps", 1e-6),
         "rope_theta": text.get("rope_theta") or _rope(text)["rope_parameters"].get("rope_theta", 10000.0),
         "max_position_embeddings": text.get("max_position_embeddings"),

@@ -397,8 +397,9 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
     torch.manual_seed(p["seed"])
     random.seed(p["seed"])
 
-    # Every chunk is hashed against its index once (rank 0); other ranks check headers only.
-    ds = dataset if dataset is not None else HiddenStateDataset(hidden, verify="sha" if main else "header")
+    # Opening checks headers and sizes only; each rank hashes a chunk against its index when it
+    # first reads it, so no rank stalls the others' DDP init hashing terabytes (issue 14).
+    ds = dataset if dataset is not None else HiddenStateDataset(hidden, verify="sha")
     meta = ds.meta
     if meta["target_digest"] != identity["digest"]:
         raise io.ArtifactError(f"{hidden[0] if hidden else 'hidden states'}: extracted from target "

@@ -21,6 +21,12 @@ from eaglet import target_check
 
 for _line in target_check.parse_time(config):
     logger.info(_line)
+# The memory plan (eaglet.plan): hidden-state disk and the peak GPU memory of each job, in one line;
+# a job that cannot fit resources.gpu_memory_gb stops the run here, not hours into it.
+from eaglet import plan as memory_plan
+
+for _line in memory_plan.parse_time(config):
+    logger.info(_line)
 # The template's text (not its path) is a param of every stage that renders conversations, so it
 # is in their cache keys; "" = the checkpoint's own.
 CHAT_TEMPLATE = target_check.chat_template_text(config["target"]["chat_template"]) or ""

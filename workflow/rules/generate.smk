@@ -25,7 +25,7 @@ GENERATE_SAMPLING = as_json(
 
 rule generate:
     input:
-        code=src("generate", "vllm_server", "target", "target_check", "io"),
+        code=src("generate", "vllm_server", "gpu_slots", "target", "target_check", "io"),
         conversations=f"{RUN}/prompts/train.parquet",
         identity=TARGET_ID,
     output:
@@ -48,7 +48,9 @@ rule generate:
         # Backend settings travel as a resource: like cores or GPUs they decide how the job runs,
         # not what it produces, and resources are outside the cache key and rerun triggers.
         generate_backend=GENERATE_CONFIG,
-        # The vLLM server the stage starts gets its tensor-parallel GPUs from the scheduler.
+        # The vLLM server's tensor-parallel GPUs: counted by the scheduler, taken through
+        # eaglet.gpu_slots like every GPU rule's (the server inherits CUDA_VISIBLE_DEVICES), so
+        # it never lands on GPUs an extraction shard holds (issue 14). 0 runs the stage as is.
         gpu=GENERATE_GPUS,
     params:
         digest=target_digest,
@@ -56,6 +58,7 @@ rule generate:
         chat_template=verbatim(CHAT_TEMPLATE),
         out=out_dir,
     shell:
-        "python -m eaglet.generate --conversations {input.conversations:q}"
+        "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.generate --conversations {input.conversations:q}"
         " --target {input.identity:q} --out-dir {params.out:q} --config {resources.generate_backend:q}"
         " --server-log {log.server:q} --chat-template={params.chat_template:q} --log {log.main:q}"
