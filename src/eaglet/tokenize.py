@@ -144,16 +144,19 @@ def tokenize_rows(tokenizer, rows: list[dict], max_length: int = 2048, overlong:
             if not mask_matches(masked, msgs):
                 skipped["mask_mismatch"] += 1
                 continue
-            if len(ids) > max_length:
+            cut = len(ids) > max_length
+            if cut:
                 if overlong == "skip":
                     skipped["overlong"] += 1
                     continue
                 ids, mask = ids[:max_length], mask[:max_length]
             if not mask.any():
-                skipped["no_assistant_tokens"] += 1
+                # A cut that removed the whole answer is a truncation, not an empty answer.
+                skipped["truncated_no_answer" if cut else "no_assistant_tokens"] += 1
                 continue
             kept.append({"id": row["id"], "source": row.get("source", ""), "input_ids": ids,
-                         "loss_mask": mask, "num_tokens": len(ids), "num_assistant_tokens": int(mask.sum())})
+                         "loss_mask": mask, "num_tokens": len(ids), "num_assistant_tokens": int(mask.sum()),
+                         "truncated": cut})
         pending.clear()
 
     for row in rows:
@@ -237,7 +240,9 @@ def run(conversations: str | Path, target: str | Path, out_dir: str | Path, max_
         "samples_by_source": dict(by_source),
         "max_length": max_length,
         "overlong": overlong,
-        "truncated": int(sum(1 for r in kept if r["num_tokens"] == max_length)),
+        # samples cut at max_length: kept with part of their answer, and dropped with none left
+        "truncated": int(sum(r["truncated"] for r in kept)) + skipped["truncated_no_answer"],
+        "truncated_kept": int(sum(r["truncated"] for r in kept)),
         # checked by the stages that read tokens.parquet (io.verify_recorded)
         io.DIGESTS_KEY: io.record_digests(out_dir, ["tokens.parquet"]),
     }
