@@ -145,31 +145,21 @@ def test_ttt_unroll_equals_incremental_drafting(tiny_target):
                 assert len(cache) == t + 1
 
 
-def ttt_unroll_dense(m, x_BT, g_BTH, steps):
-    """The TTT unroll as it was written before issue 14: one dense [B, h, T, T + k] score tensor
-    per step (O(T^2) memory), kept here only as the value reference for the chunked attention."""
-    B, T = x_BT.shape
-    pos0 = torch.arange(T).expand(B, T)
-    hidden, k0, v0, diag_k, diag_v = g_BTH, None, None, [], []
-    scale = 1.0 / math.sqrt(m.cfg.head_dim)
+def dense_attention(q, k0, v0, diag_k, diag_v):
+    """TTT attention as it was written before issue 14: one dense [B, h, T, T + k] score tensor per
+    step (O(T^2) memory), kept here only as the value reference for the chunked attention."""
+    T = q.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
     causal_TT = torch.ones(T, T, dtype=torch.bool).tril()
-    for k in range(steps):
-        ids = torch.zeros_like(x_BT)
-        if T > 1 + k:
-            ids[:, :T - 1 - k] = x_BT[:, 1 + k:]
-        q, kk, vv = m._qkv(ids, hidden, pos0 + k)
-        if k == 0:
-            k0, v0 = m._rep(kk), m._rep(vv)
-            att = F.scaled_dot_product_attention(q, k0, v0, is_causal=True)
-        else:
-            diag_k.append(m._rep(kk))
-            diag_v.append(m._rep(vv))
-            s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~causal_TT, float("-inf"))
-            sd = torch.stack([(q * dk).sum(-1) for dk in diag_k], -1) * scale
-            p = torch.softmax(torch.cat([s0, sd], -1).float(), -1).to(q.dtype)
-            att = p[..., :T] @ v0 + (p[..., T:, None] * torch.stack(diag_v, -2)).sum(-2)
-        hidden = m._finish(att, hidden)
-        yield k, m.logits(hidden), hidden
+    s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~causal_TT, float("-inf"))
+    sd = torch.stack([(q * dk).sum(-1) for dk in diag_k], -1) * scale
+    p = torch.softmax(torch.cat([s0, sd], -1).float(), -1).to(q.dtype)
+    return p[..., :T] @ v0 + (p[..., T:, None] * torch.stack(diag_v, -2)).sum(-2)
+
+
+def ttt_unroll_dense(m, x_BT, g_BTH, steps):
+    """The TTT unroll with the dense reference attention."""
+    return m.ttt_unroll(x_BT, g_BTH, steps, attention=dense_attention)
 
 
 def _unroll_loss_and_grads(m, unroll, x, g, steps):

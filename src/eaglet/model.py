@@ -293,7 +293,7 @@ class Eagle3Drafter(nn.Module):
     forward = forward_step
 
     # ----------------------------------------------------------------- training-time test
-    def ttt_unroll(self, x_BT: torch.Tensor, g_BTH: torch.Tensor, steps: int):
+    def ttt_unroll(self, x_BT: torch.Tensor, g_BTH: torch.Tensor, steps: int, attention=None):
         """Yield ``(k, logits_k_BTVd, h_k_BTH)`` for k = 0..steps-1 over whole sequences x.
 
         Alignment (eagle3.md §3; vLLM feeds the drafter the target's hidden state at position t
@@ -304,8 +304,10 @@ class Eagle3Drafter(nn.Module):
         Its query attends to step-0 keys 0..t (causal) plus the keys of steps 1..k at index t
         (the diagonal), exactly the keys a real draft chain from position t has in its cache.
         Right-padded batches need no padding mask: causal queries never reach later pads.
-        Memory is linear in T (issue 14): see ``ttt_attention``.
+        Memory is linear in T (issue 14): see ``ttt_attention``. ``attention`` replaces it (same
+        arguments) for tests that compare it with a dense reference.
         """
+        attend = attention or ttt_attention
         B, T = x_BT.shape
         pos0 = torch.arange(T, device=x_BT.device).expand(B, T)
         hidden = g_BTH
@@ -322,7 +324,7 @@ class Eagle3Drafter(nn.Module):
             else:
                 diag_k.append(self._rep(kk))
                 diag_v.append(self._rep(vv))
-                att = ttt_attention(q, k0, v0, diag_k, diag_v)
+                att = attend(q, k0, v0, diag_k, diag_v)
             hidden = self._finish(att, hidden)
             yield k, self.logits(hidden), hidden
 
