@@ -37,8 +37,9 @@ SLURM_MASTER = '$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(squeue -h -o 
 def train_launch(nproc: int, nodes: int = 1, port: int = 29500, srun: bool | None = None) -> str:
     """The command (without ``-m eaglet.train ...``) that starts ``nodes`` x ``nproc`` ranks.
 
-    One machine: ``python`` for one process, else torchrun ``--standalone`` (a private rendezvous
-    on a free port). Several nodes (or ``srun=True``, which the one-node SLURM test uses): one
+    One machine: ``python`` on the CPU (nproc 0), else torchrun ``--standalone`` (a private
+    rendezvous on a free port), on one GPU too, so that a one-GPU run (scripts/gpu-check.sh) goes
+    through the launcher that 8 GPUs use. Several nodes (or ``srun=True``, which the one-node SLURM test uses): one
     ``srun`` task per node, each running torchrun with ``nproc`` local ranks, meeting through the
     c10d rendezvous on the allocation's first node; torchrun then sets RANK / LOCAL_RANK /
     WORLD_SIZE as it does on one machine, so eaglet.train needs nothing else. A shell string:
@@ -49,7 +50,7 @@ def train_launch(nproc: int, nodes: int = 1, port: int = 29500, srun: bool | Non
     if not srun:
         if nodes != 1:
             raise ValueError(f"{nodes} nodes need srun (a SLURM allocation)")
-        return "python" if nproc <= 1 else f"python -m torch.distributed.run --standalone --nproc_per_node {nproc}"
+        return "python" if nproc < 1 else f"python -m torch.distributed.run --standalone --nproc_per_node {nproc}"
     # --kill-on-bad-exit (its value only after "="): a node whose torchrun fails ends the others,
     # which would otherwise wait out the rendezvous timeout
     return (f"srun --nodes {nodes} --ntasks-per-node 1 --kill-on-bad-exit=1 torchrun --nnodes {nodes}"

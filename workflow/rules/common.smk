@@ -123,7 +123,7 @@ def extract_layer_ids(wildcards, input):
 
 
 def train_launcher(wildcards, resources):
-    """torchrun with one process per GPU (DDP) when train.gpus > 1, else plain python; with
+    """torchrun with one process per GPU (DDP) when train.gpus >= 1, else plain python; with
     train.nodes > 1, one srun of torchrun per node of the SLURM allocation (eaglet.gpu_slots).
     """
     t = config["train"]
