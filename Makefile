@@ -39,9 +39,11 @@ venv: $(STAMP)
 vllm-env:
 	bash envs/vllm/setup.sh $(VLLM_PACKAGE)
 
-# System packages the tests use for real: headless Chromium renders the HTML report.
+# System packages the tests use for real: headless Chromium renders the HTML report; shellcheck
+# checks scripts/gpu-check.sh (tests/test_gpu_check.py).
 test-deps:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+	@command -v shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck >/dev/null; }
 
 # Snakemake makes cached files 0666: the cache and its parent must be closed to other users.
 cache-dir:

@@ -95,9 +95,9 @@ def repo(tmp_path_factory):
     return {"wd": wd, "ckpt": ckpt, "rules": rules, "cache": root / "cache"}
 
 
-def dry_run(repo, name: str, **overrides) -> tuple[str, list[dict]]:
+def dry_run(repo, name: str, gpus: int = 8, **overrides) -> tuple[str, list[dict]]:
     """`snakemake -n` on the Kimi config with the test checkpoint (and section overrides), the
-    way an 8-GPU machine runs it."""
+    way an 8-GPU machine runs it (`gpus`: the --resources gpu=N the run is given)."""
     conf = json.loads(json.dumps(KIMI))
     conf["target"]["path"] = str(repo["ckpt"])
     assert "generate" in repo["rules"], "rule generate is missing from the workflow"
@@ -107,7 +107,7 @@ def dry_run(repo, name: str, **overrides) -> tuple[str, list[dict]]:
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(repo["cache"]),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "32", "--resources",
-                        "gpu=8", "--cache", "--configfile", f"config/{name}.yaml"],
+                        f"gpu={gpus}", "--cache", "--configfile", f"config/{name}.yaml"],
                        cwd=repo["wd"], env=env, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"dry run of {name} failed:\n{out[-6000:]}"
@@ -220,3 +220,35 @@ def test_every_gpu_job_takes_its_gpus_through_gpu_slots(repo, kimi_plan):
     for j in gpu_jobs:
         want = f"python -m eaglet.gpu_slots --gpus {j['resources']['gpu']} -- "
         assert j["shell"].startswith(want), (j["rule"], j["shell"][:200])
+
+
+# What the SLURM job of 2 nodes x 8 GPUs runs: one srun task per node, each a torchrun of 8 ranks
+# meeting on the allocation's first node (SLURM_JOB_NODELIST, or squeue's when the executor
+# plugin's job step has dropped it). The slot launcher in front defers to SLURM's
+# CUDA_VISIBLE_DEVICES, as in every GPU job.
+TWO_NODE_LAUNCH = (
+    "python -m eaglet.gpu_slots --gpus 16 -- srun --nodes 2 --ntasks-per-node 1 --kill-on-bad-exit=1"
+    " torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint"
+    ' "$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(squeue -h -o %N -j "$SLURM_JOB_ID")}"'
+    ' | head -n1):29500" -m eaglet.train '
+)
+
+
+def test_two_nodes_of_eight_gpus_launch_one_srun_of_torchrun_per_node(repo, kimi_plan):
+    """Issue 14: multi-node training is torchrun's, under the scheduler's rendezvous. The dry-run
+    shell line of train.nodes = 2 is exactly the launch above, followed by the same eaglet.train
+    arguments as on one node (nodes is not a training param: the launch carries it); the job
+    asks for all 16 GPUs, 2 nodes and the plugin's MPI mode (the rule's own srun starts the
+    tasks) with one task per node."""
+    assert "train" in repo["rules"], "rule train is missing from the workflow"
+    out, jobs = dry_run(repo, "kimi_2nodes", gpus=16, train={"nodes": 2})
+    train = [j for j in jobs if j["rule"] == "train"]
+    assert len(train) == 1, out[-3000:]
+    shell = train[0]["shell"]
+    assert shell.startswith(TWO_NODE_LAUNCH), shell[:600]
+    one_node = [j for j in kimi_plan[1] if j["rule"] == "train"][0]
+    assert shell[len(TWO_NODE_LAUNCH):] == one_node["shell"].split(" -m eaglet.train ", 1)[1]
+    res = train[0]["resources"]
+    assert (res["gpu"], res["nodes"], res["tasks"], res["tasks_per_gpu"], res["mpi"]) == ("16", "2", "2", "0", "srun")
+    # one node asks for none of that (the plugin's srun -n1 job step runs it)
+    assert not {"nodes", "tasks", "mpi"} & set(one_node["resources"])

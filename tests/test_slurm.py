@@ -2,7 +2,9 @@
 munge, installed when missing): the smoke workflow with `--workflow-profile workflow/profiles/slurm`
 gives byte-identical results to a local run, every rule goes out as its own sbatch job carrying
 the resources Snakemake declared for it, and the GPU rules' requests (`--gpus=N`) reach sbatch,
-which this GPU-less node refuses, so they are checked at submission and never run.
+which this GPU-less node refuses, so they are checked at submission and never run. Multi-node
+training's launch (one srun of torchrun per node, c10d rendezvous on the first node) runs for real
+on the one node with 2 gloo ranks, and must train what one process does.
 
 Skipped only when SLURM cannot be had here (no apt-get, not root). Several minutes on 2 cores.
 """
@@ -10,6 +12,7 @@ Skipped only when SLURM cannot be had here (no apt-get, not root). Several minut
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -17,10 +20,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pandas as pd
 import pytest
+import torch
 import yaml
 
+import test_train
 from conftest import clone
+from eaglet import io
+from eaglet.gpu_slots import train_launch
+from test_train import PARAMS, _cli
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts" / "slurm"
@@ -30,6 +39,8 @@ RUN = "results/smoke"
 SMK_TIMEOUT_S = 1500
 
 pytestmark = pytest.mark.slurm
+# test_train's fixture (a real shard of the tiny target's hidden states and a vocab map), reused
+data = test_train.data
 
 
 def free_port() -> int:
@@ -228,7 +239,9 @@ def _gpu_submission(runs, cluster, name, conf_edit, target):
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert p.returncode != 0, "a GPU job was accepted by a node without GPUs?"
     calls = re.findall(r"^\s*(sbatch --parsable .*)$", p.stdout, re.M)
-    assert "Invalid generic resource" in p.stdout, p.stdout[-4000:]
+    # GPUs this node lacks; or, asked for two nodes, nodes it lacks
+    assert re.search(r"Invalid generic resource|Node count specification invalid|Requested node configuration",
+                     p.stdout), p.stdout[-4000:]
     return calls
 
 
@@ -253,3 +266,59 @@ def test_training_requests_all_its_gpus_as_one_job(runs, cluster):
     assert len(calls) == 1, calls
     assert "--comment rule_train" in calls[0] and "--gpus=2" in calls[0]
     assert "--cpus-per-gpu=8" in calls[0]
+
+
+def test_two_node_training_asks_slurm_for_both_nodes_one_task_each(runs, cluster):
+    """train.nodes = 2, train.gpus = 8: one sbatch for 2 nodes, 16 GPUs and 2 tasks (one per
+    node, started by the rule's own srun), with no --ntasks-per-gpu (tasks_per_gpu=0)."""
+    calls = _gpu_submission(runs, cluster, "gpu_train_2nodes", {"train": {"gpus": 8, "nodes": 2}},
+                            f"{RUN}/train/train_summary.json")
+    assert len(calls) == 1, calls
+    call = calls[0]
+    assert "--comment rule_train" in call and "--nodes=2" in call and "--ntasks=2" in call, call
+    assert "--gpus=16" in call and "--ntasks-per-gpu" not in call, call
+
+
+def test_srun_torchrun_launch_trains_two_gloo_ranks_like_one_process(cluster, tiny_target, data, tmp_path):
+    """Issue 14: the launch the train rule builds for train.nodes > 1 (eaglet.gpu_slots.train_launch),
+    on this one node: a batch job whose script runs `srun ... torchrun --nnodes 1 --nproc-per-node 2
+    --rdzv-backend c10d --rdzv-endpoint <first node>:<port>` with the job's SLURM_* variables
+    stripped as snakemake's SLURM job step strips them (SLURM_JOB_ID kept), so the rendezvous host
+    comes from squeue. Two CPU ranks (gloo) must record world_size 2 and give the weights and loss
+    trace of one process taking both micro-batches (as test_train's DDP test asserts)."""
+    params = {**PARAMS, "max_steps": 4, "val_every": 4, "oov_rule": "label", "noise_std": 0.05}
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    subprocess.run(_cli(data, tiny_target, single, {**params, "grad_accum": 2}), check=True, capture_output=True)
+    train_args = _cli(data, tiny_target, ddp, params)[3:]  # after `python -m eaglet.train`
+    launch = train_launch(2, nodes=1, port=free_port(), srun=True)
+    assert launch.startswith("srun --nodes 1 --ntasks-per-node 1 ") and "--rdzv-backend c10d" in launch
+    script = tmp_path / "train.sbatch"
+    script.write_text("\n".join([
+        "#!/bin/bash",
+        "set -euo pipefail",
+        # what snakemake-executor-plugin-slurm-jobstep leaves of SLURM_* in the rule's shell
+        "for v in $(compgen -e | grep '^SLURM_' | grep -vx 'SLURM_JOB_ID'); do unset \"$v\"; done",
+        f"{launch} -m eaglet.train {' '.join(shlex.quote(a) for a in train_args)}",
+        "",
+    ]))
+    log = tmp_path / "job.log"
+    env = smk_env({"SLURM_CONF": cluster["SLURM_CONF"], "PYTHONPATH": str(REPO / "src")})
+    p = subprocess.run(["sbatch", "--parsable", "--wait", "--nodes", "1", "--ntasks", "1", "-c", "2",
+                        "--mem", "6000", "-t", "15", "--output", str(log), str(script)],
+                       env=env, capture_output=True, text=True, timeout=1200)
+    out = log.read_text() if log.exists() else ""
+    assert p.returncode == 0, f"sbatch rc {p.returncode}: {p.stderr}\n{out[-4000:]}"
+    job = scontrol_jobs(cluster["SLURM_CONF"])[p.stdout.strip().split(";")[0]]
+    assert job["JobState"] == "COMPLETED" and job["ExitCode"] == "0:0", job
+    # torchrun's c10d rendezvous met on this node, as SLURM names it
+    assert job["NodeList"] == job["BatchHost"]
+
+    s = json.loads((ddp / "train_summary.json").read_text())
+    assert s["world_size"] == 2 and s["micro_batches_per_step"] == 2, s
+    a, b = pd.read_parquet(single / "metrics.parquet"), pd.read_parquet(ddp / "metrics.parquet")
+    a, b = a[a.split == "train"], b[b.split == "train"]
+    assert len(a) == len(b) == 4 and b.loss.notna().all()
+    assert (a.loss - b.loss).abs().max() < 1e-4 and (a.tokens == b.tokens).all()
+    ta, tb = io.load_tensors(single / "drafter.safetensors"), io.load_tensors(ddp / "drafter.safetensors")
+    assert max(float((ta[k] - tb[k]).abs().max()) for k in ta if ta[k].is_floating_point()) < 5e-5
+    assert all(torch.equal(ta[k], tb[k]) for k in ta if not ta[k].is_floating_point())

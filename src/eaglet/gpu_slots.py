@@ -11,6 +11,9 @@ when it exits, however it exits. It does nothing when ``CUDA_VISIBLE_DEVICES`` i
 
 Slots: ``--total`` or ``$EAGLET_GPU_SLOTS``, else the GPUs ``nvidia-smi -L`` lists. Lock folder:
 ``--lock-dir`` or ``$EAGLET_GPU_LOCK_DIR``, else ``/tmp/eaglet-gpu-slots-<uid>``.
+
+``train_launch`` builds what starts the training processes after the slot launcher: plain python,
+torchrun on one machine, or one ``srun`` of torchrun per node inside a SLURM allocation.
 """
 
 from __future__ import annotations
@@ -24,6 +27,35 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+# The rendezvous host of a multi-node job: the allocation's first node, as SLURM names it.
+# snakemake-executor-plugin-slurm-jobstep (0.6.1) strips SLURM_* from the rule's environment except
+# SLURM_JOB_ID, so SLURM_JOB_NODELIST is asked of squeue when it is gone.
+SLURM_MASTER = '$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(squeue -h -o %N -j "$SLURM_JOB_ID")}" | head -n1)'
+
+
+def train_launch(nproc: int, nodes: int = 1, port: int = 29500, srun: bool | None = None) -> str:
+    """The command (without ``-m eaglet.train ...``) that starts ``nodes`` x ``nproc`` ranks.
+
+    One machine: ``python`` on the CPU (nproc 0), else torchrun ``--standalone`` (a private
+    rendezvous on a free port), on one GPU too, so that a one-GPU run (scripts/gpu-check.sh) goes
+    through the launcher that 8 GPUs use. Several nodes (or ``srun=True``, which the one-node SLURM test uses): one
+    ``srun`` task per node, each running torchrun with ``nproc`` local ranks, meeting through the
+    c10d rendezvous on the allocation's first node; torchrun then sets RANK / LOCAL_RANK /
+    WORLD_SIZE as it does on one machine, so eaglet.train needs nothing else. A shell string:
+    SLURM_MASTER expands in the job's shell, on the node running the batch script.
+    """
+    if srun is None:
+        srun = nodes > 1
+    if not srun:
+        if nodes != 1:
+            raise ValueError(f"{nodes} nodes need srun (a SLURM allocation)")
+        return "python" if nproc < 1 else f"python -m torch.distributed.run --standalone --nproc_per_node {nproc}"
+    # --kill-on-bad-exit (its value only after "="): a node whose torchrun fails ends the others,
+    # which would otherwise wait out the rendezvous timeout
+    return (f"srun --nodes {nodes} --ntasks-per-node 1 --kill-on-bad-exit=1 torchrun --nnodes {nodes}"
+            f" --nproc-per-node {max(1, nproc)}"
+            f' --rdzv-backend c10d --rdzv-endpoint "{SLURM_MASTER}:{port}"')
 
 
 def count_gpus() -> int:

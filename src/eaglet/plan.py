@@ -142,7 +142,7 @@ def training_rank(config: dict, s: dict, attention: str = TTT_ATTENTION) -> dict
         "weights": 4 * (p["frozen"] + p["trainable"]),
         "gradients": 4 * p["trainable"],
         "optimizer": 8 * p["trainable"],  # AdamW: exp_avg, exp_avg_sq (fp32)
-        "ddp_buckets": 4 * p["trainable"] if int(t.get("gpus") or 0) > 1 else 0,
+        "ddp_buckets": 4 * p["trainable"] if int(t.get("gpus") or 0) * int(t.get("nodes") or 1) > 1 else 0,
         "target_head": 4 * (Vd * H + H) + rest,
         "batch": N * (8 + 2 + 4 * 3 * H + 4 * H + 4 * Vd) + (12 * N * H if t.get("noise_std") else 0),
         "activations": sum(act.values()),

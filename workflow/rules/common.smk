@@ -24,6 +24,7 @@ for _line in target_check.parse_time(config):
 # The memory plan (eaglet.plan): hidden-state disk and the peak GPU memory of each job, in one line;
 # a job that cannot fit resources.gpu_memory_gb stops the run here, not hours into it.
 from eaglet import plan as memory_plan
+from eaglet import gpu_slots
 
 for _line in memory_plan.parse_time(config):
     logger.info(_line)
@@ -122,8 +123,27 @@ def extract_layer_ids(wildcards, input):
 
 
 def train_launcher(wildcards, resources):
-    """torchrun with one process per GPU (DDP) when train.gpus > 1, else plain python."""
-    n = int(resources.gpu)
-    if n > 1:
-        return f"python -m torch.distributed.run --standalone --nproc_per_node {n}"
-    return "python"
+    """torchrun with one process per GPU (DDP) when train.gpus >= 1, else plain python; with
+    train.nodes > 1, one srun of torchrun per node of the SLURM allocation (eaglet.gpu_slots).
+    """
+    t = config["train"]
+    return gpu_slots.train_launch(int(t["gpus"]), int(t["nodes"]), int(t["rdzv_port"]))
+
+
+def train_params():
+    """train.* for eaglet.train, less how its ranks are launched: nodes and rdzv_port reach the
+    cache key through the launcher param instead, so a one-node config keeps its old key.
+    """
+    return {k: v for k, v in config["train"].items() if k not in ("nodes", "rdzv_port")}
+
+
+def train_resources():
+    """What the training job asks of a scheduler beyond `gpu` (all GPUs of the job). Several
+    nodes: `nodes` (sbatch --nodes) and the plugin's MPI mode (`mpi` + `tasks`), in which the job
+    step runs the rule's shell in the batch script, not inside its own one-task `srun`, so that
+    the rule's srun can start one task per node; tasks_per_gpu=0 keeps `tasks` from also becoming
+    --ntasks-per-gpu."""
+    nodes = int(config["train"]["nodes"])
+    if nodes == 1:
+        return {}
+    return {"nodes": nodes, "mpi": "srun", "tasks": nodes, "tasks_per_gpu": 0}

@@ -26,11 +26,13 @@ rule train:
         "../../envs/eaglet.yaml"
     # CPU training uses every core it is given
     threads: workflow.cores
+    # gpu: every GPU of the job (train.gpus on each of train.nodes)
     resources:
-        gpu=config["train"]["gpus"],
+        **train_resources(),
+        gpu=config["train"]["gpus"] * config["train"]["nodes"],
     params:
         out=out_dir,
-        train=as_json(config["train"]),
+        train=as_json(train_params()),
         launcher=train_launcher,
     shell:
         "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
