@@ -669,3 +669,63 @@ def test_a_recurrent_cache_falls_back_to_snapshot_and_refeed():
     assert target.arm_rollback(cache) is False
     with pytest.raises(ValueError, match="LinearAttentionLayer"):
         ev.Target(model, [0, 1, 2], set(), rollback="crop").arm_rollback(cache)
+
+
+# --------------------------------------------------------------------------- the HF loop, not run
+def test_hf_loop_auto_skips_a_target_too_big_and_the_summary_says_not_run(tmp_path, caplog):
+    """Issue 14: evaluation always loaded the target in fp32 in one process, a 1T target included.
+    With evaluate.hf_loop auto, a target whose weights exceed one GPU (or that vLLM serves over
+    several) is not loaded: both HF stages write their outputs as "not run" with the reason (the
+    first thing they log), and the summary reports the HF-loop figures as not run, not as a pass."""
+    import logging
+
+    from eaglet import eval_summary, plan, summary
+
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "model-00001.safetensors").write_bytes(b"\0" * (3 << 20))  # 3 MiB "weights"
+    config = {"target": {"name": "big", "path": str(big)}, "resources": {"gpu_memory_gb": 0.002},
+              "evaluate": {"hf_loop": "auto"}}
+    run, why = plan.hf_loop(config)
+    assert not run and "exceed one GPU" in why and "resources.gpu_memory_gb" in why
+    assert plan.hf_loop({**config, "resources": {"gpu_memory_gb": 1}}) == \
+        (True, "evaluate.hf_loop auto: the target fits one process")
+    tp = {"target": {"name": "t", "vllm": {"tensor_parallel_size": 8}}, "evaluate": {"hf_loop": "auto"}}
+    assert plan.hf_loop(tp)[0] is False and "tensor_parallel_size is 8" in plan.hf_loop(tp)[1]
+
+    out = tmp_path / "eval"
+    out.mkdir()
+    with caplog.at_level(logging.INFO, logger="eaglet.evaluate"):
+        # no drafter or identity is read: the paths do not exist
+        off = ev.evaluate_offline(tmp_path / "none.safetensors", tmp_path / "none.json", ["mtbench"], out,
+                                  hf_loop=run, hf_loop_reason=why)
+        spec = ev.evaluate_speculative(tmp_path / "none.safetensors", tmp_path / "none.json", ["mtbench"], out,
+                                       hf_loop=run, hf_loop_reason=why)
+    assert caplog.records[0].getMessage() == f"HF loop not run (evaluate_offline): {why}"
+    for res, name in ((off, "offline.json"), (spec, "speculative.json")):
+        assert res["status"] == "not run" and io.read_json(out / name)["hf_loop_reason"] == why
+    for name in ("offline_positions.parquet", "offline_rounds.parquet", "speculative_rounds.parquet"):
+        assert io.read_parquet(out / name).num_rows == 0
+    res = eval_summary.summarise(out)
+    h = res["headline"]
+    assert h["hf_loop"] == "not run" and h["hf_loop_reason"] == why
+    assert h["lossless_hf_loop"] is None and h["offline_matches_real_loop"] is None and h["recommended_k"] is None
+    assert all(Path(p).stat().st_size > 0 for p in res["plots"])
+    line = summary._evaluate(io.read_json(out / "summary.json"))
+    assert "HF loop NOT RUN" in line and "lossless: HF loop not run" in line and "yes" not in line
+
+
+def test_target_in_another_dtype_hands_the_drafter_fp32_cpu_tensors(tiny_target):
+    """target.dtype reaches the HF loop (bf16 here, on a GPU there): the drafter (fp32, CPU) still
+    reads fp32 CPU aux states and the loop fp32 CPU logits."""
+    model = load_model(tiny_target["path"], dtype="bfloat16", device="cpu")
+    t = ev.Target(model, default_layer_ids_for(model), set())
+    logits, aux = t.forward([1, 2, 3], t.new_cache())
+    assert logits.dtype == aux.dtype == torch.float32 and logits.device.type == aux.device.type == "cpu"
+    assert aux.shape == (3, 3, model.config.hidden_size)
+
+
+def default_layer_ids_for(model) -> list[int]:
+    from eaglet.target import default_layer_ids
+
+    return default_layer_ids(model.config.num_hidden_layers)

@@ -125,7 +125,12 @@ def test_config_values():
     assert KIMI["prompts"]["n"] == 10000
     v = KIMI["generate"]["vllm"]
     assert KIMI["generate"]["enabled"] and KIMI["generate"]["backend"] == "vllm"
-    assert v["package"] == "vllm" and v["tensor_parallel_size"] == 8 and v["reasoning_parser"] == "kimi_k2"
+    assert v["package"] == "vllm" and v["reasoning_parser"] == "kimi_k2"
+    # how vLLM serves the target: one place (target.vllm), read by generate, export and evaluate_vllm
+    t = KIMI["target"]
+    assert t["vllm"] == {"tensor_parallel_size": 8, "enable_expert_parallel": True, "dtype": "bfloat16"}
+    assert t["trust_remote_code"] is True and t["dtype"] == "bfloat16"
+    assert KIMI["evaluate"]["hf_loop"] is False
     # (2, 30, 58) is vLLM's default for a 61-layer target; the final hidden state is layer 61
     assert KIMI["extract"]["layer_ids"] == default_layer_ids(NUM_LAYERS) == [2, 30, 58]
     assert validate_layer_ids(KIMI["extract"]["layer_ids"], NUM_LAYERS) == [2, 30, 58]
@@ -252,3 +257,35 @@ def test_two_nodes_of_eight_gpus_launch_one_srun_of_torchrun_per_node(repo, kimi
     assert (res["gpu"], res["nodes"], res["tasks"], res["tasks_per_gpu"], res["mpi"]) == ("16", "2", "2", "0", "srun")
     # one node asks for none of that (the plugin's srun -n1 job step runs it)
     assert not {"nodes", "tasks", "mpi"} & set(one_node["resources"])
+
+
+def test_evaluation_and_contract_serve_kimi_as_configured(repo, kimi_plan):
+    """Issue 14: evaluate_vllm hard-coded float32, no tensor parallelism and no remote code, and the
+    HF loop loaded the 1T target in fp32 on the CPU. Now every vLLM engine takes target.vllm and
+    target.trust_remote_code (evaluate_vllm on the job's 8 GPUs, the contract's check likewise),
+    extraction loads bf16 with remote code, and the HF loop is planned as not run, with the reason."""
+    out, jobs = kimi_plan
+    by = {j["rule"]: j for j in jobs}
+    serving = '"serving": {"dtype": "bfloat16", "enable_expert_parallel": true, "tensor_parallel_size": 8, ' \
+              '"trust_remote_code": true}'
+    ev = by["evaluate_vllm"]
+    assert serving in ev["shell"], ev["shell"][:600]
+    assert ev["resources"].get("gpu") == "8" and ev["shell"].startswith("python -m eaglet.gpu_slots --gpus 8 -- ")
+    assert serving in by["export"]["shell"], by["export"]["shell"][:600]
+    load = '{"device": "auto", "dtype": "bfloat16", "trust_remote_code": true}'
+    assert f"--target-load '{load}'" in by["extract_hidden_states"]["shell"]
+    for rule in ("evaluate_offline", "evaluate_speculative"):
+        shell = by[rule]["shell"]
+        assert '"hf_loop": false' in shell and '"hf_loop_reason": "evaluate.hf_loop: false' in shell, shell[:600]
+        assert '"dtype": "bfloat16"' in shell and '"trust_remote_code": true' in shell
+    assert "evaluation HF loop: NOT RUN (evaluate.hf_loop: false" in out
+    gen = by["generate"]["shell"]
+    assert '"enable_expert_parallel": true' in gen and '"trust_remote_code": true' in gen
+    assert '"dtype": "bfloat16"' in gen
+
+
+def test_hf_loop_auto_skips_a_tensor_parallel_target_and_says_why(repo):
+    out, jobs = dry_run(repo, "kimi_auto", evaluate={"hf_loop": "auto"})
+    assert "evaluation HF loop: NOT RUN (evaluate.hf_loop auto: target.vllm.tensor_parallel_size is 8" in out
+    off = next(j for j in jobs if j["rule"] == "evaluate_offline")
+    assert '"hf_loop": false' in off["shell"] and "tensor_parallel_size is 8" in off["shell"]

@@ -82,3 +82,98 @@ def test_layer_ids_default_and_validation():
     assert validate_layer_ids([2, 15, 29], 30) == [2, 15, 29]
     with pytest.raises(ValueError, match="ascending"):
         validate_layer_ids([15, 2, 27], 30)
+
+
+REMOTE_CONFIG = '''from transformers import LlamaConfig
+
+
+class RemoteLlamaConfig(LlamaConfig):
+    model_type = "eaglet_remote_llama"
+'''
+REMOTE_MODELING = '''from transformers import LlamaForCausalLM
+
+from .configuration_remote import RemoteLlamaConfig
+
+
+class RemoteLlamaForCausalLM(LlamaForCausalLM):
+    config_class = RemoteLlamaConfig
+'''
+
+
+def remote_code_checkpoint(tiny_target, dest: Path) -> Path:
+    """The tiny target as a checkpoint whose classes live in its own folder (``auto_map``), as
+    Kimi-K2.5's do: transformers loads it only with trust_remote_code."""
+    import json
+
+    shutil.copytree(tiny_target["path"], dest)
+    (dest / "configuration_remote.py").write_text(REMOTE_CONFIG)
+    (dest / "modeling_remote.py").write_text(REMOTE_MODELING)
+    conf = json.loads((dest / "config.json").read_text())
+    conf.update(model_type="eaglet_remote_llama", architectures=["RemoteLlamaForCausalLM"],
+                auto_map={"AutoConfig": "configuration_remote.RemoteLlamaConfig",
+                          "AutoModelForCausalLM": "modeling_remote.RemoteLlamaForCausalLM"})
+    (dest / "config.json").write_text(json.dumps(conf))
+    return dest
+
+
+def test_load_model_passes_trust_remote_code(tiny_target, tmp_path):
+    """Issue 14: target.load_model had no trust_remote_code, so a checkpoint with its own modeling
+    code (Kimi-K2.5) could not be loaded by extract or evaluate. Refused without the key, loaded
+    with it, as the checkpoint's own class, in the dtype asked for."""
+    import torch
+
+    from eaglet.target import load_model
+
+    ckpt = remote_code_checkpoint(tiny_target, tmp_path / "remote")
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        load_model(ckpt)
+    model = load_model(ckpt, dtype="bfloat16", trust_remote_code=True, device="cpu")
+    assert type(model).__name__ == "RemoteLlamaForCausalLM" and model.dtype == torch.bfloat16
+    assert not model.training
+    assert load_tokenizer(ckpt, trust_remote_code=True).chat_template
+
+
+def test_job_device_follows_the_gpus_the_job_was_given(monkeypatch):
+    """target.device auto: cuda only when the job sees a GPU; an empty CUDA_VISIBLE_DEVICES (a job
+    given none) is the CPU; cuda asked for without a GPU is refused, not silently the CPU."""
+    import torch
+
+    from eaglet.target import job_device
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert job_device("auto") == "cpu" and job_device("cpu") == "cpu"
+    with pytest.raises(RuntimeError, match="target.device"):
+        job_device("cuda")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert job_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_vllm_runner_arguments_come_from_the_config():
+    """Issue 14: both vLLM runners hard-coded dtype float32 with no tensor parallelism or remote
+    code. The flags are built from target.vllm + target.trust_remote_code (eaglet.target.serving)
+    and each runner turns them into vllm.LLM's arguments; the defaults are the vLLM-CPU ones."""
+    import argparse
+
+    from eaglet import vllm_check_runner, vllm_eval_runner
+    from eaglet.target import serving, vllm_runner_args
+
+    kimi = serving({"trust_remote_code": True,
+                    "vllm": {"tensor_parallel_size": 8, "enable_expert_parallel": True, "dtype": "bfloat16"}})
+    flags = vllm_runner_args(kimi)
+    assert flags == ["--dtype", "bfloat16", "--tensor-parallel-size", "8", "--enable-expert-parallel",
+                     "--trust-remote-code"]
+    assert vllm_runner_args(serving({})) == ["--dtype", "float32", "--tensor-parallel-size", "1"]
+    base = ["--target", "/m", "--out", "o.json"]
+    a = vllm_eval_runner.parse_args(base + ["--input", "i.json"] + flags)
+    kw = vllm_eval_runner.engine_kwargs(a, "/d")
+    assert (kw["dtype"], kw["tensor_parallel_size"], kw["enable_expert_parallel"], kw["trust_remote_code"]) == \
+        ("bfloat16", 8, True, True)
+    assert kw["speculative_config"] == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}
+    b = vllm_check_runner.parse_args(base + ["--prompts", "p.json"] + flags)
+    kw = vllm_check_runner.engine_kwargs(b, None)
+    assert (kw["dtype"], kw["tensor_parallel_size"], kw["trust_remote_code"]) == ("bfloat16", 8, True)
+    assert "speculative_config" not in kw
+    plain = vllm_check_runner.engine_kwargs(vllm_check_runner.parse_args(base + ["--prompts", "p.json"]))
+    assert (plain["dtype"], plain["tensor_parallel_size"], plain["trust_remote_code"]) == ("float32", 1, False)
+    assert "enable_expert_parallel" not in plain
+    assert isinstance(a, argparse.Namespace)

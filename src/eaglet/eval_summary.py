@@ -18,6 +18,11 @@ speculate on this hardware", with each k's break-even τ beside the τ the draft
 the paying k with the highest expected speedup, and whether its measured interval is conclusive.
 τ per domain (MT-Bench categories, HumanEval, math, held-out) comes with its interval over prompts.
 Plots are written to a temporary file and renamed: a declared output is never half written.
+
+When the HF loop did not run (offline.json ``status: not run``, ``evaluate.hf_loop``: a target too
+big for one process), the summary says so: ``headline.hf_loop`` is "not run" with the reason, every
+HF-loop figure (offline τ, HF speedup, its lossless check, offline-vs-real agreement) is null, not a
+pass, the recommendation is empty, and the plots show vLLM's figures with the same note.
 """
 
 from __future__ import annotations
@@ -274,11 +279,48 @@ def plots(out: Path, offline: dict, spec: dict, vllm: dict | None, rec: dict) ->
     return [str(out / p) for p in PLOTS]
 
 
+def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: dict) -> dict:
+    """The summary when the HF loop did not run: vLLM's figures only, every HF-loop figure null
+    and the reason in the headline; placeholder plots carry the same note."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    why = offline.get("hf_loop_reason") or "evaluate.hf_loop"
+    h = {"k": o["headline_k"], "hf_loop": "not run", "hf_loop_reason": why, "tau_offline": None,
+         "tau_offline_chain": None, "tau_hf_loop": None, "speedup_hf_loop": None, "lossless_hf_loop": None,
+         "offline_matches_real_loop": None, "recommended_k": None,
+         "recommendation": f"no recommendation: the HF loop did not run ({why})"}
+    if vllm:
+        run = next((r for r in vllm["runs"] if r["k"] == h["k"] and not r["iomp"]), None) or \
+            next((r for r in vllm["runs"] if r["k"] is not None and not r["iomp"]), None)
+        if run:
+            h.update(vllm_k=run["k"], tau_vllm={s: v.get("tau") for s, v in run["sets"].items()},
+                     speedup_vllm={s: v.get("speedup") for s, v in run["sets"].items()})
+        h["lossless_vllm"] = vllm["lossless"]
+    for name in PLOTS:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.text(0.5, 0.5, f"HF loop not run:\n{why}", ha="center", va="center", wrap=True, fontsize=8)
+        ax.set_axis_off()
+        _save(fig, out / name)
+        plt.close(fig)
+    rec = {"recommended_k": None, "sentence": h["recommendation"], "table": []}
+    res = {"headline": h, "agreement": None, "recommendation": rec, "domains": None,
+           "vllm_disagreements": (vllm or {}).get("disagreements"), "plots": [str(out / p) for p in PLOTS]}
+    io.write_parquet(out / "recommendation.parquet", pd.DataFrame({"k": pd.Series([], dtype="int64")}))
+    io.write_json(out / "summary.json", res)
+    log.warning("HF loop not run (%s); headline: %s", why, h)
+    return res
+
+
 def summarise(eval_dir: str | Path, vllm: str | Path | None = None, **opts) -> dict:
     o = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
     out = Path(eval_dir)
     offline, spec = io.read_json(out / "offline.json"), io.read_json(out / "speculative.json")
     vl = io.read_json(vllm) if vllm else None
+    if offline.get("status") == "not run" or spec.get("status") == "not run":
+        return summarise_without_hf_loop(out, offline if offline.get("status") else spec, vl, o)
     agree = agreement(out, o["tie_eps"])
     rec = recommend(offline, spec)
     res = {"headline": headline(offline, spec, vl, agree, rec, o), "agreement": agree, "recommendation": rec,

@@ -34,6 +34,14 @@ target has emitted g tokens after the prompt; with k drafts it may accept at mos
 ``min(k, max_new - g - 1)`` (never past max_new_tokens), and stops at EOS: both loops use the same
 rule, so their accepted counts agree token for token.
 
+Where the HF target runs: ``dtype`` (``target.dtype``), ``device`` (``target.device``: cuda when the
+job has a GPU) and ``trust_remote_code`` come from the target section, as in extract. The drafter
+stays on the CPU in fp32; the target's logits and aux states come back as fp32 CPU tensors.
+``hf_loop`` false (``evaluate.hf_loop``, decided at parse time by eaglet.plan.hf_loop: a target served
+over several GPUs or bigger than one) runs neither stage: each writes its JSON with ``status: not
+run`` and ``hf_loop_reason``, empty Parquet files, and logs the reason first; eval_summary shows the
+HF-loop figures as not run, never as a pass.
+
 Shape suffixes: T tokens, V target vocab, H target hidden, 3 the three aux layers.
 """
 
@@ -53,19 +61,21 @@ import torch
 from eaglet import eval_sets, eval_stats, io
 from eaglet.chain import accepted_prefix, chain_replay, rounds_tau
 from eaglet.model import KVCache, load_drafter
-from eaglet.target import load_identity, load_model, load_tokenizer, stop_ids
+from eaglet.target import job_device, load_identity, load_model, load_tokenizer, stop_ids
 
 log = logging.getLogger("eaglet.evaluate")
 
 # Sized for the default run (SmolLM2-135M on 2 CPU cores): a few minutes in all.
 DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[1, 2, 3, 4, 5], tie_eps=1e-5,
                 stop_at_eos=True, max_prompt_tokens=1024, chat_template=None, repeats=3, confidence=0.95,
-                max_relative_width=0.5)
+                max_relative_width=0.5, hf_loop=True, hf_loop_reason=None, dtype="float32", device="auto",
+                trust_remote_code=False)
+NOT_RUN = "not run"
 
 
 # --------------------------------------------------------------------------- the target
 class Target:
-    """An HF causal LM (fp32) with a KV cache; returns logits and the aux hidden states."""
+    """An HF causal LM with a KV cache, on any device; returns fp32 CPU logits and aux hidden states."""
 
     def __init__(self, model, layer_ids: list[int], eos_ids: set[int], rollback: str = "auto"):
         """``rollback``: how the speculative loop drops rejected drafts from the KV cache: "auto"
@@ -78,6 +88,7 @@ class Target:
             # HF hidden_states[N] is after the final norm; vLLM's id N is before it (eagle3.md §5)
             raise ValueError(f"layer ids {layer_ids}: id {max(layer_ids)} >= {n} layers has no HF equivalent")
         self.model, self.layer_ids, self.eos_ids = model, list(layer_ids), set(eos_ids)
+        self.device = getattr(model, "device", torch.device("cpu"))  # inputs go where the weights are
         # transformers >= 5.2x names the cache argument `cache`; earlier `past_key_values`
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -93,10 +104,12 @@ class Target:
         """Run ``ids`` after what the cache holds; return (logits_TV, aux_T3H or None)."""
         timed = cache.get_seq_length() > 0  # step costs: decode / verify forwards, not prefills
         t0 = time.perf_counter()
-        out = self.model(input_ids=torch.tensor([ids]), use_cache=True, output_hidden_states=aux,
-                         **{self._cache_kw: cache})
-        logits = out.logits[0].float()
-        aux_T3H = torch.stack([out.hidden_states[j][0] for j in self.layer_ids], 1) if aux else None
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True,
+                         output_hidden_states=aux, **{self._cache_kw: cache})
+        # no-ops for an fp32 CPU target; a bf16 GPU target hands the CPU drafter what it reads
+        logits = out.logits[0].to("cpu", torch.float32)
+        aux_T3H = torch.stack([out.hidden_states[j][0] for j in self.layer_ids], 1).to("cpu", torch.float32) \
+            if aux else None
         if timed:
             self.times[len(ids)].append(time.perf_counter() - t0)
         return logits, aux_T3H
@@ -139,7 +152,7 @@ class Target:
     def refeed(self, ids: list[int], cache) -> None:
         """Feed accepted tokens into a cache restored from a snapshot (the fallback rollback); not
         timed, so the verify-cost model keeps measuring verify forwards only."""
-        self.model(input_ids=torch.tensor([ids]), use_cache=True, **{self._cache_kw: cache})
+        self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=True, **{self._cache_kw: cache})
 
 
 def margin(logits_V: torch.Tensor) -> float:
@@ -276,7 +289,10 @@ def tau_all_positions(accepted: list[int], valid: list[int], k: int) -> float | 
 
 
 # --------------------------------------------------------------------------- setup
-def _setup(drafter_path, identity_path, threads, stop_at_eos=True, chat_template=None):
+def _setup(drafter_path, identity_path, threads, stop_at_eos=True, chat_template=None, load: dict | None = None):
+    """Target, drafter and tokenizer. ``load``: dtype, device, trust_remote_code of the target
+    (the target section of the config; default fp32 on the job's device)."""
+    ld = {"dtype": "float32", "device": "auto", "trust_remote_code": False, **(load or {})}
     if threads:
         torch.set_num_threads(int(threads))
     ident = load_identity(identity_path)
@@ -284,8 +300,10 @@ def _setup(drafter_path, identity_path, threads, stop_at_eos=True, chat_template
     if cfg.target_digest and cfg.target_digest != ident["digest"]:
         raise io.ArtifactError(f"{drafter_path}: trained for target {cfg.target_digest[:12]}, "
                                f"not {ident['digest'][:12]} ({identity_path})")
-    tok = load_tokenizer(ident["path"], chat_template, need_template=True)
-    model = load_model(ident["path"], dtype="float32")
+    tok = load_tokenizer(ident["path"], chat_template, need_template=True, trust_remote_code=ld["trust_remote_code"])
+    model = load_model(ident["path"], dtype=ld["dtype"], trust_remote_code=ld["trust_remote_code"],
+                       device=job_device(ld["device"]))
+    log.info("target on %s (%s)", model.device, ld["dtype"])
     eos = stop_ids(tok, model)  # the template's turn-end marker too: a base model's EOS alone never comes
     return ident, Target(model, cfg.layer_ids, eos if stop_at_eos else set()), EagleProposer(drafter, d2t), cfg, tok
 
@@ -377,10 +395,31 @@ def _offline_stats(starts: list[dict], rounds_by_k: dict, K: int) -> dict:
             **position_rates(acc, valid, K)}
 
 
+def _load_opts(o: dict) -> dict:
+    return {k: o[k] for k in ("dtype", "device", "trust_remote_code")}
+
+
+def hf_loop_not_run(stage: str, out_dir: str | Path, o: dict, json_name: str, parquets: tuple[str, ...]) -> dict:
+    """The stage's outputs when the HF loop is off: its JSON says ``status: not run`` with the reason
+    (eval_summary reports it as such), its Parquet files are empty. The target is never loaded."""
+    why = o["hf_loop_reason"] or "evaluate.hf_loop: false"
+    log.warning("HF loop not run (%s): %s", stage, why)
+    res = {"stage": stage, "status": NOT_RUN, "hf_loop_reason": why, "options": o, "per_prompt": []}
+    out = Path(out_dir)
+    for name in parquets:
+        io.write_parquet(out / name, _frame([]))
+    io.write_json(out / json_name, res)
+    return res
+
+
 def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path,
                      threads: int | None = None, **opts) -> dict:
     o = _options(opts)
-    ident, target, proposer, cfg, tok = _setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"])
+    if not o["hf_loop"]:
+        return hf_loop_not_run("evaluate_offline", out_dir, o, "offline.json",
+                               ("offline_positions.parquet", "offline_rounds.parquet"))
+    ident, target, proposer, cfg, tok = _setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
+                                               _load_opts(o))
     K, max_new, eps = max(o["k_values"]), o["max_new_tokens"], o["tie_eps"]
     prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
     t0 = time.time()
@@ -462,7 +501,10 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     repeats; raises LosslessError (after writing speculative.failed.json) when an output differs
     from greedy without a logged tie."""
     o = _options(opts)
-    ident, target, proposer, cfg, tok = _setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"])
+    if not o["hf_loop"]:
+        return hf_loop_not_run("evaluate_speculative", out_dir, o, "speculative.json", ("speculative_rounds.parquet",))
+    ident, target, proposer, cfg, tok = _setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
+                                               _load_opts(o))
     max_new, eps, ks, repeats = o["max_new_tokens"], o["tie_eps"], o["k_values"], int(o["repeats"])
     prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
     greedy(target, prompts[0]["prompt_ids"], 4)  # warm-up: first calls pay allocator/thread start-up

@@ -23,7 +23,12 @@ test, per set, k and draft position j: accepted / drafted at j in vLLM (``num_ac
 two-proportion z-test with pooled variance; it fails when |z| exceeds the two-sided critical value
 at family-wise level ``agreement_alpha`` (default 0.001) with a Bonferroni correction over all the
 positions tested. Treating the two as independent samples is lenient where they share prompts
-(identical continuations give near-identical counts), so a failure is a real discrepancy.
+(identical continuations give near-identical counts), so a failure is a real discrepancy. When the
+HF loop did not run (offline.json ``status: not run``: a target served over several GPUs), there is
+nothing to test against: ``offline_agreement`` is null and ``hf_loop`` holds the reason.
+
+``serving`` (``target.vllm`` + ``target.trust_remote_code``, eaglet.target.serving) is how every
+vLLM run serves the target: dtype, tensor and expert parallelism on the job's GPUs, remote code.
 """
 
 from __future__ import annotations
@@ -37,14 +42,14 @@ import time
 from pathlib import Path
 
 from eaglet import eval_sets, eval_stats, io
-from eaglet.target import load_identity, load_tokenizer, stop_ids
+from eaglet.target import load_identity, load_tokenizer, stop_ids, vllm_runner_args
 
 log = logging.getLogger("eaglet.evaluate_vllm")
 
 RUNNER = Path(__file__).with_name("vllm_eval_runner.py")
 DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[3], iomp=True, max_num_seqs=1,
                 kv_cache_gb=2, timeout_s=1800, env="envs/vllm/.venv", stop_at_eos=True,
-                max_prompt_tokens=1024, agreement_alpha=0.001, chat_template=None)
+                max_prompt_tokens=1024, agreement_alpha=0.001, chat_template=None, serving=None)
 
 
 class VllmError(RuntimeError):
@@ -79,6 +84,7 @@ def run_one(py: Path, target_dir: str, prompts_file: Path, work: Path, tag: str,
     runner.write_text(RUNNER.read_text())
     cmd = [str(py), str(runner), "--target", str(Path(target_dir).resolve()), "--input", str(prompts_file),
            "--out", str(out), "--max-num-seqs", str(o["max_num_seqs"]), "--max-model-len", str(max_model_len)]
+    cmd += vllm_runner_args(o["serving"])
     if drafter:
         cmd += ["--drafter", str(Path(drafter).resolve()), "--k", str(k)]
     env = {key: v for key, v in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
@@ -225,9 +231,15 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     py = vllm_python(o["env"])
     ident = load_identity(identity)
     conf = io.read_json(Path(drafter_dir) / "config.json")  # a clear error when the export is missing
-    tok = load_tokenizer(ident["path"], o["chat_template"], need_template=True)
+    tok = load_tokenizer(ident["path"], o["chat_template"], need_template=True,
+                         trust_remote_code=bool((o["serving"] or {}).get("trust_remote_code")))
     prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
     off = io.read_json(offline) if offline else None
+    hf_loop = None
+    if off and off.get("status") == "not run":  # nothing to compare with; said, not passed
+        hf_loop = f"not run: {off.get('hf_loop_reason')}"
+        log.warning("offline agreement not tested: the HF loop was %s", hf_loop)
+        off = None
     if off:
         same_prompts(prompts, off)
     by_set: dict[str, list] = {}
@@ -251,7 +263,7 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
             for tag, d, k, lib in plan]
     res = {"stage": "evaluate_vllm", "vllm_version": runs[0]["vllm_version"], "drafter_dir": str(drafter_dir),
            "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids"), "target": ident["name"],
-           "target_digest": ident["digest"], "options": {**o, "k_values": ks},
+           "target_digest": ident["digest"], "options": {**o, "k_values": ks}, "hf_loop": hf_loop or "run",
            "prompts": {s: len(v) for s, v in by_set.items()},
            "iomp": {"requested": bool(o["iomp"]), "library": str(iomp) if iomp else None,
                     "note": None if iomp or not o["iomp"] else f"libiomp5.so not found in {py.parent.parent}/lib"},

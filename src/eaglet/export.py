@@ -40,7 +40,7 @@ log = logging.getLogger("eaglet.export")
 # Weights stay fp32 (the trainer's dtype): engines cast at load time, and the numeric parity
 # check compares the exported tensors with the trained ones at 1e-4.
 DEFAULTS = dict(speculators=False, vllm_check=True, vllm_check_prompts=4, vllm_check_max_tokens=32,
-                num_speculative_tokens=3, accept_not_run=())
+                num_speculative_tokens=3, accept_not_run=(), serving=None, target_load=None)
 DTYPE = "float32"
 OUTPUTS = ("config.json", "model.safetensors", "contract.json")
 
@@ -186,7 +186,9 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
     vllm = None
     if o["vllm_check"]:
         vllm = {"work_dir": work / "vllm", "python": vllm_python, "k": o["num_speculative_tokens"],
-                "n_prompts": o["vllm_check_prompts"], "max_tokens": o["vllm_check_max_tokens"]}
+                "n_prompts": o["vllm_check_prompts"], "max_tokens": o["vllm_check_max_tokens"],
+                # target.vllm / target.trust_remote_code, and target.dtype/device for the offline chain
+                "serving": o["serving"], "target_load": o["target_load"]}
     accept = _accepted(o["accept_not_run"])
     report = contract.check_export(stage_a, identity, trained_path=drafter_path, vllm=vllm,
                                    train_summary=train_summary, accept_not_run=accept,

@@ -131,16 +131,17 @@ def reference_positions(lengths: list[int], per_batch: int) -> torch.Tensor:
 
 
 def pick_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    """``target.device`` for this job (eaglet.target.job_device); an explicit ``cuda:1`` stays."""
+    return target.job_device(device) if device in ("auto", "cpu", "cuda") else device
 
 
 def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int = 1,
             layer_ids: list[int] | None = None, dtype: str = "bfloat16", token_budget: int = 16384,
             chunk_mb: float = 512, device: str = "auto", work_dir=None, model_dtype: str | None = None,
-            progress: bool = True) -> dict:
-    """Extract one shard; return its index dict (also written to ``out_dir/index.json``)."""
+            progress: bool = True, trust_remote_code: bool = False) -> dict:
+    """Extract one shard; return its index dict (also written to ``out_dir/index.json``).
+    ``model_dtype`` (``target.dtype``; None = bf16 on a GPU, fp32 on the CPU), ``device``
+    (``target.device``) and ``trust_remote_code`` say how the target is loaded."""
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} outside 0..{num_shards - 1}")
     sdtype = storage_dtype(dtype)
@@ -185,7 +186,7 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
         dev = pick_device(device)
         ngpu = torch.cuda.device_count() if dev.startswith("cuda") else 0
         mdtype = model_dtype or ("bfloat16" if dev.startswith("cuda") else "float32")
-        model = _load(ident["path"], ident["digest"], mdtype, dev, ngpu)
+        model = _load(ident["path"], ident["digest"], mdtype, dev, ngpu, trust_remote_code)
         in_dev = model.get_input_embeddings().weight.device
         log.info("target loaded in %.1f s on %s (%s)", time.perf_counter() - t0,
                  "device_map=auto" if ngpu > 1 else dev, mdtype)
@@ -205,13 +206,14 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
 _LOADED: dict = {}
 
 
-def _load(path: str, digest: str, dtype: str, dev: str, ngpu: int):
+def _load(path: str, digest: str, dtype: str, dev: str, ngpu: int, trust_remote_code: bool = False):
     """Load the target once per process (callers extracting several shards in-process reuse it)."""
-    key = (path, digest, dtype, dev, ngpu)
+    key = (path, digest, dtype, dev, ngpu, trust_remote_code)
     if key not in _LOADED:
         _LOADED.clear()
         # Several visible GPUs = one target spread over them (a model too big for one GPU).
-        model = target.load_model(path, dtype=dtype, device_map="auto" if ngpu > 1 else None)
+        model = target.load_model(path, dtype=dtype, device_map="auto" if ngpu > 1 else None,
+                                  trust_remote_code=trust_remote_code)
         if ngpu <= 1:
             model.to(dev)
         _LOADED[key] = model
@@ -285,14 +287,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | fp8")
     p.add_argument("--token-budget", type=int, default=16384, help="padded tokens per batch")
     p.add_argument("--chunk-mb", type=float, default=512, help="max chunk file size")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="target.device: auto (cuda when the job has a GPU), cpu, cuda")
+    p.add_argument("--target-load", default=None,
+                   help='JSON {"dtype", "device", "trust_remote_code"}: the target section\'s (overrides --device); '
+                        'default dtype bf16 on a GPU, fp32 on the CPU')
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
     io.verify_recorded(a.tokens, Path(a.tokens).with_name("metadata.json"))  # tokenize's record
+    ld = io.parse_json_arg(a.target_load, {})
     extract(a.tokens, a.identity, a.out, a.shard, a.num_shards, io.parse_json_arg(a.layer_ids),
-            a.dtype, a.token_budget, a.chunk_mb, a.device, a.work, progress=not a.no_progress)
+            a.dtype, a.token_budget, a.chunk_mb, ld.get("device", a.device), a.work, model_dtype=ld.get("dtype"),
+            progress=not a.no_progress, trust_remote_code=bool(ld.get("trust_remote_code")))
 
 
 if __name__ == "__main__":

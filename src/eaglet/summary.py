@@ -143,8 +143,11 @@ def _evaluate(e: dict) -> str:
         same = h.get("offline_matches_real_loop")
         parts.append(f"HF loop τ {'equals' if same else 'DIFFERS from'} the offline chain "
                      f"({', '.join(f'{s} {v:.2f}' for s, v in loop.items() if v is not None)})")
+    if h.get("hf_loop") == "not run":  # never a pass: said, with the reason
+        parts.append(f"HF loop NOT RUN ({h.get('hf_loop_reason')})")
     if "lossless_hf_loop" in h:
-        lossless = [f"HF loop {'yes' if h['lossless_hf_loop'] else 'NO'}"]
+        hf = h["lossless_hf_loop"]
+        lossless = [f"HF loop {'not run' if hf is None else 'yes' if hf else 'NO'}"]
         if "lossless_vllm" in h:
             lossless.append(f"vLLM {'yes' if h['lossless_vllm'] else 'NO'}")
         parts.append("lossless: " + ", ".join(lossless))
@@ -153,7 +156,8 @@ def _evaluate(e: dict) -> str:
     if h.get("tau_vllm"):
         parts.append(f"vLLM τ(k={h.get('vllm_k')}) " + ", ".join(
             f"{s} {v:.2f}" for s, v in h["tau_vllm"].items() if v is not None)
-            + ("" if h.get("vllm_agrees_with_offline") else " (DISAGREES with offline)"))
+            + ("" if h.get("vllm_agrees_with_offline") else " (offline agreement not tested)"
+               if h.get("hf_loop") == "not run" else " (DISAGREES with offline)"))
     if h.get("recommendation"):
         parts.append(h["recommendation"])
     if not chain and not parts:

@@ -64,7 +64,7 @@ def _load_tokenizer_source(cfg: dict):
     from transformers import AutoTokenizer
 
     if cfg.get("path") and cfg.get("tiny") is None:
-        return AutoTokenizer.from_pretrained(cfg["path"])
+        return AutoTokenizer.from_pretrained(cfg["path"], trust_remote_code=bool(cfg.get("trust_remote_code")))
     family = (cfg.get("tiny") or {}).get("family", "llama")
     if cfg.get("tiny") is not None and family != "llama":
         from eaglet import families
@@ -89,7 +89,8 @@ def _build_model(cfg: dict, tokenizer):
         seed = int(t.pop("seed", 0))
         return families.build_model(family, tokenizer, seed=seed, **t).to(dtype)
     if cfg.get("path"):
-        return AutoModelForCausalLM.from_pretrained(cfg["path"], dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(cfg["path"], dtype=dtype,
+                                                    trust_remote_code=bool(cfg.get("trust_remote_code")))
     pkg = cfg.get("gguf_package") or DEFAULT_GGUF[0]
     fname = cfg.get("gguf_file") or DEFAULT_GGUF[1]
     gguf = package_file(pkg, fname)
@@ -310,17 +311,19 @@ def load_identity(path: str | Path, verify: bool = True) -> dict:
     return ident
 
 
-def load_tokenizer(model_dir: str | Path, chat_template: str | None = None, need_template: bool = False):
+def load_tokenizer(model_dir: str | Path, chat_template: str | None = None, need_template: bool = False,
+                   trust_remote_code: bool = False):
     """The target's tokenizer. ``chat_template`` (``target.chat_template``: inline Jinja or a file)
     replaces the checkpoint's own; every stage that renders conversations (generate, tokenize,
     evaluate) loads it here, so all of them render alike. ``need_template``: refuse, naming the
-    key, when there is no template at all (a base model), instead of transformers' generic error."""
+    key, when there is no template at all (a base model), instead of transformers' generic error.
+    ``trust_remote_code`` (``target.trust_remote_code``): Kimi's tokenizer is its own code."""
     io.quiet_third_party()
     from transformers import AutoTokenizer
 
     from eaglet.target_check import chat_template_text, no_template_message
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
     text = chat_template_text(chat_template)
     if text:
         tok.chat_template = text
@@ -371,15 +374,64 @@ def stop_ids(tok, model=None) -> set[int]:
     return ids
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", device_map=None):
+def load_model(model_dir: str | Path, dtype: str = "float32", device_map=None, trust_remote_code: bool = False,
+               device: str | None = None):
+    """The target in eval mode, in ``dtype`` (``target.dtype``), on ``device`` (see job_device) or
+    spread by ``device_map``. ``trust_remote_code`` (``target.trust_remote_code``) lets a checkpoint
+    whose class lives in its own folder (``auto_map``: Kimi-K2.5) load; transformers refuses it
+    otherwise, and the stages must not decide that on the user's behalf."""
     io.quiet_third_party()
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype),
-                                                 device_map=device_map)
+                                                 device_map=device_map, trust_remote_code=trust_remote_code)
+    if device is not None and device_map is None:
+        model.to(device)
     model.eval()
     return model
+
+
+def job_device(setting: str = "auto") -> str:
+    """``target.device`` resolved for this job: ``auto`` = cuda when the job was given GPUs
+    (CUDA_VISIBLE_DEVICES set by eaglet.gpu_slots or the scheduler, non-empty, and CUDA usable),
+    else cpu. ``cuda`` without a usable GPU is refused: silently falling back to the CPU would
+    turn a GPU job into a days-long one."""
+    import torch
+
+    if setting == "cpu":
+        return "cpu"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    has_gpu = visible not in ("", "-1") and torch.cuda.is_available()
+    if setting == "cuda" and not has_gpu:
+        raise RuntimeError("target.device: cuda, but this job sees no GPU (CUDA_VISIBLE_DEVICES="
+                           f"{visible!r}, torch.cuda.is_available()={torch.cuda.is_available()})")
+    return "cuda" if has_gpu else "cpu"
+
+
+# Defaults of target.vllm: the vLLM-CPU settings every runner used to hard-code.
+VLLM_SERVING = {"tensor_parallel_size": 1, "enable_expert_parallel": False, "dtype": "float32",
+                "trust_remote_code": False}
+
+
+def serving(target_cfg: dict) -> dict:
+    """How vLLM serves the target, from the target section of the config: ``target.vllm`` plus
+    ``target.trust_remote_code``. The single source every vLLM engine reads (generate's server,
+    the contract's check, the known-answer run, evaluate_vllm)."""
+    return {**VLLM_SERVING, **(target_cfg.get("vllm") or {}),
+            "trust_remote_code": bool(target_cfg.get("trust_remote_code", False))}
+
+
+def vllm_runner_args(serve: dict | None) -> list[str]:
+    """The flags of eaglet's vLLM runners (vllm_check_runner.py, vllm_eval_runner.py) for a
+    ``serving`` dict; missing keys are the vLLM-CPU defaults."""
+    s = {**VLLM_SERVING, **(serve or {})}
+    args = ["--dtype", str(s["dtype"]), "--tensor-parallel-size", str(int(s["tensor_parallel_size"]))]
+    if s["enable_expert_parallel"]:
+        args.append("--enable-expert-parallel")
+    if s["trust_remote_code"]:
+        args.append("--trust-remote-code")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

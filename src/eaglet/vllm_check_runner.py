@@ -8,6 +8,10 @@ state), and compares the two JSON results.
     envs/vllm/.venv/bin/python src/eaglet/vllm_check_runner.py --target MODEL_DIR \
         --prompts prompts.json --max-tokens 32 --out spec.json [--drafter DRAFTER_DIR --k 3]
         [--more '[["DRAFTER2", "spec2.json"], ...]']   # more drafters, a fresh LLM each (eaglet.known_answer)
+        [--dtype float32] [--tensor-parallel-size 1] [--enable-expert-parallel] [--trust-remote-code]
+
+The serving flags are ``target.vllm`` and ``target.trust_remote_code`` (eaglet.target.vllm_runner_args);
+the defaults are the vLLM-CPU ones.
 
 Output JSON: {"vllm_version", "token_ids": [[...] per prompt], "texts": [...],
               "spec_decode": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
@@ -28,7 +32,19 @@ def _metric_json(m):
     return out
 
 
-def main():
+def engine_kwargs(a, drafter=None):
+    """``vllm.LLM`` keyword arguments from the parsed flags: a pure function, tested without vLLM."""
+    kw = dict(model=a.target, dtype=a.dtype, tensor_parallel_size=a.tensor_parallel_size,
+              trust_remote_code=a.trust_remote_code, enforce_eager=True, disable_log_stats=False,
+              max_model_len=a.max_model_len, max_num_seqs=8, seed=0)
+    if a.enable_expert_parallel:
+        kw["enable_expert_parallel"] = True
+    if drafter:
+        kw["speculative_config"] = {"method": "eagle3", "model": drafter, "num_speculative_tokens": a.k}
+    return kw
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", default=None)
@@ -40,7 +56,16 @@ def main():
     p.add_argument("--more", default=None,
                    help="JSON list of [drafter_dir, out] run after the first, each with a fresh LLM in this "
                         "process (saves the interpreter and vLLM import per drafter)")
-    a = p.parse_args()
+    # target.vllm / target.trust_remote_code (defaults: vLLM-CPU, as before they existed)
+    p.add_argument("--dtype", default="float32", help="float32 on CPU builds (bf16 on AVX2 corrupts text)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true")
+    return p.parse_args(argv)
+
+
+def main():
+    a = parse_args()
     with open(a.prompts) as fh:
         prompts = json.load(fh)
     run(a, a.drafter, a.out, prompts)
@@ -54,12 +79,8 @@ def run(a, drafter, out, prompts):
     import vllm
     from vllm import LLM, SamplingParams
 
-    kw = dict(model=a.target, dtype="float32", enforce_eager=True, disable_log_stats=False,
-              max_model_len=a.max_model_len, max_num_seqs=8, seed=0)
-    if drafter:
-        kw["speculative_config"] = {"method": "eagle3", "model": drafter, "num_speculative_tokens": a.k}
     print(f"eaglet-runner: start {drafter}", flush=True)
-    llm = LLM(**kw)
+    llm = LLM(**engine_kwargs(a, drafter))
     # ignore_eos: every prompt runs to max_tokens, so both runs compare the same number of tokens
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)

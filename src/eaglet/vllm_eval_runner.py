@@ -5,7 +5,11 @@ torch/transformers), one process per configuration: vLLM spawns workers and keep
 eaglet.evaluate_vllm writes the input, starts this, and reads the output.
 
     envs/vllm/.venv/bin/python vllm_eval_runner.py --target MODEL_DIR --input in.json --out out.json \
-        [--drafter DRAFTER_DIR --k 3] [--max-num-seqs 1] [--max-model-len 2048]
+        [--drafter DRAFTER_DIR --k 3] [--max-num-seqs 1] [--max-model-len 2048] \
+        [--dtype float32] [--tensor-parallel-size 1] [--enable-expert-parallel] [--trust-remote-code]
+
+The serving flags are ``target.vllm`` and ``target.trust_remote_code`` (eaglet.target.vllm_runner_args):
+the same values every vLLM engine of the run uses; the defaults are the vLLM-CPU ones.
 
 Input JSON: {"sets": {name: [[prompt token ids], ...]}, "max_tokens": int, "ignore_eos": bool}.
 Output JSON: {"vllm_version", "startup_s", "sets": {name: {"token_ids", "seconds", "output_tokens",
@@ -51,7 +55,27 @@ def delta(after, before):
     return d
 
 
-def main():
+def add_serving_args(p):
+    """target.vllm / target.trust_remote_code as flags (defaults: vLLM-CPU, as before they existed)."""
+    p.add_argument("--dtype", default="float32", help="float32 on CPU builds (bf16 on AVX2 corrupts text)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true")
+
+
+def engine_kwargs(a, drafter=None):
+    """``vllm.LLM`` keyword arguments from the parsed flags: a pure function, tested without vLLM."""
+    kw = dict(model=a.target, dtype=a.dtype, tensor_parallel_size=a.tensor_parallel_size,
+              trust_remote_code=a.trust_remote_code, enforce_eager=True, disable_log_stats=False,
+              max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=0)
+    if a.enable_expert_parallel:
+        kw["enable_expert_parallel"] = True
+    if drafter:
+        kw["speculative_config"] = {"method": "eagle3", "model": drafter, "num_speculative_tokens": a.k}
+    return kw
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", default=None)
@@ -60,19 +84,19 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--max-num-seqs", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=2048)
-    a = p.parse_args()
+    add_serving_args(p)
+    return p.parse_args(argv)
 
+
+def main():
+    a = parse_args()
     t0 = time.perf_counter()
     import vllm
     from vllm import LLM, SamplingParams
 
     with open(a.input) as fh:
         spec = json.load(fh)
-    kw = dict(model=a.target, dtype="float32", enforce_eager=True, disable_log_stats=False,
-              max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=0)
-    if a.drafter:
-        kw["speculative_config"] = {"method": "eagle3", "model": a.drafter, "num_speculative_tokens": a.k}
-    llm = LLM(**kw)
+    llm = LLM(**engine_kwargs(a, a.drafter))
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=spec.get("ignore_eos", False),
                         stop_token_ids=spec.get("stop_token_ids") or None)
     first = next(iter(spec["sets"].values()))[0]

@@ -175,8 +175,10 @@ def start(model: str | os.PathLike, *, work_dir: str | os.PathLike, env: str | o
           max_model_len: int | None = 2048, tensor_parallel_size: int = 1,
           reasoning_parser: str | None = None, speculative_config: dict | None = None,
           kv_cache_gb: float = 4, enforce_eager: bool = True, disable_log_requests: bool = True,
-          extra_args: list[str] | tuple = (), log_path: str | os.PathLike | None = None) -> Server:
-    """Launch the server in its own process group and return at once (see ``wait_healthy``)."""
+          extra_args: list[str] | tuple = (), log_path: str | os.PathLike | None = None,
+          enable_expert_parallel: bool = False, trust_remote_code: bool = False) -> Server:
+    """Launch the server in its own process group and return at once (see ``wait_healthy``).
+    dtype, tensor/expert parallelism and trust_remote_code: ``target.vllm``/``target.trust_remote_code``."""
     py = vllm_python(env)
     work_dir = Path(work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -192,6 +194,10 @@ def start(model: str | os.PathLike, *, work_dir: str | os.PathLike, env: str | o
         cmd += ["--max-model-len", str(max_model_len)]
     if enforce_eager:
         cmd.append("--enforce-eager")
+    if enable_expert_parallel:
+        cmd.append("--enable-expert-parallel")
+    if trust_remote_code:
+        cmd.append("--trust-remote-code")
     if reasoning_parser:
         cmd += ["--reasoning-parser", reasoning_parser]
     if speculative_config:

@@ -28,6 +28,22 @@ from eaglet import gpu_slots
 
 for _line in memory_plan.parse_time(config):
     logger.info(_line)
+# How the target is run, one place for every stage (issue 14): in-process loads (extract, the HF
+# evaluation loop, the contract's offline chain, generate's local backend) read TARGET_LOAD; every
+# vLLM engine (generate's server, the contract's check, evaluate_vllm) reads SERVING.
+from eaglet.target import serving as target_serving
+
+TARGET_LOAD = {k: config["target"][k] for k in ("dtype", "device", "trust_remote_code")}
+SERVING = target_serving(config["target"])
+# GPUs of a job that serves the target with vLLM: its tensor parallelism with the CUDA build.
+VLLM_GPUS = (
+    SERVING["tensor_parallel_size"]
+    if config["generate"]["vllm"]["package"] == "vllm"
+    else 0
+)
+# The HF evaluation loop runs only for a target that fits one process; `-n` says why not.
+HF_LOOP, HF_LOOP_WHY = memory_plan.hf_loop(config)
+logger.info(f"evaluation HF loop: {'runs' if HF_LOOP else 'NOT RUN'} ({HF_LOOP_WHY})")
 # The template's text (not its path) is a param of every stage that renders conversations, so it
 # is in their cache keys; "" = the checkpoint's own.
 CHAT_TEMPLATE = target_check.chat_template_text(config["target"]["chat_template"]) or ""

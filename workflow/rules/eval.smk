@@ -21,7 +21,15 @@ EVAL_OPTS = {
         "confidence",
         "max_relative_width",
     )
-} | {"chat_template": CHAT_TEMPLATE or None}
+} | {
+    "chat_template": CHAT_TEMPLATE or None,
+    # the HF loop: run or not (eaglet.plan.hf_loop at parse time, logged), on the target's dtype/device
+    "hf_loop": HF_LOOP,
+    "hf_loop_reason": HF_LOOP_WHY,
+    **TARGET_LOAD,
+}
+# The HF loop on a GPU machine (CUDA vLLM build) takes one GPU through eaglet.gpu_slots.
+HF_LOOP_GPUS = 1 if HF_LOOP and VLLM_GPUS else 0
 
 
 rule evaluate_offline:
@@ -33,6 +41,7 @@ rule evaluate_offline:
             "model",
             "target",
             "target_check",
+            "gpu_slots",
             "io",
         ),
         drafter=f"{RUN}/train/drafter.safetensors",
@@ -47,12 +56,15 @@ rule evaluate_offline:
     conda:
         "../../envs/eaglet.yaml"
     threads: workflow.cores
+    resources:
+        gpu=HF_LOOP_GPUS,
     params:
         sets=as_json(EVAL_SETS),
         opts=as_json(EVAL_OPTS),
         out=out_dir,
     shell:
-        "python -m eaglet.evaluate offline --drafter {input.drafter:q} --identity {input.identity:q}"
+        "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.evaluate offline --drafter {input.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --threads {threads} --log {log:q}"
 
@@ -67,6 +79,7 @@ rule evaluate_speculative:
             "model",
             "target",
             "target_check",
+            "gpu_slots",
             "io",
         ),
         drafter=f"{RUN}/train/drafter.safetensors",
@@ -81,12 +94,15 @@ rule evaluate_speculative:
     conda:
         "../../envs/eaglet.yaml"
     threads: workflow.cores
+    resources:
+        gpu=HF_LOOP_GPUS,
     params:
         sets=as_json(EVAL_SETS),
         opts=as_json(EVAL_OPTS),
         out=out_dir,
     shell:
-        "python -m eaglet.evaluate speculative --drafter {input.drafter:q} --identity {input.identity:q}"
+        "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.evaluate speculative --drafter {input.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --threads {threads} --log {log:q}"
 
@@ -100,6 +116,7 @@ rule evaluate_vllm:
             "eval_stats",
             "target",
             "target_check",
+            "gpu_slots",
             "io",
         ),
         config=rules.export.output.config,
@@ -115,6 +132,9 @@ rule evaluate_vllm:
     conda:
         "../../envs/eaglet.yaml"
     threads: workflow.cores
+    resources:
+        # vLLM's tensor-parallel GPUs (target.vllm), taken through eaglet.gpu_slots
+        gpu=VLLM_GPUS,
     params:
         sets=as_json(EVAL_SETS),
         opts=as_json(
@@ -130,6 +150,7 @@ rule evaluate_vllm:
                 },
                 **{k: v for k, v in EVAL["vllm"].items() if k != "enabled"},
                 "chat_template": CHAT_TEMPLATE or None,
+                "serving": SERVING,
             }
         ),
         drafter=lambda wildcards, input: str(Path(input.config).parent),
@@ -137,7 +158,8 @@ rule evaluate_vllm:
         # vLLM's own logs and caches: logs, not results
         work=f"{LOGS}/evaluate_vllm",
     shell:
-        "python -m eaglet.evaluate_vllm --drafter-dir {params.drafter:q} --identity {input.identity:q}"
+        "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.evaluate_vllm --drafter-dir {params.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --work-dir {params.work:q} --offline {input.offline:q} --log {log:q}"
 

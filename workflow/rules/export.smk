@@ -34,7 +34,11 @@ rule export:
     params:
         out=lambda wildcards, output: str(Path(output.config).parent),
         speculators_out=f"{RUN}/drafter_speculators",
-        export=as_json(config["export"]),
+        # target.vllm + trust_remote_code for the real-vLLM checks, target.dtype/device for the
+        # in-process offline chain: the same settings as every other stage
+        export=as_json(
+            config["export"] | {"serving": SERVING, "target_load": TARGET_LOAD}
+        ),
         # vLLM's own logs and cache: logs, not results
         work=f"{LOGS}/export_check",
     shell:

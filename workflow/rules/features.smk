@@ -33,13 +33,15 @@ rule extract_hidden_states:
         dtype=config["extract"]["dtype"],
         token_budget=config["extract"]["token_budget"],
         chunk_mb=config["extract"]["chunk_mb"],
+        # how the target is loaded: target.dtype, target.device, target.trust_remote_code
+        load=as_json(TARGET_LOAD),
     shell:
         "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
         " python -m eaglet.extract --tokens {input.tokens:q} --identity {input.identity:q}"
         " --out {output.shard:q} --work {output.shard:q}.partial"
         " --shard {params.shard} --num-shards {params.num_shards} --layer-ids {params.layer_ids:q}"
         " --dtype {params.dtype} --token-budget {params.token_budget} --chunk-mb {params.chunk_mb}"
-        " --log {log:q}"
+        " --target-load {params.load:q} --log {log:q}"
 
 
 FINAL_OUTPUTS.extend(

@@ -5,13 +5,14 @@
 # settings (servers, concurrency, timeouts, vLLM launch options) change how the data is made,
 # not what it is, so they stay out of the cache key and the rerun triggers (the same model and
 # sampling through `vllm` or `openai` is the same data).
-GENERATE_CONFIG = json.dumps(config["generate"], sort_keys=True)
-GENERATE_GPUS = (
-    config["generate"]["vllm"]["tensor_parallel_size"]
-    if config["generate"]["backend"] == "vllm"
-    and config["generate"]["vllm"]["package"] == "vllm"
-    else 0
+# The server's dtype, tensor/expert parallelism and trust_remote_code are target.vllm's (SERVING),
+# the local backend's dtype and device the target's (TARGET_LOAD): one source for every stage.
+GENERATE_CONFIG = json.dumps(
+    config["generate"]
+    | {"vllm": config["generate"]["vllm"] | SERVING, "target_load": TARGET_LOAD},
+    sort_keys=True,
 )
+GENERATE_GPUS = VLLM_GPUS if config["generate"]["backend"] == "vllm" else 0
 # What does define the data goes into params, hence into the cache key.
 GENERATE_SAMPLING = as_json(
     {
