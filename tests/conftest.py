@@ -39,9 +39,13 @@ VLLM_ENV = REPO / "envs" / "vllm" / ".venv"
 
 
 def vllm_env_or_skip():
-    """Path of the vLLM venv; skips the test when envs/vllm/setup.sh has not been run."""
-    if not (VLLM_ENV / "bin" / "python").exists():
-        pytest.skip(f"{VLLM_ENV} absent: run envs/vllm/setup.sh to enable the vLLM tests")
+    """Path of the vLLM venv; skips the test when envs/vllm/setup.sh has not (completely) run."""
+    from eaglet import vllm_env
+
+    try:
+        vllm_env.vllm_python(VLLM_ENV)
+    except vllm_env.VllmEnvMissing as e:
+        pytest.skip(f"{e} (to enable the vLLM tests)")
     return VLLM_ENV
 
 

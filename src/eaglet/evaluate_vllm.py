@@ -41,7 +41,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from eaglet import eval_sets, eval_stats, io
+from eaglet import eval_sets, eval_stats, io, vllm_env
 from eaglet.target import load_identity, load_tokenizer, stop_ids, vllm_runner_args
 
 log = logging.getLogger("eaglet.evaluate_vllm")
@@ -60,17 +60,6 @@ class AgreementError(VllmError):
     """vLLM's acceptance differs from the offline chain replay beyond sampling error."""
 
 
-def vllm_python(env: str) -> Path:
-    p = Path(env)
-    if not p.is_absolute() and not p.exists():
-        p = Path(__file__).resolve().parents[2] / p  # relative to the repository root
-    py = p.absolute() / "bin" / "python"  # absolute(), not resolve(): the venv python is a symlink
-    if not py.exists():
-        raise VllmError(f"{py}: vLLM environment missing; create it with envs/vllm/setup.sh "
-                        "(or set evaluate.vllm.enabled: false)")
-    return py
-
-
 def iomp_library(py: Path) -> Path | None:
     lib = py.parent.parent / "lib" / "libiomp5.so"
     return lib if lib.exists() else None
@@ -79,9 +68,7 @@ def iomp_library(py: Path) -> Path | None:
 def run_one(py: Path, target_dir: str, prompts_file: Path, work: Path, tag: str, *, drafter: str | None,
             k: int | None, iomp: Path | None, o: dict, max_model_len: int) -> dict:
     out, logf = work / f"{tag}.json", work / f"{tag}.log"
-    # Run a copy: from src/eaglet/, eaglet/tokenize.py would shadow the standard library's tokenize
-    runner = work / RUNNER.name
-    runner.write_text(RUNNER.read_text())
+    runner = vllm_env.copy_runner(RUNNER, work)
     cmd = [str(py), str(runner), "--target", str(Path(target_dir).resolve()), "--input", str(prompts_file),
            "--out", str(out), "--max-num-seqs", str(o["max_num_seqs"]), "--max-model-len", str(max_model_len)]
     cmd += vllm_runner_args(o["serving"])
@@ -228,7 +215,10 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     if unknown:
         raise ValueError(f"evaluate.vllm: unknown options {sorted(unknown)}")
     ks = sorted({int(k) for k in o["k_values"]})
-    py = vllm_python(o["env"])
+    try:
+        py = vllm_env.vllm_python(o["env"])
+    except vllm_env.VllmEnvMissing as e:
+        raise VllmError(f"{e} (or set evaluate.vllm.enabled: false)") from None
     ident = load_identity(identity)
     conf = io.read_json(Path(drafter_dir) / "config.json")  # a clear error when the export is missing
     tok = load_tokenizer(ident["path"], o["chat_template"], need_template=True,

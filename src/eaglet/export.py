@@ -31,7 +31,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from eaglet import contract, io
+from eaglet import contract, io, vllm_env
 from eaglet.rope import legacy_fields
 from eaglet.target import load_identity, validate_layer_ids
 
@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="train_summary.json (its validation chain tau gates vllm.acceptance)")
     p.add_argument("--speculators-out", default=None, help="folder for format B (with speculators: true)")
     p.add_argument("--work-dir", default=None, help="vLLM check logs and cache (default OUT.check/)")
-    p.add_argument("--vllm-python", default=None, help=f"vLLM interpreter (default {contract.VLLM_PYTHON})")
+    p.add_argument("--vllm-python", default=None,
+                   help=f"vLLM interpreter or venv (default {vllm_env.DEFAULT_ENV})")
     p.add_argument("--config", default=None, help="the export section of the config, as JSON")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)

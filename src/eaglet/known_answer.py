@@ -63,7 +63,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet import io
+from eaglet import io, vllm_env
 from eaglet.target import vllm_runner_args
 
 log = logging.getLogger("eaglet.known_answer")
@@ -446,11 +446,11 @@ def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | P
         return contract._not_run(name, why)
     if not layer_ids:
         return contract._not_run(name, "no trained layer ids to build the known answer with")
-    py = contract.vllm_python(python)
+    try:
+        py = vllm_env.vllm_python(python)
+    except vllm_env.VllmEnvMissing as e:
+        return contract._check(name, False, {"error": f"vLLM environment not found or incomplete: {e}"})
     built = twin is None
-    if py is None:
-        return contract._check(name, False, {"error": f"vLLM environment not found or incomplete "
-                                             f"({python or contract.VLLM_PYTHON}); run envs/vllm/setup.sh"})
     prompts = [contract.PROMPTS[i % len(contract.PROMPTS)] for i in range(n_prompts)]
     work = Path(work_dir)
     try:
@@ -494,8 +494,7 @@ def run_batch(target_dir: str | Path, drafter_dirs: list[str | Path], prompts: l
     work.mkdir(parents=True, exist_ok=True)
     pfile, logf = work / "prompts.json", work / "batch.log"
     pfile.write_text(json.dumps(prompts))
-    runner = work / contract.RUNNER.name
-    runner.write_text(contract.RUNNER.read_text())
+    runner = vllm_env.copy_runner(contract.RUNNER, work)
     outs = [work / f"spec{i}.json" for i in range(len(drafter_dirs))]
     for o in outs:
         o.unlink(missing_ok=True)

@@ -22,6 +22,8 @@ import argparse
 import json
 import os
 
+from vllm_env import metric_samples, spec_decode_counters  # copied beside this file (eaglet.vllm_env)
+
 
 def _metric_json(m):
     out = {"name": m.name, "type": type(m).__name__, "labels": dict(getattr(m, "labels", {}) or {})}
@@ -84,11 +86,9 @@ def run(a, drafter, out, prompts):
     # ignore_eos: every prompt runs to max_tokens, so both runs compare the same number of tokens
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    metrics = [_metric_json(m) for m in llm.get_metrics() if "spec_decode" in m.name]
-    sd = {}
-    for m in metrics:
-        key = m["name"].split("spec_decode_", 1)[-1].removesuffix("_total")
-        sd[key] = m.get("values", m.get("value"))
+    got = llm.get_metrics()
+    metrics = [_metric_json(m) for m in got if "spec_decode" in m.name]
+    sd = spec_decode_counters(metric_samples(got))  # summed over engines
     res = {"vllm_version": vllm.__version__, "token_ids": [list(o.outputs[0].token_ids) for o in outs],
            "texts": [o.outputs[0].text for o in outs], "spec_decode": sd, "metrics": metrics}
     tmp = out + ".tmp"

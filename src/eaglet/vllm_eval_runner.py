@@ -22,26 +22,14 @@ import json
 import os
 import time
 
+from vllm_env import metric_samples, spec_decode_counters  # copied beside this file (eaglet.vllm_env)
+
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 
 
 def spec_counters(llm):
     """Spec-decode counters summed over engines; per-position as a list."""
-    out = {k: 0 for k in COUNTERS}
-    out["num_accepted_tokens_per_pos"] = []
-    for m in llm.get_metrics():
-        if "spec_decode_" not in m.name:
-            continue
-        key = m.name.split("spec_decode_", 1)[1].removesuffix("_total")
-        if key not in out:
-            continue
-        if hasattr(m, "values"):
-            vals = list(m.values)
-            cur = out[key]
-            out[key] = [(cur[i] if i < len(cur) else 0) + v for i, v in enumerate(vals)]
-        else:
-            out[key] += int(m.value)
-    return out
+    return spec_decode_counters(metric_samples(llm.get_metrics()))
 
 
 def delta(after, before):

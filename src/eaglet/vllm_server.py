@@ -38,25 +38,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eaglet import io
+from eaglet import io, vllm_env
 
 log = logging.getLogger("eaglet.vllm_server")
 
-DEFAULT_ENV = "envs/vllm/.venv"
-SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+DEFAULT_ENV = vllm_env.DEFAULT_ENV
 
 
 class ServerError(RuntimeError):
     """The vLLM server could not start, died, or did not become healthy in time."""
-
-
-def vllm_python(env: str | os.PathLike = DEFAULT_ENV) -> Path:
-    """The interpreter of the vLLM environment; a clear error when it was never created."""
-    # absolute() not resolve(): the venv python is a symlink, and resolving it leaves the venv.
-    py = Path(env).absolute() / "bin" / "python"
-    if not py.exists():
-        raise ServerError(f"{py}: vLLM environment missing; create it with envs/vllm/setup.sh")
-    return py
 
 
 def free_port() -> int:
@@ -179,7 +169,10 @@ def start(model: str | os.PathLike, *, work_dir: str | os.PathLike, env: str | o
           enable_expert_parallel: bool = False, trust_remote_code: bool = False) -> Server:
     """Launch the server in its own process group and return at once (see ``wait_healthy``).
     dtype, tensor/expert parallelism and trust_remote_code: ``target.vllm``/``target.trust_remote_code``."""
-    py = vllm_python(env)
+    try:
+        py = vllm_env.vllm_python(env)
+    except vllm_env.VllmEnvMissing as e:
+        raise ServerError(str(e)) from None
     work_dir = Path(work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     log_path = Path(log_path) if log_path else work_dir / "vllm_server.log"
@@ -247,17 +240,7 @@ def spec_decode_metrics(root_url: str) -> dict:
 
     ``mean_acceptance_length`` = 1 + accepted / drafts (tokens per target forward, the usual τ).
     """
-    totals = {k: 0.0 for k in SPEC_COUNTERS}
-    per_pos: dict[int, float] = {}
-    for name, labels, value in scrape_metrics(root_url):
-        if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-            pos = int(labels.get("position", 0))
-            per_pos[pos] = per_pos.get(pos, 0.0) + value
-        for k in SPEC_COUNTERS:
-            if name == f"vllm:spec_decode_{k}_total":
-                totals[k] += value
-    res: dict = {k: int(v) for k, v in totals.items()}
-    res["num_accepted_tokens_per_pos"] = [int(per_pos[p]) for p in sorted(per_pos)]
+    res = vllm_env.spec_decode_counters(scrape_metrics(root_url))
     drafts, draft_tokens = res["num_drafts"], res["num_draft_tokens"]
     res["acceptance_rate"] = res["num_accepted_tokens"] / draft_tokens if draft_tokens else None
     res["mean_acceptance_length"] = 1 + res["num_accepted_tokens"] / drafts if drafts else None

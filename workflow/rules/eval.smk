@@ -112,6 +112,7 @@ rule evaluate_vllm:
         code=src(
             "evaluate_vllm",
             "vllm_eval_runner",
+            "vllm_env",
             "eval_sets",
             "eval_stats",
             "target",

@@ -7,7 +7,15 @@ EXPORT_SPECULATORS = config["export"]["speculators"]
 
 rule export:
     input:
-        code=src("export", "contract", "vllm_check_runner", "model", "target", "io"),
+        code=src(
+            "export",
+            "contract",
+            "vllm_check_runner",
+            "vllm_env",
+            "model",
+            "target",
+            "io",
+        ),
         drafter=f"{RUN}/train/drafter.safetensors",
         summary=f"{RUN}/train/train_summary.json",
         identity=TARGET_ID,

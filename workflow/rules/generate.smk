@@ -26,7 +26,15 @@ GENERATE_SAMPLING = as_json(
 
 rule generate:
     input:
-        code=src("generate", "vllm_server", "gpu_slots", "target", "target_check", "io"),
+        code=src(
+            "generate",
+            "vllm_server",
+            "vllm_env",
+            "gpu_slots",
+            "target",
+            "target_check",
+            "io",
+        ),
         conversations=f"{RUN}/prompts/train.parquet",
         identity=TARGET_ID,
     output:

