@@ -18,6 +18,7 @@ validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 # drafter stop `snakemake -n` already, naming the key.
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from eaglet import target_check
+from eaglet.target import default_layer_ids
 
 for _line in target_check.parse_time(config):
     logger.info(_line)
@@ -131,11 +132,12 @@ def conversations_for_tokenize():
 
 
 def extract_layer_ids(wildcards, input):
-    """Aux layer ids in vLLM convention: configured, or (2, N//2, N-3) of the target."""
+    """Aux layer ids in vLLM convention: configured, or vLLM's default for the target (one
+    definition in eaglet.target, shared with the stages and the parse-time check)."""
     if config["extract"]["layer_ids"]:
         return json.dumps(config["extract"]["layer_ids"], sort_keys=True)
     n = json.loads(Path(input.identity).read_text())["num_layers"]
-    return json.dumps([2, n // 2, n - 3], sort_keys=True)
+    return json.dumps(default_layer_ids(n), sort_keys=True)
 
 
 def train_launcher(wildcards, resources):
