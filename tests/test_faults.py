@@ -556,6 +556,7 @@ BAD_CONFIG = [  # (dotted key, bad value): wrong type, out of range, unknown key
     ("train.val_fraction", 0.9), ("train.epochs", -1), ("export.num_speculative_tokens", 0),
     ("evaluate.k_values", []), ("evaluate.sets", "mtbench"), ("evaluate.vllm.enabled", "yes"),
     ("vocab.no_such_key", 1), ("generate.vllm.no_such_key", 1), ("no_such_section", {}),
+    ("seed", 0),  # read by nothing: each stage has its own seed (prompts.seed, generate.seed, train.seed)
 ]
 
 
