@@ -86,7 +86,6 @@ DEFAULTS = dict(
     gpus=0,
     label_min_agreement=labels.MIN_AGREEMENT,  # top-1 agreement of the labels with the real model
     accept_unchecked_labels=False,  # train even when the label check could not run (no references)
-    sleep_per_step=0.0,     # test aid: slow a run down so a test can kill it mid-way
 )
 
 
@@ -455,7 +454,7 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
 
     # ---- resume
     ckpt_dir = out_dir / "checkpoints"
-    digest = io.digest_of({"params": {k: v for k, v in p.items() if k != "sleep_per_step"},
+    digest = io.digest_of({"params": p,
                            "target": identity["digest"], "vocab": io.file_digest(vocab),
                            "data": [ds.ids, lengths], "world": ws, "device": device.type})
     start, rows = 0, []
@@ -551,8 +550,6 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
         K = cfg.ttt_steps
         lk = (agg[:K] / M).tolist()
         ak = (agg[K:2 * K] / agg[2 * K:3 * K].clamp(min=1)).tolist()
-        if p["sleep_per_step"]:
-            time.sleep(p["sleep_per_step"])
         dt = time.time() - t0
         tokens_seen += int(agg[-1])
         row = {"split": "train", "step": step + 1, "epoch": (step + 1) * M / max(1, len(micro)) * p["epochs"],
