@@ -99,7 +99,8 @@ def test_run_writes_tokens_and_seed_metadata(tiny_target, tmp_path):
                 "vocab_size", "unique_assistant_tokens"):
         assert key in meta
     assert meta["samples_processed"] == 5 and meta["samples_skipped"] == 1
-    table = tokenize.read_tokens(tmp_path / "out" / "tokens.parquet")
+    table = io.read_parquet(tmp_path / "out" / "tokens.parquet")
+    assert {"id", "input_ids", "loss_mask", "num_tokens"} <= set(table.column_names)
     assert table.num_rows == 5 and sum(table.column("num_tokens").to_pylist()) == meta["total_tokens"]
     assert io.read_json(tmp_path / "out" / "metadata.json") == meta
 

@@ -207,15 +207,6 @@ def write_tokens(path: str | Path, kept: list[dict]) -> None:
     io.write_parquet(path, table)
 
 
-def read_tokens(path: str | Path):
-    """The tokenized table, checked for the columns and per-row length agreement."""
-    table = io.read_parquet(path)
-    need = {"id", "input_ids", "loss_mask", "num_tokens"}
-    if need - set(table.column_names):
-        raise io.ArtifactError(f"{path}: missing columns {sorted(need - set(table.column_names))}")
-    return table
-
-
 def run(conversations: str | Path, target: str | Path, out_dir: str | Path, max_length: int = 2048,
         overlong: str = "truncate", batch_size: int = 256, chat_template: str | None = None) -> dict:
     """``chat_template``: ``target.chat_template`` (text or file), else the checkpoint's own."""
