@@ -577,7 +577,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--conversations", required=True, help="input conversation Parquet (prompts stage)")
     p.add_argument("--target", required=True, help="the target's identity.json")
     p.add_argument("--out-dir", required=True)
-    p.add_argument("--config", default=None, help="the generate section of the config, as JSON")
+    p.add_argument("--config", default=None, help="the generate section of the config: JSON, or @FILE")
     p.add_argument("--retry-errors", action="store_true",
                    help="retry every failed id, not just transient ones")
     p.add_argument("--server-log", default=None, help="vLLM server log (vllm backend)")

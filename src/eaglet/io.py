@@ -279,9 +279,12 @@ def quiet_third_party() -> None:
 
 
 def parse_json_arg(s: str | None, default: Any = None) -> Any:
-    """CLI helper: params travel from Snakemake to modules as JSON strings."""
+    """CLI helper: JSON text, or ``@FILE`` for the JSON in a file (the workflow hands a stage its
+    settings as logs/<run>/config/<stage>.json; see workflow/rules/common.smk)."""
     if s is None or s == "":
         return default
+    if s.startswith("@"):
+        return json.loads(Path(s[1:]).read_text())
     return json.loads(s)
 
 

@@ -74,6 +74,47 @@ def verbatim(value):
     return lambda wildcards: value
 
 
+def stage_config(name, value):
+    """Write `value` as logs/<run>/config/<name>.json now, at parse time, and return the path: how a
+    stage receives its settings (`--config @FILE`, eaglet.io.parse_json_arg), while its params hold
+    one entry per setting that defines its output (key_params). A file whose content is unchanged
+    is left alone (its mtime too); written atomically: a cluster's jobs each parse the workflow.
+    """
+    path = Path(f"{LOGS}/config/{name}.json")
+    text = json.dumps(value, indent=2, sort_keys=True) + "\n"
+    if not path.is_file() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return str(path)
+
+
+def key_params(name, value, keys=None):
+    """One params entry per key of the dict `value` (nested keys dotted; `keys` picks some), each
+    "key=JSON": the cache key and the rerun triggers see every key, and a changed one shows in
+    `snakemake -n` as `before: 'lr=0.001' now: 'lr=0.002'`. Snakemake prints the params that
+    differ by value, so one JSON param of a whole section showed all of it, twice.
+    """
+
+    def leaves(key, v):
+        if isinstance(v, dict) and v:
+            for k, sub in v.items():
+                yield from leaves(f"{key}.{k}", sub)
+        else:
+            yield key, v
+
+    out = {}
+    for key in keys or value:
+        v = value
+        for part in key.split("."):
+            v = v[part]
+        for dotted, leaf in leaves(key, v):
+            text = f"{dotted}={json.dumps(leaf, sort_keys=True)}"
+            out[f"{name}_{dotted.replace('.', '_')}"] = verbatim(text)
+    return out
+
+
 def as_json(value):
     """A params value: the JSON text of `value` for a CLI flag (quoted with :q in the shell line),
     verbatim (user strings inside may hold braces)."""

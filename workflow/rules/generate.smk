@@ -1,26 +1,25 @@
 # Synthetic generation: the target regenerates the assistant turns of the training prompts.
 # Included after data.smk's prompts rule; tokenize reads its output when generate.enabled.
 
-# The whole generate section reaches the stage through the shell line, not params: backend
-# settings (servers, concurrency, timeouts, vLLM launch options) change how the data is made,
-# not what it is, so they stay out of the cache key and the rerun triggers (the same model and
-# sampling through `vllm` or `openai` is the same data).
 # The server's dtype, tensor/expert parallelism and trust_remote_code are target.vllm's (SERVING),
 # the local backend's dtype and device the target's (TARGET_LOAD): one source for every stage.
-GENERATE_CONFIG = json.dumps(
-    config["generate"]
-    | {"vllm": config["generate"]["vllm"] | SERVING, "target_load": TARGET_LOAD},
-    sort_keys=True,
-)
+GENERATE = config["generate"] | {
+    "vllm": config["generate"]["vllm"] | SERVING,
+    "target_load": TARGET_LOAD,
+}
 GENERATE_GPUS = VLLM_GPUS if config["generate"]["backend"] == "vllm" else 0
-# What does define the data goes into params, hence into the cache key.
-GENERATE_SAMPLING = as_json(
-    {
-        k: config["generate"][k]
-        for k in ("temperature", "top_p", "max_tokens", "seed", "turns")
-        + ("chat_template_kwargs", "reject_markers")
-    }
-    | {"reasoning_parser": config["generate"]["vllm"]["reasoning_parser"]}
+# What defines the data is in params, so in the cache key; the stage reads all its settings from
+# its config file, so the backend's (servers, concurrency, timeouts, vLLM launch options), which
+# change how the data is made and not what it is, stay out of the key and the rerun triggers.
+GENERATE_DATA_KEYS = (
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "seed",
+    "turns",
+    "chat_template_kwargs",
+    "reject_markers",
+    "vllm.reasoning_parser",
 )
 
 
@@ -54,20 +53,18 @@ rule generate:
         "../../envs/eaglet.yaml"
     threads: workflow.cores
     resources:
-        # Backend settings travel as a resource: like cores or GPUs they decide how the job runs,
-        # not what it produces, and resources are outside the cache key and rerun triggers.
-        generate_backend=GENERATE_CONFIG,
         # The vLLM server's tensor-parallel GPUs: counted by the scheduler, taken through
         # eaglet.gpu_slots like every GPU rule's (the server inherits CUDA_VISIBLE_DEVICES), so
         # it never lands on GPUs an extraction shard holds (issue 14). 0 runs the stage as is.
         gpu=GENERATE_GPUS,
     params:
+        **key_params("generate", GENERATE, GENERATE_DATA_KEYS),
         digest=target_digest,
-        sampling=GENERATE_SAMPLING,
+        config=stage_config("generate", GENERATE),
         chat_template=verbatim(CHAT_TEMPLATE),
         out=out_dir,
     shell:
         "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
         " python -m eaglet.generate --conversations {input.conversations:q}"
-        " --target {input.identity:q} --out-dir {params.out:q} --config {resources.generate_backend:q}"
+        " --target {input.identity:q} --out-dir {params.out:q} --config @{params.config:q}"
         " --server-log {log.server:q} --chat-template={params.chat_template:q} --log {log.main:q}"
