@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work-dir", default=None, help="vLLM check logs and cache (default OUT.check/)")
     p.add_argument("--vllm-python", default=None,
                    help=f"vLLM interpreter or venv (default {vllm_env.DEFAULT_ENV})")
-    p.add_argument("--config", default=None, help="the export section of the config, as JSON")
+    p.add_argument("--config", default=None, help="the export section of the config: JSON, or @FILE")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)

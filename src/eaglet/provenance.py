@@ -3,7 +3,7 @@
 identity digest, the config, and the wall time of every stage of this run.
 
     python -m eaglet.provenance --run-dir results/smollm2 --target resources/targets/x/identity.json \
-        --config-json '{...}' --out results/smollm2/provenance.json
+        --config-json @logs/smollm2/config/workflow.json --out results/smollm2/provenance.json
 """
 
 from __future__ import annotations
@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run-dir", required=True)
     p.add_argument("--target", default=None, help="the target's identity.json")
-    p.add_argument("--config-json", default="{}")
+    p.add_argument("--config-json", default="{}", help="the workflow's config: JSON, or @FILE")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    io.write_json(a.out, manifest(a.run_dir, a.target, json.loads(a.config_json)))
+    io.write_json(a.out, manifest(a.run_dir, a.target, io.parse_json_arg(a.config_json, {})))
 
 
 if __name__ == "__main__":

@@ -621,7 +621,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab", required=True, help="vocab_map/vocab.safetensors (d2t, t2d)")
     ap.add_argument("--target-identity", required=True, help="the target's identity.json")
     ap.add_argument("--out-dir", required=True)
-    ap.add_argument("--params", default="{}", help="the train section of the config, as JSON")
+    ap.add_argument("--params", default="{}", help="the train section of the config: JSON, or @FILE")
     ap.add_argument("--log", default=None)
     a = ap.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))

@@ -3,6 +3,9 @@
 # appears. A failing contract fails the rule; the report lands in drafter/contract.failed.json.
 
 EXPORT_SPECULATORS = config["export"]["speculators"]
+# target.vllm + trust_remote_code for the real-vLLM checks, target.dtype/device for the
+# in-process offline chain: the same settings as every other stage
+EXPORT = config["export"] | {"serving": SERVING, "target_load": TARGET_LOAD}
 
 
 rule export:
@@ -40,20 +43,17 @@ rule export:
     # the vLLM check serves the target twice on every core
     threads: workflow.cores
     params:
+        **key_params("export", EXPORT),
         out=lambda wildcards, output: str(Path(output.config).parent),
         speculators_out=f"{RUN}/drafter_speculators",
-        # target.vllm + trust_remote_code for the real-vLLM checks, target.dtype/device for the
-        # in-process offline chain: the same settings as every other stage
-        export=as_json(
-            config["export"] | {"serving": SERVING, "target_load": TARGET_LOAD}
-        ),
+        export=stage_config("export", EXPORT),
         # vLLM's own logs and cache: logs, not results
         work=f"{LOGS}/export_check",
     shell:
         "python -m eaglet.export --drafter {input.drafter:q} --identity {input.identity:q}"
         " --train-summary {input.summary:q} --out {params.out:q}"
         " --speculators-out {params.speculators_out:q} --work-dir {params.work:q}"
-        " --config {params.export:q} --log {log:q}"
+        " --config @{params.export:q} --log {log:q}"
 
 
 FINAL_OUTPUTS.append(rules.export.output.contract)

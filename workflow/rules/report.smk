@@ -53,6 +53,8 @@ rule provenance:
         code=src("provenance"),
         identity=TARGET_ID,
         outputs=list(FINAL_OUTPUTS),
+        # an input, not a param: as a param the whole config showed twice in `snakemake -n`
+        config=stage_config("workflow", config),
     output:
         report(
             f"{RUN}/provenance.json",
@@ -66,10 +68,9 @@ rule provenance:
         "../../envs/eaglet.yaml"
     params:
         run=lambda wildcards, output: str(Path(output[0]).parent),
-        config=as_json(config),
     shell:
         "python -m eaglet.provenance --run-dir {params.run:q} --target {input.identity:q}"
-        " --config-json {params.config:q} --out {output:q} 2> {log:q}"
+        " --config-json @{input.config:q} --out {output:q} 2> {log:q}"
 
 
 FINAL_OUTPUTS.append(rules.provenance.output[0])

@@ -31,14 +31,15 @@ rule train:
         **train_resources(),
         gpu=config["train"]["gpus"] * config["train"]["nodes"],
     params:
+        **key_params("train", train_params()),
         out=out_dir,
-        train=as_json(train_params()),
+        train=stage_config("train", train_params()),
         launcher=train_launcher,
     shell:
         "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
         " {params.launcher} -m eaglet.train --hidden {input.hidden:q} --vocab {input.vocab:q}"
         " --target-identity {input.identity:q} --out-dir {params.out:q}"
-        " --params {params.train:q} --log {log:q}"
+        " --params @{params.train:q} --log {log:q}"
 
 
 FINAL_OUTPUTS.append(rules.train.output.summary)
