@@ -326,3 +326,19 @@ def test_ddp_gloo_matches_single_process(tiny_target, data, tmp_path):
     assert max(float((ta[k] - tb[k]).abs().max()) for k in ta if ta[k].is_floating_point()) < 5e-5
     # steps 2.. see updated weights, so equal losses there mean equal updates (not vacuous)
     assert a.loss.iloc[-1] < a.loss.iloc[0]
+
+
+def test_every_trainer_setting_is_a_config_key():
+    """What the trainer's messages tell a user to set (train.accept_unchecked_labels, ...) must be
+    settable: each of its defaults is a key of the workflow's train section, with the same default."""
+    from pathlib import Path
+
+    import yaml
+
+    from eaglet.train import DEFAULTS
+
+    schema = yaml.safe_load((Path(__file__).resolve().parents[1] / "workflow/schemas/config.schema.yaml").read_text())
+    props = schema["properties"]["train"]["properties"]
+    assert set(DEFAULTS) <= set(props), sorted(set(DEFAULTS) - set(props))
+    for k, v in DEFAULTS.items():
+        assert props[k].get("default") == v, (k, props[k].get("default"), v)
