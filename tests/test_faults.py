@@ -1004,10 +1004,14 @@ def test_hostile_config_strings_execute_nothing(tmp_path):
     assert not list(tmp_path.glob("PWNED*")) and not list(scratch.rglob("PWNED*"))
     holding = [a for c in calls for a in c if evil in a]
     modules = {c[c.index("-m") + 1] for c in calls if any(evil in a for a in c)}
-    # The strings reach every stage that takes them: prompts (path, split), generate (its JSON
-    # config), vocab (pinned), evaluation, export and provenance (config JSON).
+    # The strings reach every stage that takes them on its command line: prompts (path, split),
+    # generate, vocab (pinned), evaluation, tokenize and the target; provenance, and generate's
+    # backend settings, read theirs from the files the workflow writes at parse time (intact there).
     assert {"eaglet.prompts", "eaglet.generate", "eaglet.vocab", "eaglet.evaluate", "eaglet.evaluate_vllm",
-            "eaglet.provenance", "eaglet.tokenize", "eaglet.target"} <= modules, modules
+            "eaglet.tokenize", "eaglet.target"} <= modules, modules
+    written = {f.stem: json.loads(f.read_text()) for f in (wf / "logs" / "smoke" / "config").glob("*.json")}
+    assert written["generate"]["base_urls"] == [f"http://{evil}/v1"] and written["generate"]["model"] == evil
+    assert written["workflow"]["vocab"]["pinned"] == [evil]
     assert conf["target"]["chat_template"] in holding or f"--chat-template={conf['target']['chat_template']}" in holding
     assert f"--path={tmp_path / evil / 'data.jsonl'}" in holding and evil in holding
 

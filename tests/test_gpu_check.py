@@ -83,7 +83,10 @@ def test_overlay_config_plans_the_gpu_jobs(tmp_path):
         assert jobs[rule]["resources"].get("gpu") == "1", rule
         assert jobs[rule]["shell"].startswith("python -m eaglet.gpu_slots --gpus 1 -- "), rule
     assert "python -m torch.distributed.run --standalone --nproc_per_node 1 -m eaglet.train" in jobs["train"]["shell"]
-    assert '"package": "vllm"' in jobs["generate"]["shell"] and '"dtype": "bfloat16"' in jobs["generate"]["shell"]
+    # generate's settings reach it in the file the workflow writes at parse time (--config @FILE)
+    assert "--config @logs/gpu-check/config/generate.json" in jobs["generate"]["shell"]
+    gen = json.loads((wd / "logs/gpu-check/config/generate.json").read_text())
+    assert gen["vllm"]["package"] == "vllm" and gen["vllm"]["dtype"] == "bfloat16"
     assert "results/gpu-check/" in jobs["train"]["shell"]
 
 

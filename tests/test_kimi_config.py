@@ -111,7 +111,14 @@ def dry_run(repo, name: str, gpus: int = 8, **overrides) -> tuple[str, list[dict
                        cwd=repo["wd"], env=env, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"dry run of {name} failed:\n{out[-6000:]}"
+    # The settings the stages read from logs/<run>/config/<stage>.json (written at parse time),
+    # kept per dry run: the next dry run of the same run name rewrites them.
+    STAGE_CONFIGS[name] = {f.stem: json.loads(f.read_text())
+                           for f in (repo["wd"] / "logs" / conf["run"] / "config").glob("*.json")}
     return out, planned(out)
+
+
+STAGE_CONFIGS: dict[str, dict[str, dict]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +217,9 @@ def test_generation_serves_kimi_with_tensor_parallelism_8(repo, kimi_plan):
     assert "generate" in repo["rules"], "rule generate is missing from the workflow"
     gen = [j for j in kimi_plan[1] if j["rule"] == "generate"]
     assert len(gen) == 1
-    assert '"tensor_parallel_size": 8' in gen[0]["shell"] and '"reasoning_parser": "kimi_k2"' in gen[0]["shell"]
+    assert "--config @logs/kimi-k2.5/config/generate.json" in gen[0]["shell"]
+    g = STAGE_CONFIGS["kimi"]["generate"]
+    assert g["vllm"]["tensor_parallel_size"] == 8 and g["vllm"]["reasoning_parser"] == "kimi_k2", g["vllm"]
     # The server's tensor-parallel GPUs are the job's: a scheduler must hand them over.
     assert gen[0]["resources"].get("gpu") == "8"
 
@@ -268,10 +277,13 @@ def test_evaluation_and_contract_serve_kimi_as_configured(repo, kimi_plan):
     by = {j["rule"]: j for j in jobs}
     serving = '"serving": {"dtype": "bfloat16", "enable_expert_parallel": true, "tensor_parallel_size": 8, ' \
               '"trust_remote_code": true}'
+    want = {"dtype": "bfloat16", "enable_expert_parallel": True, "tensor_parallel_size": 8, "trust_remote_code": True}
     ev = by["evaluate_vllm"]
     assert serving in ev["shell"], ev["shell"][:600]
     assert ev["resources"].get("gpu") == "8" and ev["shell"].startswith("python -m eaglet.gpu_slots --gpus 8 -- ")
-    assert serving in by["export"]["shell"], by["export"]["shell"][:600]
+    # export reads its settings from the file the workflow writes (--config @FILE)
+    assert "--config @logs/kimi-k2.5/config/export.json" in by["export"]["shell"], by["export"]["shell"][:600]
+    assert STAGE_CONFIGS["kimi"]["export"]["serving"] == want
     load = '{"device": "auto", "dtype": "bfloat16", "trust_remote_code": true}'
     assert f"--target-load '{load}'" in by["extract_hidden_states"]["shell"]
     for rule in ("evaluate_offline", "evaluate_speculative"):
@@ -279,9 +291,9 @@ def test_evaluation_and_contract_serve_kimi_as_configured(repo, kimi_plan):
         assert '"hf_loop": false' in shell and '"hf_loop_reason": "evaluate.hf_loop: false' in shell, shell[:600]
         assert '"dtype": "bfloat16"' in shell and '"trust_remote_code": true' in shell
     assert "evaluation HF loop: NOT RUN (evaluate.hf_loop: false" in out
-    gen = by["generate"]["shell"]
-    assert '"enable_expert_parallel": true' in gen and '"trust_remote_code": true' in gen
-    assert '"dtype": "bfloat16"' in gen
+    gen = STAGE_CONFIGS["kimi"]["generate"]
+    assert gen["vllm"]["enable_expert_parallel"] is True and gen["vllm"]["trust_remote_code"] is True, gen["vllm"]
+    assert gen["vllm"]["dtype"] == "bfloat16"
 
 
 def test_hf_loop_auto_skips_a_tensor_parallel_target_and_says_why(repo):
