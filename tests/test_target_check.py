@@ -381,6 +381,8 @@ def test_user_text_with_braces_reaches_every_stage_verbatim(tmp_path):
     # A command holding the template spans lines; each ends at the blank line before the next job.
     for cmd in re.findall(r"Shell command: (python -m eaglet.*?)\n\n", out + "\n\n", re.S):
         argv = shlex.split(cmd)
+        if argv[:3] == ["python", "-m", "eaglet.gpu_slots"]:  # the GPU-slot launcher: the stage follows `--`
+            argv = argv[argv.index("--") + 1:]
         args[argv[argv.index("-m") + 1]] = argv
     seen = {}
     for module, argv in args.items():

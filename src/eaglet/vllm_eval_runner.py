@@ -22,7 +22,10 @@ import json
 import os
 import time
 
-from vllm_env import metric_samples, spec_decode_counters  # copied beside this file (eaglet.vllm_env)
+try:  # in vLLM's interpreter: copied beside this file (eaglet.vllm_env.copy_runner)
+    from vllm_env import metric_samples, spec_decode_counters
+except ImportError:  # imported as part of eaglet (tests of the argument building)
+    from eaglet.vllm_env import metric_samples, spec_decode_counters
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 
