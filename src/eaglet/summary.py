@@ -74,7 +74,10 @@ def _ci(x: dict | None, fmt: str = ".2f") -> str:
 def _generate(g: dict) -> str:
     errors = g.get("errors_by_kind") or {}
     err = ", ".join(f"{n} `{k}`" for k, n in sorted(errors.items())) or "no errors"
-    return (f"{g.get('backend')} backend; {g['samples'] - g.get('errors', 0)} of {g['samples']} ok ({err}); "
+    # samples counts the ok rows only (it once printed samples - errors of samples)
+    over = g.get("filtered", 0)
+    over = f"; {over} prompts over the length limit not sent" if over else ""
+    return (f"{g.get('backend')} backend; {g['samples']} of {g.get('input', g['samples'])} ok ({err}{over}); "
             f"{_n(g.get('completion_tokens'))} completion tokens at {g.get('tokens_per_s', 0):.1f} tok/s "
             f"(concurrency {g.get('concurrency')}); {g.get('hit_max_tokens', 0)} hit max_tokens "
             f"{(g.get('sampling') or {}).get('max_tokens')}")

@@ -3,9 +3,21 @@
 
 # The server's dtype, tensor/expert parallelism and trust_remote_code are target.vllm's (SERVING),
 # the local backend's dtype and device the target's (TARGET_LOAD): one source for every stage.
+# The token limit a sample meets downstream: tokenize's cut, and the server's context for the vllm
+# backend. generate drops prompts that leave no room for an answer under it before generating
+# (eaglet.generate.over_limit); a param, so a changed tokenize.max_length reruns generate.
+GENERATE_MAX_LENGTH = min(
+    [config["tokenize"]["max_length"]]
+    + (
+        [config["generate"]["vllm"]["max_model_len"]]
+        if config["generate"]["backend"] == "vllm"
+        else []
+    )
+)
 GENERATE = config["generate"] | {
     "vllm": config["generate"]["vllm"] | SERVING,
     "target_load": TARGET_LOAD,
+    "max_length": GENERATE_MAX_LENGTH,
 }
 GENERATE_GPUS = VLLM_GPUS if config["generate"]["backend"] == "vllm" else 0
 # What defines the data is in params, so in the cache key; the stage reads all its settings from
@@ -20,6 +32,8 @@ GENERATE_DATA_KEYS = (
     "chat_template_kwargs",
     "reject_markers",
     "vllm.reasoning_parser",
+    "max_length",
+    "min_answer_tokens",
 )
 
 
