@@ -41,6 +41,9 @@ rule generate:
     input:
         code=src(
             "generate",
+            "generate_turns",
+            "generate_parts",
+            "generate_backends",
             "vllm_server",
             "vllm_env",
             "gpu_slots",
