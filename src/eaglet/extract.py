@@ -138,7 +138,7 @@ def pick_device(device: str) -> str:
 def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int = 1,
             layer_ids: list[int] | None = None, dtype: str = "bfloat16", token_budget: int = 16384,
             chunk_mb: float = 512, device: str = "auto", work_dir=None, model_dtype: str | None = None,
-            progress: bool = True, trust_remote_code: bool = False) -> dict:
+            progress: bool = True, trust_remote_code: bool = False, dtype_reason: str | None = None) -> dict:
     """Extract one shard; return its index dict (also written to ``out_dir/index.json``).
     ``model_dtype`` (``target.dtype``; None = bf16 on a GPU, fp32 on the CPU), ``device``
     (``target.device``) and ``trust_remote_code`` say how the target is loaded."""
@@ -182,10 +182,10 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
                       f"only {free / 1e9:.2f} GB free")
 
     t0 = time.perf_counter()
+    dev = pick_device(device) if todo else device
+    mdtype = model_dtype or ("bfloat16" if dev.startswith("cuda") else "float32")
     if todo:
-        dev = pick_device(device)
         ngpu = torch.cuda.device_count() if dev.startswith("cuda") else 0
-        mdtype = model_dtype or ("bfloat16" if dev.startswith("cuda") else "float32")
         model = _load(ident["path"], ident["digest"], mdtype, dev, ngpu, trust_remote_code)
         in_dev = model.get_input_embeddings().weight.device
         log.info("target loaded in %.1f s on %s (%s)", time.perf_counter() - t0,
@@ -194,6 +194,8 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
              [all_mask[i] for i in todo], layer_ids, H, token_budget, in_dev, sdtype,
              shard_tokens - todo_tokens, shard_tokens, progress)
     index = writer.finish()
+    # the target forward's dtype and why (extract.target_dtype, eaglet.capability): in the artifact
+    io.write_json(Path(out_dir) / "target_load.json", {"dtype": mdtype, "reason": dtype_reason, "device": dev})
     _verify(out_dir, [ids[i] for i in mine], {ids[i]: all_input[i] for i in mine})
     dt = time.perf_counter() - t0
     log.info("shard %d/%d done: %d samples, %d tokens in %d chunks; %d tokens computed in %.1f s "
@@ -299,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     ld = io.parse_json_arg(a.target_load, {})
     extract(a.tokens, a.identity, a.out, a.shard, a.num_shards, io.parse_json_arg(a.layer_ids),
             a.dtype, a.token_budget, a.chunk_mb, ld.get("device", a.device), a.work, model_dtype=ld.get("dtype"),
-            progress=not a.no_progress, trust_remote_code=bool(ld.get("trust_remote_code")))
+            progress=not a.no_progress, trust_remote_code=bool(ld.get("trust_remote_code")),
+            dtype_reason=ld.get("dtype_reason"))
 
 
 if __name__ == "__main__":

@@ -4,10 +4,26 @@
 # progress lives in the sibling `shard_<i>.partial/` (not an output, so Snakemake does not delete
 # it before a rerun): a killed shard resumes from its last complete chunk.
 
+# The dtype of the target's forward here (extract.target_dtype), decided now, with the reason: auto
+# = bf16 on a GPU job, else bf16 only where the CPU has AMX (eaglet.capability, issue 15).
+from eaglet import capability
+
+EXTRACT_TARGET_DTYPE, EXTRACT_TARGET_DTYPE_WHY = capability.resolve_target_dtype(
+    config["extract"]["target_dtype"],
+    on_gpu=config["extract"]["gpus_per_shard"] > 0 or config["target"]["device"] == "cuda",
+)
+logger.info(
+    f"extraction target forward: {EXTRACT_TARGET_DTYPE} ({EXTRACT_TARGET_DTYPE_WHY})"
+)
+EXTRACT_LOAD = TARGET_LOAD | {
+    "dtype": EXTRACT_TARGET_DTYPE,
+    "dtype_reason": EXTRACT_TARGET_DTYPE_WHY,
+}
+
 
 rule extract_hidden_states:
     input:
-        code=src("extract", "hidden_store", "gpu_slots", "target", "io"),
+        code=src("extract", "hidden_store", "gpu_slots", "target", "io", "capability"),
         tokens=rules.tokenize.output.tokens,
         identity=TARGET_ID,
     output:
@@ -33,8 +49,8 @@ rule extract_hidden_states:
         dtype=config["extract"]["dtype"],
         token_budget=config["extract"]["token_budget"],
         chunk_mb=config["extract"]["chunk_mb"],
-        # how the target is loaded: target.dtype, target.device, target.trust_remote_code
-        load=as_json(TARGET_LOAD),
+        # how the target is loaded: extract.target_dtype (resolved), target.device, target.trust_remote_code
+        load=as_json(EXTRACT_LOAD),
     shell:
         "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
         " python -m eaglet.extract --tokens {input.tokens:q} --identity {input.identity:q}"
