@@ -173,6 +173,35 @@ def test_prompt_over_the_limit_is_not_generated_and_tokenize_cuts_no_answer(tiny
     assert s["filtered"] == 0 and s["this_run"] == {**s["this_run"], "success": 1, "skipped": 3}
 
 
+# --------------------------------------------------------------------------- data.mix (issue 15)
+def test_mix_regenerates_a_share_and_passes_the_rest_through(tiny_target, tmp_path):
+    """data.mix 0.5: half the conversations regenerated, the others output with the dataset's own
+    responses, in input order; mix 0 generates nothing (no model is loaded: nothing to send)."""
+    from eaglet.generate_turns import regenerated_ids
+
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    rows = make_conversations(tmp_path / "in.parquet", 6, multi_every=0)
+    cfg = {"backend": "local", "max_tokens": 4, "turns": "last", "mix": 0.5}
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "half", cfg)
+    assert (s["regenerated"], s["original"], s["samples"], s["input"]) == (3, 3, 6, 6)
+    assert s["generated_turns"] == 3 and s["this_run"]["success"] == 3
+    out = io.read_conversations(tmp_path / "half" / "conversations.parquet")
+    assert [r["id"] for r in out] == [r["id"] for r in rows]
+    regen = regenerated_ids(rows, 0.5, 0)
+    for r, src in zip(out, rows, strict=True):
+        if r["id"] in regen:
+            assert r["messages"][-1]["content"] != "source answer"
+        else:
+            assert [m["content"] for m in r["messages"]] == [m["content"] for m in src["messages"]]
+    # a larger share only adds rows, and the choice does not depend on the input order
+    assert regen <= regenerated_ids(rows, 0.75, 0) and regen == regenerated_ids(rows[::-1], 0.5, 0)
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "none", {**cfg, "mix": 0.0})
+    assert (s["regenerated"], s["original"], s["this_run"]["requests"]) == (0, 6, 0)
+    assert assistant_texts(tmp_path / "none" / "conversations.parquet") == {r["id"]: ["source answer"] for r in rows}
+    with pytest.raises(ValueError, match="data.mix"):
+        generate(tmp_path / "in.parquet", ident, tmp_path / "bad", {**cfg, "mix": 1.5})
+
+
 # --------------------------------------------------------------------------- canned server
 class _Canned(BaseHTTPRequestHandler):
     """Answers chat completions by keyword in the last user message (see `reply`)."""

