@@ -202,6 +202,21 @@ def test_mix_regenerates_a_share_and_passes_the_rest_through(tiny_target, tmp_pa
         generate(tmp_path / "in.parquet", ident, tmp_path / "bad", {**cfg, "mix": 1.5})
 
 
+def test_mix_without_generation_is_refused_at_parse_time(tmp_path):
+    import yaml
+
+    from conftest import clone
+
+    a = clone(tmp_path / "wf")
+    conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
+    conf["generate"]["enabled"] = False
+    conf["data"] = {"mix": 0.5}
+    (a / "config/t.yaml").write_text(yaml.safe_dump(conf))
+    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", "config/t.yaml"],
+                       cwd=a, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "data.mix: 0.5" in p.stdout + p.stderr and "generate.enabled" in p.stdout + p.stderr
+
+
 # --------------------------------------------------------------------------- canned server
 class _Canned(BaseHTTPRequestHandler):
     """Answers chat completions by keyword in the last user message (see `reply`)."""
