@@ -284,7 +284,8 @@ def test_evaluation_and_contract_serve_kimi_as_configured(repo, kimi_plan):
     # export reads its settings from the file the workflow writes (--config @FILE)
     assert "--config @logs/kimi-k2.5/config/export.json" in by["export"]["shell"], by["export"]["shell"][:600]
     assert STAGE_CONFIGS["kimi"]["export"]["serving"] == want
-    load = '{"device": "auto", "dtype": "bfloat16", "trust_remote_code": true}'
+    # extract.target_dtype auto on a GPU job: bf16, with the reason (eaglet.capability, issue 15)
+    load = '{"device": "auto", "dtype": "bfloat16", "dtype_reason": "GPU job", "trust_remote_code": true}'
     assert f"--target-load '{load}'" in by["extract_hidden_states"]["shell"]
     for rule in ("evaluate_offline", "evaluate_speculative"):
         shell = by[rule]["shell"]
