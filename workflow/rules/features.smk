@@ -10,7 +10,8 @@ from eaglet import capability
 
 EXTRACT_TARGET_DTYPE, EXTRACT_TARGET_DTYPE_WHY = capability.resolve_target_dtype(
     config["extract"]["target_dtype"],
-    on_gpu=config["extract"]["gpus_per_shard"] > 0 or config["target"]["device"] == "cuda",
+    on_gpu=config["extract"]["gpus_per_shard"] > 0
+    or config["target"]["device"] == "cuda",
 )
 logger.info(
     f"extraction target forward: {EXTRACT_TARGET_DTYPE} ({EXTRACT_TARGET_DTYPE_WHY})"
