@@ -342,3 +342,20 @@ def test_every_trainer_setting_is_a_config_key():
     assert set(DEFAULTS) <= set(props), sorted(set(DEFAULTS) - set(props))
     for k, v in DEFAULTS.items():
         assert props[k].get("default") == v, (k, props[k].get("default"), v)
+
+
+def test_a_data_fraction_trains_on_fewer_samples_and_records_its_validation_chain(tiny_target, data, tmp_path):
+    """The learning curve's inputs: data_fraction 0.5 keeps about half the training samples (the
+    validation split unchanged), and the per-sequence chain counts recorded for the kept weights
+    pool to the validation chain τ the trainer selected them by."""
+    full = train(data["index"], data["vocab"], tiny_target, tmp_path / "full", dict(PARAMS, max_steps=4))
+    half = train(data["index"], data["vocab"], tiny_target, tmp_path / "half",
+                 dict(PARAMS, max_steps=4, data_fraction=0.5))
+    assert half["val_samples"] == full["val_samples"] > 0
+    assert 0 < half["train_samples"] < full["train_samples"] and half["train_tokens"] < full["train_tokens"]
+    for s in (full, half):
+        groups = s["best_val_chain_by_sequence"]
+        assert len(groups) == s["val_samples"]
+        rounds = sum(r for _, r in groups)
+        assert rounds == s["best_val"]["chain_rounds"] > 0
+        assert 1 + sum(a for a, _ in groups) / rounds == pytest.approx(s["selected"]["val_chain_tau"])

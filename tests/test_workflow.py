@@ -229,3 +229,42 @@ def test_summary_prints_the_measured_table_from_the_artifacts(finished_run):
     p = subprocess.run([sys.executable, "-m", "eaglet.summary", "results/nope"], cwd=a, env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "no such run folder" in p.stderr
+
+
+def test_learning_curve_adds_its_trainings_and_states_tau_and_costs(finished_run):
+    """plan.learning_curve on a finished run: `snakemake -n` plans the two fraction trainings and
+    the fit, not the full training again; run, the fit's points, predictions and check are in
+    learning_curve.json, eval/summary.json and the summary table. (Last in the module: the run is
+    put back to the smoke config at the end.)"""
+    import json
+
+    a, cache = finished_run
+    conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
+    # require_check false: on 3 validation sequences of a random tiny model the check may go either way
+    conf["plan"] = {"learning_curve": True, "require_check": False}
+    (a / "config/lc.yaml").write_text(yaml.safe_dump(conf))
+    try:
+        _, out = smk(a, cache, "-n", configfile="config/lc.yaml")
+        jobs = planned_jobs(out)
+        assert {"train_fraction", "learning_curve", "eval_summary"} <= jobs
+        assert not jobs & {"train", "extract_hidden_states", "generate", "tokenize"}
+        assert out.count("rule train_fraction:") == 2
+        smk(a, cache, configfile="config/lc.yaml")
+        r = json.loads((a / "results/smoke/learning_curve/learning_curve.json").read_text())
+        full = json.loads((a / "results/smoke/train/train_summary.json").read_text())
+        assert [p["fraction"] for p in r["points"]] == [0.25, 0.5, 1.0]
+        assert r["points"][-1]["tokens"] == r["tokens_now"] == full["train_tokens"]
+        assert r["points"][0]["tokens"] < r["points"][1]["tokens"] < r["tokens_now"]
+        assert r["tau_now"] == pytest.approx(full["selected"]["val_chain_tau"])
+        assert [p["multiplier"] for p in r["predictions"]] == [2, 10, 100]
+        for p in r["predictions"]:
+            assert 1.0 <= p["interval"][0] <= p["tau"] <= p["interval"][1] <= 1 + full["params"]["ttt_steps"]
+            assert p["cost"]["train_hours"] > 0 and p["cost"]["hidden_gb"] > 0
+        assert r["check"]["status"] in ("pass", "fail") and r["check"]["fitted_on"] == [0.25, 0.5]
+        summary = json.loads((a / "results/smoke/eval/summary.json").read_text())
+        assert summary["learning_curve"]["tau_now"] == r["tau_now"]
+        from eaglet.summary import table
+
+        assert any(line.startswith("| learning curve | validation chain τ now") for line in table(a / "results/smoke"))
+    finally:
+        smk(a, cache)  # back to the smoke config's outputs for anything after

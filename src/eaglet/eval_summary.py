@@ -279,7 +279,7 @@ def plots(out: Path, offline: dict, spec: dict, vllm: dict | None, rec: dict) ->
     return [str(out / p) for p in PLOTS]
 
 
-def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: dict) -> dict:
+def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: dict, curve: dict | None = None) -> dict:
     """The summary when the HF loop did not run: vLLM's figures only, every HF-loop figure null
     and the reason in the headline; placeholder plots carry the same note."""
     import matplotlib
@@ -307,25 +307,30 @@ def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: di
         plt.close(fig)
     rec = {"recommended_k": None, "sentence": h["recommendation"], "table": []}
     res = {"headline": h, "agreement": None, "recommendation": rec, "domains": None,
-           "vllm_disagreements": (vllm or {}).get("disagreements"), "plots": [str(out / p) for p in PLOTS]}
+           "vllm_disagreements": (vllm or {}).get("disagreements"), "plots": [str(out / p) for p in PLOTS],
+           "learning_curve": curve}
     io.write_parquet(out / "recommendation.parquet", pd.DataFrame({"k": pd.Series([], dtype="int64")}))
     io.write_json(out / "summary.json", res)
     log.warning("HF loop not run (%s); headline: %s", why, h)
     return res
 
 
-def summarise(eval_dir: str | Path, vllm: str | Path | None = None, **opts) -> dict:
+def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_curve: str | Path | None = None,
+              **opts) -> dict:
+    """``learning_curve``: eaglet.learning_curve's JSON (plan.learning_curve), carried into the summary."""
     o = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
     out = Path(eval_dir)
     offline, spec = io.read_json(out / "offline.json"), io.read_json(out / "speculative.json")
     vl = io.read_json(vllm) if vllm else None
+    curve = io.read_json(learning_curve) if learning_curve else None
     if offline.get("status") == "not run" or spec.get("status") == "not run":
-        return summarise_without_hf_loop(out, offline if offline.get("status") else spec, vl, o)
+        return summarise_without_hf_loop(out, offline if offline.get("status") else spec, vl, o, curve)
     agree = agreement(out, o["tie_eps"])
     rec = recommend(offline, spec)
     res = {"headline": headline(offline, spec, vl, agree, rec, o), "agreement": agree, "recommendation": rec,
            "domains": {"offline_chain": offline.get("domains"), "hf_loop": spec.get("domains")},
-           "vllm_disagreements": (vl or {}).get("disagreements"), "plots": plots(out, offline, spec, vl, rec)}
+           "vllm_disagreements": (vl or {}).get("disagreements"), "plots": plots(out, offline, spec, vl, rec),
+           "learning_curve": curve}
     io.write_parquet(out / "recommendation.parquet", pd.DataFrame(rec["table"]))
     io.write_json(out / "summary.json", res)
     log.info("headline: %s", res["headline"])
@@ -337,11 +342,12 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--eval-dir", required=True)
     p.add_argument("--vllm", default=None, help="vllm.json (optional)")
+    p.add_argument("--learning-curve", default=None, help="learning_curve.json (optional: plan.learning_curve)")
     p.add_argument("--config", default=None, help="JSON options: " + ", ".join(DEFAULTS))
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
-    summarise(a.eval_dir, a.vllm, **io.parse_json_arg(a.config, {}))
+    summarise(a.eval_dir, a.vllm, a.learning_curve, **io.parse_json_arg(a.config, {}))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ def _minutes(seconds: float | None) -> str:
 # Which rules each row of the table stands for (their wall times are summed).
 ROWS = {"target": ["target_model"], "generate": ["generate"],
         "tokenize / vocab": ["prompts", "tokenize", "token_freq", "vocab_map"],
-        "extract": ["extract_hidden_states"], "train": ["train"], "export": ["export"],
+        "extract": ["extract_hidden_states"], "train": ["train"],
+        "learning curve": ["train_fraction", "learning_curve"], "export": ["export"],
         "evaluate": ["evaluate_offline", "evaluate_speculative", "evaluate_vllm", "eval_summary"],
         "plots / provenance": ["plots", "provenance"]}
 
@@ -192,6 +193,10 @@ def table(run_dir: str | Path) -> list[str]:
         rows.append(("extract", x))
     if (t := _load(run_dir, "train/train_summary.json")):
         rows.append(("train", _train(t)))
+    if (lc := _load(run_dir, "learning_curve/learning_curve.json")):
+        from eaglet.learning_curve import describe
+
+        rows.append(("learning curve", describe(lc)))
     if (c := _load(run_dir, "drafter/contract.json")):
         rows.append(("export", _export(c)))
     if (e := _load(run_dir, "eval/summary.json")):

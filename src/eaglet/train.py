@@ -79,6 +79,7 @@ DEFAULTS = dict(
     checkpoint_every=200,
     keep_checkpoints=1,
     val_fraction=0.05,
+    data_fraction=1.0,      # train on this nested fraction of the training samples (the learning curve)
     val_every=100,
     val_max_batches=None,
     max_steps=None,         # cap on optimizer steps (smoke runs, tests)
@@ -152,6 +153,15 @@ def is_val(sample_id: str, fraction: float) -> bool:
     return h < fraction * 2**32
 
 
+def in_fraction(sample_id: str, fraction: float) -> bool:
+    """The nested training subsets of the learning curve: a sample is in every fraction at or
+    above its own hash (another hash than ``is_val``'s, so the subsets do not follow the split)."""
+    if fraction >= 1.0:
+        return True
+    h = int(hashlib.sha256(b"fraction:" + sample_id.encode()).hexdigest()[:8], 16)
+    return h < fraction * 2**32
+
+
 def plan_batches(indices: list[int], lengths: list[int], budget: int, seed: int, epoch: int,
                  shuffle: bool = True, window: int = 256) -> list[list[int]]:
     """Micro-batches of sample indices with B x T_max <= budget. Shuffled, then sorted by length
@@ -193,7 +203,8 @@ def plan_micro_batches(ids: list[str], lengths: list[int], p: dict):
     """All micro-batches of the run in order (epochs concatenated, a fractional last epoch cut),
     and the train/val sample indices. Step s of a run with M micro-batches per step uses
     micro[s*M:(s+1)*M], whatever the world size: the step number is the data position."""
-    train_idx = [i for i, s in enumerate(ids) if not is_val(s, p["val_fraction"])]
+    train_idx = [i for i, s in enumerate(ids)
+                 if not is_val(s, p["val_fraction"]) and in_fraction(s, p["data_fraction"])]
     val_idx = [i for i, s in enumerate(ids) if is_val(s, p["val_fraction"])]
     micro: list[list[int]] = []
     for e in range(math.ceil(p["epochs"])):
@@ -269,9 +280,11 @@ def chain_positions(batch: dict, valid_BT: torch.Tensor, p_BTVd: torch.Tensor, d
     return valid_BT & ok
 
 
-def chain_counts(hits_BTK: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+def chain_counts(hits_BTK: torch.Tensor, mask_BT: torch.Tensor,
+                 per_sequence: list | None = None) -> torch.Tensor:
     """[K, 2]: for k = 1..K, accepted drafts and rounds with drafts of the replayed greedy chain
-    (eaglet.chain) over every assistant span of the batch."""
+    (eaglet.chain) over every assistant span of the batch. ``per_sequence`` receives each row's
+    (accepted, rounds) at k = K (the learning curve resamples sequences)."""
     K = hits_BTK.shape[-1]
     acc_BT = chain.accepted_runs(hits_BTK).tolist()
     out = torch.zeros(K, 2, dtype=torch.float64)
@@ -280,6 +293,8 @@ def chain_counts(hits_BTK: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
             drafted = [r for r in chain.sequence_rounds(acc_BT[b], m, k) if r[1] > 0]
             out[k - 1, 0] += sum(r[2] for r in drafted)
             out[k - 1, 1] += len(drafted)
+        if per_sequence is not None:  # drafted is k = K's
+            per_sequence.append((sum(r[2] for r in drafted), len(drafted)))
     return out
 
 
@@ -492,10 +507,14 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             return m(b["x"], b["aux"], p_BTVd, valid, noise, chain_BT)
 
+    val_order = [i for batch in val_batches for i in batch]  # one row per validation sequence
+    val_seq: dict[int, list] = {}  # step -> [[accepted, rounds] at k = K] per sequence, val_order
+
     def validate(step: int) -> dict:
         objective.eval()
         acc = torch.zeros(3, cfg.ttt_steps, device=device)
         ch = torch.zeros(cfg.ttt_steps, 2, dtype=torch.float64)  # chain: accepted, rounds per k
+        seq = torch.zeros(len(val_order), 2, dtype=torch.float64)
         with torch.no_grad():
             for bi in range(rank, len(val_batches), ws):
                 b, p_BTVd, valid, _ = prepare(val_batches[bi], None)
@@ -503,9 +522,13 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
                                   chain_positions(b, valid, p_BTVd, d2t_dev))
                 acc[0] += st[0] * st[2]  # token-weighted over the whole held-out set
                 acc[1:] += st[1:]
-                ch += chain_counts(hits.cpu(), b["mask"].cpu())
+                per: list = []
+                ch += chain_counts(hits.cpu(), b["mask"].cpu(), per)
+                first = sum(len(x) for x in val_batches[:bi])
+                seq[first:first + len(per)] = torch.tensor(per, dtype=torch.float64)
         acc = all_sum(acc, ws)
         ch = all_sum(ch.to(device), ws).cpu()
+        val_seq[step] = all_sum(seq.to(device), ws).cpu().tolist()
         objective.train()
         cnt = acc[2].clamp(min=1)
         lk, ak = (acc[0] / cnt).tolist(), (acc[1] / cnt).tolist()
@@ -565,7 +588,7 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
         if val_batches and (done % p["val_every"] == 0 or done == total):
             rows.append(validate(done))
             if is_better(rows[-1], best):
-                best = {"step": done, "chain_tau": rows[-1]["chain_tau"],
+                best = {"step": done, "chain_tau": rows[-1]["chain_tau"], "chain_by_sequence": val_seq[done],
                         "model": {k: v.detach().cpu().clone() for k, v in drafter.trainable_state_dict().items()}}
         if main and (done % p["checkpoint_every"] == 0) and done < total:
             save_checkpoint(ckpt_dir, done, {
@@ -595,6 +618,9 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
         io.write_parquet(out_dir / "metrics.parquet", pd.DataFrame(rows))
         summary = {"steps": total, "resumed_from": start, "world_size": ws, "device": device.type,
                    "micro_batches_per_step": M, "train_samples": len(train_idx), "val_samples": len(val_idx),
+                   "data_fraction": p["data_fraction"], "train_tokens": int(sum(lengths[i] for i in train_idx)),
+                   # the kept pass's exact chain (accepted, rounds) at k = K per validation sequence
+                   "best_val_chain_by_sequence": (best or {}).get("chain_by_sequence"),
                    "tokens_this_run": tokens_seen, "seconds_this_run": elapsed,
                    "tok_s": tokens_seen / max(elapsed, 1e-9),
                    "final_train": last_train, "final_val": last_val, "selected": selected, "best_val": best_val,

@@ -168,6 +168,11 @@ rule evaluate_vllm:
 rule eval_summary:
     input:
         **({"vllm": rules.evaluate_vllm.output.vllm} if EVAL["vllm"]["enabled"] else {}),
+        **(
+            {"learning_curve": rules.learning_curve.output.curve}
+            if config["plan"]["learning_curve"]
+            else {}
+        ),
         code=src("eval_summary", "eval_stats", "io"),
         offline=rules.evaluate_offline.output.offline,
         positions=rules.evaluate_offline.output.positions,
@@ -209,9 +214,14 @@ rule eval_summary:
         vllm=lambda wildcards, input: (
             f"--vllm {input.vllm}" if "vllm" in input.keys() else ""
         ),
+        learning_curve=lambda wildcards, input: (
+            f"--learning-curve {input.learning_curve}"
+            if "learning_curve" in input.keys()
+            else ""
+        ),
         opts=as_json({"tie_eps": EVAL["tie_eps"], "headline_k": EVAL["headline_k"]}),
     shell:
-        "python -m eaglet.eval_summary --eval-dir {params.eval_dir:q} {params.vllm}"
+        "python -m eaglet.eval_summary --eval-dir {params.eval_dir:q} {params.vllm} {params.learning_curve}"
         " --config {params.opts:q} --log {log:q}"
 
 
