@@ -49,6 +49,7 @@ import os
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -384,25 +385,45 @@ def lr_lambda_for(total: int, warmup: int):
     return f
 
 
-def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, params: dict | None = None,
-          dataset: HiddenStateDataset | None = None) -> dict:
-    """Train a drafter; write the stage's outputs under ``out_dir``; return the summary."""
-    from tqdm import tqdm
+@dataclass
+class _Run:
+    """What set-up builds and the loop reads: settings, data, model, optimizer, resume state."""
+    p: dict
+    out_dir: Path
+    rank: int
+    ws: int
+    device: torch.device
+    ds: HiddenStateDataset
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    cfg: DrafterConfig
+    head: TargetHead
+    label_check: dict
+    drafter: Eagle3Drafter
+    objective: TTTObjective
+    model: nn.Module
+    micro: list = field(default_factory=list)
+    train_idx: list = field(default_factory=list)
+    val_idx: list = field(default_factory=list)
+    val_batches: list = field(default_factory=list)
+    A: int = 1
+    M: int = 1
+    total: int = 0
+    opt: torch.optim.Optimizer | None = None
+    sched: torch.optim.lr_scheduler.LRScheduler | None = None
+    ckpt_dir: Path | None = None
+    digest: str = ""
+    start: int = 0
+    rows: list = field(default_factory=list)
+    best: dict | None = None  # the validation pass with the best chain τ: {"step", "chain_tau", "model"}
 
-    p = resolve_params(params)
-    out_dir = Path(out_dir)
-    rank, ws, device = dist_setup(int(p["gpus"]))
-    main = rank == 0
-    torch.manual_seed(p["seed"])
-    random.seed(p["seed"])
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
 
-    # Opening checks headers and sizes only; each rank hashes a chunk against its index when it
-    # first reads it, so no rank stalls the others' DDP init hashing terabytes (issue 14).
-    ds = dataset if dataset is not None else HiddenStateDataset(hidden, verify="sha")
-    meta = ds.meta
-    if meta["target_digest"] != identity["digest"]:
-        raise io.ArtifactError(f"{hidden[0] if hidden else 'hidden states'}: extracted from target "
-                               f"{meta['target_digest'][:12]}, identity says {identity['digest'][:12]}")
+
+def check_vocab(vocab: str, identity: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the vocab map, checked against the target."""
     vt = io.load_tensors(vocab, ["d2t", "t2d"])
     d2t, t2d = vt["d2t"].long(), vt["t2d"].bool()
     if len(t2d) != identity["vocab_size"] or int(t2d.sum()) != len(d2t):
@@ -410,11 +431,27 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
                                f"{identity['vocab_size']}, d2t {len(d2t)}")
     if not torch.equal(t2d.nonzero().squeeze(1), torch.arange(len(d2t)) + d2t):
         raise io.ArtifactError(f"{vocab}: nonzero(t2d) != arange(V_d) + d2t")
+    return d2t, t2d
 
+
+def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
+          dataset: HiddenStateDataset | None) -> _Run:
+    """Processes, data, labels, drafter (DDP-wrapped on several ranks)."""
+    rank, ws, device = dist_setup(int(p["gpus"]))
+    torch.manual_seed(p["seed"])
+    random.seed(p["seed"])
+    # Opening checks headers and sizes only; each rank hashes a chunk against its index when it
+    # first reads it, so no rank stalls the others' DDP init hashing terabytes (issue 14).
+    ds = dataset if dataset is not None else HiddenStateDataset(hidden, verify="sha")
+    meta = ds.meta
+    if meta["target_digest"] != identity["digest"]:
+        raise io.ArtifactError(f"{hidden[0] if hidden else 'hidden states'}: extracted from target "
+                               f"{meta['target_digest'][:12]}, identity says {identity['digest'][:12]}")
+    d2t, t2d = check_vocab(vocab, identity)
     cfg = DrafterConfig.from_identity(identity, len(d2t), meta["layer_ids"], ttt_steps=int(p["ttt_steps"]))
     head = TargetHead(identity, t2d, bool(meta["final_is_prenorm"]), p["oov_rule"] == "greedy", device)
     label_check = prove_labels(head, ds, p)
-    if main:
+    if rank == 0:
         log.info("labels: top-1 agreement with the real model %s on %d of %d recorded positions (norm %s)",
                  f"{label_check['agreement']:.4f}" if label_check["ok"] is not None else "NOT RUN",
                  label_check["judged"], label_check["positions"], label_check["norm_class"])
@@ -430,183 +467,233 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
 
         model = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None,
                     broadcast_buffers=False)
-    t2d_dev, d2t_dev = t2d.to(device), d2t.to(device)
+    return _Run(p=p, out_dir=out_dir, rank=rank, ws=ws, device=device, ds=ds, d2t=d2t, t2d=t2d, cfg=cfg,
+                head=head, label_check=label_check, drafter=drafter, objective=objective, model=model)
 
-    # ---- data plan: a pure function of (data, params), so the step number is the data position
-    lengths = list(ds.num_tokens)
-    micro, train_idx, val_idx = plan_micro_batches(ds.ids, lengths, p)
-    A, M = int(p["grad_accum"]), int(p["grad_accum"]) * ws
-    if not train_idx:
+
+def plan_run(r: _Run, hidden: list[str]) -> None:
+    """The data plan (a pure function of (data, params), so the step number is the data position),
+    the optimizer and its schedule."""
+    p = r.p
+    lengths = list(r.ds.num_tokens)
+    r.micro, r.train_idx, r.val_idx = plan_micro_batches(r.ds.ids, lengths, p)
+    r.A = int(p["grad_accum"])
+    r.M = r.A * r.ws
+    if not r.train_idx:
         raise io.ArtifactError(f"{hidden}: no training samples left after the validation split")
-    total = len(micro) // M
+    r.total = len(r.micro) // r.M
     if p["max_steps"] is not None:
-        total = min(total, int(p["max_steps"]))
-    if total < 1:
-        raise ValueError(f"train: {len(micro)} micro-batches are fewer than one step of {M}; "
+        r.total = min(r.total, int(p["max_steps"]))
+    if r.total < 1:
+        raise ValueError(f"train: {len(r.micro)} micro-batches are fewer than one step of {r.M}; "
                          "lower train.token_budget or add data")
-    val_batches = plan_batches(val_idx, lengths, p["token_budget"], p["seed"], 0, shuffle=False)
+    r.val_batches = plan_batches(r.val_idx, lengths, p["token_budget"], p["seed"], 0, shuffle=False)
     if p["val_max_batches"] is not None:
-        val_batches = val_batches[:int(p["val_max_batches"])]
+        r.val_batches = r.val_batches[:int(p["val_max_batches"])]
+    r.opt = torch.optim.AdamW([q for q in r.drafter.parameters() if q.requires_grad], lr=p["lr"],
+                              weight_decay=p["weight_decay"], betas=(0.9, 0.95))
+    r.sched = torch.optim.lr_scheduler.LambdaLR(r.opt, lr_lambda_for(r.total, math.ceil(p["warmup_ratio"] * r.total)))
 
-    opt = torch.optim.AdamW([q for q in drafter.parameters() if q.requires_grad], lr=p["lr"],
-                            weight_decay=p["weight_decay"], betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(total, math.ceil(p["warmup_ratio"] * total)))
 
-    # ---- resume
-    ckpt_dir = out_dir / "checkpoints"
-    digest = io.digest_of({"params": p,
-                           "target": identity["digest"], "vocab": io.file_digest(vocab),
-                           "data": [ds.ids, lengths], "world": ws, "device": device.type})
-    start, rows = 0, []
-    best = None  # the validation pass with the best chain τ: {"step", "chain_tau", "model"}
-    state = load_latest_checkpoint(ckpt_dir, digest) if ckpt_dir.exists() else None
-    if state is not None:
-        drafter.load_state_dict({**state["model"], "embed_tokens.weight": drafter.embed_tokens.weight})
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
-        start, rows, best = int(state["step"]), list(state["metrics"]), state.get("best")
-        if main:
-            log.info("resuming from %s/step_%08d.pt", ckpt_dir, start)
+def resume(r: _Run, vocab: str, identity: dict) -> None:
+    """Restart from the newest checkpoint of this very configuration, if any."""
+    r.ckpt_dir = r.out_dir / "checkpoints"
+    r.digest = io.digest_of({"params": r.p,
+                             "target": identity["digest"], "vocab": io.file_digest(vocab),
+                             "data": [r.ds.ids, list(r.ds.num_tokens)], "world": r.ws, "device": r.device.type})
+    state = load_latest_checkpoint(r.ckpt_dir, r.digest) if r.ckpt_dir.exists() else None
+    if state is None:
+        return
+    r.drafter.load_state_dict({**state["model"], "embed_tokens.weight": r.drafter.embed_tokens.weight})
+    r.opt.load_state_dict(state["optimizer"])
+    r.sched.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"])
+    r.start, r.rows, r.best = int(state["step"]), list(state["metrics"]), state.get("best")
+    if r.main:
+        log.info("resuming from %s/step_%08d.pt", r.ckpt_dir, r.start)
 
-    # Reading + collating runs one micro-batch ahead in a thread (the only thread touching ds).
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-data")
-    pending: dict[tuple, Future] = {}
 
-    def fetch(batch_idx: list[int]) -> Future:
-        return pool.submit(lambda: collate([ds.sample(i) for i in batch_idx], "cpu"))
+class Batches:
+    """Micro-batches on the device with their targets. Reading + collating runs one micro-batch
+    ahead in a thread (the only thread touching the dataset)."""
 
-    def prepare(batch_idx: list[int], gen_seed: int | None, ahead: list[int] | None = None):
-        fut = pending.pop(tuple(batch_idx), None) or fetch(batch_idx)
+    def __init__(self, r: _Run):
+        self.r = r
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-data")
+        self.pending: dict[tuple, Future] = {}
+        self.t2d = r.t2d.to(r.device)
+
+    def _fetch(self, batch_idx: list[int]) -> Future:
+        ds = self.r.ds
+        return self.pool.submit(lambda: collate([ds.sample(i) for i in batch_idx], "cpu"))
+
+    def prepare(self, batch_idx: list[int], gen_seed: int | None, ahead: list[int] | None = None):
+        """-> (batch, p_BTVd, valid_BT, noise or None); starts reading ``ahead``."""
+        r = self.r
+        fut = self.pending.pop(tuple(batch_idx), None) or self._fetch(batch_idx)
         if ahead is not None:
-            pending[tuple(ahead)] = fetch(ahead)
-        b = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in fut.result().items()}
-        p_BTVd, inv = head(b["final"])
+            self.pending[tuple(ahead)] = self._fetch(ahead)
+        b = {k: v.to(r.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in fut.result().items()}
+        p_BTVd, inv = r.head(b["final"])
         noise = None
-        if gen_seed is not None and p["noise_std"] > 0:
-            gen = torch.Generator(device=device).manual_seed(gen_seed)
-            noise = torch.randn(b["aux"].shape, generator=gen, device=device) * p["noise_std"]
-        return b, p_BTVd, valid_positions(b, t2d_dev, inv), noise
+        if gen_seed is not None and r.p["noise_std"] > 0:
+            gen = torch.Generator(device=r.device).manual_seed(gen_seed)
+            noise = torch.randn(b["aux"].shape, generator=gen, device=r.device) * r.p["noise_std"]
+        return b, p_BTVd, valid_positions(b, self.t2d, inv), noise
 
-    def run(m, b, p_BTVd, valid, noise, chain_BT=None):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            return m(b["x"], b["aux"], p_BTVd, valid, noise, chain_BT)
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
-    def validate(step: int) -> dict:
-        objective.eval()
-        acc = torch.zeros(3, cfg.ttt_steps, device=device)
-        ch = torch.zeros(cfg.ttt_steps, 2, dtype=torch.float64)  # chain: accepted, rounds per k
-        with torch.no_grad():
-            for bi in range(rank, len(val_batches), ws):
-                b, p_BTVd, valid, _ = prepare(val_batches[bi], None)
-                _, st, hits = run(objective, b, p_BTVd, valid, None,
-                                  chain_positions(b, valid, p_BTVd, d2t_dev))
-                acc[0] += st[0] * st[2]  # token-weighted over the whole held-out set
-                acc[1:] += st[1:]
-                ch += chain_counts(hits.cpu(), b["mask"].cpu())
-        acc = all_sum(acc, ws)
-        ch = all_sum(ch.to(device), ws).cpu()
-        objective.train()
-        cnt = acc[2].clamp(min=1)
-        lk, ak = (acc[0] / cnt).tolist(), (acc[1] / cnt).tolist()
-        ctau = [1 + float(a / r) if r > 0 else None for a, r in ch.tolist()]
-        row = {"split": "val", "step": step, "loss": sum(p["gamma"] ** k * v for k, v in enumerate(lk)),
-               "chain_tau": ctau[-1], "tf_tau": tf_tau(ak), "positions": int(acc[2, 0]),
-               "chain_rounds": int(ch[-1, 1])}
-        row.update({f"chain_tau_{k + 1}": v for k, v in enumerate(ctau)})
-        row.update({f"loss_{k}": v for k, v in enumerate(lk)})
-        row.update({f"tf_acc_{k}": v for k, v in enumerate(ak)})
-        return row
 
-    objective.train()
-    bar = tqdm(total=total, initial=start, disable=not main, desc="train", mininterval=5)
+def _forward(r: _Run, m, b, p_BTVd, valid, noise, chain_BT=None):
+    with torch.autocast(r.device.type, dtype=torch.bfloat16, enabled=r.device.type == "cuda"):
+        return m(b["x"], b["aux"], p_BTVd, valid, noise, chain_BT)
+
+
+def validate(r: _Run, batches: Batches, step: int) -> dict:
+    """One pass over the held-out micro-batches (split over the ranks): the validation row."""
+    K = r.cfg.ttt_steps
+    r.objective.eval()
+    acc = torch.zeros(3, K, device=r.device)
+    ch = torch.zeros(K, 2, dtype=torch.float64)  # chain: accepted, rounds per k
+    d2t_dev = r.d2t.to(r.device)
+    with torch.no_grad():
+        for bi in range(r.rank, len(r.val_batches), r.ws):
+            b, p_BTVd, valid, _ = batches.prepare(r.val_batches[bi], None)
+            _, st, hits = _forward(r, r.objective, b, p_BTVd, valid, None,
+                                   chain_positions(b, valid, p_BTVd, d2t_dev))
+            acc[0] += st[0] * st[2]  # token-weighted over the whole held-out set
+            acc[1:] += st[1:]
+            ch += chain_counts(hits.cpu(), b["mask"].cpu())
+    acc = all_sum(acc, r.ws)
+    ch = all_sum(ch.to(r.device), r.ws).cpu()
+    r.objective.train()
+    cnt = acc[2].clamp(min=1)
+    lk, ak = (acc[0] / cnt).tolist(), (acc[1] / cnt).tolist()
+    ctau = [1 + float(a / n) if n > 0 else None for a, n in ch.tolist()]
+    row = {"split": "val", "step": step, "loss": sum(r.p["gamma"] ** k * v for k, v in enumerate(lk)),
+           "chain_tau": ctau[-1], "tf_tau": tf_tau(ak), "positions": int(acc[2, 0]),
+           "chain_rounds": int(ch[-1, 1])}
+    row.update({f"chain_tau_{k + 1}": v for k, v in enumerate(ctau)})
+    row.update({f"loss_{k}": v for k, v in enumerate(lk)})
+    row.update({f"tf_acc_{k}": v for k, v in enumerate(ak)})
+    return row
+
+
+def train_step(r: _Run, batches: Batches, step: int) -> dict:
+    """One optimizer step over this rank's A micro-batches of global step ``step``: its train row."""
+    p, A, M, K = r.p, r.A, r.M, r.cfg.ttt_steps
+    t0 = time.time()
+    r.opt.zero_grad(set_to_none=True)
+    stats = torch.zeros(3, K, device=r.device)
+    loss_sum = torch.zeros((), device=r.device)
+    tokens = torch.zeros((), device=r.device)
+    for a in range(A):
+        j = step * M + r.rank * A + a  # global micro-batch index: same union for any (ws, A)
+        nxt = j + 1 if a < A - 1 else (step + 1) * M + r.rank * A
+        b, p_BTVd, valid, noise = batches.prepare(r.micro[j], p["seed"] * 1_000_003 + j,
+                                                  r.micro[nxt] if step + 1 < r.total or a < A - 1 else None)
+        ctx = r.model.no_sync() if r.ws > 1 and a < A - 1 else contextlib.nullcontext()
+        with ctx:
+            loss, st, _ = _forward(r, r.model, b, p_BTVd, valid, noise)
+            (loss / A).backward()
+        stats[0] += st[0]
+        stats[1:] += st[1:]
+        loss_sum += loss.detach()
+        tokens += b["tokens"]
+    gnorm = torch.nn.utils.clip_grad_norm_(r.drafter.parameters(), p["grad_clip"]) \
+        if p["grad_clip"] > 0 else torch.zeros(())
+    lr = r.sched.get_last_lr()[0]
+    r.opt.step()
+    r.sched.step()
+    agg = all_sum(torch.cat([stats.flatten(), loss_sum[None], tokens[None]]), r.ws)
+    lk = (agg[:K] / M).tolist()
+    ak = (agg[K:2 * K] / agg[2 * K:3 * K].clamp(min=1)).tolist()
+    dt = time.time() - t0
+    row = {"split": "train", "step": step + 1, "epoch": (step + 1) * M / max(1, len(r.micro)) * p["epochs"],
+           "loss": float(agg[3 * K] / M), "tf_tau": tf_tau(ak), "lr": lr, "grad_norm": float(gnorm),
+           "tokens": int(agg[-1]), "tok_s": float(agg[-1]) / max(dt, 1e-9),
+           "positions": int(agg[2 * K])}
+    row.update({f"loss_{k}": v for k, v in enumerate(lk)})
+    row.update({f"tf_acc_{k}": v for k, v in enumerate(ak)})
+    return row
+
+
+def after_step(r: _Run, batches: Batches, done: int) -> None:
+    """Validation (and best-weights bookkeeping) and the checkpoint due after step ``done``."""
+    p = r.p
+    if r.val_batches and (done % p["val_every"] == 0 or done == r.total):
+        r.rows.append(validate(r, batches, done))
+        if is_better(r.rows[-1], r.best):
+            r.best = {"step": done, "chain_tau": r.rows[-1]["chain_tau"],
+                      "model": {k: v.detach().cpu().clone() for k, v in r.drafter.trainable_state_dict().items()}}
+    if r.main and (done % p["checkpoint_every"] == 0) and done < r.total:
+        save_checkpoint(r.ckpt_dir, done, {
+            "digest": r.digest, "step": done,
+            "model": {k: v.detach().cpu() for k, v in r.drafter.trainable_state_dict().items()},
+            "optimizer": r.opt.state_dict(), "scheduler": r.sched.state_dict(), "rng": _rng_state(),
+            "data_position": {"step": done, "micro_batch": done * r.M}, "metrics": r.rows, "best": r.best,
+        }, int(p["keep_checkpoints"]))
+
+
+def write_outputs(r: _Run, tokens_seen: int, elapsed: float) -> dict:
+    """Rank 0: the selected weights, metrics and summary under out_dir; returns the summary."""
+    import pandas as pd
+
+    rows, cfg, identity_digest = r.rows, r.cfg, r.ds.meta["target_digest"]
+    last_train = [x for x in rows if x["split"] == "train"][-1]
+    last_val = ([x for x in rows if x["split"] == "val"] or [None])[-1]
+    if r.best is not None:
+        r.drafter.load_state_dict({**r.best["model"], "embed_tokens.weight": r.drafter.embed_tokens.weight})
+        selected = {"step": r.best["step"], "val_chain_tau": r.best["chain_tau"],
+                    "rule": "best validation chain_tau (the last pass on a tie)"}
+    else:
+        selected = {"step": r.total, "val_chain_tau": None, "rule": "last weights: no validation set"}
+    best_val = next((x for x in rows if x["split"] == "val" and x["step"] == selected["step"]), None)
+    save_drafter(r.out_dir / "drafter.safetensors", r.drafter, cfg, r.d2t, r.t2d)
+    io.write_parquet(r.out_dir / "metrics.parquet", pd.DataFrame(rows))
+    summary = {"steps": r.total, "resumed_from": r.start, "world_size": r.ws, "device": r.device.type,
+               "micro_batches_per_step": r.M, "train_samples": len(r.train_idx), "val_samples": len(r.val_idx),
+               "tokens_this_run": tokens_seen, "seconds_this_run": elapsed,
+               "tok_s": tokens_seen / max(elapsed, 1e-9),
+               "final_train": last_train, "final_val": last_val, "selected": selected, "best_val": best_val,
+               "draft_vocab_size": len(r.d2t), "layer_ids": cfg.layer_ids, "label_check": r.label_check,
+               "target_digest": identity_digest, "params": r.p, "config": json.loads(cfg.to_json()),
+               # checked by export and evaluate (io.verify_recorded)
+               io.DIGESTS_KEY: io.record_digests(r.out_dir, ["drafter.safetensors"])}
+    io.write_json(r.out_dir / "train_summary.json", summary)
+    log.info("trained %d steps: train loss %.4f; validation chain tau %s (teacher-forced %s); kept the "
+             "weights of step %d", r.total, last_train["loss"],
+             _fmt(last_val and last_val["chain_tau"]), _fmt(last_val and last_val["tf_tau"]), selected["step"])
+    return summary
+
+
+def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, params: dict | None = None,
+          dataset: HiddenStateDataset | None = None) -> dict:
+    """Train a drafter; write the stage's outputs under ``out_dir``; return the summary."""
+    from tqdm import tqdm
+
+    p = resolve_params(params)
+    r = setup(hidden, vocab, identity, Path(out_dir), p, dataset)
+    plan_run(r, hidden)
+    resume(r, vocab, identity)
+    batches = Batches(r)
+    r.objective.train()
+    bar = tqdm(total=r.total, initial=r.start, disable=not r.main, desc="train", mininterval=5)
     t_start = time.time()
     tokens_seen = 0
-    for step in range(start, total):
-        t0 = time.time()
-        opt.zero_grad(set_to_none=True)
-        stats = torch.zeros(3, cfg.ttt_steps, device=device)
-        loss_sum = torch.zeros((), device=device)
-        tokens = torch.zeros((), device=device)
-        for a in range(A):
-            j = step * M + rank * A + a  # global micro-batch index: same union for any (ws, A)
-            nxt = j + 1 if a < A - 1 else (step + 1) * M + rank * A
-            b, p_BTVd, valid, noise = prepare(micro[j], p["seed"] * 1_000_003 + j,
-                                              micro[nxt] if step + 1 < total or a < A - 1 else None)
-            ctx = model.no_sync() if ws > 1 and a < A - 1 else contextlib.nullcontext()
-            with ctx:
-                loss, st, _ = run(model, b, p_BTVd, valid, noise)
-                (loss / A).backward()
-            stats[0] += st[0]
-            stats[1:] += st[1:]
-            loss_sum += loss.detach()
-            tokens += b["tokens"]
-        gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), p["grad_clip"]) \
-            if p["grad_clip"] > 0 else torch.zeros(())
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        agg = all_sum(torch.cat([stats.flatten(), loss_sum[None], tokens[None]]), ws)
-        K = cfg.ttt_steps
-        lk = (agg[:K] / M).tolist()
-        ak = (agg[K:2 * K] / agg[2 * K:3 * K].clamp(min=1)).tolist()
-        dt = time.time() - t0
-        tokens_seen += int(agg[-1])
-        row = {"split": "train", "step": step + 1, "epoch": (step + 1) * M / max(1, len(micro)) * p["epochs"],
-               "loss": float(agg[3 * K] / M), "tf_tau": tf_tau(ak), "lr": lr, "grad_norm": float(gnorm),
-               "tokens": int(agg[-1]), "tok_s": float(agg[-1]) / max(dt, 1e-9),
-               "positions": int(agg[2 * K])}
-        row.update({f"loss_{k}": v for k, v in enumerate(lk)})
-        row.update({f"tf_acc_{k}": v for k, v in enumerate(ak)})
-        rows.append(row)
+    for step in range(r.start, r.total):
+        row = train_step(r, batches, step)
+        tokens_seen += row["tokens"]
+        r.rows.append(row)
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", tf_tau=f"{row['tf_tau']:.2f}", refresh=False)
-        done = step + 1
-        if val_batches and (done % p["val_every"] == 0 or done == total):
-            rows.append(validate(done))
-            if is_better(rows[-1], best):
-                best = {"step": done, "chain_tau": rows[-1]["chain_tau"],
-                        "model": {k: v.detach().cpu().clone() for k, v in drafter.trainable_state_dict().items()}}
-        if main and (done % p["checkpoint_every"] == 0) and done < total:
-            save_checkpoint(ckpt_dir, done, {
-                "digest": digest, "step": done,
-                "model": {k: v.detach().cpu() for k, v in drafter.trainable_state_dict().items()},
-                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state(),
-                "data_position": {"step": done, "micro_batch": done * M}, "metrics": rows, "best": best,
-            }, int(p["keep_checkpoints"]))
+        after_step(r, batches, step + 1)
     bar.close()
-    pool.shutdown(wait=True)
+    batches.close()
     elapsed = time.time() - t_start
-
-    summary = {}
-    if main:
-        import pandas as pd
-
-        last_train = [r for r in rows if r["split"] == "train"][-1]
-        last_val = ([r for r in rows if r["split"] == "val"] or [None])[-1]
-        if best is not None:
-            drafter.load_state_dict({**best["model"], "embed_tokens.weight": drafter.embed_tokens.weight})
-            selected = {"step": best["step"], "val_chain_tau": best["chain_tau"],
-                        "rule": "best validation chain_tau (the last pass on a tie)"}
-        else:
-            selected = {"step": total, "val_chain_tau": None, "rule": "last weights: no validation set"}
-        best_val = next((r for r in rows if r["split"] == "val" and r["step"] == selected["step"]), None)
-        save_drafter(out_dir / "drafter.safetensors", drafter, cfg, d2t, t2d)
-        io.write_parquet(out_dir / "metrics.parquet", pd.DataFrame(rows))
-        summary = {"steps": total, "resumed_from": start, "world_size": ws, "device": device.type,
-                   "micro_batches_per_step": M, "train_samples": len(train_idx), "val_samples": len(val_idx),
-                   "tokens_this_run": tokens_seen, "seconds_this_run": elapsed,
-                   "tok_s": tokens_seen / max(elapsed, 1e-9),
-                   "final_train": last_train, "final_val": last_val, "selected": selected, "best_val": best_val,
-                   "draft_vocab_size": len(d2t), "layer_ids": cfg.layer_ids, "label_check": label_check,
-                   "target_digest": identity["digest"], "params": p, "config": json.loads(cfg.to_json()),
-                   # checked by export and evaluate (io.verify_recorded)
-                   io.DIGESTS_KEY: io.record_digests(out_dir, ["drafter.safetensors"])}
-        io.write_json(out_dir / "train_summary.json", summary)
-        log.info("trained %d steps: train loss %.4f; validation chain tau %s (teacher-forced %s); kept the "
-                 "weights of step %d", total, last_train["loss"],
-                 _fmt(last_val and last_val["chain_tau"]), _fmt(last_val and last_val["tf_tau"]), selected["step"])
-    if ws > 1:
+    summary = write_outputs(r, tokens_seen, elapsed) if r.main else {}
+    if r.ws > 1:
         import torch.distributed as dist
 
         dist.barrier()
