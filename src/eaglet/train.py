@@ -87,6 +87,7 @@ DEFAULTS = dict(
     gpus=0,
     label_min_agreement=labels.MIN_AGREEMENT,  # top-1 agreement of the labels with the real model
     accept_unchecked_labels=False,  # train even when the label check could not run (no references)
+    hidden_states="offline",  # "offline": read extract's shards; "online": run the target here (eaglet.online)
 )
 
 
@@ -100,6 +101,8 @@ def resolve_params(params: dict | None) -> dict:
         raise ValueError(f"train.lm_head_init: {p['lm_head_init']!r} not 'target' or 'random'")
     if p["oov_rule"] not in ("greedy", "label"):
         raise ValueError(f"train.oov_rule: {p['oov_rule']!r} not 'greedy' or 'label'")
+    if p["hidden_states"] not in ("offline", "online"):
+        raise ValueError(f"train.hidden_states: {p['hidden_states']!r} not 'offline' or 'online'")
     return p
 
 
@@ -137,7 +140,8 @@ def prove_labels(head: TargetHead, ds: HiddenStateDataset, p: dict) -> dict:
     raises LabelMismatch on disagreement, and when the check cannot run unless
     ``accept_unchecked_labels`` (a check that did not run is not a pass)."""
     where = {s: i for i, s in enumerate(ds.ids)}
-    rec = labels.check_against_reference(head.head, ds.label_references, lambda sid: ds.sample(where[sid])["final"],
+    final_of = getattr(ds, "reference_final", None) or (lambda sid: ds.sample(where[sid])["final"])
+    rec = labels.check_against_reference(head.head, ds.label_references, final_of,
                                          ds.meta["dtype"], float(p["label_min_agreement"]))
     if rec["ok"] is None and not p["accept_unchecked_labels"]:
         raise labels.LabelMismatch(f"the label check did not run ({rec['reason']}): the hidden states hold no "
@@ -193,9 +197,12 @@ def collate(samples: list[dict], device) -> dict:
 def plan_micro_batches(ids: list[str], lengths: list[int], p: dict):
     """All micro-batches of the run in order (epochs concatenated, a fractional last epoch cut),
     and the train/val sample indices. Step s of a run with M micro-batches per step uses
-    micro[s*M:(s+1)*M], whatever the world size: the step number is the data position."""
-    train_idx = [i for i, s in enumerate(ids) if not is_val(s, p["val_fraction"])]
-    val_idx = [i for i, s in enumerate(ids) if is_val(s, p["val_fraction"])]
+    micro[s*M:(s+1)*M], whatever the world size: the step number is the data position. The plan
+    reads the samples in id order, so it depends on the data, not on where it is stored (shards,
+    their order, or the tokens file when the states are computed online)."""
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    train_idx = [i for i in order if not is_val(ids[i], p["val_fraction"])]
+    val_idx = [i for i in order if is_val(ids[i], p["val_fraction"])]
     micro: list[list[int]] = []
     for e in range(math.ceil(p["epochs"])):
         eb = plan_batches(train_idx, lengths, p["token_budget"], p["seed"], e)
@@ -435,14 +442,22 @@ def check_vocab(vocab: str, identity: dict) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
-          dataset: HiddenStateDataset | None) -> _Run:
-    """Processes, data, labels, drafter (DDP-wrapped on several ranks)."""
+          dataset: HiddenStateDataset | None, online: dict | None = None) -> _Run:
+    """Processes, data (stored, or the target itself when online), labels, drafter (DDP-wrapped on
+    several ranks)."""
     rank, ws, device = dist_setup(int(p["gpus"]))
-    torch.manual_seed(p["seed"])
+    if dataset is not None:
+        ds = dataset
+    elif online:
+        from eaglet.online import open_source
+
+        ds = open_source(online, identity, device, int(p["token_budget"]))
+    else:
+        # Opening checks headers and sizes only; each rank hashes a chunk against its index when it
+        # first reads it, so no rank stalls the others' DDP init hashing terabytes (issue 14).
+        ds = HiddenStateDataset(hidden, verify="sha")
+    torch.manual_seed(p["seed"])  # after loading a target (online): the run's draws start here either way
     random.seed(p["seed"])
-    # Opening checks headers and sizes only; each rank hashes a chunk against its index when it
-    # first reads it, so no rank stalls the others' DDP init hashing terabytes (issue 14).
-    ds = dataset if dataset is not None else HiddenStateDataset(hidden, verify="sha")
     meta = ds.meta
     if meta["target_digest"] != identity["digest"]:
         raise io.ArtifactError(f"{hidden[0] if hidden else 'hidden states'}: extracted from target "
@@ -525,6 +540,8 @@ class Batches:
 
     def _fetch(self, batch_idx: list[int]) -> Future:
         ds = self.r.ds
+        if hasattr(ds, "collate"):  # online: one target forward per micro-batch (eaglet.online)
+            return self.pool.submit(ds.collate, batch_idx)
         return self.pool.submit(lambda: collate([ds.sample(i) for i in batch_idx], "cpu"))
 
     def prepare(self, batch_idx: list[int], gen_seed: int | None, ahead: list[int] | None = None):
@@ -669,12 +686,18 @@ def write_outputs(r: _Run, tokens_seen: int, elapsed: float) -> dict:
 
 
 def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, params: dict | None = None,
-          dataset: HiddenStateDataset | None = None) -> dict:
-    """Train a drafter; write the stage's outputs under ``out_dir``; return the summary."""
+          dataset: HiddenStateDataset | None = None, online: dict | None = None) -> dict:
+    """Train a drafter; write the stage's outputs under ``out_dir``; return the summary. With
+    ``train.hidden_states: online``, ``online`` = {tokens, layer_ids, dtype, target_load} (eaglet.online)
+    replaces the stored ``hidden`` states."""
     from tqdm import tqdm
 
+    from eaglet.online import check_settings
+
     p = resolve_params(params)
-    r = setup(hidden, vocab, identity, Path(out_dir), p, dataset)
+    if dataset is None:
+        check_settings(p["hidden_states"], online)
+    r = setup(hidden, vocab, identity, Path(out_dir), p, dataset, online)
     plan_run(r, hidden)
     resume(r, vocab, identity)
     batches = Batches(r)
@@ -704,7 +727,10 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--hidden", nargs="+", required=True, help="extract/shard_*/index.json files")
+    ap.add_argument("--hidden", nargs="*", default=[], help="extract/shard_*/index.json files (offline)")
+    ap.add_argument("--online", default=None,
+                    help='train.hidden_states online: JSON (or @FILE) {"tokens": tokenize/tokens.parquet, '
+                         '"layer_ids", "dtype" (extract\'s), "target_load": {dtype, device, trust_remote_code}}')
     ap.add_argument("--vocab", required=True, help="vocab_map/vocab.safetensors (d2t, t2d)")
     ap.add_argument("--target-identity", required=True, help="the target's identity.json")
     ap.add_argument("--out-dir", required=True)
@@ -716,7 +742,11 @@ def main(argv: list[str] | None = None) -> None:
     from eaglet.target import load_identity
 
     io.verify_recorded(a.vocab, Path(a.vocab).with_name("vocab.json"))  # vocab_map's record
-    train(a.hidden, a.vocab, load_identity(a.target_identity), a.out_dir, io.parse_json_arg(a.params, {}))
+    online = io.parse_json_arg(a.online, None)
+    if online:
+        io.verify_recorded(online["tokens"], Path(online["tokens"]).with_name("metadata.json"))  # tokenize's record
+    train(a.hidden, a.vocab, load_identity(a.target_identity), a.out_dir, io.parse_json_arg(a.params, {}),
+          online=online)
 
 
 if __name__ == "__main__":
