@@ -210,3 +210,63 @@ def test_online_settings_that_make_no_sense_are_refused(tiny_target, run_inputs,
     with pytest.raises(ValueError, match="target.device: cuda, but train.gpus is 0"):
         train([], run_inputs["vocab"], tiny_target, tmp_path / "d", {"hidden_states": "online"},
               online={**_online(run_inputs, "bfloat16"), "target_load": {"device": "cuda"}})
+
+
+# --------------------------------------------------------------------------- the workflow
+def _dry_run(tmp_path, tiny_target, extra: dict):
+    """`snakemake -n -p` of the smoke config with ``extra`` keys, in a clone where the tiny target's
+    config.json is where target_model writes it (so the storage figures know its hidden size)."""
+    import shutil
+
+    import yaml
+
+    from conftest import clone
+
+    a = tmp_path / "wf"
+    if not a.exists():
+        clone(a)
+        model = a / "resources/targets/tiny-llama/model"
+        model.mkdir(parents=True)
+        shutil.copy(Path(tiny_target["path"]) / "config.json", model / "config.json")
+    (a / "config/extra.yaml").write_text(yaml.safe_dump(extra))
+    env = {**os.environ, "PYTHONPATH": str(a / "src"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "2", "--configfile",
+                        "config/smoke.yaml", "config/extra.yaml"], cwd=a, env=env, capture_output=True, text=True)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_dry_run_shows_the_storage_choice(tiny_target, tmp_path):
+    """One key changes the mode; storage.budget_gb picks bf16 offline, fp8 offline or online, in that
+    order, states the sizes and costs, and refuses a budget nothing fits, all on `snakemake -n`."""
+    import re
+
+    def jobs(out):
+        return {ln.split()[1].rstrip(":") for ln in out.splitlines() if ln.startswith(("rule ", "localrule "))}
+
+    code, out = _dry_run(tmp_path, tiny_target, {"train": {"hidden_states": "online"}})
+    assert code == 0, out[-3000:]
+    assert "train" in jobs(out) and "extract_hidden_states" not in jobs(out)
+    assert re.search(r"eaglet\.train --online @logs/smoke/config/train_online\.json", out), out[-3000:]
+    assert "hidden states: none stored (train.hidden_states online" in out  # the memory plan counts the target
+
+    code, out = _dry_run(tmp_path, tiny_target, {})
+    assert code == 0 and "extract_hidden_states" in jobs(out) and "eaglet.train --hidden " in out
+    sizes = re.search(r"storage: hidden states of <= ([\d,]+) tokens: bf16 ([\d.]+) MB, fp8 ([\d.]+) MB; .*"
+                      r"offline bf16 = ([\d.]+) MB disk .* offline fp8 = ([\d.]+) MB .* online = ([\d.]+) MB disk "
+                      r"\+ 3 target forwards", out)
+    assert sizes, out[-3000:]
+    tokens, bf16, fp8, d_bf16, d_fp8, d_on = (float(x.replace(",", "")) for x in sizes.groups())
+    assert tokens == 48 * 256 and bf16 > 1.9 * fp8 and d_bf16 > d_fp8 > d_on > 0
+    for budget, want in ((d_bf16 * 1.01e-3, "offline (bfloat16)"), (d_fp8 * 1.01e-3, "offline (fp8)"),
+                         (d_on * 1.01e-3, "online (states rounded to bfloat16)")):
+        code, out = _dry_run(tmp_path, tiny_target, {"storage": {"budget_gb": budget}})
+        assert code == 0 and f"storage: chose {want}" in out, (budget, out[-3000:])
+        assert ("extract_hidden_states" in jobs(out)) == want.startswith("offline"), budget
+        if "fp8" in want:
+            assert "extract.dtype=\"fp8\"" in out or "--dtype fp8" in out
+    code, out = _dry_run(tmp_path, tiny_target, {"storage": {"budget_gb": d_on * 0.9e-3}})
+    assert code != 0 and "storage.budget_gb" in out and "fits no storage choice" in out
+    assert "rule " not in out  # refused before any job is planned
+    code, out = _dry_run(tmp_path, tiny_target, {"train": {"hidden_states": "online"}, "extract": {"shards": 2}})
+    assert code != 0 and "extract.shards: 2 has no effect with train.hidden_states: online" in out

@@ -735,10 +735,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-identity", required=True, help="the target's identity.json")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--params", default="{}", help="the train section of the config: JSON, or @FILE")
+    ap.add_argument("--note", default=None, help="JSON list of lines to log first (the workflow's storage choice)")
     ap.add_argument("--log", default=None)
     a = ap.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     io.setup_logging(a.log if rank == 0 else None)
+    for line in io.parse_json_arg(a.note, []) if rank == 0 else []:
+        log.info("%s", line)
     from eaglet.target import load_identity
 
     io.verify_recorded(a.vocab, Path(a.vocab).with_name("vocab.json"))  # vocab_map's record
