@@ -193,8 +193,11 @@ def test_online_resume_after_kill_reproduces_offline(tiny_target, run_inputs, tm
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (run / "drafter.safetensors").exists()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    # the workflow's storage statement is the job's first log line
+    r = subprocess.run([*cmd, "--note", json.dumps(["storage: the statement"]), "--log", str(tmp_path / "t.log")],
+                       capture_output=True, text=True, env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "t.log").read_text().splitlines()[0].endswith("storage: the statement")
     summary = json.loads((run / "train_summary.json").read_text())
     assert 4 <= summary["resumed_from"] < PARAMS["max_steps"]
     _same_run(tmp_path / "off" / "train", run)
@@ -257,6 +260,9 @@ def test_dry_run_shows_the_storage_choice(tiny_target, tmp_path):
                       r"\+ 3 target forwards", out)
     assert sizes, out[-3000:]
     tokens, bf16, fp8, d_bf16, d_fp8, d_on = (float(x.replace(",", "")) for x in sizes.groups())
+    # the training job logs the same statement first (eaglet.train --note)
+    note = json.loads((tmp_path / "wf/logs/smoke/config/train_note.json").read_text())
+    assert len(note) == 1 and note[0].startswith("storage: hidden states of <= 12,288 tokens") and note[0] in out
     assert tokens == 48 * 256 and bf16 > 1.9 * fp8 and d_bf16 > d_fp8 > d_on > 0
     for budget, want in ((d_bf16 * 1.01e-3, "offline (bfloat16)"), (d_fp8 * 1.01e-3, "offline (fp8)"),
                          (d_on * 1.01e-3, "online (states rounded to bfloat16)")):

@@ -28,8 +28,9 @@ from eaglet.hidden_store import storage_dtype, storage_round
 
 log = logging.getLogger("eaglet.online")
 
-LABEL_SAMPLES = 64   # samples whose real top-1 tokens the label check compares against
-LABEL_REF_PER_BATCH = 8
+LABEL_SAMPLES = 8    # samples whose real top-1 tokens the label check compares against (one extra
+                     # forward over them before training)
+LABEL_REF_PER_BATCH = 16
 
 
 class OnlineHiddenStates:

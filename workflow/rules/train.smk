@@ -61,13 +61,14 @@ rule train:
         out=out_dir,
         train=stage_config("train", train_params()),
         data=train_data_args,
-        note=as_json(STORAGE_LINES[:1]),
+        # the storage statement, the job's first log line (a file: a log line is no cache key)
+        note=stage_config("train_note", STORAGE_LINES[:1]),
         launcher=train_launcher,
     shell:
         "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
         " {params.launcher} -m eaglet.train {params.data} --vocab {input.vocab:q}"
         " --target-identity {input.identity:q} --out-dir {params.out:q}"
-        " --params @{params.train:q} --note {params.note:q} --log {log:q}"
+        " --params @{params.train:q} --note @{params.note:q} --log {log:q}"
 
 
 FINAL_OUTPUTS.append(rules.train.output.summary)
