@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from eaglet import extract, io, target
+from eaglet import extract, target
 from eaglet.hidden_store import storage_dtype, storage_round
 
 log = logging.getLogger("eaglet.online")
@@ -163,4 +163,3 @@ def check_settings(mode: str, online: dict | None) -> None:
             raise ValueError(f"--online: unknown keys {sorted(unknown)}")
         if not online.get("tokens"):
             raise ValueError("--online: no tokens file")
-    io.quiet_third_party()

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -53,12 +52,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from eaglet import chain, io, labels
+from eaglet import io, labels
 from eaglet.hidden_store import HiddenStateDataset
 from eaglet.model import DrafterConfig, Eagle3Drafter, load_target_embedding, save_drafter
+
+# the phases' parts, in their own modules (re-exported: tests and benchmarks import them from here)
+from eaglet.train_data import collate, is_val, plan_batches, plan_micro_batches  # noqa: F401
+from eaglet.train_state import (  # noqa: F401
+    _rng_state,
+    _set_rng_state,
+    all_sum,
+    dist_setup,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
+from eaglet.ttt import TTTObjective, chain_counts, chain_positions, is_better, tf_tau, valid_positions  # noqa: F401
 
 log = logging.getLogger("eaglet.train")
 
@@ -150,237 +160,8 @@ def prove_labels(head: TargetHead, ds: HiddenStateDataset, p: dict) -> dict:
     return rec
 
 
-# --------------------------------------------------------------------------- data
-def is_val(sample_id: str, fraction: float) -> bool:
-    """Deterministic held-out split by id hash (stable across runs, shards and world sizes)."""
-    h = int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16)
-    return h < fraction * 2**32
-
-
-def plan_batches(indices: list[int], lengths: list[int], budget: int, seed: int, epoch: int,
-                 shuffle: bool = True, window: int = 256) -> list[list[int]]:
-    """Micro-batches of sample indices with B x T_max <= budget. Shuffled, then sorted by length
-    inside windows of ``window`` samples to cut padding; batch order shuffled again."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = [indices[i] for i in torch.randperm(len(indices), generator=g)] if shuffle else list(indices)
-    batches: list[list[int]] = []
-    for w in range(0, len(order), window):
-        cur: list[int] = []
-        for i in sorted(order[w:w + window], key=lambda i: lengths[i]):
-            if cur and (len(cur) + 1) * lengths[i] > budget:
-                batches.append(cur)
-                cur = []
-            cur.append(i)
-        if cur:
-            batches.append(cur)
-    if shuffle:
-        batches = [batches[i] for i in torch.randperm(len(batches), generator=g)]
-    return batches
-
-
-def collate(samples: list[dict], device) -> dict:
-    B, T = len(samples), max(len(s["input_ids"]) for s in samples)
-    H = samples[0]["final"].shape[-1]
-    out = {"x": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T, dtype=torch.bool),
-           "aux": torch.zeros(B, T, 3, samples[0]["aux"].shape[-1]), "final": torch.zeros(B, T, H)}
-    for b, s in enumerate(samples):
-        n = len(s["input_ids"])
-        out["x"][b, :n] = s["input_ids"]
-        out["mask"][b, :n] = s["loss_mask"].bool()
-        out["aux"][b, :n] = s["aux"]
-        out["final"][b, :n] = s["final"]
-    out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
-    out["tokens"] = sum(len(s["input_ids"]) for s in samples)
-    return out
-
-
-def plan_micro_batches(ids: list[str], lengths: list[int], p: dict):
-    """All micro-batches of the run in order (epochs concatenated, a fractional last epoch cut),
-    and the train/val sample indices. Step s of a run with M micro-batches per step uses
-    micro[s*M:(s+1)*M], whatever the world size: the step number is the data position. The plan
-    reads the samples in id order, so it depends on the data, not on where it is stored (shards,
-    their order, or the tokens file when the states are computed online)."""
-    order = sorted(range(len(ids)), key=ids.__getitem__)
-    train_idx = [i for i in order if not is_val(ids[i], p["val_fraction"])]
-    val_idx = [i for i in order if is_val(ids[i], p["val_fraction"])]
-    micro: list[list[int]] = []
-    for e in range(math.ceil(p["epochs"])):
-        eb = plan_batches(train_idx, lengths, p["token_budget"], p["seed"], e)
-        micro += eb[:int(len(eb) * min(1.0, p["epochs"] - e))]
-    return micro, train_idx, val_idx
-
-
-# --------------------------------------------------------------------------- the objective
-class TTTObjective(nn.Module):
-    """Drafter + TTT loss in one module, so DDP sees one forward per micro-batch."""
-
-    def __init__(self, drafter: Eagle3Drafter, steps: int, gamma: float):
-        super().__init__()
-        self.drafter, self.steps, self.gamma = drafter, steps, gamma
-
-    def forward(self, x_BT, aux_BT3H, p_BTVd, valid_BT, noise=None, chain_BT=None):
-        """valid_BT[s] = target position s counts (its next token x_{s+1} is an assistant token
-        whose greedy target prediction is in the draft vocab). -> (loss, stats [3, K], hits).
-        ``chain_BT`` (validation): chain_BT[s] = x_{s+1} is the target's greedy pick at s; then
-        hits [B, T, K] bool: step k at index t drafts the target's greedy token x_{t+2+k}
-        (None without chain_BT)."""
-        if noise is not None:
-            aux_BT3H = aux_BT3H + noise
-        g = self.drafter.project(aux_BT3H)
-        T = x_BT.shape[1]
-        loss = g.new_zeros((), dtype=torch.float32)
-        stats = torch.zeros(3, self.steps, device=x_BT.device)  # L_k, correct_k, count_k
-        hits = None if chain_BT is None else torch.zeros(*x_BT.shape, self.steps, dtype=torch.bool,
-                                                         device=x_BT.device)
-        for k, logits, _ in self.drafter.ttt_unroll(x_BT, g, self.steps):
-            n = T - 2 - k  # indices t whose drafted token x_{t+2+k} exists
-            if n <= 0:
-                loss = loss + 0.0 * logits.sum()  # keep every parameter in the graph (DDP)
-                continue
-            lp = F.log_softmax(logits[:, :n].float(), -1)
-            tgt = p_BTVd[:, 1 + k:1 + k + n]
-            valid = valid_BT[:, 1 + k:1 + k + n]
-            cnt = valid.sum()
-            ce = -(tgt * lp).sum(-1)
-            L = (ce * valid).sum() / cnt.clamp(min=1)
-            loss = loss + self.gamma ** k * L
-            with torch.no_grad():
-                agree = lp.argmax(-1) == tgt.argmax(-1)
-                stats[0, k] = L.detach()
-                stats[1, k] = (agree & valid).sum()
-                stats[2, k] = cnt
-                if hits is not None:
-                    hits[:, :n, k] = agree & chain_BT[:, 1 + k:1 + k + n]
-        return loss, stats, hits
-
-
-def valid_positions(batch: dict, t2d: torch.Tensor, inv_BT) -> torch.Tensor:
-    """valid[s]: x_{s+1} is an assistant token and the target's greedy pick at s is draftable."""
-    x, m = batch["x"], batch["mask"]
-    v = torch.zeros_like(m)
-    v[:, :-1] = m[:, 1:]
-    if inv_BT is not None:
-        v &= inv_BT
-    else:  # oov_rule "label": the next token itself must be draftable
-        nxt = torch.zeros_like(x)
-        nxt[:, :-1] = x[:, 1:]
-        v &= t2d[nxt]
-    return v
-
-
-def chain_positions(batch: dict, valid_BT: torch.Tensor, p_BTVd: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
-    """chain[s]: position s counts (valid) and the data's next token x_{s+1} is the target's greedy
-    pick there (its draft-vocab argmax, in the draft vocab): the greedy chain runs on through s."""
-    i = p_BTVd.argmax(-1)
-    ok = torch.zeros_like(valid_BT)
-    ok[:, :-1] = (i + d2t[i])[:, :-1] == batch["x"][:, 1:]
-    return valid_BT & ok
-
-
-def chain_counts(hits_BTK: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
-    """[K, 2]: for k = 1..K, accepted drafts and rounds with drafts of the replayed greedy chain
-    (eaglet.chain) over every assistant span of the batch."""
-    K = hits_BTK.shape[-1]
-    acc_BT = chain.accepted_runs(hits_BTK).tolist()
-    out = torch.zeros(K, 2, dtype=torch.float64)
-    for b, m in enumerate(mask_BT.tolist()):
-        for k in range(1, K + 1):
-            drafted = [r for r in chain.sequence_rounds(acc_BT[b], m, k) if r[1] > 0]
-            out[k - 1, 0] += sum(r[2] for r in drafted)
-            out[k - 1, 1] += len(drafted)
-    return out
-
-
-def is_better(val_row: dict, best: dict | None) -> bool:
-    """Checkpoint selection on the validation chain τ; a tie goes to the later pass (more training
-    at the same acceptance), and a pass without a chain τ (no rounds) never replaces one."""
-    tau = val_row.get("chain_tau")
-    if best is None:
-        return True
-    if tau is None:
-        return best["chain_tau"] is None
-    return best["chain_tau"] is None or tau >= best["chain_tau"]
-
-
 def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
-
-
-def tf_tau(acc: list[float]) -> float:
-    """Teacher-forced acceptance estimate 1 + sum_k prod_{i<=k} acc_i (optimistic; see the module
-    docstring: the exact figure is the chain τ)."""
-    t, p = 1.0, 1.0
-    for a in acc:
-        p *= a
-        t += p
-    return t
-
-
-# --------------------------------------------------------------------------- distributed
-def dist_setup(gpus: int):
-    ws = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if gpus > 0:
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"train.gpus = {gpus} but no CUDA device is visible")
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if ws > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, ws, device
-
-
-def all_sum(t: torch.Tensor, ws: int) -> torch.Tensor:
-    if ws > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(t)
-    return t
-
-
-# --------------------------------------------------------------------------- checkpoints
-def _ckpt_files(ckpt_dir: Path) -> list[Path]:
-    return sorted(ckpt_dir.glob("step_*.pt"))
-
-
-def save_checkpoint(ckpt_dir: Path, step: int, state: dict, keep: int) -> None:
-    with io.atomic_path(ckpt_dir / f"step_{step:08d}.pt") as tmp:
-        torch.save(state, tmp)
-    for old in _ckpt_files(ckpt_dir)[:-max(1, keep)]:
-        old.unlink()
-
-
-def load_latest_checkpoint(ckpt_dir: Path, digest: str) -> dict | None:
-    """Newest checkpoint of this very configuration; others are stale and removed."""
-    for f in reversed(_ckpt_files(ckpt_dir)):
-        try:
-            state = torch.load(f, map_location="cpu", weights_only=True)  # never unpickle objects
-        except Exception as e:  # noqa: BLE001 - a corrupt file must not stop training
-            log.warning("%s: unreadable checkpoint (%s); ignoring it", f, e)
-            continue
-        if state.get("digest") == digest:
-            return state
-        log.warning("%s: written by a different configuration; removing it", f)
-        f.unlink()
-    return None
-
-
-def _rng_state() -> dict:
-    st = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def _set_rng_state(st: dict) -> None:
-    random.setstate(st["python"])
-    torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
 
 
 # --------------------------------------------------------------------------- the loop

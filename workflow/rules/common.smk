@@ -218,6 +218,31 @@ def train_params():
     return {k: v for k, v in config["train"].items() if k not in ("nodes", "rdzv_port")}
 
 
+# Online: the tokens, the aux layer ids and storage rounding (extract's keys) and how the target is
+# loaded (the target section), handed to the trainer as one settings file.
+ONLINE_SETTINGS = {
+    "tokens": f"{RUN}/tokenize/tokens.parquet",  # rules.tokenize.output.tokens
+    "layer_ids": config["extract"]["layer_ids"],
+    "dtype": config["extract"]["dtype"],
+    "target_load": TARGET_LOAD,
+}
+
+
+def train_hidden_input(wildcards):
+    if ONLINE:
+        return ONLINE_SETTINGS["tokens"]
+    return expand(
+        f"{RUN}/extract/shard_{{shard}}", shard=range(config["extract"]["shards"])
+    )
+
+
+def train_data_args(wildcards, input):
+    """The trainer's data flags: the shards (offline) or the online settings file."""
+    if ONLINE:
+        return f"--online @{stage_config('train_online', ONLINE_SETTINGS)}"
+    return "--hidden " + " ".join(shlex.quote(str(p)) for p in input.hidden)
+
+
 def train_resources():
     """What the training job asks of a scheduler beyond `gpu` (all GPUs of the job). Several
     nodes: `nodes` (sbatch --nodes) and the plugin's MPI mode (`mpi` + `tasks`), in which the job

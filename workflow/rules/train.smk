@@ -4,34 +4,20 @@
 # Checkpoints live in train/checkpoints/, which is not an output, so Snakemake does not delete it
 # before a rerun: a killed training job resumes from its latest checkpoint.
 
-# Online: the tokens, the aux layer ids and storage rounding (extract's keys) and how the target is
-# loaded (the target section), handed to the trainer as one settings file.
-ONLINE_SETTINGS = {
-    "tokens": rules.tokenize.output.tokens,
-    "layer_ids": config["extract"]["layer_ids"],
-    "dtype": config["extract"]["dtype"],
-    "target_load": TARGET_LOAD,
-}
-
-
-def train_hidden_input(wildcards):
-    if ONLINE:
-        return rules.tokenize.output.tokens
-    return expand(
-        f"{RUN}/extract/shard_{{shard}}", shard=range(config["extract"]["shards"])
-    )
-
-
-def train_data_args(wildcards, input):
-    """The trainer's data flags: the shards (offline) or the online settings file."""
-    if ONLINE:
-        return f"--online @{stage_config('train_online', ONLINE_SETTINGS)}"
-    return "--hidden " + " ".join(shlex.quote(str(p)) for p in input.hidden)
-
 
 rule train:
     input:
-        code=src("train", "model", "hidden_store", "gpu_slots", "target", "io")
+        code=src(
+            "train",
+            "train_data",
+            "train_state",
+            "ttt",
+            "model",
+            "hidden_store",
+            "gpu_slots",
+            "target",
+            "io",
+        )
         + (src("online", "extract") if ONLINE else []),
         hidden=train_hidden_input,
         vocab=f"{RUN}/vocab_map/vocab.safetensors",
@@ -57,7 +43,13 @@ rule train:
         gpu=config["train"]["gpus"] * config["train"]["nodes"],
     params:
         **key_params("train", train_params()),
-        **(key_params("online", ONLINE_SETTINGS, ["layer_ids", "dtype", "target_load"]) if ONLINE else {}),
+        **(
+            key_params(
+                "online", ONLINE_SETTINGS, ["layer_ids", "dtype", "target_load"]
+            )
+            if ONLINE
+            else {}
+        ),
         out=out_dir,
         train=stage_config("train", train_params()),
         data=train_data_args,
