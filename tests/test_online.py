@@ -262,7 +262,11 @@ def test_dry_run_shows_the_storage_choice(tiny_target, tmp_path):
     tokens, bf16, fp8, d_bf16, d_fp8, d_on = (float(x.replace(",", "")) for x in sizes.groups())
     # the training job logs the same statement first (eaglet.train --note)
     note = json.loads((tmp_path / "wf/logs/smoke/config/train_note.json").read_text())
-    assert len(note) == 1 and note[0].startswith("storage: hidden states of <= 12,288 tokens") and note[0] in out
+    assert note["lines"][0].startswith("storage: hidden states of <= 12,288 tokens") and note["lines"][0] in out
+    # a job parsed before its target was built (no lines) states the same from the target itself
+    from eaglet.storage import job_lines
+
+    assert job_lines({**note, "lines": []}, tiny_target["path"])[0] == note["lines"][0]
     assert tokens == 48 * 256 and bf16 > 1.9 * fp8 and d_bf16 > d_fp8 > d_on > 0
     for budget, want in ((d_bf16 * 1.01e-3, "offline (bfloat16)"), (d_fp8 * 1.01e-3, "offline (fp8)"),
                          (d_on * 1.01e-3, "online (states rounded to bfloat16)")):

@@ -93,3 +93,31 @@ def decide(config: dict, s: dict | None) -> tuple[str, str, list[str]]:
     raise ValueError(f"storage.budget_gb: {budget} GB fits no storage choice: even online training writes "
                      f"{_gb(f['disk']['online'])} (tokens and {config['train']['keep_checkpoints']} checkpoints; "
                      "lower train.keep_checkpoints, prompts.n or tokenize.max_length, or raise the budget)")
+
+
+def job_note(config: dict, lines: list[str]) -> dict:
+    """What the training job logs first (``eaglet.train --note``): the parse-time lines, and the keys
+    the statement is made of, so that a job whose target was built after the workflow was parsed
+    (no shape then, no lines) states it from the target it trains against (``job_lines``)."""
+    keep = {"prompts": ["n"], "tokenize": ["max_length"], "vocab": ["draft_vocab_size"],
+            "train": ["epochs", "keep_checkpoints", "hidden_states"], "extract": ["dtype"]}
+    return {"lines": list(lines), "config": {s: {k: config[s][k] for k in ks} for s, ks in keep.items()}}
+
+
+def job_lines(note: dict | list | None, model_dir) -> list[str]:
+    """The lines of a ``job_note``; computed from the target's config.json when the parse had none."""
+    if not note:
+        return []
+    if isinstance(note, list):
+        return note
+    if note.get("lines"):
+        return list(note["lines"])
+    from pathlib import Path
+
+    from eaglet.plan import target_shapes
+
+    cfg = note["config"]
+    f = figures(cfg, target_shapes(cfg, Path(model_dir) / "config.json", target_bytes=0))
+    mode = cfg["train"]["hidden_states"]
+    return [statement(cfg, f), f"storage: train.hidden_states {mode}"
+            + (f", extract.dtype {cfg['extract']['dtype']}" if mode == "offline" else "") + " as configured"]

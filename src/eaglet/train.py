@@ -516,21 +516,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-identity", required=True, help="the target's identity.json")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--params", default="{}", help="the train section of the config: JSON, or @FILE")
-    ap.add_argument("--note", default=None, help="JSON list of lines to log first (the workflow's storage choice)")
+    ap.add_argument("--note", default=None, help="the workflow's storage statement, logged first: JSON (or @FILE) of "
+                    "eaglet.storage.job_note, or a list of lines")
     ap.add_argument("--log", default=None)
     a = ap.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     io.setup_logging(a.log if rank == 0 else None)
-    for line in io.parse_json_arg(a.note, []) if rank == 0 else []:
-        log.info("%s", line)
     from eaglet.target import load_identity
+
+    identity = load_identity(a.target_identity)
+    if rank == 0:
+        from eaglet.storage import job_lines
+
+        for line in job_lines(io.parse_json_arg(a.note, None), identity["path"]):
+            log.info("%s", line)
 
     io.verify_recorded(a.vocab, Path(a.vocab).with_name("vocab.json"))  # vocab_map's record
     online = io.parse_json_arg(a.online, None)
     if online:
         io.verify_recorded(online["tokens"], Path(online["tokens"]).with_name("metadata.json"))  # tokenize's record
-    train(a.hidden, a.vocab, load_identity(a.target_identity), a.out_dir, io.parse_json_arg(a.params, {}),
-          online=online)
+    train(a.hidden, a.vocab, identity, a.out_dir, io.parse_json_arg(a.params, {}), online=online)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ rule train:
         train=stage_config("train", train_params()),
         data=train_data_args,
         # the storage statement, the job's first log line (a file: a log line is no cache key)
-        note=stage_config("train_note", STORAGE_LINES[:1]),
+        note=stage_config("train_note", storage.job_note(config, STORAGE_LINES)),
         launcher=train_launcher,
     shell:
         "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
