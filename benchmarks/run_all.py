@@ -50,6 +50,8 @@ BENCHES = {
     "extract": (["benchmarks/bench_extract.py", "--n", "24"], [Row("extract", "extraction / bare forward", 0.95)]),
     "train": (["benchmarks/bench_train.py", "--synthetic", "--steps", "3"],
               [Row("train", "training FLOP/s / matmul peak", 0.5)]),
+    "online": (["benchmarks/bench_online.py", "--n", "24", "--repeats", "3"],
+               [Row("online", "online train tok/s / (extract + offline train), 1 epoch", 0.8)]),
     "fp8": (["benchmarks/bench_fp8.py"],
             [Row("fp8", "hidden bytes/token fp8 / bf16 (note: τ)", 0.55, "<=")]),
     "scale": (["benchmarks/bench_scale.py"],

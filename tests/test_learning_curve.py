@@ -7,7 +7,8 @@ import random
 import pytest
 
 from eaglet import learning_curve as lc
-from eaglet.train import DEFAULTS, in_fraction, is_val, plan_micro_batches
+from eaglet.train import DEFAULTS
+from eaglet.train_data import in_fraction, is_val, plan_micro_batches
 
 
 def synthetic_points(true_tau, tokens: list[int], n_seq: int, rounds: int, seed: int) -> list[dict]:

@@ -121,6 +121,20 @@ class Capture:
             h.remove()
 
 
+def read_tokens(tokens_path) -> tuple[list[str], list[list[int]], list[list[int]]]:
+    """(ids, input_ids, loss_mask) of a tokens file, checked: unique ids, non-empty, equal lengths."""
+    table = io.read_parquet(tokens_path, columns=["id", "input_ids", "loss_mask"])
+    ids = [str(x) for x in table.column("id").to_pylist()]
+    if len(set(ids)) != len(ids):
+        raise io.ArtifactError(f"{tokens_path}: duplicate sample ids")
+    all_input = table.column("input_ids").to_pylist()
+    all_mask = table.column("loss_mask").to_pylist()
+    for i, (r, m) in enumerate(zip(all_input, all_mask)):
+        if len(r) == 0 or len(r) != len(m):
+            raise io.ArtifactError(f"{tokens_path}: sample {ids[i]}: {len(r)} ids, {len(m)} mask values")
+    return ids, all_input, all_mask
+
+
 def reference_positions(lengths: list[int], per_batch: int) -> torch.Tensor:
     """Positions (shared by the batch's rows) where the real head runs: spread over the shortest
     row, so every row has a real token there."""
@@ -149,16 +163,8 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
     N, H = int(ident["num_layers"]), int(ident["hidden_size"])
     layer_ids = target.validate_layer_ids(layer_ids or target.default_layer_ids(N), N)
 
-    table = io.read_parquet(tokens_path, columns=["id", "input_ids", "loss_mask"])
-    ids = [str(x) for x in table.column("id").to_pylist()]
-    if len(set(ids)) != len(ids):
-        raise io.ArtifactError(f"{tokens_path}: duplicate sample ids")
-    all_input = table.column("input_ids").to_pylist()
-    all_mask = table.column("loss_mask").to_pylist()
+    ids, all_input, all_mask = read_tokens(tokens_path)
     lengths = [len(r) for r in all_input]
-    for i, (r, m) in enumerate(zip(all_input, all_mask)):
-        if len(r) == 0 or len(r) != len(m):
-            raise io.ArtifactError(f"{tokens_path}: sample {ids[i]}: {len(r)} ids, {len(m)} mask values")
     mine = [i for i, s in enumerate(assign_shards(ids, lengths, num_shards)) if s == shard]
 
     writer = ShardWriter(out_dir, shard, num_shards, layer_ids, final_is_prenorm=True, dtype=dtype,

@@ -64,6 +64,17 @@ def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def storage_round(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """``x`` as a shard in storage ``dtype`` gives it back to a reader (float32): what writing it
+    (ShardWriter) and reading it (HiddenStateDataset.sample) do, without the disk. Online training
+    (eaglet.online) rounds its fresh states with it, so they equal the stored ones bit for bit."""
+    d = storage_dtype(dtype)
+    if d == "float8_e4m3fn":
+        q, scale = fp8_encode(x)
+        return q.float() * scale.unsqueeze(-1)
+    return x.to(getattr(torch, d)).float()
+
+
 def chunk_name(j: int) -> str:
     return f"chunk_{j:05d}.safetensors"
 

@@ -152,8 +152,27 @@ def training_rank(config: dict, s: dict, attention: str = TTT_ATTENTION) -> dict
                                                                    dtype, attention)),
         "context": int(CONTEXT_GIB * GIB) if gpu else 0,
     }
+    if t.get("hidden_states") == "online":  # the target runs in the rank (eaglet.online), no grad
+        parts.update(online_target(config, s, N))
     return {"shape": {"B": B, "T": T, "tokens": N, "dtype": dtype, "attention": attention},
             "parts": parts, "activation_parts": act, "params": p, "peak": sum(parts.values())}
+
+
+def online_target(config: dict, s: dict, N: int) -> dict:
+    """What ``train.hidden_states: online`` adds to a training rank: the whole target's weights (one
+    copy per rank; unknown weights count 0 and the table says "?") and one no-grad forward over a
+    micro-batch of N tokens, estimated as extraction's (its captured states, residual stream and
+    largest per-layer transient, in ``target.dtype``)."""
+    fwd = _forward_parts(config, s, N)
+    return {"target_weights": int(s["weight_bytes"] or 0), **{f"target_{k}": v for k, v in fwd.items()}}
+
+
+def _forward_parts(config: dict, s: dict, N: int) -> dict:
+    b = 4 if config["target"].get("dtype", "float32") == "float32" else 2
+    H = s["hidden_size"]
+    moe = s["experts_per_token"] * (H + 3 * s["moe_intermediate_size"])
+    transient = max(3 * s["intermediate_size"], moe, 4 * s["num_heads"] * s["head_dim"])
+    return {"captured_states": 8 * N * H * b, "residual_stream": 2 * N * H * b, "layer_transient": N * transient * b}
 
 
 # --------------------------------------------------------------------------- the other jobs
@@ -166,14 +185,9 @@ def extraction_shard(config: dict, s: dict) -> dict:
     intermediates, or q/k/v/output with memory-efficient attention (SDPA)."""
     e = config["extract"]
     gpus = int(e.get("gpus_per_shard") or 0)
-    b = 4 if config["target"].get("dtype", "float32") == "float32" else 2
-    N, H = int(e["token_budget"]), s["hidden_size"]
-    moe = s["experts_per_token"] * (H + 3 * s["moe_intermediate_size"])
-    transient = max(3 * s["intermediate_size"], moe, 4 * s["num_heads"] * s["head_dim"])
     w = s["weight_bytes"]
     parts = {"weights": None if w is None else -(-w // max(1, gpus)),
-             "captured_states": 8 * N * H * b, "residual_stream": 2 * N * H * b,
-             "layer_transient": N * transient * b, "context": int(CONTEXT_GIB * GIB) if gpus else 0}
+             **_forward_parts(config, s, int(e["token_budget"])), "context": int(CONTEXT_GIB * GIB) if gpus else 0}
     return {"gpus": gpus, "parts": parts, "peak": None if w is None else sum(parts.values())}
 
 
@@ -221,6 +235,7 @@ def make_plan(config: dict, target_config: str | Path | None = None,
     s = target_shapes(config, target_config, target_bytes)
     gpu_gib = (config.get("resources") or {}).get("gpu_memory_gb")
     return {"target": s, "gpu_memory_gb": gpu_gib, "hidden_states": hidden_states(config, s),
+            "online": config["train"].get("hidden_states") == "online",
             "train": training_rank(config, s, attention), "extract": extraction_shard(config, s),
             "vllm": vllm_server(config, s, gpu_gib)}
 
@@ -234,11 +249,14 @@ def refusals(p: dict, config: dict) -> list[str]:
     t = p["train"]
     if int(config["train"].get("gpus") or 0) > 0 and t["peak"] > cap:
         big = max(t["parts"], key=t["parts"].get)
+        fix = ("train.hidden_states online puts the whole target on every rank: train offline (storage.budget_gb)"
+               if big == "target_weights" else
+               "lower train.token_budget (raise train.grad_accum to keep the step)")
         out.append(f"a training rank needs {t['peak'] / GIB:.1f} GiB (largest: {big} "
                    f"{t['parts'][big] / GIB:.1f} GiB; attention '{t['shape']['attention']}' at B={t['shape']['B']}, "
-                   f"T={t['shape']['T']}): lower train.token_budget (raise train.grad_accum to keep the step)")
+                   f"T={t['shape']['T']}): {fix}")
     e = p["extract"]
-    if e["gpus"] > 0 and e["peak"] is not None and e["peak"] > cap:
+    if e["gpus"] > 0 and e["peak"] is not None and e["peak"] > cap and not p.get("online"):
         out.append(f"an extraction shard needs {e['peak'] / GIB:.1f} GiB per GPU: raise "
                    "extract.gpus_per_shard or lower extract.token_budget")
     v = p["vllm"]
@@ -263,9 +281,11 @@ def _gib(x: int | None) -> str:
 def summary_line(p: dict) -> str:
     """The one line `snakemake -n` logs."""
     h, t, e, v = p["hidden_states"], p["train"], p["extract"], p["vllm"]
-    parts = [f"hidden states <= {h['total'] / 1e12:.2f} TB ({h['per_shard'] / 1e12:.2f} TB per shard)",
+    parts = [("hidden states: none stored (train.hidden_states online; the target runs in each training rank)"
+              if p.get("online") else
+              f"hidden states <= {h['total'] / 1e12:.2f} TB ({h['per_shard'] / 1e12:.2f} TB per shard)"),
              f"training rank {_gib(t['peak'])} ({t['shape']['dtype']}, B={t['shape']['B']} x T={t['shape']['T']})"]
-    if e["gpus"]:
+    if e["gpus"] and not p.get("online"):
         parts.append(f"extraction {_gib(e['peak'])} per GPU")
     if v:
         parts.append(f"vLLM {_gib(v['reserved'])} per GPU reserved (weights {_gib(v['weights'])})")
@@ -301,15 +321,27 @@ def table(p: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
-    """The plan's line for `snakemake -n`; raises ValueError naming the key when a job cannot fit.
-    A built or GGUF target is planned once target_model has written its checkpoint."""
+def _parse_time_config(config: dict, workdir: str | Path = ".") -> tuple[Path, bool]:
+    """(the target's config.json, whether it is target.path's) for the parse-time plan."""
     t = config["target"]
     path = t.get("path") if t.get("tiny") is None else None
     conf = Path(path) / "config.json" if path else Path(workdir) / "resources/targets" / t["name"] / "model/config.json"
+    return conf, bool(path)
+
+
+def parse_time_shapes(config: dict, workdir: str | Path = ".") -> dict | None:
+    """The target's shapes at parse time (target_shapes), or None before a built target exists."""
+    conf, own = _parse_time_config(config, workdir)
+    return target_shapes(config, None if own else conf) if conf.is_file() else None
+
+
+def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
+    """The plan's line for `snakemake -n`; raises ValueError naming the key when a job cannot fit.
+    A built or GGUF target is planned once target_model has written its checkpoint."""
+    conf, own = _parse_time_config(config, workdir)
     if not conf.is_file():
         return ["memory plan: after the first job (target_model) writes the target's config.json"]
-    p = make_plan(config, conf if not path else None)
+    p = make_plan(config, None if own else conf)
     check(p, config)
     return [summary_line(p)]
 

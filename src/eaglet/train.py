@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -49,15 +48,27 @@ import os
 import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from eaglet import chain, io, labels
+from eaglet import io, labels
 from eaglet.hidden_store import HiddenStateDataset
 from eaglet.model import DrafterConfig, Eagle3Drafter, load_target_embedding, save_drafter
+
+# the phases' parts, in their own modules (re-exported: tests and benchmarks import them from here)
+from eaglet.train_data import collate, is_val, plan_batches, plan_micro_batches  # noqa: F401
+from eaglet.train_state import (  # noqa: F401
+    _rng_state,
+    _set_rng_state,
+    all_sum,
+    dist_setup,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
+from eaglet.ttt import TTTObjective, chain_counts, chain_positions, is_better, tf_tau, valid_positions  # noqa: F401
 
 log = logging.getLogger("eaglet.train")
 
@@ -87,6 +98,7 @@ DEFAULTS = dict(
     gpus=0,
     label_min_agreement=labels.MIN_AGREEMENT,  # top-1 agreement of the labels with the real model
     accept_unchecked_labels=False,  # train even when the label check could not run (no references)
+    hidden_states="offline",  # "offline": read extract's shards; "online": run the target here (eaglet.online)
 )
 
 
@@ -100,6 +112,8 @@ def resolve_params(params: dict | None) -> dict:
         raise ValueError(f"train.lm_head_init: {p['lm_head_init']!r} not 'target' or 'random'")
     if p["oov_rule"] not in ("greedy", "label"):
         raise ValueError(f"train.oov_rule: {p['oov_rule']!r} not 'greedy' or 'label'")
+    if p["hidden_states"] not in ("offline", "online"):
+        raise ValueError(f"train.hidden_states: {p['hidden_states']!r} not 'offline' or 'online'")
     return p
 
 
@@ -137,7 +151,8 @@ def prove_labels(head: TargetHead, ds: HiddenStateDataset, p: dict) -> dict:
     raises LabelMismatch on disagreement, and when the check cannot run unless
     ``accept_unchecked_labels`` (a check that did not run is not a pass)."""
     where = {s: i for i, s in enumerate(ds.ids)}
-    rec = labels.check_against_reference(head.head, ds.label_references, lambda sid: ds.sample(where[sid])["final"],
+    final_of = getattr(ds, "reference_final", None) or (lambda sid: ds.sample(where[sid])["final"])
+    rec = labels.check_against_reference(head.head, ds.label_references, final_of,
                                          ds.meta["dtype"], float(p["label_min_agreement"]))
     if rec["ok"] is None and not p["accept_unchecked_labels"]:
         raise labels.LabelMismatch(f"the label check did not run ({rec['reason']}): the hidden states hold no "
@@ -146,248 +161,8 @@ def prove_labels(head: TargetHead, ds: HiddenStateDataset, p: dict) -> dict:
     return rec
 
 
-# --------------------------------------------------------------------------- data
-def is_val(sample_id: str, fraction: float) -> bool:
-    """Deterministic held-out split by id hash (stable across runs, shards and world sizes)."""
-    h = int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16)
-    return h < fraction * 2**32
-
-
-def in_fraction(sample_id: str, fraction: float) -> bool:
-    """The nested training subsets of the learning curve: a sample is in every fraction at or
-    above its own hash (another hash than ``is_val``'s, so the subsets do not follow the split)."""
-    if fraction >= 1.0:
-        return True
-    h = int(hashlib.sha256(b"fraction:" + sample_id.encode()).hexdigest()[:8], 16)
-    return h < fraction * 2**32
-
-
-def plan_batches(indices: list[int], lengths: list[int], budget: int, seed: int, epoch: int,
-                 shuffle: bool = True, window: int = 256) -> list[list[int]]:
-    """Micro-batches of sample indices with B x T_max <= budget. Shuffled, then sorted by length
-    inside windows of ``window`` samples to cut padding; batch order shuffled again."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = [indices[i] for i in torch.randperm(len(indices), generator=g)] if shuffle else list(indices)
-    batches: list[list[int]] = []
-    for w in range(0, len(order), window):
-        cur: list[int] = []
-        for i in sorted(order[w:w + window], key=lambda i: lengths[i]):
-            if cur and (len(cur) + 1) * lengths[i] > budget:
-                batches.append(cur)
-                cur = []
-            cur.append(i)
-        if cur:
-            batches.append(cur)
-    if shuffle:
-        batches = [batches[i] for i in torch.randperm(len(batches), generator=g)]
-    return batches
-
-
-def collate(samples: list[dict], device) -> dict:
-    B, T = len(samples), max(len(s["input_ids"]) for s in samples)
-    H = samples[0]["final"].shape[-1]
-    out = {"x": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T, dtype=torch.bool),
-           "aux": torch.zeros(B, T, 3, samples[0]["aux"].shape[-1]), "final": torch.zeros(B, T, H)}
-    for b, s in enumerate(samples):
-        n = len(s["input_ids"])
-        out["x"][b, :n] = s["input_ids"]
-        out["mask"][b, :n] = s["loss_mask"].bool()
-        out["aux"][b, :n] = s["aux"]
-        out["final"][b, :n] = s["final"]
-    out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
-    out["tokens"] = sum(len(s["input_ids"]) for s in samples)
-    return out
-
-
-def plan_micro_batches(ids: list[str], lengths: list[int], p: dict):
-    """All micro-batches of the run in order (epochs concatenated, a fractional last epoch cut),
-    and the train/val sample indices. Step s of a run with M micro-batches per step uses
-    micro[s*M:(s+1)*M], whatever the world size: the step number is the data position."""
-    train_idx = [i for i, s in enumerate(ids)
-                 if not is_val(s, p["val_fraction"]) and in_fraction(s, p["data_fraction"])]
-    val_idx = [i for i, s in enumerate(ids) if is_val(s, p["val_fraction"])]
-    micro: list[list[int]] = []
-    for e in range(math.ceil(p["epochs"])):
-        eb = plan_batches(train_idx, lengths, p["token_budget"], p["seed"], e)
-        micro += eb[:int(len(eb) * min(1.0, p["epochs"] - e))]
-    return micro, train_idx, val_idx
-
-
-# --------------------------------------------------------------------------- the objective
-class TTTObjective(nn.Module):
-    """Drafter + TTT loss in one module, so DDP sees one forward per micro-batch."""
-
-    def __init__(self, drafter: Eagle3Drafter, steps: int, gamma: float):
-        super().__init__()
-        self.drafter, self.steps, self.gamma = drafter, steps, gamma
-
-    def forward(self, x_BT, aux_BT3H, p_BTVd, valid_BT, noise=None, chain_BT=None):
-        """valid_BT[s] = target position s counts (its next token x_{s+1} is an assistant token
-        whose greedy target prediction is in the draft vocab). -> (loss, stats [3, K], hits).
-        ``chain_BT`` (validation): chain_BT[s] = x_{s+1} is the target's greedy pick at s; then
-        hits [B, T, K] bool: step k at index t drafts the target's greedy token x_{t+2+k}
-        (None without chain_BT)."""
-        if noise is not None:
-            aux_BT3H = aux_BT3H + noise
-        g = self.drafter.project(aux_BT3H)
-        T = x_BT.shape[1]
-        loss = g.new_zeros((), dtype=torch.float32)
-        stats = torch.zeros(3, self.steps, device=x_BT.device)  # L_k, correct_k, count_k
-        hits = None if chain_BT is None else torch.zeros(*x_BT.shape, self.steps, dtype=torch.bool,
-                                                         device=x_BT.device)
-        for k, logits, _ in self.drafter.ttt_unroll(x_BT, g, self.steps):
-            n = T - 2 - k  # indices t whose drafted token x_{t+2+k} exists
-            if n <= 0:
-                loss = loss + 0.0 * logits.sum()  # keep every parameter in the graph (DDP)
-                continue
-            lp = F.log_softmax(logits[:, :n].float(), -1)
-            tgt = p_BTVd[:, 1 + k:1 + k + n]
-            valid = valid_BT[:, 1 + k:1 + k + n]
-            cnt = valid.sum()
-            ce = -(tgt * lp).sum(-1)
-            L = (ce * valid).sum() / cnt.clamp(min=1)
-            loss = loss + self.gamma ** k * L
-            with torch.no_grad():
-                agree = lp.argmax(-1) == tgt.argmax(-1)
-                stats[0, k] = L.detach()
-                stats[1, k] = (agree & valid).sum()
-                stats[2, k] = cnt
-                if hits is not None:
-                    hits[:, :n, k] = agree & chain_BT[:, 1 + k:1 + k + n]
-        return loss, stats, hits
-
-
-def valid_positions(batch: dict, t2d: torch.Tensor, inv_BT) -> torch.Tensor:
-    """valid[s]: x_{s+1} is an assistant token and the target's greedy pick at s is draftable."""
-    x, m = batch["x"], batch["mask"]
-    v = torch.zeros_like(m)
-    v[:, :-1] = m[:, 1:]
-    if inv_BT is not None:
-        v &= inv_BT
-    else:  # oov_rule "label": the next token itself must be draftable
-        nxt = torch.zeros_like(x)
-        nxt[:, :-1] = x[:, 1:]
-        v &= t2d[nxt]
-    return v
-
-
-def chain_positions(batch: dict, valid_BT: torch.Tensor, p_BTVd: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
-    """chain[s]: position s counts (valid) and the data's next token x_{s+1} is the target's greedy
-    pick there (its draft-vocab argmax, in the draft vocab): the greedy chain runs on through s."""
-    i = p_BTVd.argmax(-1)
-    ok = torch.zeros_like(valid_BT)
-    ok[:, :-1] = (i + d2t[i])[:, :-1] == batch["x"][:, 1:]
-    return valid_BT & ok
-
-
-def chain_counts(hits_BTK: torch.Tensor, mask_BT: torch.Tensor,
-                 per_sequence: list | None = None) -> torch.Tensor:
-    """[K, 2]: for k = 1..K, accepted drafts and rounds with drafts of the replayed greedy chain
-    (eaglet.chain) over every assistant span of the batch. ``per_sequence`` receives each row's
-    (accepted, rounds) at k = K (the learning curve resamples sequences)."""
-    K = hits_BTK.shape[-1]
-    acc_BT = chain.accepted_runs(hits_BTK).tolist()
-    out = torch.zeros(K, 2, dtype=torch.float64)
-    for b, m in enumerate(mask_BT.tolist()):
-        for k in range(1, K + 1):
-            drafted = [r for r in chain.sequence_rounds(acc_BT[b], m, k) if r[1] > 0]
-            out[k - 1, 0] += sum(r[2] for r in drafted)
-            out[k - 1, 1] += len(drafted)
-        if per_sequence is not None:  # drafted is k = K's
-            per_sequence.append((sum(r[2] for r in drafted), len(drafted)))
-    return out
-
-
-def is_better(val_row: dict, best: dict | None) -> bool:
-    """Checkpoint selection on the validation chain τ; a tie goes to the later pass (more training
-    at the same acceptance), and a pass without a chain τ (no rounds) never replaces one."""
-    tau = val_row.get("chain_tau")
-    if best is None:
-        return True
-    if tau is None:
-        return best["chain_tau"] is None
-    return best["chain_tau"] is None or tau >= best["chain_tau"]
-
-
 def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
-
-
-def tf_tau(acc: list[float]) -> float:
-    """Teacher-forced acceptance estimate 1 + sum_k prod_{i<=k} acc_i (optimistic; see the module
-    docstring: the exact figure is the chain τ)."""
-    t, p = 1.0, 1.0
-    for a in acc:
-        p *= a
-        t += p
-    return t
-
-
-# --------------------------------------------------------------------------- distributed
-def dist_setup(gpus: int):
-    ws = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if gpus > 0:
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"train.gpus = {gpus} but no CUDA device is visible")
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if ws > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, ws, device
-
-
-def all_sum(t: torch.Tensor, ws: int) -> torch.Tensor:
-    if ws > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(t)
-    return t
-
-
-# --------------------------------------------------------------------------- checkpoints
-def _ckpt_files(ckpt_dir: Path) -> list[Path]:
-    return sorted(ckpt_dir.glob("step_*.pt"))
-
-
-def save_checkpoint(ckpt_dir: Path, step: int, state: dict, keep: int) -> None:
-    with io.atomic_path(ckpt_dir / f"step_{step:08d}.pt") as tmp:
-        torch.save(state, tmp)
-    for old in _ckpt_files(ckpt_dir)[:-max(1, keep)]:
-        old.unlink()
-
-
-def load_latest_checkpoint(ckpt_dir: Path, digest: str) -> dict | None:
-    """Newest checkpoint of this very configuration; others are stale and removed."""
-    for f in reversed(_ckpt_files(ckpt_dir)):
-        try:
-            state = torch.load(f, map_location="cpu", weights_only=True)  # never unpickle objects
-        except Exception as e:  # noqa: BLE001 - a corrupt file must not stop training
-            log.warning("%s: unreadable checkpoint (%s); ignoring it", f, e)
-            continue
-        if state.get("digest") == digest:
-            return state
-        log.warning("%s: written by a different configuration; removing it", f)
-        f.unlink()
-    return None
-
-
-def _rng_state() -> dict:
-    st = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def _set_rng_state(st: dict) -> None:
-    random.setstate(st["python"])
-    torch.set_rng_state(st["torch"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
 
 
 # --------------------------------------------------------------------------- the loop
@@ -399,25 +174,47 @@ def lr_lambda_for(total: int, warmup: int):
     return f
 
 
-def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, params: dict | None = None,
-          dataset: HiddenStateDataset | None = None) -> dict:
-    """Train a drafter; write the stage's outputs under ``out_dir``; return the summary."""
-    from tqdm import tqdm
+@dataclass
+class _Run:
+    """What set-up builds and the loop reads: settings, data, model, optimizer, resume state."""
+    p: dict
+    out_dir: Path
+    rank: int
+    ws: int
+    device: torch.device
+    ds: HiddenStateDataset
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    cfg: DrafterConfig
+    head: TargetHead
+    label_check: dict
+    drafter: Eagle3Drafter
+    objective: TTTObjective
+    model: nn.Module
+    micro: list = field(default_factory=list)
+    train_idx: list = field(default_factory=list)
+    val_idx: list = field(default_factory=list)
+    val_batches: list = field(default_factory=list)
+    A: int = 1
+    M: int = 1
+    total: int = 0
+    opt: torch.optim.Optimizer | None = None
+    sched: torch.optim.lr_scheduler.LRScheduler | None = None
+    ckpt_dir: Path | None = None
+    digest: str = ""
+    start: int = 0
+    rows: list = field(default_factory=list)
+    best: dict | None = None  # the validation pass with the best chain τ: {"step", "chain_tau", "model"}
+    # step -> [[accepted, rounds] at k = K] per validation sequence, in val_batches order
+    val_seq: dict = field(default_factory=dict)
 
-    p = resolve_params(params)
-    out_dir = Path(out_dir)
-    rank, ws, device = dist_setup(int(p["gpus"]))
-    main = rank == 0
-    torch.manual_seed(p["seed"])
-    random.seed(p["seed"])
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
 
-    # Opening checks headers and sizes only; each rank hashes a chunk against its index when it
-    # first reads it, so no rank stalls the others' DDP init hashing terabytes (issue 14).
-    ds = dataset if dataset is not None else HiddenStateDataset(hidden, verify="sha")
-    meta = ds.meta
-    if meta["target_digest"] != identity["digest"]:
-        raise io.ArtifactError(f"{hidden[0] if hidden else 'hidden states'}: extracted from target "
-                               f"{meta['target_digest'][:12]}, identity says {identity['digest'][:12]}")
+
+def check_vocab(vocab: str, identity: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the vocab map, checked against the target."""
     vt = io.load_tensors(vocab, ["d2t", "t2d"])
     d2t, t2d = vt["d2t"].long(), vt["t2d"].bool()
     if len(t2d) != identity["vocab_size"] or int(t2d.sum()) != len(d2t):
@@ -425,11 +222,35 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
                                f"{identity['vocab_size']}, d2t {len(d2t)}")
     if not torch.equal(t2d.nonzero().squeeze(1), torch.arange(len(d2t)) + d2t):
         raise io.ArtifactError(f"{vocab}: nonzero(t2d) != arange(V_d) + d2t")
+    return d2t, t2d
 
+
+def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
+          dataset: HiddenStateDataset | None, online: dict | None = None) -> _Run:
+    """Processes, data (stored, or the target itself when online), labels, drafter (DDP-wrapped on
+    several ranks)."""
+    rank, ws, device = dist_setup(int(p["gpus"]))
+    if dataset is not None:
+        ds = dataset
+    elif online:
+        from eaglet.online import open_source
+
+        ds = open_source(online, identity, device, int(p["token_budget"]))
+    else:
+        # Opening checks headers and sizes only; each rank hashes a chunk against its index when it
+        # first reads it, so no rank stalls the others' DDP init hashing terabytes (issue 14).
+        ds = HiddenStateDataset(hidden, verify="sha")
+    torch.manual_seed(p["seed"])  # after loading a target (online): the run's draws start here either way
+    random.seed(p["seed"])
+    meta = ds.meta
+    if meta["target_digest"] != identity["digest"]:
+        raise io.ArtifactError(f"{hidden[0] if hidden else 'hidden states'}: extracted from target "
+                               f"{meta['target_digest'][:12]}, identity says {identity['digest'][:12]}")
+    d2t, t2d = check_vocab(vocab, identity)
     cfg = DrafterConfig.from_identity(identity, len(d2t), meta["layer_ids"], ttt_steps=int(p["ttt_steps"]))
     head = TargetHead(identity, t2d, bool(meta["final_is_prenorm"]), p["oov_rule"] == "greedy", device)
     label_check = prove_labels(head, ds, p)
-    if main:
+    if rank == 0:
         log.info("labels: top-1 agreement with the real model %s on %d of %d recorded positions (norm %s)",
                  f"{label_check['agreement']:.4f}" if label_check["ok"] is not None else "NOT RUN",
                  label_check["judged"], label_check["positions"], label_check["norm_class"])
@@ -445,194 +266,252 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
 
         model = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None,
                     broadcast_buffers=False)
-    t2d_dev, d2t_dev = t2d.to(device), d2t.to(device)
+    return _Run(p=p, out_dir=out_dir, rank=rank, ws=ws, device=device, ds=ds, d2t=d2t, t2d=t2d, cfg=cfg,
+                head=head, label_check=label_check, drafter=drafter, objective=objective, model=model)
 
-    # ---- data plan: a pure function of (data, params), so the step number is the data position
-    lengths = list(ds.num_tokens)
-    micro, train_idx, val_idx = plan_micro_batches(ds.ids, lengths, p)
-    A, M = int(p["grad_accum"]), int(p["grad_accum"]) * ws
-    if not train_idx:
+
+def plan_run(r: _Run, hidden: list[str]) -> None:
+    """The data plan (a pure function of (data, params), so the step number is the data position),
+    the optimizer and its schedule."""
+    p = r.p
+    lengths = list(r.ds.num_tokens)
+    r.micro, r.train_idx, r.val_idx = plan_micro_batches(r.ds.ids, lengths, p)
+    r.A = int(p["grad_accum"])
+    r.M = r.A * r.ws
+    if not r.train_idx:
         raise io.ArtifactError(f"{hidden}: no training samples left after the validation split")
-    total = len(micro) // M
+    r.total = len(r.micro) // r.M
     if p["max_steps"] is not None:
-        total = min(total, int(p["max_steps"]))
-    if total < 1:
-        raise ValueError(f"train: {len(micro)} micro-batches are fewer than one step of {M}; "
+        r.total = min(r.total, int(p["max_steps"]))
+    if r.total < 1:
+        raise ValueError(f"train: {len(r.micro)} micro-batches are fewer than one step of {r.M}; "
                          "lower train.token_budget or add data")
-    val_batches = plan_batches(val_idx, lengths, p["token_budget"], p["seed"], 0, shuffle=False)
+    r.val_batches = plan_batches(r.val_idx, lengths, p["token_budget"], p["seed"], 0, shuffle=False)
     if p["val_max_batches"] is not None:
-        val_batches = val_batches[:int(p["val_max_batches"])]
+        r.val_batches = r.val_batches[:int(p["val_max_batches"])]
+    r.opt = torch.optim.AdamW([q for q in r.drafter.parameters() if q.requires_grad], lr=p["lr"],
+                              weight_decay=p["weight_decay"], betas=(0.9, 0.95))
+    r.sched = torch.optim.lr_scheduler.LambdaLR(r.opt, lr_lambda_for(r.total, math.ceil(p["warmup_ratio"] * r.total)))
 
-    opt = torch.optim.AdamW([q for q in drafter.parameters() if q.requires_grad], lr=p["lr"],
-                            weight_decay=p["weight_decay"], betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(total, math.ceil(p["warmup_ratio"] * total)))
 
-    # ---- resume
-    ckpt_dir = out_dir / "checkpoints"
-    digest = io.digest_of({"params": p,
-                           "target": identity["digest"], "vocab": io.file_digest(vocab),
-                           "data": [ds.ids, lengths], "world": ws, "device": device.type})
-    start, rows = 0, []
-    best = None  # the validation pass with the best chain τ: {"step", "chain_tau", "model"}
-    state = load_latest_checkpoint(ckpt_dir, digest) if ckpt_dir.exists() else None
-    if state is not None:
-        drafter.load_state_dict({**state["model"], "embed_tokens.weight": drafter.embed_tokens.weight})
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"])
-        start, rows, best = int(state["step"]), list(state["metrics"]), state.get("best")
-        if main:
-            log.info("resuming from %s/step_%08d.pt", ckpt_dir, start)
+def resume(r: _Run, vocab: str, identity: dict) -> None:
+    """Restart from the newest checkpoint of this very configuration, if any."""
+    r.ckpt_dir = r.out_dir / "checkpoints"
+    r.digest = io.digest_of({"params": r.p,
+                             "target": identity["digest"], "vocab": io.file_digest(vocab),
+                             "data": [r.ds.ids, list(r.ds.num_tokens)], "world": r.ws, "device": r.device.type})
+    state = load_latest_checkpoint(r.ckpt_dir, r.digest) if r.ckpt_dir.exists() else None
+    if state is None:
+        return
+    r.drafter.load_state_dict({**state["model"], "embed_tokens.weight": r.drafter.embed_tokens.weight})
+    r.opt.load_state_dict(state["optimizer"])
+    r.sched.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"])
+    r.start, r.rows, r.best = int(state["step"]), list(state["metrics"]), state.get("best")
+    if r.main:
+        log.info("resuming from %s/step_%08d.pt", r.ckpt_dir, r.start)
 
-    # Reading + collating runs one micro-batch ahead in a thread (the only thread touching ds).
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-data")
-    pending: dict[tuple, Future] = {}
 
-    def fetch(batch_idx: list[int]) -> Future:
-        return pool.submit(lambda: collate([ds.sample(i) for i in batch_idx], "cpu"))
+class Batches:
+    """Micro-batches on the device with their targets. Reading + collating runs one micro-batch
+    ahead in a thread (the only thread touching the dataset)."""
 
-    def prepare(batch_idx: list[int], gen_seed: int | None, ahead: list[int] | None = None):
-        fut = pending.pop(tuple(batch_idx), None) or fetch(batch_idx)
+    def __init__(self, r: _Run):
+        self.r = r
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-data")
+        self.pending: dict[tuple, Future] = {}
+        self.t2d = r.t2d.to(r.device)
+
+    def _fetch(self, batch_idx: list[int]) -> Future:
+        ds = self.r.ds
+        if hasattr(ds, "collate"):  # online: one target forward per micro-batch (eaglet.online)
+            return self.pool.submit(ds.collate, batch_idx)
+        return self.pool.submit(lambda: collate([ds.sample(i) for i in batch_idx], "cpu"))
+
+    def prepare(self, batch_idx: list[int], gen_seed: int | None, ahead: list[int] | None = None):
+        """-> (batch, p_BTVd, valid_BT, noise or None); starts reading ``ahead``."""
+        r = self.r
+        fut = self.pending.pop(tuple(batch_idx), None) or self._fetch(batch_idx)
         if ahead is not None:
-            pending[tuple(ahead)] = fetch(ahead)
-        b = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in fut.result().items()}
-        p_BTVd, inv = head(b["final"])
+            self.pending[tuple(ahead)] = self._fetch(ahead)
+        b = {k: v.to(r.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in fut.result().items()}
+        p_BTVd, inv = r.head(b["final"])
         noise = None
-        if gen_seed is not None and p["noise_std"] > 0:
-            gen = torch.Generator(device=device).manual_seed(gen_seed)
-            noise = torch.randn(b["aux"].shape, generator=gen, device=device) * p["noise_std"]
-        return b, p_BTVd, valid_positions(b, t2d_dev, inv), noise
+        if gen_seed is not None and r.p["noise_std"] > 0:
+            gen = torch.Generator(device=r.device).manual_seed(gen_seed)
+            noise = torch.randn(b["aux"].shape, generator=gen, device=r.device) * r.p["noise_std"]
+        return b, p_BTVd, valid_positions(b, self.t2d, inv), noise
 
-    def run(m, b, p_BTVd, valid, noise, chain_BT=None):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            return m(b["x"], b["aux"], p_BTVd, valid, noise, chain_BT)
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
 
-    val_order = [i for batch in val_batches for i in batch]  # one row per validation sequence
-    val_seq: dict[int, list] = {}  # step -> [[accepted, rounds] at k = K] per sequence, val_order
 
-    def validate(step: int) -> dict:
-        objective.eval()
-        acc = torch.zeros(3, cfg.ttt_steps, device=device)
-        ch = torch.zeros(cfg.ttt_steps, 2, dtype=torch.float64)  # chain: accepted, rounds per k
-        seq = torch.zeros(len(val_order), 2, dtype=torch.float64)
-        with torch.no_grad():
-            for bi in range(rank, len(val_batches), ws):
-                b, p_BTVd, valid, _ = prepare(val_batches[bi], None)
-                _, st, hits = run(objective, b, p_BTVd, valid, None,
-                                  chain_positions(b, valid, p_BTVd, d2t_dev))
-                acc[0] += st[0] * st[2]  # token-weighted over the whole held-out set
-                acc[1:] += st[1:]
-                per: list = []
-                ch += chain_counts(hits.cpu(), b["mask"].cpu(), per)
-                first = sum(len(x) for x in val_batches[:bi])
-                seq[first:first + len(per)] = torch.tensor(per, dtype=torch.float64)
-        acc = all_sum(acc, ws)
-        ch = all_sum(ch.to(device), ws).cpu()
-        val_seq[step] = all_sum(seq.to(device), ws).cpu().tolist()
-        objective.train()
-        cnt = acc[2].clamp(min=1)
-        lk, ak = (acc[0] / cnt).tolist(), (acc[1] / cnt).tolist()
-        ctau = [1 + float(a / r) if r > 0 else None for a, r in ch.tolist()]
-        row = {"split": "val", "step": step, "loss": sum(p["gamma"] ** k * v for k, v in enumerate(lk)),
-               "chain_tau": ctau[-1], "tf_tau": tf_tau(ak), "positions": int(acc[2, 0]),
-               "chain_rounds": int(ch[-1, 1])}
-        row.update({f"chain_tau_{k + 1}": v for k, v in enumerate(ctau)})
-        row.update({f"loss_{k}": v for k, v in enumerate(lk)})
-        row.update({f"tf_acc_{k}": v for k, v in enumerate(ak)})
-        return row
+def _forward(r: _Run, m, b, p_BTVd, valid, noise, chain_BT=None):
+    with torch.autocast(r.device.type, dtype=torch.bfloat16, enabled=r.device.type == "cuda"):
+        return m(b["x"], b["aux"], p_BTVd, valid, noise, chain_BT)
 
-    objective.train()
-    bar = tqdm(total=total, initial=start, disable=not main, desc="train", mininterval=5)
+
+def validate(r: _Run, batches: Batches, step: int) -> dict:
+    """One pass over the held-out micro-batches (split over the ranks): the validation row."""
+    K = r.cfg.ttt_steps
+    r.objective.eval()
+    acc = torch.zeros(3, K, device=r.device)
+    ch = torch.zeros(K, 2, dtype=torch.float64)  # chain: accepted, rounds per k
+    first = [0]  # each validation batch's first row among all validation sequences
+    for vb in r.val_batches:
+        first.append(first[-1] + len(vb))
+    seq = torch.zeros(first[-1], 2, dtype=torch.float64)
+    d2t_dev = r.d2t.to(r.device)
+    with torch.no_grad():
+        for bi in range(r.rank, len(r.val_batches), r.ws):
+            b, p_BTVd, valid, _ = batches.prepare(r.val_batches[bi], None)
+            _, st, hits = _forward(r, r.objective, b, p_BTVd, valid, None,
+                                   chain_positions(b, valid, p_BTVd, d2t_dev))
+            acc[0] += st[0] * st[2]  # token-weighted over the whole held-out set
+            acc[1:] += st[1:]
+            per: list = []
+            ch += chain_counts(hits.cpu(), b["mask"].cpu(), per)
+            seq[first[bi]:first[bi + 1]] = torch.tensor(per, dtype=torch.float64)
+    acc = all_sum(acc, r.ws)
+    ch = all_sum(ch.to(r.device), r.ws).cpu()
+    r.val_seq[step] = all_sum(seq.to(r.device), r.ws).cpu().tolist()
+    r.objective.train()
+    cnt = acc[2].clamp(min=1)
+    lk, ak = (acc[0] / cnt).tolist(), (acc[1] / cnt).tolist()
+    ctau = [1 + float(a / n) if n > 0 else None for a, n in ch.tolist()]
+    row = {"split": "val", "step": step, "loss": sum(r.p["gamma"] ** k * v for k, v in enumerate(lk)),
+           "chain_tau": ctau[-1], "tf_tau": tf_tau(ak), "positions": int(acc[2, 0]),
+           "chain_rounds": int(ch[-1, 1])}
+    row.update({f"chain_tau_{k + 1}": v for k, v in enumerate(ctau)})
+    row.update({f"loss_{k}": v for k, v in enumerate(lk)})
+    row.update({f"tf_acc_{k}": v for k, v in enumerate(ak)})
+    return row
+
+
+def train_step(r: _Run, batches: Batches, step: int) -> dict:
+    """One optimizer step over this rank's A micro-batches of global step ``step``: its train row."""
+    p, A, M, K = r.p, r.A, r.M, r.cfg.ttt_steps
+    t0 = time.time()
+    r.opt.zero_grad(set_to_none=True)
+    stats = torch.zeros(3, K, device=r.device)
+    loss_sum = torch.zeros((), device=r.device)
+    tokens = torch.zeros((), device=r.device)
+    for a in range(A):
+        j = step * M + r.rank * A + a  # global micro-batch index: same union for any (ws, A)
+        nxt = j + 1 if a < A - 1 else (step + 1) * M + r.rank * A
+        b, p_BTVd, valid, noise = batches.prepare(r.micro[j], p["seed"] * 1_000_003 + j,
+                                                  r.micro[nxt] if step + 1 < r.total or a < A - 1 else None)
+        ctx = r.model.no_sync() if r.ws > 1 and a < A - 1 else contextlib.nullcontext()
+        with ctx:
+            loss, st, _ = _forward(r, r.model, b, p_BTVd, valid, noise)
+            (loss / A).backward()
+        stats[0] += st[0]
+        stats[1:] += st[1:]
+        loss_sum += loss.detach()
+        tokens += b["tokens"]
+    gnorm = torch.nn.utils.clip_grad_norm_(r.drafter.parameters(), p["grad_clip"]) \
+        if p["grad_clip"] > 0 else torch.zeros(())
+    lr = r.sched.get_last_lr()[0]
+    r.opt.step()
+    r.sched.step()
+    agg = all_sum(torch.cat([stats.flatten(), loss_sum[None], tokens[None]]), r.ws)
+    lk = (agg[:K] / M).tolist()
+    ak = (agg[K:2 * K] / agg[2 * K:3 * K].clamp(min=1)).tolist()
+    dt = time.time() - t0
+    row = {"split": "train", "step": step + 1, "epoch": (step + 1) * M / max(1, len(r.micro)) * p["epochs"],
+           "loss": float(agg[3 * K] / M), "tf_tau": tf_tau(ak), "lr": lr, "grad_norm": float(gnorm),
+           "tokens": int(agg[-1]), "tok_s": float(agg[-1]) / max(dt, 1e-9),
+           "positions": int(agg[2 * K])}
+    row.update({f"loss_{k}": v for k, v in enumerate(lk)})
+    row.update({f"tf_acc_{k}": v for k, v in enumerate(ak)})
+    return row
+
+
+def after_step(r: _Run, batches: Batches, done: int) -> None:
+    """Validation (and best-weights bookkeeping) and the checkpoint due after step ``done``."""
+    p = r.p
+    if r.val_batches and (done % p["val_every"] == 0 or done == r.total):
+        r.rows.append(validate(r, batches, done))
+        if is_better(r.rows[-1], r.best):
+            r.best = {"step": done, "chain_tau": r.rows[-1]["chain_tau"], "chain_by_sequence": r.val_seq[done],
+                      "model": {k: v.detach().cpu().clone() for k, v in r.drafter.trainable_state_dict().items()}}
+    if r.main and (done % p["checkpoint_every"] == 0) and done < r.total:
+        save_checkpoint(r.ckpt_dir, done, {
+            "digest": r.digest, "step": done,
+            "model": {k: v.detach().cpu() for k, v in r.drafter.trainable_state_dict().items()},
+            "optimizer": r.opt.state_dict(), "scheduler": r.sched.state_dict(), "rng": _rng_state(),
+            "data_position": {"step": done, "micro_batch": done * r.M}, "metrics": r.rows, "best": r.best,
+        }, int(p["keep_checkpoints"]))
+
+
+def write_outputs(r: _Run, tokens_seen: int, elapsed: float) -> dict:
+    """Rank 0: the selected weights, metrics and summary under out_dir; returns the summary."""
+    import pandas as pd
+
+    rows, cfg, identity_digest = r.rows, r.cfg, r.ds.meta["target_digest"]
+    last_train = [x for x in rows if x["split"] == "train"][-1]
+    last_val = ([x for x in rows if x["split"] == "val"] or [None])[-1]
+    if r.best is not None:
+        r.drafter.load_state_dict({**r.best["model"], "embed_tokens.weight": r.drafter.embed_tokens.weight})
+        selected = {"step": r.best["step"], "val_chain_tau": r.best["chain_tau"],
+                    "rule": "best validation chain_tau (the last pass on a tie)"}
+    else:
+        selected = {"step": r.total, "val_chain_tau": None, "rule": "last weights: no validation set"}
+    best_val = next((x for x in rows if x["split"] == "val" and x["step"] == selected["step"]), None)
+    save_drafter(r.out_dir / "drafter.safetensors", r.drafter, cfg, r.d2t, r.t2d)
+    io.write_parquet(r.out_dir / "metrics.parquet", pd.DataFrame(rows))
+    summary = {"steps": r.total, "resumed_from": r.start, "world_size": r.ws, "device": r.device.type,
+               "micro_batches_per_step": r.M, "train_samples": len(r.train_idx), "val_samples": len(r.val_idx),
+               "data_fraction": r.p["data_fraction"],
+               "train_tokens": int(sum(r.ds.num_tokens[i] for i in r.train_idx)),
+               # the kept pass's exact chain (accepted, rounds) at k = K per validation sequence
+               "best_val_chain_by_sequence": (r.best or {}).get("chain_by_sequence"),
+               "tokens_this_run": tokens_seen, "seconds_this_run": elapsed,
+               "tok_s": tokens_seen / max(elapsed, 1e-9),
+               "final_train": last_train, "final_val": last_val, "selected": selected, "best_val": best_val,
+               "draft_vocab_size": len(r.d2t), "layer_ids": cfg.layer_ids, "label_check": r.label_check,
+               "target_digest": identity_digest, "params": r.p, "config": json.loads(cfg.to_json()),
+               # checked by export and evaluate (io.verify_recorded)
+               io.DIGESTS_KEY: io.record_digests(r.out_dir, ["drafter.safetensors"])}
+    io.write_json(r.out_dir / "train_summary.json", summary)
+    log.info("trained %d steps: train loss %.4f; validation chain tau %s (teacher-forced %s); kept the "
+             "weights of step %d", r.total, last_train["loss"],
+             _fmt(last_val and last_val["chain_tau"]), _fmt(last_val and last_val["tf_tau"]), selected["step"])
+    return summary
+
+
+def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, params: dict | None = None,
+          dataset: HiddenStateDataset | None = None, online: dict | None = None) -> dict:
+    """Train a drafter; write the stage's outputs under ``out_dir``; return the summary. With
+    ``train.hidden_states: online``, ``online`` = {tokens, layer_ids, dtype, target_load} (eaglet.online)
+    replaces the stored ``hidden`` states."""
+    from tqdm import tqdm
+
+    from eaglet.online import check_settings
+
+    p = resolve_params(params)
+    if dataset is None:
+        check_settings(p["hidden_states"], online)
+    r = setup(hidden, vocab, identity, Path(out_dir), p, dataset, online)
+    plan_run(r, hidden)
+    resume(r, vocab, identity)
+    batches = Batches(r)
+    r.objective.train()
+    bar = tqdm(total=r.total, initial=r.start, disable=not r.main, desc="train", mininterval=5)
     t_start = time.time()
     tokens_seen = 0
-    for step in range(start, total):
-        t0 = time.time()
-        opt.zero_grad(set_to_none=True)
-        stats = torch.zeros(3, cfg.ttt_steps, device=device)
-        loss_sum = torch.zeros((), device=device)
-        tokens = torch.zeros((), device=device)
-        for a in range(A):
-            j = step * M + rank * A + a  # global micro-batch index: same union for any (ws, A)
-            nxt = j + 1 if a < A - 1 else (step + 1) * M + rank * A
-            b, p_BTVd, valid, noise = prepare(micro[j], p["seed"] * 1_000_003 + j,
-                                              micro[nxt] if step + 1 < total or a < A - 1 else None)
-            ctx = model.no_sync() if ws > 1 and a < A - 1 else contextlib.nullcontext()
-            with ctx:
-                loss, st, _ = run(model, b, p_BTVd, valid, noise)
-                (loss / A).backward()
-            stats[0] += st[0]
-            stats[1:] += st[1:]
-            loss_sum += loss.detach()
-            tokens += b["tokens"]
-        gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), p["grad_clip"]) \
-            if p["grad_clip"] > 0 else torch.zeros(())
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        agg = all_sum(torch.cat([stats.flatten(), loss_sum[None], tokens[None]]), ws)
-        K = cfg.ttt_steps
-        lk = (agg[:K] / M).tolist()
-        ak = (agg[K:2 * K] / agg[2 * K:3 * K].clamp(min=1)).tolist()
-        dt = time.time() - t0
-        tokens_seen += int(agg[-1])
-        row = {"split": "train", "step": step + 1, "epoch": (step + 1) * M / max(1, len(micro)) * p["epochs"],
-               "loss": float(agg[3 * K] / M), "tf_tau": tf_tau(ak), "lr": lr, "grad_norm": float(gnorm),
-               "tokens": int(agg[-1]), "tok_s": float(agg[-1]) / max(dt, 1e-9),
-               "positions": int(agg[2 * K])}
-        row.update({f"loss_{k}": v for k, v in enumerate(lk)})
-        row.update({f"tf_acc_{k}": v for k, v in enumerate(ak)})
-        rows.append(row)
+    for step in range(r.start, r.total):
+        row = train_step(r, batches, step)
+        tokens_seen += row["tokens"]
+        r.rows.append(row)
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", tf_tau=f"{row['tf_tau']:.2f}", refresh=False)
-        done = step + 1
-        if val_batches and (done % p["val_every"] == 0 or done == total):
-            rows.append(validate(done))
-            if is_better(rows[-1], best):
-                best = {"step": done, "chain_tau": rows[-1]["chain_tau"], "chain_by_sequence": val_seq[done],
-                        "model": {k: v.detach().cpu().clone() for k, v in drafter.trainable_state_dict().items()}}
-        if main and (done % p["checkpoint_every"] == 0) and done < total:
-            save_checkpoint(ckpt_dir, done, {
-                "digest": digest, "step": done,
-                "model": {k: v.detach().cpu() for k, v in drafter.trainable_state_dict().items()},
-                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state(),
-                "data_position": {"step": done, "micro_batch": done * M}, "metrics": rows, "best": best,
-            }, int(p["keep_checkpoints"]))
+        after_step(r, batches, step + 1)
     bar.close()
-    pool.shutdown(wait=True)
+    batches.close()
     elapsed = time.time() - t_start
-
-    summary = {}
-    if main:
-        import pandas as pd
-
-        last_train = [r for r in rows if r["split"] == "train"][-1]
-        last_val = ([r for r in rows if r["split"] == "val"] or [None])[-1]
-        if best is not None:
-            drafter.load_state_dict({**best["model"], "embed_tokens.weight": drafter.embed_tokens.weight})
-            selected = {"step": best["step"], "val_chain_tau": best["chain_tau"],
-                        "rule": "best validation chain_tau (the last pass on a tie)"}
-        else:
-            selected = {"step": total, "val_chain_tau": None, "rule": "last weights: no validation set"}
-        best_val = next((r for r in rows if r["split"] == "val" and r["step"] == selected["step"]), None)
-        save_drafter(out_dir / "drafter.safetensors", drafter, cfg, d2t, t2d)
-        io.write_parquet(out_dir / "metrics.parquet", pd.DataFrame(rows))
-        summary = {"steps": total, "resumed_from": start, "world_size": ws, "device": device.type,
-                   "micro_batches_per_step": M, "train_samples": len(train_idx), "val_samples": len(val_idx),
-                   "data_fraction": p["data_fraction"], "train_tokens": int(sum(lengths[i] for i in train_idx)),
-                   # the kept pass's exact chain (accepted, rounds) at k = K per validation sequence
-                   "best_val_chain_by_sequence": (best or {}).get("chain_by_sequence"),
-                   "tokens_this_run": tokens_seen, "seconds_this_run": elapsed,
-                   "tok_s": tokens_seen / max(elapsed, 1e-9),
-                   "final_train": last_train, "final_val": last_val, "selected": selected, "best_val": best_val,
-                   "draft_vocab_size": len(d2t), "layer_ids": cfg.layer_ids, "label_check": label_check,
-                   "target_digest": identity["digest"], "params": p, "config": json.loads(cfg.to_json()),
-                   # checked by export and evaluate (io.verify_recorded)
-                   io.DIGESTS_KEY: io.record_digests(out_dir, ["drafter.safetensors"])}
-        io.write_json(out_dir / "train_summary.json", summary)
-        log.info("trained %d steps: train loss %.4f; validation chain tau %s (teacher-forced %s); kept the "
-                 "weights of step %d", total, last_train["loss"],
-                 _fmt(last_val and last_val["chain_tau"]), _fmt(last_val and last_val["tf_tau"]), selected["step"])
-    if ws > 1:
+    summary = write_outputs(r, tokens_seen, elapsed) if r.main else {}
+    if r.ws > 1:
         import torch.distributed as dist
 
         dist.barrier()
@@ -643,19 +522,34 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--hidden", nargs="+", required=True, help="extract/shard_*/index.json files")
+    ap.add_argument("--hidden", nargs="*", default=[], help="extract/shard_*/index.json files (offline)")
+    ap.add_argument("--online", default=None,
+                    help='train.hidden_states online: JSON (or @FILE) {"tokens": tokenize/tokens.parquet, '
+                         '"layer_ids", "dtype" (extract\'s), "target_load": {dtype, device, trust_remote_code}}')
     ap.add_argument("--vocab", required=True, help="vocab_map/vocab.safetensors (d2t, t2d)")
     ap.add_argument("--target-identity", required=True, help="the target's identity.json")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--params", default="{}", help="the train section of the config: JSON, or @FILE")
+    ap.add_argument("--note", default=None, help="the workflow's storage statement, logged first: JSON (or @FILE) of "
+                    "eaglet.storage.job_note, or a list of lines")
     ap.add_argument("--log", default=None)
     a = ap.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     io.setup_logging(a.log if rank == 0 else None)
     from eaglet.target import load_identity
 
+    identity = load_identity(a.target_identity)
+    if rank == 0:
+        from eaglet.storage import job_lines
+
+        for line in job_lines(io.parse_json_arg(a.note, None), identity["path"]):
+            log.info("%s", line)
+
     io.verify_recorded(a.vocab, Path(a.vocab).with_name("vocab.json"))  # vocab_map's record
-    train(a.hidden, a.vocab, load_identity(a.target_identity), a.out_dir, io.parse_json_arg(a.params, {}))
+    online = io.parse_json_arg(a.online, None)
+    if online:
+        io.verify_recorded(online["tokens"], Path(online["tokens"]).with_name("metadata.json"))  # tokenize's record
+    train(a.hidden, a.vocab, identity, a.out_dir, io.parse_json_arg(a.params, {}), online=online)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -26,6 +27,27 @@ for _line in target_check.parse_time(config):
 # a job that cannot fit resources.gpu_memory_gb stops the run here, not hours into it.
 from eaglet import plan as memory_plan
 from eaglet import gpu_slots
+from eaglet import storage
+
+# Where the hidden states live (eaglet.storage, issue 17): stored by extract (offline) or computed
+# in the training job (online). storage.budget_gb picks bf16 offline, fp8 offline or online, in that
+# order, to fit; the choice is written into the config before anything reads it, so the DAG (no
+# extract job online), the params and the memory plan all follow it.
+if config["train"]["hidden_states"] == "online":
+    for _key, _unused in (("shards", 1), ("gpus_per_shard", 0)):
+        if config["extract"][_key] != _unused:
+            raise ValueError(
+                f"extract.{_key}: {config['extract'][_key]} has no effect with train.hidden_states: online "
+                "(no extract job runs; the target runs in the training job, on its train.gpus): "
+                f"set it to {_unused} or train offline"
+            )
+_mode, _dtype, STORAGE_LINES = storage.decide(
+    config, memory_plan.parse_time_shapes(config)
+)
+config["train"]["hidden_states"], config["extract"]["dtype"] = _mode, _dtype
+ONLINE = _mode == "online"
+for _line in STORAGE_LINES:
+    logger.info(_line)
 
 for _line in memory_plan.parse_time(config):
     logger.info(_line)
@@ -194,6 +216,31 @@ def train_params():
     cache key through the launcher param instead, so a one-node config keeps its old key.
     """
     return {k: v for k, v in config["train"].items() if k not in ("nodes", "rdzv_port")}
+
+
+# Online: the tokens, the aux layer ids and storage rounding (extract's keys) and how the target is
+# loaded (the target section), handed to the trainer as one settings file.
+ONLINE_SETTINGS = {
+    "tokens": f"{RUN}/tokenize/tokens.parquet",  # rules.tokenize.output.tokens
+    "layer_ids": config["extract"]["layer_ids"],
+    "dtype": config["extract"]["dtype"],
+    "target_load": TARGET_LOAD,
+}
+
+
+def train_hidden_input(wildcards):
+    if ONLINE:
+        return ONLINE_SETTINGS["tokens"]
+    return expand(
+        f"{RUN}/extract/shard_{{shard}}", shard=range(config["extract"]["shards"])
+    )
+
+
+def train_data_args(wildcards, input):
+    """The trainer's data flags: the shards (offline) or the online settings file."""
+    if ONLINE:
+        return f"--online @{stage_config('train_online', ONLINE_SETTINGS)}"
+    return "--hidden " + " ".join(shlex.quote(str(p)) for p in input.hidden)
 
 
 def train_resources():

@@ -61,6 +61,8 @@ rule extract_hidden_states:
         " --target-load {params.load:q} --log {log:q}"
 
 
-FINAL_OUTPUTS.extend(
-    expand(rules.extract_hidden_states.output.shard, shard=EXTRACT_SHARDS)
-)
+# Online training (train.hidden_states online) stores no hidden states: no extract job then.
+if not ONLINE:
+    FINAL_OUTPUTS.extend(
+        expand(rules.extract_hidden_states.output.shard, shard=EXTRACT_SHARDS)
+    )

@@ -20,14 +20,17 @@ if PLAN["learning_curve"]:
         wildcard_constraints:
             frac=r"0\.[0-9]+",
         params:
-            **key_params("train", train_params()),
-            data_fraction=lambda wildcards: f"data_fraction={wildcards.frac}",
-            out=out_dir,
-            train=lambda wildcards: stage_config(
-                f"train_f{wildcards.frac}",
-                train_params() | {"data_fraction": float(wildcards.frac)},
+            # train's, with this fraction's settings file and data_fraction among the keys
+            **(
+                TRAIN_PARAMS
+                | {
+                    "data_fraction": lambda wildcards: f"data_fraction={wildcards.frac}",
+                    "train": lambda wildcards: stage_config(
+                        f"train_f{wildcards.frac}",
+                        train_params() | {"data_fraction": float(wildcards.frac)},
+                    ),
+                }
             ),
-            launcher=train_launcher,
 
     rule learning_curve:
         input:
@@ -36,15 +39,22 @@ if PLAN["learning_curve"]:
                 if config["generate"]["enabled"]
                 else {}
             ),
+            **(
+                {}
+                if ONLINE
+                else {
+                    "hidden": expand(
+                        f"{RUN}/extract/shard_{{shard}}",
+                        shard=range(config["extract"]["shards"]),
+                    )
+                }
+            ),
             code=src("learning_curve", "provenance", "io"),
             full=rules.train.output.summary,
             fractions=expand(
                 f"{LC_DIR}/f{{frac}}/train_summary.json", frac=LC_FRACTIONS
             ),
-            hidden=expand(
-                f"{RUN}/extract/shard_{{shard}}",
-                shard=range(config["extract"]["shards"]),
-            ),
+            # the stored states' disk (none online: the target runs inside each training)
         output:
             curve=report(
                 f"{LC_DIR}/learning_curve.json",
@@ -61,7 +71,10 @@ if PLAN["learning_curve"]:
             generate=lambda wildcards, input: (
                 f"--generate {input.generate}" if "generate" in input.keys() else ""
             ),
-            index=lambda wildcards, input: [f"{h}/index.json" for h in input.hidden],
+            index=lambda wildcards, input: [
+                f"{h}/index.json"
+                for h in (input.hidden if "hidden" in input.keys() else [])
+            ],
             run_dir=lambda wildcards, input: str(Path(input.full).parents[1]),
             opts=stage_config(
                 "learning_curve",

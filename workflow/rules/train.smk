@@ -1,14 +1,41 @@
-# Training: TTT training of the EAGLE-3 drafter on the extracted hidden states (eagle3.md §3).
+# Training: TTT training of the EAGLE-3 drafter on the target's hidden states (eagle3.md §3):
+# read from extract's shards (train.hidden_states offline), or computed by the target inside this
+# job (online, eaglet.online: no extract job in the DAG; see eaglet.storage for the choice).
 # Checkpoints live in train/checkpoints/, which is not an output, so Snakemake does not delete it
 # before a rerun: a killed training job resumes from its latest checkpoint.
+
+# The training job's params, shared with the learning curve's train_fraction (learning_curve.smk).
+TRAIN_PARAMS = dict(
+    **key_params("train", train_params()),
+    **(
+        key_params("online", ONLINE_SETTINGS, ["layer_ids", "dtype", "target_load"])
+        if ONLINE
+        else {}
+    ),
+    out=out_dir,
+    train=stage_config("train", train_params()),
+    data=train_data_args,
+    # the storage statement, the job's first log line (a file: a log line is no cache key)
+    note=stage_config("train_note", storage.job_note(config, STORAGE_LINES)),
+    launcher=train_launcher,
+)
 
 
 rule train:
     input:
-        code=src("train", "model", "hidden_store", "gpu_slots", "target", "io"),
-        hidden=expand(
-            f"{RUN}/extract/shard_{{shard}}", shard=range(config["extract"]["shards"])
-        ),
+        code=src(
+            "train",
+            "train_data",
+            "train_state",
+            "ttt",
+            "model",
+            "hidden_store",
+            "gpu_slots",
+            "target",
+            "io",
+        )
+        + (src("online", "extract") if ONLINE else []),
+        hidden=train_hidden_input,
         vocab=f"{RUN}/vocab_map/vocab.safetensors",
         identity=TARGET_ID,
     output:
@@ -31,15 +58,12 @@ rule train:
         **train_resources(),
         gpu=config["train"]["gpus"] * config["train"]["nodes"],
     params:
-        **key_params("train", train_params()),
-        out=out_dir,
-        train=stage_config("train", train_params()),
-        launcher=train_launcher,
+        **TRAIN_PARAMS,
     shell:
         "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
-        " {params.launcher} -m eaglet.train --hidden {input.hidden:q} --vocab {input.vocab:q}"
+        " {params.launcher} -m eaglet.train {params.data} --vocab {input.vocab:q}"
         " --target-identity {input.identity:q} --out-dir {params.out:q}"
-        " --params @{params.train:q} --log {log:q}"
+        " --params @{params.train:q} --note @{params.note:q} --log {log:q}"
 
 
 FINAL_OUTPUTS.append(rules.train.output.summary)
