@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet import contract, vllm_env
+from eaglet import contract, contract_record, contract_vllm, vllm_env
 from eaglet import known_answer as ka
 
-PROMPTS = contract.PROMPTS[:2]
+PROMPTS = contract_vllm.PROMPTS[:2]
 MAX_TOKENS, K = 16, 3
 IDS = [2, 4, 7]  # the last aux layer at N-1 of the 8-layer tiny target; vLLM's default would be (2, 4, 5)
 
@@ -82,7 +82,8 @@ def test_known_answer_is_listed_not_run_when_vllm_is_off(tiny_target, tiny_draft
 
     ident = Path(tiny_target["path"]).parent / "identity.json"
     with pytest.raises(ContractError, match=r"not run \['vllm.known_answer'\]"):
-        export(tiny_drafter, tmp_path / "d", ident, vllm_check=False, accept_not_run=list(contract.TRAINED_VLLM_CHECKS))
+        export(tiny_drafter, tmp_path / "d", ident, vllm_check=False,
+               accept_not_run=list(contract_record.TRAINED_VLLM_CHECKS))
     rep = export(tiny_drafter, tmp_path / "d", ident, vllm_check=False, accept_not_run=list(contract.VLLM_CHECKS))
     assert rep["ok"] and "vllm.known_answer" in [r["name"] for r in rep["not_run"]]
 
@@ -108,7 +109,8 @@ def test_real_vllm_accepts_the_known_answer_and_rejects_each_breakage(known):
         assert det["output_is_known_chain"], (how, det)  # lossless: vLLM's verifier, whatever the drafter
         assert det["num_drafts"] > 0 and det["first_draft_rate"] <= 0.1, (how, det)
         assert not ok
-        assert contract.verdict([contract._check("vllm.known_answer", ok, det)])["failed"] == ["vllm.known_answer"]
+        failed = contract.verdict([contract_record.check("vllm.known_answer", ok, det)])["failed"]
+        assert failed == ["vllm.known_answer"]
     assert res[ka.BREAKAGES.index("layer_ids_minus_one") + 1]["aux_layers"] == [i - 1 for i in IDS]
 
 

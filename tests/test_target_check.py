@@ -406,7 +406,7 @@ def test_vllm_check_off_without_accepting_its_checks_is_refused_at_the_start(tmp
     """The serving refusal says to set export.vllm_check: false; a user who did only that trained
     for the whole run and then failed at export (its real-vLLM checks not run and not accepted).
     The config already says they will not run: refuse at the start, naming export.accept_not_run."""
-    from eaglet.contract import VLLM_CHECKS
+    from eaglet.contract_record import VLLM_CHECKS
 
     conf = {"target": {"name": "t", "tiny": {}, "path": None, "chat_template": None},
             "evaluate": {"vllm": {"env": str(VLLM_ENV), "enabled": False}},

@@ -31,7 +31,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from eaglet import contract, io, vllm_env
+from eaglet import contract, contract_static, io, vllm_env
 from eaglet.rope import legacy_fields
 from eaglet.target import load_identity, validate_layer_ids
 
@@ -73,7 +73,7 @@ def _layer_config(cfg: dict, target_conf: dict, dtype: str) -> dict:
 def vllm_config(cfg: dict, identity: dict, target_conf: dict, dtype: str = DTYPE) -> dict:
     """config.json of format A (eagle3.md §6)."""
     ids = list(cfg["layer_ids"])
-    conf = {"architectures": [contract.ARCH_A], **_layer_config(cfg, target_conf, dtype),
+    conf = {"architectures": [contract_static.ARCH_A], **_layer_config(cfg, target_conf, dtype),
             "draft_vocab_size": cfg["draft_vocab_size"]}
     if cfg["target_hidden_size"] != cfg["hidden_size"]:
         conf["target_hidden_size"] = cfg["target_hidden_size"]
@@ -88,7 +88,7 @@ def vllm_config(cfg: dict, identity: dict, target_conf: dict, dtype: str = DTYPE
 
 def speculators_config(cfg: dict, identity: dict, target_conf: dict, k: int, dtype: str = DTYPE) -> dict:
     """config.json of format B (vllm-project/speculators ``Eagle3Speculator``)."""
-    return {"architectures": [contract.ARCH_B], "speculators_model_type": "eagle3",
+    return {"architectures": [contract_static.ARCH_B], "speculators_model_type": "eagle3",
             "speculators_version": "0.3.0",
             "speculators_config": {
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
@@ -111,7 +111,7 @@ def read_trained(drafter_path: str | Path, identity: dict) -> tuple[dict, dict]:
     """The trainer's tensors and DrafterConfig, checked against the target."""
     cfg = contract.trained_config(drafter_path)
     tensors = io.load_tensors(drafter_path)
-    want = set(contract.expected_tensors(_flat(cfg))) | {"d2t"}
+    want = set(contract_static.expected_tensors(_flat(cfg))) | {"d2t"}
     have = set(tensors)
     if have != want:
         raise io.ArtifactError(f"{drafter_path}: tensors missing {sorted(want - have)}, "
@@ -127,7 +127,7 @@ def read_trained(drafter_path: str | Path, identity: dict) -> tuple[dict, dict]:
 
 
 def _flat(cfg: dict) -> dict:
-    """A DrafterConfig in HF config field names, for contract.expected_tensors."""
+    """A DrafterConfig in HF config field names, for contract_static.expected_tensors."""
     return {"hidden_size": cfg["hidden_size"], "target_hidden_size": cfg["target_hidden_size"],
             "num_attention_heads": cfg["num_heads"], "num_key_value_heads": cfg["num_kv_heads"],
             "head_dim": cfg["head_dim"], "intermediate_size": cfg["intermediate_size"],

@@ -63,7 +63,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet import io, vllm_env
+from eaglet import contract_record, contract_vllm, io, vllm_env
 from eaglet.target import vllm_runner_args
 
 log = logging.getLogger("eaglet.known_answer")
@@ -438,35 +438,34 @@ def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | P
     is the twin's known chain and first-draft acceptance >= MIN_FIRST_ACCEPT. Not run (with the
     reason) when no twin can be built for this target. ``drafter_dir``/``twin``: check a given
     (e.g. deliberately broken) export of an already built twin instead."""
-    from eaglet import contract
-
-    name = contract.KNOWN_ANSWER
+    name = contract_record.KNOWN_ANSWER
     why = unsupported(identity) if twin is None else None
     if why:
-        return contract._not_run(name, why)
+        return contract_record.not_run(name, why)
     if not layer_ids:
-        return contract._not_run(name, "no trained layer ids to build the known answer with")
+        return contract_record.not_run(name, "no trained layer ids to build the known answer with")
     try:
         py = vllm_env.vllm_python(python)
     except vllm_env.VllmEnvMissing as e:
-        return contract._check(name, False, {"error": f"vLLM environment not found or incomplete: {e}"})
+        return contract_record.check(name, False, {"error": f"vLLM environment not found or incomplete: {e}"})
     built = twin is None
-    prompts = [contract.PROMPTS[i % len(contract.PROMPTS)] for i in range(n_prompts)]
+    prompts = [contract_vllm.PROMPTS[i % len(contract_vllm.PROMPTS)] for i in range(n_prompts)]
     work = Path(work_dir)
     try:
         if twin is None:
             twin, drafter_dir = prepare(identity, list(layer_ids), work, prompts, k=k, max_tokens=max_tokens)
     except (ValueError, RuntimeError, io.ArtifactError) as e:
-        return contract._check(name, False, {"error": f"building the known answer failed: {type(e).__name__}: {e}"})
-    spec = contract.run_vllm(twin["path"], drafter_dir, prompts, work_dir=work / "vllm", python=py, k=k,
-                             max_tokens=max_tokens, serving=twin_serving(serving))
+        return contract_record.check(name, False,
+                                     {"error": f"building the known answer failed: {type(e).__name__}: {e}"})
+    spec = contract_vllm.run_vllm(twin["path"], drafter_dir, prompts, work_dir=work / "vllm", python=py, k=k,
+                                  max_tokens=max_tokens, serving=twin_serving(serving))
     ok, det = judge(twin, prompts, spec, max_tokens)
     det.update(twin=twin["path"], drafter_dir=str(drafter_dir), layer_ids=list(layer_ids), k=k)
     if built:  # a SmolLM2-size twin is ~330 MB: build_twin(identity, dir) rebuilds it bit for bit (seed 0)
         for f in Path(twin["path"]).glob("*.safetensors"):
             f.unlink()
         det["twin_weights"] = "removed after the run; eaglet.known_answer.build_twin rebuilds them (seed 0)"
-    return contract._check(name, ok, det)
+    return contract_record.check(name, ok, det)
 
 
 def twin_serving(serving: dict | None) -> dict:
@@ -482,19 +481,17 @@ def run_batch(target_dir: str | Path, drafter_dirs: list[str | Path], prompts: l
               serving: dict | None = None) -> list[dict]:
     """Several drafters on one target in ONE runner process (a fresh ``LLM`` per drafter: the
     interpreter start and vLLM import, ~25-40 s of each run, are paid once). Each result is what
-    :func:`eaglet.contract.run_vllm` returns for one drafter (rc, token_ids, spec_decode, aux_layers,
+    :func:`eaglet.contract_vllm.run_vllm` returns for one drafter (rc, token_ids, spec_decode, aux_layers,
     log); a run that did not finish has rc != 0 and the log tail."""
     import os
     import subprocess
     import time
 
-    from eaglet import contract
-
     work = Path(work_dir).absolute()
     work.mkdir(parents=True, exist_ok=True)
     pfile, logf = work / "prompts.json", work / "batch.log"
     pfile.write_text(json.dumps(prompts))
-    runner = vllm_env.copy_runner(contract.RUNNER, work)
+    runner = vllm_env.copy_runner(contract_vllm.RUNNER, work)
     outs = [work / f"spec{i}.json" for i in range(len(drafter_dirs))]
     for o in outs:
         o.unlink(missing_ok=True)

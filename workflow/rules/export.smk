@@ -13,6 +13,11 @@ rule export:
         code=src(
             "export",
             "contract",
+            "contract_record",
+            "contract_static",
+            "contract_loaders",
+            "contract_parity",
+            "contract_vllm",
             "vllm_check_runner",
             "vllm_env",
             "model",
