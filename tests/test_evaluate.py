@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from eaglet import eval_sets, io
+from eaglet import chain, eval_sets, hf_loop, io
 from eaglet import evaluate as ev
 from eaglet import model as em
 from eaglet.target import load_model, load_tokenizer
@@ -75,7 +75,7 @@ def test_position_rates_and_all_position_tau_by_hand():
     assert pr["conditional_accept_per_pos"][1] == pytest.approx((1 / 3) / (3 / 4))
     # k=2 uses the starts with >= 2 positions left: accepted 3, 0, 1 capped at 2
     assert ev.tau_all_positions(acc, valid, 2) == pytest.approx(1 + (2 + 0 + 1) / 3)
-    assert ev.accepted_prefix([5, 6, 7], [5, 6, 8]) == 2 and ev.accepted_prefix([5, 6], [5]) == 1
+    assert chain.accepted_prefix([5, 6, 7], [5, 6, 8]) == 2 and chain.accepted_prefix([5, 6], [5]) == 1
 
 
 # --------------------------------------------------------------------------- the real loop
@@ -109,7 +109,7 @@ class Oracle:
 
 def test_loop_with_an_always_right_drafter_gives_the_hand_computed_tau(tiny):
     ident, model, prompts = tiny
-    target = ev.Target(model, [2, 4, 5], eos_ids=set())
+    target = hf_loop.Target(model, [2, 4, 5], eos_ids=set())
     gr = ev.greedy(target, prompts[0], 20)
     sp = ev.speculative(target, Oracle(len(prompts[0]), gr["tokens"]), prompts[0], 3, 20)
     assert sp["tokens"] == gr["tokens"]
@@ -120,7 +120,7 @@ def test_loop_with_an_always_right_drafter_gives_the_hand_computed_tau(tiny):
 
 def test_offline_counting_replays_the_real_loop_with_rejections(tiny):
     ident, model, prompts = tiny
-    target = ev.Target(model, [2, 4, 5], eos_ids=set())
+    target = hf_loop.Target(model, [2, 4, 5], eos_ids=set())
     for prompt, wrong in zip(prompts, ([2, 3, 9], [1, 5, 6, 7, 15], [])):
         gr = ev.greedy(target, prompt, 24)
         truth = gr["tokens"]
@@ -130,7 +130,7 @@ def test_offline_counting_replays_the_real_loop_with_rejections(tiny):
         acc = [0]
         for g in range(1, len(truth)):
             oracle.n = len(prompt) + g - 1
-            acc.append(ev.accepted_prefix(oracle.draft(K), truth[g:]))
+            acc.append(chain.accepted_prefix(oracle.draft(K), truth[g:]))
         for k in range(1, K + 1):
             sp = ev.speculative(target, Oracle(len(prompt), truth, wrong), prompt, k, 24)
             assert sp["tokens"] == truth  # lossless also when drafts are rejected mid-way
@@ -139,14 +139,14 @@ def test_offline_counting_replays_the_real_loop_with_rejections(tiny):
 
 def test_eos_ends_the_loop_and_the_replay_alike(tiny):
     ident, model, prompts = tiny
-    free = ev.Target(model, [2, 4, 5], eos_ids=set())
+    free = hf_loop.Target(model, [2, 4, 5], eos_ids=set())
     truth = ev.greedy(free, prompts[1], 16)["tokens"]
     eos = truth[6]  # pretend the 7th generated token is EOS
-    target = ev.Target(model, [2, 4, 5], eos_ids={eos})
+    target = hf_loop.Target(model, [2, 4, 5], eos_ids={eos})
     gr = ev.greedy(target, prompts[1], 16)
     stop = truth.index(eos)
     assert gr["tokens"] == truth[:stop + 1]
-    acc = [0] + [ev.accepted_prefix(truth[g:g + 4], gr["tokens"][g:]) for g in range(1, len(gr["tokens"]))]
+    acc = [0] + [chain.accepted_prefix(truth[g:g + 4], gr["tokens"][g:]) for g in range(1, len(gr["tokens"]))]
     sp = ev.speculative(target, Oracle(len(prompts[1]), truth), prompts[1], 4, 16)
     assert sp["tokens"] == gr["tokens"]
     assert sp["rounds"] == ev.chain_replay(acc, len(gr["tokens"]), 16, 4)
@@ -184,9 +184,9 @@ def _memorising_drafter(ident, target, prompt, steps=30, n_new=40):
 
 def test_trained_drafter_offline_simulator_equals_the_real_loop(tiny):
     ident, model, prompts = tiny
-    target = ev.Target(model, [2, 4, 5], eos_ids=set())
+    target = hf_loop.Target(model, [2, 4, 5], eos_ids=set())
     drafter, d2t = _memorising_drafter(ident, target, prompts[2])
-    prop = ev.EagleProposer(drafter, d2t)
+    prop = hf_loop.EagleProposer(drafter, d2t)
     off = ev.offline_prompt(target, prop, prompts[2], 4, 40)
     acc = [0] + [s["accepted"] for s in off["starts"]]
     assert ev.tau_all_positions(acc[1:], [s["valid"] for s in off["starts"]], 3) > 2.0  # it did learn
@@ -597,20 +597,20 @@ def random_proposer(model, layer_ids=(0, 1, 2), seed=0):
     torch.manual_seed(seed)
     cfg = em.DrafterConfig.from_identity(ident, draft_vocab_size=c.vocab_size, layer_ids=list(layer_ids))
     drafter = em.Eagle3Drafter(cfg, model.get_input_embeddings().weight.detach()).eval()
-    return ev.EagleProposer(drafter, torch.zeros(c.vocab_size, dtype=torch.long))
+    return hf_loop.EagleProposer(drafter, torch.zeros(c.vocab_size, dtype=torch.long))
 
 
 def _check_lossless_loop(model, rollback, max_new, wrong=(2, 5, 9, 14, 20, 21)):
     """Speculative == greedy token for token with an oracle wrong at ``wrong`` (partial acceptance,
     rounds as the replay says) and with a random drafter (rejections every round), for k 1..4."""
-    target = ev.Target(model, [0, 1, 2], eos_ids=set(), rollback=rollback)
+    target = hf_loop.Target(model, [0, 1, 2], eos_ids=set(), rollback=rollback)
     prompt = torch.randint(0, model.config.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     truth = ev.greedy(target, prompt, max_new)["tokens"]
     oracle = Oracle(len(prompt), truth, wrong)
     acc = [0]
     for g in range(1, len(truth)):
         oracle.n = len(prompt) + g - 1
-        acc.append(ev.accepted_prefix(oracle.draft(4), truth[g:]))
+        acc.append(chain.accepted_prefix(oracle.draft(4), truth[g:]))
     for k in (1, 2, 4):
         sp = ev.speculative(target, Oracle(len(prompt), truth, wrong), prompt, k, max_new)
         assert sp["tokens"] == truth, (rollback, k)
@@ -646,7 +646,7 @@ def test_a_sliding_cache_rolled_back_wrong_is_caught(monkeypatch):
             elif layer.is_sliding:
                 layer.cumulative_length = n
 
-    monkeypatch.setattr(ev.Target, "crop", staticmethod(stale))
+    monkeypatch.setattr(hf_loop.Target, "crop", staticmethod(stale))
     with pytest.raises(AssertionError):
         _check_lossless_loop(model, "auto", max_new=40)
 
@@ -668,7 +668,7 @@ def test_a_recurrent_cache_falls_back_to_snapshot_and_refeed():
     target.forward(prompt, cache)
     assert target.arm_rollback(cache) is False
     with pytest.raises(ValueError, match="LinearAttentionLayer"):
-        ev.Target(model, [0, 1, 2], set(), rollback="crop").arm_rollback(cache)
+        hf_loop.Target(model, [0, 1, 2], set(), rollback="crop").arm_rollback(cache)
 
 
 # --------------------------------------------------------------------------- the HF loop, not run
@@ -719,7 +719,7 @@ def test_target_in_another_dtype_hands_the_drafter_fp32_cpu_tensors(tiny_target)
     """target.dtype reaches the HF loop (bf16 here, on a GPU there): the drafter (fp32, CPU) still
     reads fp32 CPU aux states and the loop fp32 CPU logits."""
     model = load_model(tiny_target["path"], dtype="bfloat16", device="cpu")
-    t = ev.Target(model, default_layer_ids_for(model), set())
+    t = hf_loop.Target(model, default_layer_ids_for(model), set())
     logits, aux = t.forward([1, 2, 3], t.new_cache())
     assert logits.dtype == aux.dtype == torch.float32 and logits.device.type == aux.device.type == "cpu"
     assert aux.shape == (3, 3, model.config.hidden_size)

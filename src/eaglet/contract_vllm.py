@@ -169,13 +169,13 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
 
 def offline_chain_on(prompts: list[str], identity: dict, trained_path, k: int, max_tokens: int,
                      load: dict | None = None) -> dict:
-    """eaglet's exact greedy-chain simulation (eaglet.evaluate, HF target in-process) of the trained
+    """eaglet's exact greedy-chain simulation (eaglet.hf_loop, HF target in-process) of the trained
     drafter on the contract's prompts, tokenised as vLLM tokenises a text prompt; per-round
     accepted counts. A target too big for this process reports why instead."""
     import statistics
 
     try:
-        from eaglet import evaluate as ev
+        from eaglet import hf_loop
         from eaglet.chain import chain_replay
 
         ident_path = identity.get("identity_path")
@@ -183,11 +183,11 @@ def offline_chain_on(prompts: list[str], identity: dict, trained_path, k: int, m
             return {"error": "no identity file to load the target from"}
         if int(identity.get("num_layers", 0)) * int(identity.get("hidden_size", 0)) ** 2 * 12 > 4e9:
             return {"error": "target too big to run in the export process (> ~4B parameters)"}
-        _, tgt, prop, _cfg, tok = ev._setup(trained_path, ident_path, None, stop_at_eos=False, load=load)
+        _, tgt, prop, _cfg, tok = hf_loop.setup(trained_path, ident_path, None, stop_at_eos=False, load=load)
         rounds = []
         for p in prompts:
             ids = tok(p)["input_ids"]
-            r = ev.offline_prompt(tgt, prop, ids, k, max_tokens)
+            r = hf_loop.offline_prompt(tgt, prop, ids, k, max_tokens)
             rounds += chain_replay([s["accepted"] for s in r["starts"]], len(r["tokens"]), max_tokens, k)
         acc = [a for _g, ke, a in rounds if ke > 0]
         return {"rounds": len(acc), "accepted": sum(acc), "mean_accepted": statistics.fmean(acc) if acc else 0.0,

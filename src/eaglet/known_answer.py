@@ -346,7 +346,7 @@ def break_export(good_dir: str | Path, how: str, out_dir: str | Path) -> Path:
 # --------------------------------------------------------------------------- checking
 def offline_first_draft(twin: dict, drafter_path: str | Path, prompts: list[str], *, k: int = 3,
                         max_tokens: int = 32) -> dict:
-    """eaglet's own speculative loop (evaluate.speculative: the twin in HF, the drafter's
+    """eaglet's own speculative loop (hf_loop.speculative: the twin in HF, the drafter's
     forward_step with its KV cache) on the prompts: the output must be the known chain and every
     first draft accepted."""
     from eaglet.model import load_drafter
@@ -356,13 +356,13 @@ def offline_first_draft(twin: dict, drafter_path: str | Path, prompts: list[str]
 
 
 def _offline(twin, drafter, cfg, d2t, prompts, k, max_tokens) -> dict:
-    from eaglet import evaluate as ev
+    from eaglet import hf_loop
     from eaglet.target import load_model
 
-    target = ev.Target(load_model(twin["path"]), cfg.layer_ids, set())
+    target = hf_loop.Target(load_model(twin["path"]), cfg.layer_ids, set())
     rounds, match = [], True
     for p in prompt_ids(twin, prompts):
-        r = ev.speculative(target, ev.EagleProposer(drafter, d2t), p, k, max_tokens)
+        r = hf_loop.speculative(target, hf_loop.EagleProposer(drafter, d2t), p, k, max_tokens)
         match &= r["tokens"] == chain(twin, p[-1], len(r["tokens"]))
         rounds += [x for x in r["rounds"] if x[1] > 0]
     first = sum(1 for r in rounds if r[2] >= 1)

@@ -36,6 +36,8 @@ rule evaluate_offline:
     input:
         code=src(
             "evaluate",
+            "hf_loop",
+            "chain",
             "eval_sets",
             "eval_stats",
             "model",
@@ -74,6 +76,8 @@ rule evaluate_speculative:
     input:
         code=src(
             "evaluate",
+            "hf_loop",
+            "chain",
             "eval_sets",
             "eval_stats",
             "model",
