@@ -43,7 +43,7 @@ from eaglet import io
 from eaglet.contract_loaders import emulate_sglang, emulate_vllm
 from eaglet.contract_parity import parity_check
 from eaglet.contract_record import KNOWN_ANSWER, VLLM_CHECKS, check, failure_errors, not_run, status_line, verdict
-from eaglet.contract_static import effective_config, read_export, static_checks
+from eaglet.contract_static import effective_config, read_export, static_checks, trained_config
 from eaglet.contract_vllm import vllm_checks
 
 log = logging.getLogger("eaglet.contract")
@@ -101,16 +101,6 @@ def _guarded(name: str, fn) -> list[dict]:
         return fn()
     except Exception as e:
         return [check(name, False, {"error": f"{type(e).__name__}: {e}"})]
-
-
-def trained_config(path: str | Path) -> dict:
-    meta = io.tensor_metadata(path)
-    if "eaglet" not in meta:
-        raise io.ArtifactError(f"{path}: no 'eaglet' DrafterConfig in the safetensors metadata")
-    try:
-        return json.loads(meta["eaglet"])
-    except json.JSONDecodeError as e:
-        raise io.ArtifactError(f"{path}: metadata 'eaglet' is not JSON ({e})") from None
 
 
 def train_tau(summary, k: int | None = None) -> float | None:

@@ -6,6 +6,7 @@ an export (its config as vLLM ends up with it, its tensor header without the wei
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from eaglet import io
@@ -28,6 +29,17 @@ def read_export(drafter_dir: str | Path) -> tuple[dict, dict]:
     with safe_open(str(path), framework="pt") as f:
         header = {k: (tuple(f.get_slice(k).get_shape()), str(f.get_slice(k).get_dtype())) for k in f.keys()}
     return conf, header
+
+
+def trained_config(path: str | Path) -> dict:
+    """The trainer's DrafterConfig from its drafter.safetensors metadata."""
+    meta = io.tensor_metadata(path)
+    if "eaglet" not in meta:
+        raise io.ArtifactError(f"{path}: no 'eaglet' DrafterConfig in the safetensors metadata")
+    try:
+        return json.loads(meta["eaglet"])
+    except json.JSONDecodeError as e:
+        raise io.ArtifactError(f"{path}: metadata 'eaglet' is not JSON ({e})") from None
 
 
 def effective_config(conf: dict) -> tuple[str, dict]:

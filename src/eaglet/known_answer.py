@@ -303,12 +303,12 @@ def build_drafter(twin: dict, identity: dict, path: str | Path, prompts: list[st
 
 def write_export(drafter_path: str | Path, twin: dict, out_dir: str | Path) -> Path:
     """Format A (config.json + model.safetensors) with eaglet.export's own writer."""
-    from eaglet import export as ex
+    from eaglet import export_format as ex
 
     tensors, cfg = ex.read_trained(drafter_path, twin)
     target_conf = io.read_json(Path(twin["path"]) / "config.json")
     out = Path(out_dir)
-    ex._write_dir(out, ex.vllm_config(cfg, twin, target_conf), ex.export_tensors(tensors, cfg, "midlayer"))
+    ex.write_dir(out, ex.vllm_config(cfg, twin, target_conf), ex.export_tensors(tensors, cfg, "midlayer"))
     return out
 
 
