@@ -25,7 +25,8 @@ def clone(dest: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     """A tiny random Llama target (8 layers, hidden 128) with identity.json, built once."""
-    from eaglet.target import load_identity, materialise
+    from eaglet.target import load_identity
+    from eaglet.target_model import materialise
 
     out = tmp_path_factory.mktemp("tiny_target")
     materialise({"name": "tiny", "tiny": {}}, out)

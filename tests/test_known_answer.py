@@ -65,7 +65,7 @@ def test_broken_exports_differ_only_where_named(known):
 def test_no_twin_for_other_families_is_not_run_not_a_pass(tmp_path):
     """A target eaglet cannot build a twin for: the check is not run with the reason, and an export
     whose contract has it unaccepted is not ok."""
-    from eaglet.target import materialise
+    from eaglet.target_model import materialise
 
     ident = materialise({"name": "g", "tiny": {"family": "gemma3_text", "num_hidden_layers": 2}}, tmp_path / "g")
     ident["path"] = str(tmp_path / "g" / "model")

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from eaglet import io
-from eaglet.target import default_layer_ids, load_identity, load_tokenizer, materialise, validate_layer_ids
+from eaglet.target import default_layer_ids, load_identity, load_tokenizer, validate_layer_ids
+from eaglet.target_model import materialise
 
 
 def user_checkpoint(tiny_target, dest: Path) -> Path:

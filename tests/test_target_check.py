@@ -15,7 +15,8 @@ import yaml
 
 from conftest import VLLM_ENV, clone
 from eaglet import contract, io, target_check
-from eaglet.target import identity_of, load_tokenizer, materialise, stop_ids, turn_end_ids
+from eaglet.target import identity_of, load_tokenizer, stop_ids, turn_end_ids
+from eaglet.target_model import materialise
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -81,7 +82,7 @@ def test_a_target_without_template_is_refused_naming_the_key(base_target):
     with pytest.raises(ValueError, match="target.chat_template.*nor an existing file"):
         load_tokenizer(model_dir, str(ident.parent / "missing.jinja"))
     # The first job refuses a built target without any template, naming the key.
-    from eaglet.target import check_first_job
+    from eaglet.target_model import check_first_job
 
     with pytest.raises(ValueError, match="target.chat_template"):
         check_first_job({"name": "base"}, model_dir, "LlamaForCausalLM")
