@@ -1008,7 +1008,7 @@ def test_hostile_config_strings_execute_nothing(tmp_path):
     # generate, vocab (pinned), evaluation, tokenize and the target; provenance, and generate's
     # backend settings, read theirs from the files the workflow writes at parse time (intact there).
     assert {"eaglet.prompts", "eaglet.generate", "eaglet.vocab", "eaglet.evaluate", "eaglet.evaluate_vllm",
-            "eaglet.tokenize", "eaglet.target"} <= modules, modules
+            "eaglet.tokenize", "eaglet.target_model"} <= modules, modules
     written = {f.stem: json.loads(f.read_text()) for f in (wf / "logs" / "smoke" / "config").glob("*.json")}
     assert written["generate"]["base_urls"] == [f"http://{evil}/v1"] and written["generate"]["model"] == evil
     assert written["workflow"]["vocab"]["pinned"] == [evil]

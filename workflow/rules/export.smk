@@ -12,6 +12,7 @@ rule export:
     input:
         code=src(
             "export",
+            "export_format",
             "contract",
             "contract_record",
             "contract_static",
@@ -22,6 +23,11 @@ rule export:
             "vllm_env",
             "model",
             "target",
+            "chain",
+            "hf_loop",
+            "known_answer",
+            "rope",
+            "target_check",
             "io",
         ),
         drafter=f"{RUN}/train/drafter.safetensors",

@@ -7,7 +7,15 @@
 
 rule extract_hidden_states:
     input:
-        code=src("extract", "hidden_store", "gpu_slots", "target", "io"),
+        code=src(
+            "extract",
+            "hidden_store",
+            "gpu_slots",
+            "target",
+            "contract_record",
+            "target_check",
+            "io",
+        ),
         tokens=rules.tokenize.output.tokens,
         identity=TARGET_ID,
     output:

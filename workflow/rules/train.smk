@@ -5,7 +5,19 @@
 
 rule train:
     input:
-        code=src("train", "model", "hidden_store", "gpu_slots", "target", "io"),
+        code=src(
+            "train",
+            "model",
+            "hidden_store",
+            "gpu_slots",
+            "target",
+            "chain",
+            "contract_record",
+            "labels",
+            "rope",
+            "target_check",
+            "io",
+        ),
         hidden=expand(
             f"{RUN}/extract/shard_{{shard}}", shard=range(config["extract"]["shards"])
         ),
