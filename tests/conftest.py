@@ -22,6 +22,15 @@ def clone(dest: Path) -> Path:
     return dest
 
 
+@pytest.fixture()
+def canned():
+    """The canned OpenAI-compatible chat server (tests/canned_server.py); its base URL."""
+    from canned_server import serve_canned
+
+    with serve_canned() as url:
+        yield url
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     """A tiny random Llama target (8 layers, hidden 128) with identity.json, built once."""
