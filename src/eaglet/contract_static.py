@@ -89,14 +89,10 @@ def static_checks(drafter_dir: str | Path, identity: dict, trained: dict | None 
     """Key set, shapes, dtypes, vocabulary map, layer ids, config fields. ``trained`` is the
     trainer's DrafterConfig (the drafter.safetensors metadata); without it the ids can only be
     range-checked, not compared."""
-    import torch
-
     drafter_dir = Path(drafter_dir)
-    checks: list[dict] = []
     conf, header = read_export(drafter_dir)
     fmt, c = effective_config(conf)
     prefix = "layers.0" if fmt == "B" else "midlayer"
-
     # config fields first: everything after reads them
     need = ["hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
             "rms_norm_eps", "hidden_act", "vocab_size", "draft_vocab_size", "max_position_embeddings"]
@@ -104,8 +100,18 @@ def static_checks(drafter_dir: str | Path, identity: dict, trained: dict | None 
     if c.get("rope_theta") is None and (c.get("rope_parameters") or {}).get("rope_theta") is None:
         missing.append("rope_theta")
     if missing:
-        checks.append(check("static.config_fields", False, {"missing": missing}))
-        return checks
+        return [check("static.config_fields", False, {"missing": missing})]
+    problems = config_problems(conf, fmt, c, identity, trained)
+    want = expected_tensors(c, prefix)
+    return [check("static.config_fields", not problems, {"format": fmt, "problems": problems}),
+            key_set_check(want, header), shapes_dtypes_check(want, header),
+            vocab_map_check(drafter_dir / "model.safetensors", header, c),
+            layer_id_check(conf, fmt, identity["num_layers"], trained)]
+
+
+def config_problems(conf: dict, fmt: str, c: dict, identity: dict, trained: dict | None) -> list[str]:
+    """``static.config_fields``: what in the exported config (``c``: as vLLM ends up with it) an
+    engine would read differently from what was trained."""
     problems = []
     want_arch = ARCH_B if fmt == "B" else ARCH_A
     if conf.get("architectures") != [want_arch]:
@@ -151,19 +157,22 @@ def static_checks(drafter_dir: str | Path, identity: dict, trained: dict | None 
     rp = c.get("rope_parameters") or {}
     if any(isinstance(v, dict) for v in rp.values()):
         problems.append("rope_parameters is per layer type: vLLM's get_rope takes one flat dict")
-    checks.append(check("static.config_fields", not problems, {"format": fmt, "problems": problems}))
+    return problems
 
-    # exact key set
-    want = expected_tensors(c, prefix)
+
+def key_set_check(want: dict, header: dict) -> dict:
+    """``static.key_set``: exactly the tensors of §6, and no embedding of the drafter's own."""
     have = set(header)
     miss, extra = sorted(set(want) - have), sorted(have - set(want))
     embed = [k for k in have if "embed_tokens" in k]
     det = {"missing": miss, "unexpected": extra}
     if embed:
         det["embed_tokens"] = "shipped: engines would use this copy instead of the target's embedding"
-    checks.append(check("static.key_set", not miss and not extra, det))
+    return check("static.key_set", not miss and not extra, det)
 
-    # shapes and dtypes
+
+def shapes_dtypes_check(want: dict, header: dict) -> dict:
+    """``static.shapes_dtypes``: every tensor's shape, one float dtype for the weights, int64 d2t, bool t2d."""
     bad_shape = {k: {"have": list(header[k][0]), "want": list(s)} for k, s in want.items()
                  if k in header and header[k][0] != s}
     float_dtypes = {header[k][1] for k in want if k in header and k not in ("d2t", "t2d")}
@@ -176,12 +185,16 @@ def static_checks(drafter_dir: str | Path, identity: dict, trained: dict | None 
         dt_problems.append(f"d2t dtype {header['d2t'][1]} != I64")
     if "t2d" in header and header["t2d"][1] != "BOOL":
         dt_problems.append(f"t2d dtype {header['t2d'][1]} != BOOL")
-    checks.append(check("static.shapes_dtypes", not bad_shape and not dt_problems,
-                         {"shapes": bad_shape, "dtypes": dt_problems}))
+    return check("static.shapes_dtypes", not bad_shape and not dt_problems,
+                 {"shapes": bad_shape, "dtypes": dt_problems})
 
-    # the vocabulary map: target_id = i + d2t[i], unique, in range, and t2d marks exactly those ids
+
+def vocab_map_check(weights: Path, header: dict, c: dict) -> dict:
+    """``static.vocab_map``: target_id = i + d2t[i], unique, in range, and t2d marks exactly those ids."""
+    import torch
+
     if "d2t" in header:
-        t = io.load_tensors(drafter_dir / "model.safetensors", ["d2t"] + (["t2d"] if "t2d" in header else []))
+        t = io.load_tensors(weights, ["d2t"] + (["t2d"] if "t2d" in header else []))
         d2t = t["d2t"].long()
         tgt = torch.arange(d2t.numel()) + d2t
         vp = []
@@ -198,15 +211,11 @@ def static_checks(drafter_dir: str | Path, identity: dict, trained: dict | None 
                 vp.append("nonzero(t2d) != arange(V_d) + d2t")
         if torch.equal(d2t, torch.zeros_like(d2t)) and c["draft_vocab_size"] != c["vocab_size"]:
             vp.append("d2t is all zeros (identity map) with a reduced draft vocab")
-        checks.append(check("static.vocab_map", not vp, {"problems": vp}))
-    elif c["draft_vocab_size"] == c["vocab_size"]:
-        checks.append(check("static.vocab_map", True, {"note": "full vocabulary: no d2t needed"}))
-    else:
-        checks.append(check("static.vocab_map", False, {"problems": [
-            "no d2t: vLLM silently uses the identity map (acceptance collapses)"]}))
-
-    checks.append(layer_id_check(conf, fmt, identity["num_layers"], trained))
-    return checks
+        return check("static.vocab_map", not vp, {"problems": vp})
+    if c["draft_vocab_size"] == c["vocab_size"]:
+        return check("static.vocab_map", True, {"note": "full vocabulary: no d2t needed"})
+    return check("static.vocab_map", False, {"problems": [
+        "no d2t: vLLM silently uses the identity map (acceptance collapses)"]})
 
 
 def _flat_rope(c: dict) -> dict:
