@@ -11,6 +11,7 @@ import torch
 
 from eaglet import contract, contract_record, contract_vllm, vllm_env
 from eaglet import known_answer as ka
+from eaglet import known_answer_twin as kat
 
 PROMPTS = contract_vllm.PROMPTS[:2]
 MAX_TOKENS, K = 16, 3
@@ -22,7 +23,7 @@ def known(tiny_target, tmp_path_factory):
     """Twin of the tiny target, the known-answer drafter, its export and the four broken exports."""
     work = tmp_path_factory.mktemp("known_answer")
     twin, good = ka.prepare(tiny_target, IDS, work, PROMPTS, k=K, max_tokens=MAX_TOKENS)
-    bad = {how: ka.break_export(good, how, work / f"bad_{how}") for how in ka.BREAKAGES}
+    bad = {how: kat.break_export(good, how, work / f"bad_{how}") for how in kat.BREAKAGES}
     return {"twin": twin, "good": good, "bad": bad, "trained": work / "drafter.safetensors", "work": work}
 
 
@@ -48,7 +49,7 @@ def test_known_answer_is_accepted_offline(known):
     assert e["first_rate"] == 1.0, e
 
 
-@pytest.mark.parametrize("how", ka.BREAKAGES)
+@pytest.mark.parametrize("how", kat.BREAKAGES)
 def test_each_breakage_drops_first_draft_acceptance_offline(known, how):
     r = ka.offline_export_first_draft(known["twin"], known["bad"][how], known["trained"], PROMPTS, k=K,
                                       max_tokens=MAX_TOKENS)
@@ -94,8 +95,8 @@ def test_real_vllm_accepts_the_known_answer_and_rejects_each_breakage(known):
     to the twin's known chain and every first draft accepted; each broken one ~none, and fails the
     contract's rule (eaglet.known_answer.judge, what vllm.known_answer applies)."""
     py = vllm_env.vllm_python()  # VllmEnvMissing fails the test: it needs envs/vllm/setup.sh
-    names = ["good", *ka.BREAKAGES]
-    dirs = [known["good"], *(known["bad"][h] for h in ka.BREAKAGES)]
+    names = ["good", *kat.BREAKAGES]
+    dirs = [known["good"], *(known["bad"][h] for h in kat.BREAKAGES)]
     res = ka.run_batch(known["twin"]["path"], dirs, PROMPTS, work_dir=known["work"] / "vllm", python=py,
                        k=K, max_tokens=MAX_TOKENS)
     got = {n: ka.judge(known["twin"], PROMPTS, r, MAX_TOKENS) for n, r in zip(names, res, strict=True)}
@@ -104,14 +105,14 @@ def test_real_vllm_accepts_the_known_answer_and_rejects_each_breakage(known):
     ok, det = got["good"]
     assert ok and det["first_draft_rate"] == 1.0 and det["output_is_known_chain"], det
     assert res[0]["aux_layers"] == IDS
-    for how in ka.BREAKAGES:
+    for how in kat.BREAKAGES:
         ok, det = got[how]
         assert det["output_is_known_chain"], (how, det)  # lossless: vLLM's verifier, whatever the drafter
         assert det["num_drafts"] > 0 and det["first_draft_rate"] <= 0.1, (how, det)
         assert not ok
         failed = contract.verdict([contract_record.check("vllm.known_answer", ok, det)])["failed"]
         assert failed == ["vllm.known_answer"]
-    assert res[ka.BREAKAGES.index("layer_ids_minus_one") + 1]["aux_layers"] == [i - 1 for i in IDS]
+    assert res[kat.BREAKAGES.index("layer_ids_minus_one") + 1]["aux_layers"] == [i - 1 for i in IDS]
 
 
 def test_known_answer_is_checked_before_the_trained_drafter(tiny_target, tiny_drafter, tmp_path):

@@ -26,6 +26,7 @@ rule export:
             "chain",
             "hf_loop",
             "known_answer",
+            "known_answer_twin",
             "rope",
             "target_check",
             "io",
