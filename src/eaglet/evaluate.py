@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 
 from eaglet import eval_sets, eval_stats, io
-from eaglet.chain import chain_replay, rounds_tau
+from eaglet.chain import chain_counts, chain_replay, position_rates, prompt_chain, rounds_tau, tau_all_positions
 from eaglet.hf_loop import greedy, offline_prompt, setup, speculative
 
 log = logging.getLogger("eaglet.evaluate")
@@ -68,27 +68,6 @@ DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[1, 2, 3, 4, 5], ti
                 max_relative_width=0.5, hf_loop=True, hf_loop_reason=None, dtype="float32", device="auto",
                 trust_remote_code=False)
 NOT_RUN = "not run"
-
-
-# --------------------------------------------------------------------------- counting (pure)
-def position_rates(accepted: list[int], valid: list[int], K: int) -> dict:
-    """From every start: P(accepted >= j) and P(accepted >= j | >= j-1), j = 1..K, counting a
-    start for position j only when the continuation extends that far (``valid``: positions left)."""
-    reach, acc = [0] * K, [0] * K
-    for a, v in zip(accepted, valid, strict=True):
-        for j in range(min(K, v)):
-            reach[j] += 1
-            acc[j] += a > j
-    rate = [acc[j] / reach[j] if reach[j] else None for j in range(K)]
-    cond = [None if rate[j] is None or (j and not rate[j - 1]) else rate[j] / (rate[j - 1] if j else 1.0)
-            for j in range(K)]
-    return {"accept_rate_per_pos": rate, "conditional_accept_per_pos": cond, "starts_per_pos": reach}
-
-
-def tau_all_positions(accepted: list[int], valid: list[int], k: int) -> float | None:
-    """1 + mean accepted (capped at k) over starts with k positions of continuation left."""
-    xs = [min(a, k) for a, v in zip(accepted, valid, strict=True) if v >= k]
-    return 1 + sum(xs) / len(xs) if xs else None
 
 
 def _options(opts: dict) -> dict:
@@ -119,19 +98,6 @@ def _se(rounds) -> float | None:
 
 
 # --------------------------------------------------------------------------- offline
-def chain_counts(rounds) -> dict:
-    """Per draft position j: rounds that drafted it and rounds that accepted it (vLLM's counters)."""
-    k = max((r[1] for r in rounds), default=0)
-    return {"drafts": sum(r[1] > 0 for r in rounds),
-            "drafted_per_pos": [sum(r[1] > j for r in rounds) for j in range(k)],
-            "accepted_per_pos": [sum(r[1] > j and r[2] > j for r in rounds) for j in range(k)]}
-
-
-def prompt_chain(rounds) -> tuple[int, int]:
-    """(accepted drafts, rounds with drafts) of one prompt: what τ over prompts is pooled from."""
-    return sum(r[2] for r in rounds if r[1] > 0), sum(r[1] > 0 for r in rounds)
-
-
 def _tau_ci(per_prompt: list[dict], key: str, ks: list[int], o: dict) -> dict:
     """τ at each k with its interval over the prompts; ``per_prompt[i][key][k]`` = prompt_chain."""
     return {k: eval_stats.tau_interval([tuple(p[key][k]) for p in per_prompt], o["confidence"],
@@ -258,6 +224,49 @@ def paired_speedups(samples: list[dict], k: int) -> list[float]:
     return [s["greedy_s"] / s["spec_s"][k] for s in samples if s["spec_s"].get(k)]
 
 
+def _timed_blocks(target, proposer, p: dict, i: int, ks: list[int], repeats: int, max_new: int,
+                  mismatches: list[dict]) -> tuple[list[dict], dict]:
+    """One prompt's timing samples: per repeat one block of greedy and every k back to back, the order
+    rotated (timing_order); and each configuration's output of the first repeat (``None`` = greedy).
+    Decoding is deterministic: a repeat that gives another output is recorded in ``mismatches``."""
+    ids = p["prompt_ids"]
+    samples, first = [], {}
+    for r in range(repeats):
+        order = timing_order([None] + ks, i, r)  # None = plain greedy
+        block = {"repeat": r, "order": ["greedy" if c is None else c for c in order], "spec_s": {}}
+        for c in order:
+            res = greedy(target, ids, max_new) if c is None else speculative(target, proposer, ids, c, max_new)
+            if c is None:
+                block["greedy_s"] = res["seconds"]
+            else:
+                block["spec_s"][c] = res["seconds"]
+            if r == 0:
+                first[c] = res
+            elif res["tokens"] != first[c]["tokens"]:  # decoding is deterministic: a repeat must agree
+                mismatches.append({"set": p["set"], "id": p["id"], "k": c, "repeat": r, "index":
+                                   first_mismatch(first[c]["tokens"], res["tokens"]), "explained_by_tie": False,
+                                   "why": "a repeat gave another output"})
+        samples.append(block)
+    return samples, first
+
+
+def _lossless(p: dict, k: int, gr: dict, sp: dict, eps: float, mismatches: list[dict]) -> int | None:
+    """Where the drafter's output at ``k`` first differs from greedy (None: identical), recorded in
+    ``mismatches``, explained when either side's top-2 logits were within ``eps`` there."""
+    j = first_mismatch(gr["tokens"], sp["tokens"])
+    if j is not None:
+        gm = gr["margins"][j] if j < len(gr["margins"]) else None
+        sm = sp["margins"][j] if j < len(sp["margins"]) else None
+        tie = any(m is not None and m < eps for m in (gm, sm))
+        mismatches.append({"set": p["set"], "id": p["id"], "k": k, "index": j,
+                           "greedy_token": gr["tokens"][j] if j < len(gr["tokens"]) else None,
+                           "spec_token": sp["tokens"][j] if j < len(sp["tokens"]) else None,
+                           "greedy_margin": gm, "spec_margin": sm, "explained_by_tie": tie})
+        log.warning("prompt %s k=%d: output differs from greedy at token %d (%s)", p["id"], k, j,
+                    "numerical tie" if tie else "NOT a tie")
+    return j
+
+
 def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path,
                          threads: int | None = None, **opts) -> dict:
     """Real speculative decoding vs plain greedy on the same prompts, timed in paired, interleaved
@@ -275,23 +284,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     per_prompt, round_rows, mismatches = [], [], []
     for i, p in enumerate(prompts):
         ids = p["prompt_ids"]
-        samples, first = [], {}  # first: each configuration's output of the first repeat
-        for r in range(repeats):
-            order = timing_order([None] + ks, i, r)  # None = plain greedy
-            block = {"repeat": r, "order": ["greedy" if c is None else c for c in order], "spec_s": {}}
-            for c in order:
-                res = greedy(target, ids, max_new) if c is None else speculative(target, proposer, ids, c, max_new)
-                if c is None:
-                    block["greedy_s"] = res["seconds"]
-                else:
-                    block["spec_s"][c] = res["seconds"]
-                if r == 0:
-                    first[c] = res
-                elif res["tokens"] != first[c]["tokens"]:  # decoding is deterministic: a repeat must agree
-                    mismatches.append({"set": p["set"], "id": p["id"], "k": c, "repeat": r, "index":
-                                       first_mismatch(first[c]["tokens"], res["tokens"]), "explained_by_tie": False,
-                                       "why": "a repeat gave another output"})
-            samples.append(block)
+        samples, first = _timed_blocks(target, proposer, p, i, ks, repeats, max_new, mismatches)
         gr = first[None]
         row = {"set": p["set"], "domain": p["domain"], "id": p["id"], "prompt_tokens": len(ids),
                "greedy_tokens": len(gr["tokens"]),
@@ -299,17 +292,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
                "chain": {}, "k": {}}
         for k in ks:
             sp = first[k]
-            j = first_mismatch(gr["tokens"], sp["tokens"])
-            if j is not None:
-                gm = gr["margins"][j] if j < len(gr["margins"]) else None
-                sm = sp["margins"][j] if j < len(sp["margins"]) else None
-                tie = any(m is not None and m < eps for m in (gm, sm))
-                mismatches.append({"set": p["set"], "id": p["id"], "k": k, "index": j,
-                                   "greedy_token": gr["tokens"][j] if j < len(gr["tokens"]) else None,
-                                   "spec_token": sp["tokens"][j] if j < len(sp["tokens"]) else None,
-                                   "greedy_margin": gm, "spec_margin": sm, "explained_by_tie": tie})
-                log.warning("prompt %s k=%d: output differs from greedy at token %d (%s)", p["id"], k, j,
-                            "numerical tie" if tie else "NOT a tie")
+            j = _lossless(p, k, gr, sp, eps, mismatches)
             pairs = paired_speedups(samples, k)
             row["chain"][k] = prompt_chain(sp["rounds"])
             row["k"][k] = {"tau": rounds_tau(sp["rounds"]), "tokens": len(sp["tokens"]),
