@@ -22,6 +22,18 @@ def clone(dest: Path) -> Path:
     return dest
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread: on a busy 2-core machine two threads spin-wait each other (10x slower).
+    A module uses it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture()
 def canned():
     """The canned OpenAI-compatible chat server (tests/canned_server.py); its base URL."""
