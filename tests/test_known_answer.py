@@ -40,7 +40,7 @@ def test_twin_greedy_is_the_known_chain(known):
 
 
 def test_known_answer_is_accepted_offline(known):
-    """eaglet's forward (evaluate.speculative with the drafter's KV cache): every first draft."""
+    """eaglet's forward (hf_loop.speculative with the drafter's KV cache): every first draft."""
     r = ka.offline_first_draft(known["twin"], known["trained"], PROMPTS, k=K, max_tokens=MAX_TOKENS)
     assert r["lossless"] and r["rounds"] > 0 and r["first_rate"] == 1.0, r
     # the export as written (export writer, read back) is the same drafter

@@ -149,7 +149,7 @@ def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | P
     if built:  # a SmolLM2-size twin is ~330 MB: build_twin(identity, dir) rebuilds it bit for bit (seed 0)
         for f in Path(twin["path"]).glob("*.safetensors"):
             f.unlink()
-        det["twin_weights"] = "removed after the run; eaglet.known_answer.build_twin rebuilds them (seed 0)"
+        det["twin_weights"] = "removed after the run; eaglet.known_answer_twin.build_twin rebuilds them (seed 0)"
     return contract_record.check(name, ok, det)
 
 
