@@ -3,7 +3,15 @@
 
 rule target_model:
     input:
-        code=src("target_model", "target", "target_check", "families", "contract_record", "io"),
+        code=src(
+            "target_model",
+            "target",
+            "target_check",
+            "families",
+            "family_templates",
+            "contract_record",
+            "io",
+        ),
     output:
         model=directory(f"{TARGET_DIR}/model"),
         identity=TARGET_ID,
