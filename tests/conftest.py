@@ -22,10 +22,32 @@ def clone(dest: Path) -> Path:
     return dest
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread: on a busy 2-core machine two threads spin-wait each other (10x slower).
+    A module uses it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture()
+def canned():
+    """The canned OpenAI-compatible chat server (tests/canned_server.py); its base URL."""
+    from canned_server import serve_canned
+
+    with serve_canned() as url:
+        yield url
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     """A tiny random Llama target (8 layers, hidden 128) with identity.json, built once."""
-    from eaglet.target import load_identity, materialise
+    from eaglet.target import load_identity
+    from eaglet.target_model import materialise
 
     out = tmp_path_factory.mktemp("tiny_target")
     materialise({"name": "tiny", "tiny": {}}, out)

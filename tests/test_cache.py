@@ -16,7 +16,7 @@ import yaml
 
 from conftest import REPO, clone, make_random_drafter
 from eaglet import io
-from eaglet.target import materialise
+from eaglet.target_model import materialise
 from test_workflow import planned_jobs
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglet import contract
+from eaglet import contract, contract_parity, contract_record, contract_vllm
 from eaglet.export import export
 
 # Without the real vLLM run its checks did not run: said by name, as the smoke config does
@@ -70,7 +70,7 @@ def test_missing_d2t_is_caught(good, tmp_path, tiny_target, tiny_drafter):
 
 
 def test_shipped_embed_tokens_is_caught(good, tmp_path, tiny_target, tiny_drafter):
-    emb = contract.target_embedding(tiny_target["path"])
+    emb = contract_parity.target_embedding(tiny_target["path"])
     d = _faulty(good, tmp_path, tensors=lambda t: t.update({"embed_tokens.weight": emb.clone()}))
     rep, by = _check(tiny_target, tiny_drafter, d)
     assert not rep["ok"]
@@ -242,7 +242,7 @@ def test_vllm_check_off_lists_every_real_vllm_check_as_not_run(good, tiny_target
 
 
 def test_accepting_never_passes_a_failed_check():
-    checks = [contract._check("a.x", False), contract._not_run("a.y", "why")]
+    checks = [contract_record.check("a.x", False), contract_record.not_run("a.y", "why")]
     v = contract.verdict(checks, ["a.x", "a.y"])
     assert not v["ok"] and v["failed"] == ["a.x"] and v["not_run_unaccepted"] == []
 
@@ -268,14 +268,14 @@ RuntimeError: Engine core initialization failed. See root cause above. Failed co
 
 
 def test_engine_error_puts_the_root_cause_first():
-    assert contract.engine_error(VLLM_FAILURE_LOG) == [
+    assert contract_vllm.engine_error(VLLM_FAILURE_LOG) == [
         "TypeError: get_rope() got an unexpected keyword argument 'is_neox_style'",
         "Exception: WorkerProc failed. See stack trace for root cause.",
         "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]
     # no traceback: the last lines that name an error
-    assert contract.engine_error("INFO ok\nValueError: Model does not support EAGLE3 interface\n") == [
+    assert contract_vllm.engine_error("INFO ok\nValueError: Model does not support EAGLE3 interface\n") == [
         "ValueError: Model does not support EAGLE3 interface"]
-    assert contract.engine_error("all fine\n") == []
+    assert contract_vllm.engine_error("all fine\n") == []
 
 
 def test_failure_errors_collects_the_error_of_each_failed_check():

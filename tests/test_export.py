@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import make_random_drafter, vllm_env_or_skip
-from eaglet import contract, io, vllm_env
+from eaglet import contract, contract_vllm, io, vllm_env
 from eaglet.export import ContractError, export, main
 
 
@@ -216,7 +216,7 @@ def test_real_vllm_loads_and_runs_the_export(tiny_target, tmp_path):
     (through d2t) as the contract requires of a drafter whose validation chain tau is high."""
     vllm_env_or_skip()
     n, max_tokens = 2, 16
-    drafter = make_prefix_mean_drafter(tiny_target, tmp_path / "d.safetensors", contract.PROMPTS[:n], max_tokens)
+    drafter = make_prefix_mean_drafter(tiny_target, tmp_path / "d.safetensors", contract_vllm.PROMPTS[:n], max_tokens)
     summary = tmp_path / "train_summary.json"
     summary.write_text(json.dumps({"final_val": {"chain_tau_3": 2.0}}))  # so acceptance > 0 is required
     out = tmp_path / "drafter"

@@ -9,7 +9,7 @@ import torch
 import yaml
 
 from conftest import REPO
-from eaglet import families, target
+from eaglet import families, target, target_model
 from eaglet.extract import Capture
 from eaglet.families import FAMILIES, build_tiny
 
@@ -261,7 +261,7 @@ def test_capture_matches_the_models_own_hidden_states(built):
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
 def test_materialise_saves_the_family_model_and_tokenizer(family, tmp_path):
-    ident = target.materialise({"name": "t", "tiny": {"family": family, "num_hidden_layers": 6}}, tmp_path)
+    ident = target_model.materialise({"name": "t", "tiny": {"family": family, "num_hidden_layers": 6}}, tmp_path)
     model_dir = tmp_path / "model"
     assert ident["model_type"] == family and ident["num_layers"] == 6
     tok = target.load_tokenizer(model_dir)
@@ -278,7 +278,7 @@ def test_materialise_saves_the_family_model_and_tokenizer(family, tmp_path):
 
 def test_materialise_default_tiny_is_unchanged(tmp_path):
     """No family key: the historical tiny Llama with the SmolLM2 tokenizer and template."""
-    ident = target.materialise({"name": "t", "tiny": {}}, tmp_path)
+    ident = target_model.materialise({"name": "t", "tiny": {}}, tmp_path)
     tok = target.load_tokenizer(tmp_path / "model")
     assert ident["model_type"] == "llama" and ident["vocab_size"] == len(tok) == 49152
     assert "<|im_start|>" in tok.chat_template

@@ -10,41 +10,18 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from canned_server import Canned, assistant_texts, make_conversations
 from conftest import vllm_env_or_skip
 from eaglet import io
 from eaglet.generate import generate, plan_turns, transient
 from eaglet.vllm_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "tea", "bees", "glass", "trains", "maps",
-          "snow", "clocks", "salt", "owls", "bridges", "paper"]
-
-
-def make_conversations(path: Path, n: int, multi_every: int = 3) -> list[dict]:
-    rows = []
-    for i in range(n):
-        msgs = [{"role": "user", "content": f"Tell me one fact about {TOPICS[i % len(TOPICS)]} ({i})."},
-                {"role": "assistant", "content": "source answer"}]
-        if multi_every and i % multi_every == 0:
-            msgs = [{"role": "system", "content": "Be brief."}] + msgs + [
-                {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "source answer 2"}]
-        rows.append({"id": f"c{i:04d}", "source": "test", "messages": msgs})
-    io.write_conversations(path, rows)
-    return rows
-
-
-def assistant_texts(path: Path) -> dict[str, list[str]]:
-    return {r["id"]: [m["content"] for m in r["messages"] if m["role"] == "assistant"]
-            for r in io.read_conversations(path)}
-
-
 # --------------------------------------------------------------------------- pure parts
 def test_plan_turns_last_and_all():
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
@@ -217,60 +194,6 @@ def test_mix_without_generation_is_refused_at_parse_time(tmp_path):
     assert p.returncode != 0 and "data.mix: 0.5" in p.stdout + p.stderr and "generate.enabled" in p.stdout + p.stderr
 
 
-# --------------------------------------------------------------------------- canned server
-class _Canned(BaseHTTPRequestHandler):
-    """Answers chat completions by keyword in the last user message (see `reply`)."""
-
-    calls: dict = {}
-
-    def log_message(self, *a):
-        pass
-
-    def _send(self, code: int, obj: dict) -> None:
-        body = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        self._send(200, {"object": "list", "data": [{"id": "canned", "object": "model", "created": 0,
-                                                      "owned_by": "test"}]})
-
-    def do_POST(self):
-        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        last = req["messages"][-1]["content"]
-        n = _Canned.calls[last] = _Canned.calls.get(last, 0) + 1
-        msg = {"role": "assistant", "content": f"echo {last}"}
-        if "SLOW" in last:
-            time.sleep(0.15)
-        if "FLAKY" in last and n <= 2:
-            return self._send(503, {"error": {"message": "overloaded", "type": "x", "code": 503}})
-        if "LONG" in last:
-            return self._send(400, {"error": {"message": "This model's maximum context length is 8 tokens",
-                                              "type": "BadRequestError", "code": 400}})
-        if "REASON" in last:  # older vLLM field name
-            msg["reasoning_content"] = "First, think about it."
-        if "THINK" in last:  # vLLM >= 0.11 field name
-            msg["reasoning"] = "Hmm, let me see."
-        if "RAW" in last:  # the parser was off: thinking left inside the content
-            msg["content"] = "<think>hmm</think>The answer."
-        if "EMPTY" in last:
-            msg["content"] = ""
-        self._send(200, {"id": "x", "object": "chat.completion", "created": 0, "model": req["model"],
-                         "choices": [{"index": 0, "message": msg, "finish_reason": "stop"}],
-                         "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}})
-
-
-@pytest.fixture()
-def canned(tmp_path):
-    _Canned.calls = {}
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Canned)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
-    srv.shutdown()
-
 
 def _rows(path: Path, questions: list[str]) -> None:
     io.write_conversations(path, [{"id": f"r{i}", "source": "t", "messages": [{"role": "user", "content": q}]}
@@ -312,7 +235,7 @@ def test_server_backend_never_sends_a_prompt_over_the_limit(canned, tiny_target,
     s = generate(tmp_path / "in.parquet", Path(tiny_target["path"]).parent / "identity.json",
                  tmp_path / "out", cfg)
     assert s["filtered"] == 1 and s["samples"] == 3 and s["this_run"]["success"] == 3
-    sent = set(_Canned.calls)
+    sent = set(Canned.calls)
     assert LONG_PROMPT not in sent and len(sent) == 3
     assert {r["id"] for r in io.read_conversations(tmp_path / "out" / "conversations.parquet")} == {
         r["id"] for r in rows} - {"long"}
@@ -380,7 +303,7 @@ def test_kill_and_resume_canned(canned, tiny_target, tmp_path):
     assert s["errors"] == 0 and s["samples"] == 40
     # At most one chunk is redone: the server saw a prompt twice only for rows that were finished
     # but not yet in a part (fewer than chunk_size) or in flight (at most concurrency) at the kill.
-    sent = _Canned.calls
+    sent = Canned.calls
     redone = sorted(q for q, n in sent.items() if n > 1)
     assert sorted(sent) == sorted(r["messages"][0]["content"] for r in rows) and max(sent.values()) <= 2
     assert len(redone) <= (chunk - 1) + conc, redone

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet import contract, vllm_env
+from eaglet import contract, contract_record, contract_vllm, vllm_env
 from eaglet import known_answer as ka
+from eaglet import known_answer_twin as kat
 
-PROMPTS = contract.PROMPTS[:2]
+PROMPTS = contract_vllm.PROMPTS[:2]
 MAX_TOKENS, K = 16, 3
 IDS = [2, 4, 7]  # the last aux layer at N-1 of the 8-layer tiny target; vLLM's default would be (2, 4, 5)
 
@@ -22,7 +23,7 @@ def known(tiny_target, tmp_path_factory):
     """Twin of the tiny target, the known-answer drafter, its export and the four broken exports."""
     work = tmp_path_factory.mktemp("known_answer")
     twin, good = ka.prepare(tiny_target, IDS, work, PROMPTS, k=K, max_tokens=MAX_TOKENS)
-    bad = {how: ka.break_export(good, how, work / f"bad_{how}") for how in ka.BREAKAGES}
+    bad = {how: kat.break_export(good, how, work / f"bad_{how}") for how in kat.BREAKAGES}
     return {"twin": twin, "good": good, "bad": bad, "trained": work / "drafter.safetensors", "work": work}
 
 
@@ -39,7 +40,7 @@ def test_twin_greedy_is_the_known_chain(known):
 
 
 def test_known_answer_is_accepted_offline(known):
-    """eaglet's forward (evaluate.speculative with the drafter's KV cache): every first draft."""
+    """eaglet's forward (hf_loop.speculative with the drafter's KV cache): every first draft."""
     r = ka.offline_first_draft(known["twin"], known["trained"], PROMPTS, k=K, max_tokens=MAX_TOKENS)
     assert r["lossless"] and r["rounds"] > 0 and r["first_rate"] == 1.0, r
     # the export as written (export writer, read back) is the same drafter
@@ -48,7 +49,7 @@ def test_known_answer_is_accepted_offline(known):
     assert e["first_rate"] == 1.0, e
 
 
-@pytest.mark.parametrize("how", ka.BREAKAGES)
+@pytest.mark.parametrize("how", kat.BREAKAGES)
 def test_each_breakage_drops_first_draft_acceptance_offline(known, how):
     r = ka.offline_export_first_draft(known["twin"], known["bad"][how], known["trained"], PROMPTS, k=K,
                                       max_tokens=MAX_TOKENS)
@@ -65,7 +66,7 @@ def test_broken_exports_differ_only_where_named(known):
 def test_no_twin_for_other_families_is_not_run_not_a_pass(tmp_path):
     """A target eaglet cannot build a twin for: the check is not run with the reason, and an export
     whose contract has it unaccepted is not ok."""
-    from eaglet.target import materialise
+    from eaglet.target_model import materialise
 
     ident = materialise({"name": "g", "tiny": {"family": "gemma3_text", "num_hidden_layers": 2}}, tmp_path / "g")
     ident["path"] = str(tmp_path / "g" / "model")
@@ -82,7 +83,8 @@ def test_known_answer_is_listed_not_run_when_vllm_is_off(tiny_target, tiny_draft
 
     ident = Path(tiny_target["path"]).parent / "identity.json"
     with pytest.raises(ContractError, match=r"not run \['vllm.known_answer'\]"):
-        export(tiny_drafter, tmp_path / "d", ident, vllm_check=False, accept_not_run=list(contract.TRAINED_VLLM_CHECKS))
+        export(tiny_drafter, tmp_path / "d", ident, vllm_check=False,
+               accept_not_run=list(contract_record.TRAINED_VLLM_CHECKS))
     rep = export(tiny_drafter, tmp_path / "d", ident, vllm_check=False, accept_not_run=list(contract.VLLM_CHECKS))
     assert rep["ok"] and "vllm.known_answer" in [r["name"] for r in rep["not_run"]]
 
@@ -93,8 +95,8 @@ def test_real_vllm_accepts_the_known_answer_and_rejects_each_breakage(known):
     to the twin's known chain and every first draft accepted; each broken one ~none, and fails the
     contract's rule (eaglet.known_answer.judge, what vllm.known_answer applies)."""
     py = vllm_env.vllm_python()  # VllmEnvMissing fails the test: it needs envs/vllm/setup.sh
-    names = ["good", *ka.BREAKAGES]
-    dirs = [known["good"], *(known["bad"][h] for h in ka.BREAKAGES)]
+    names = ["good", *kat.BREAKAGES]
+    dirs = [known["good"], *(known["bad"][h] for h in kat.BREAKAGES)]
     res = ka.run_batch(known["twin"]["path"], dirs, PROMPTS, work_dir=known["work"] / "vllm", python=py,
                        k=K, max_tokens=MAX_TOKENS)
     got = {n: ka.judge(known["twin"], PROMPTS, r, MAX_TOKENS) for n, r in zip(names, res, strict=True)}
@@ -103,13 +105,14 @@ def test_real_vllm_accepts_the_known_answer_and_rejects_each_breakage(known):
     ok, det = got["good"]
     assert ok and det["first_draft_rate"] == 1.0 and det["output_is_known_chain"], det
     assert res[0]["aux_layers"] == IDS
-    for how in ka.BREAKAGES:
+    for how in kat.BREAKAGES:
         ok, det = got[how]
         assert det["output_is_known_chain"], (how, det)  # lossless: vLLM's verifier, whatever the drafter
         assert det["num_drafts"] > 0 and det["first_draft_rate"] <= 0.1, (how, det)
         assert not ok
-        assert contract.verdict([contract._check("vllm.known_answer", ok, det)])["failed"] == ["vllm.known_answer"]
-    assert res[ka.BREAKAGES.index("layer_ids_minus_one") + 1]["aux_layers"] == [i - 1 for i in IDS]
+        failed = contract.verdict([contract_record.check("vllm.known_answer", ok, det)])["failed"]
+        assert failed == ["vllm.known_answer"]
+    assert res[kat.BREAKAGES.index("layer_ids_minus_one") + 1]["aux_layers"] == [i - 1 for i in IDS]
 
 
 def test_known_answer_is_checked_before_the_trained_drafter(tiny_target, tiny_drafter, tmp_path):

@@ -18,10 +18,9 @@ from eaglet.model import (
     Eagle3Drafter,
     KVCache,
     load_drafter,
-    load_target_embedding,
-    read_target_tensor,
     save_drafter,
 )
+from eaglet.target import load_target_embedding, read_target_tensor
 
 VD = 256
 

@@ -1,12 +1,14 @@
-"""target: materialisation and identity."""
+"""target: materialisation and identity, and the family facts the identity records."""
 
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from eaglet import io
-from eaglet.target import default_layer_ids, load_identity, load_tokenizer, materialise, validate_layer_ids
+from eaglet.target import default_layer_ids, identity_of, load_identity, load_tokenizer, validate_layer_ids
+from eaglet.target_model import materialise
 
 
 def user_checkpoint(tiny_target, dest: Path) -> Path:
@@ -177,3 +179,77 @@ def test_vllm_runner_arguments_come_from_the_config():
     assert (plain["dtype"], plain["tensor_parallel_size"], plain["trust_remote_code"]) == ("float32", 1, False)
     assert "enable_expert_parallel" not in plain
     assert isinstance(a, argparse.Namespace)
+
+
+# --------------------------------------------------------------------------- identity facts
+def _identity(conf, tmp_path):
+    from safetensors.torch import save_file
+
+    conf.save_pretrained(tmp_path)
+    save_file({"w": torch.zeros(1)}, tmp_path / "model.safetensors")  # identity_of digests weights only
+    return identity_of(tmp_path, "t", "test")
+
+
+def test_identity_llama3_rope_scaling(tmp_path):
+    from transformers import LlamaConfig
+
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    i = _identity(LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=16384, rope_theta=500000.0,
+                              rope_scaling=rope, architectures=["LlamaForCausalLM"]), tmp_path)
+    assert i["rope_type"] == "llama3" and i["rope_parameters"]["factor"] == 8.0
+    assert i["rope_theta"] == i["rope_parameters"]["rope_theta"] == 500000.0
+    assert i["norm_class"] == "LlamaRMSNorm" and i["norm_kind"] == "rms" and not i["qk_norm"]
+    assert i["hidden_act"] == i["activation"] == "silu" and i["embedding_scale"] == 1.0
+    assert i["attention"] == "gqa" and i["mla"] is None and i["moe"] is None
+    assert i["tie_word_embeddings"] is False and i["sliding_window"] is None
+    for k in ("num_layers", "hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim",
+              "intermediate_size", "rms_norm_eps", "rope_theta", "hidden_act", "tie_word_embeddings",
+              "digest", "path"):
+        assert k in i, k
+
+
+def test_identity_gemma3(tmp_path):
+    from transformers import Gemma3TextConfig
+
+    i = _identity(Gemma3TextConfig(num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=32, sliding_window=16,
+                                   final_logit_softcapping=30.0, architectures=["Gemma3ForCausalLM"]), tmp_path)
+    assert i["hidden_act"] == i["activation"] == "gelu_pytorch_tanh"  # hidden_activation, not Llama's silu
+    assert i["norm_class"] == "Gemma3RMSNorm" and i["norm_kind"] == "rms_1p" and i["qk_norm"]
+    assert i["embedding_scale"] == pytest.approx(64 ** 0.5)
+    assert i["tie_word_embeddings"] is True and i["final_logit_softcapping"] == 30.0
+    assert i["sliding_window"] == 16 and i["sliding_layers"] == 5
+    by = i["rope_parameters_by_layer_type"]
+    assert set(by) == {"full_attention", "sliding_attention"} and all(isinstance(v, dict) for v in by.values())
+    assert i["rope_parameters"] == by["full_attention"] and i["rope_theta"] == by["full_attention"]["rope_theta"]
+    assert all(not isinstance(v, dict) for v in i["rope_parameters"].values())  # flat: vLLM's get_rope can hash it
+
+
+def test_identity_deepseek_v3_mla_moe_yarn(tmp_path):
+    from transformers import DeepseekV3Config
+
+    yarn = {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}
+    i = _identity(DeepseekV3Config(num_hidden_layers=4, hidden_size=64, intermediate_size=128,
+                                   moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+                                   kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                   v_head_dim=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                                   max_position_embeddings=163840, rope_scaling=yarn,
+                                   architectures=["DeepseekV3ForCausalLM"]), tmp_path)
+    assert i["attention"] == "mla" and i["mla"]["kv_lora_rank"] == 16 and i["mla"]["qk_rope_head_dim"] == 8
+    assert i["moe"] == {"experts": 8, "experts_per_token": 2, "shared_experts": 1, "moe_intermediate_size": 32}
+    assert i["rope_type"] == "yarn" and i["rope_parameters"]["factor"] == 40.0
+    assert i["norm_class"] == "DeepseekV3RMSNorm" and i["norm_kind"] == "rms"
+
+
+def test_identity_qwen3_moe(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    i = _identity(Qwen3MoeConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                 num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                                 architectures=["Qwen3MoeForCausalLM"]), tmp_path)
+    assert i["moe"]["experts"] == 8 and i["moe"]["experts_per_token"] == 2 and i["moe"]["shared_experts"] == 0
+    assert i["qk_norm"] and i["norm_kind"] == "rms" and i["attention"] == "gqa"
+    assert i["sliding_window"] is None  # use_sliding_window false: the field is not in force

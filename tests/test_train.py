@@ -159,7 +159,7 @@ def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_
     offline simulator (the target's greedy continuation of each held-out prompt, K drafts from
     every position, the rounds replayed) with the saved drafter gives the same counts. The saved
     weights are those of the best validation chain τ, and that is what the summary reports."""
-    from eaglet import evaluate as ev
+    from eaglet import hf_loop as ev
     from eaglet.chain import chain_replay, rounds_tau
     from eaglet.summary import lines as summary_lines
 

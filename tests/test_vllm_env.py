@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglet import contract, evaluate_vllm, vllm_env
+from eaglet import contract_vllm, evaluate_vllm, vllm_env
 
 # A stand-in for the `vllm` package, as the runners see it: two engines (data-parallel ranks) each
 # reporting their own counters, as vLLM's LLM.get_metrics() lists them (Counter: value, Vector:
@@ -88,7 +88,7 @@ def test_check_runner_sums_the_counters_of_every_engine(tmp_path, fake_vllm):
     # check read one rank's counters on a data-parallel server.
     work = tmp_path / "work"
     (tmp_path / "prompts.json").write_text(json.dumps(["a", "b"]))
-    _run_copied(contract.RUNNER, work, fake_vllm, "--target", "t", "--prompts", str(tmp_path / "prompts.json"),
+    _run_copied(contract_vllm.RUNNER, work, fake_vllm, "--target", "t", "--prompts", str(tmp_path / "prompts.json"),
                 "--out", str(work / "spec.json"), "--drafter", "d")
     res = json.loads((work / "spec.json").read_text())
     assert res["spec_decode"] == SUMMED

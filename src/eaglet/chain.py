@@ -12,6 +12,10 @@ The trainer gets ``accepted`` from the training-time-test unroll (eaglet.model.E
 .ttt_unroll): on the target's greedy continuation, draft k at index t is accepted iff drafts
 0..k at t all hit (:func:`accepted_runs`), and every assistant span of a sequence is one
 continuation (:func:`sequence_rounds`).
+
+The evaluation's counts over the same numbers: acceptance per draft position from every start
+(:func:`position_rates`, :func:`tau_all_positions`) and vLLM's per-position counters of a chain
+(:func:`chain_counts`, :func:`prompt_chain`).
 """
 
 from __future__ import annotations
@@ -77,3 +81,37 @@ def sequence_rounds(accepted_T: list[int], mask_T: list[bool], k: int) -> list[t
         acc = [0] + [accepted_T[s + g - 2] if s + g - 2 >= 0 else 0 for g in range(1, n)]
         rounds += chain_replay(acc, n, n, k)
     return rounds
+
+
+# --------------------------------------------------------------------------- the evaluation's counts
+def position_rates(accepted: list[int], valid: list[int], K: int) -> dict:
+    """From every start: P(accepted >= j) and P(accepted >= j | >= j-1), j = 1..K, counting a
+    start for position j only when the continuation extends that far (``valid``: positions left)."""
+    reach, acc = [0] * K, [0] * K
+    for a, v in zip(accepted, valid, strict=True):
+        for j in range(min(K, v)):
+            reach[j] += 1
+            acc[j] += a > j
+    rate = [acc[j] / reach[j] if reach[j] else None for j in range(K)]
+    cond = [None if rate[j] is None or (j and not rate[j - 1]) else rate[j] / (rate[j - 1] if j else 1.0)
+            for j in range(K)]
+    return {"accept_rate_per_pos": rate, "conditional_accept_per_pos": cond, "starts_per_pos": reach}
+
+
+def tau_all_positions(accepted: list[int], valid: list[int], k: int) -> float | None:
+    """1 + mean accepted (capped at k) over starts with k positions of continuation left."""
+    xs = [min(a, k) for a, v in zip(accepted, valid, strict=True) if v >= k]
+    return 1 + sum(xs) / len(xs) if xs else None
+
+
+def chain_counts(rounds) -> dict:
+    """Per draft position j: rounds that drafted it and rounds that accepted it (vLLM's counters)."""
+    k = max((r[1] for r in rounds), default=0)
+    return {"drafts": sum(r[1] > 0 for r in rounds),
+            "drafted_per_pos": [sum(r[1] > j for r in rounds) for j in range(k)],
+            "accepted_per_pos": [sum(r[1] > j and r[2] > j for r in rounds) for j in range(k)]}
+
+
+def prompt_chain(rounds) -> tuple[int, int]:
+    """(accepted drafts, rounds with drafts) of one prompt: what τ over prompts is pooled from."""
+    return sum(r[2] for r in rounds if r[1] > 0), sum(r[1] > 0 for r in rounds)

@@ -17,11 +17,7 @@ checks with ``vllm_check: false``) fails the export too unless ``accept_not_run`
         [--train-summary results/RUN/train/train_summary.json] [--speculators-out DIR] \
         [--config '{"vllm_check": true, "num_speculative_tokens": 3}'] [--log LOG]
 
-The eagle_config layer ids: vLLM 0.32 reads the top-level ``eagle_aux_hidden_state_layer_ids``
-(residual stream entering layer j) and looks at ``eagle_config`` only when the top level is absent;
-SGLang reads only ``eagle_config`` and adds 1 (its ids count "output of layer i"). So the top level
-holds the trained vLLM ids and ``eagle_config`` the same physical layers in SGLang's count (id - 1);
-the contract checks that both engines end up tapping the trained layers.
+The formats and their writer (which layer ids go where, and why): eaglet.export_format.
 """
 
 from __future__ import annotations
@@ -32,133 +28,18 @@ import shutil
 from pathlib import Path
 
 from eaglet import contract, io, vllm_env
-from eaglet.rope import legacy_fields
-from eaglet.target import load_identity, validate_layer_ids
+from eaglet.export_format import export_tensors, read_trained, speculators_config, vllm_config, write_dir
+from eaglet.target import load_identity
 
 log = logging.getLogger("eaglet.export")
 
-# Weights stay fp32 (the trainer's dtype): engines cast at load time, and the numeric parity
-# check compares the exported tensors with the trained ones at 1e-4.
 DEFAULTS = dict(speculators=False, vllm_check=True, vllm_check_prompts=4, vllm_check_max_tokens=32,
                 num_speculative_tokens=3, accept_not_run=(), serving=None, target_load=None)
-DTYPE = "float32"
 OUTPUTS = ("config.json", "model.safetensors", "contract.json")
 
 
 class ContractError(RuntimeError):
     """The export failed its contract check; the report says which checks."""
-
-
-# --------------------------------------------------------------------------- configs
-def _rope_fields(cfg: dict) -> dict:
-    """The drafter's own RoPE (eaglet.rope: what it was trained with), as rope_parameters and the
-    legacy rope_theta/rope_scaling pair: one flat config every engine reads the same way."""
-    rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(cfg["rope_theta"])}
-    return legacy_fields(rope)
-
-
-def _layer_config(cfg: dict, target_conf: dict, dtype: str) -> dict:
-    """The Llama fields shared by both formats."""
-    return {"model_type": "llama", "hidden_size": cfg["hidden_size"], "num_hidden_layers": 1,
-            "num_attention_heads": cfg["num_heads"], "num_key_value_heads": cfg["num_kv_heads"],
-            "head_dim": cfg["head_dim"], "intermediate_size": cfg["intermediate_size"],
-            "hidden_act": cfg["hidden_act"], "rms_norm_eps": cfg["rms_norm_eps"],
-            "max_position_embeddings": cfg["max_position_embeddings"],
-            **_rope_fields(cfg),
-            "vocab_size": cfg["vocab_size"], "tie_word_embeddings": False,
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype,
-            "bos_token_id": target_conf.get("bos_token_id"), "eos_token_id": target_conf.get("eos_token_id")}
-
-
-def vllm_config(cfg: dict, identity: dict, target_conf: dict, dtype: str = DTYPE) -> dict:
-    """config.json of format A (eagle3.md §6)."""
-    ids = list(cfg["layer_ids"])
-    conf = {"architectures": [contract.ARCH_A], **_layer_config(cfg, target_conf, dtype),
-            "draft_vocab_size": cfg["draft_vocab_size"]}
-    if cfg["target_hidden_size"] != cfg["hidden_size"]:
-        conf["target_hidden_size"] = cfg["target_hidden_size"]
-    conf["eagle_aux_hidden_state_layer_ids"] = ids  # vLLM: residual stream entering layer j
-    # SGLang reads only these and taps id + 1 (see the module docstring)
-    conf["eagle_config"] = {"use_aux_hidden_state": True,
-                            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]}
-    conf["eaglet"] = {"target_name": identity.get("name"), "target_digest": cfg.get("target_digest"),
-                      "layer_ids_vllm": ids, "ttt_steps": cfg.get("ttt_steps")}
-    return conf
-
-
-def speculators_config(cfg: dict, identity: dict, target_conf: dict, k: int, dtype: str = DTYPE) -> dict:
-    """config.json of format B (vllm-project/speculators ``Eagle3Speculator``)."""
-    return {"architectures": [contract.ARCH_B], "speculators_model_type": "eagle3",
-            "speculators_version": "0.3.0",
-            "speculators_config": {
-                "algorithm": "eagle3", "default_proposal_method": "greedy",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(k),
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "verifier": {"name_or_path": str(identity["path"]),
-                             "architectures": [identity.get("architecture", "LlamaForCausalLM")]}},
-            "transformer_layer_config": _layer_config(cfg, target_conf, dtype),
-            "draft_vocab_size": cfg["draft_vocab_size"],
-            "target_hidden_size": cfg["target_hidden_size"] if cfg["target_hidden_size"] != cfg["hidden_size"]
-            else None,
-            # written explicitly: absent, vLLM's speculators conversion defaults it to True
-            "norm_before_residual": False,
-            "eagle_aux_hidden_state_layer_ids": list(cfg["layer_ids"]),
-            "tie_word_embeddings": False, "torch_dtype": dtype}
-
-
-# --------------------------------------------------------------------------- tensors
-def read_trained(drafter_path: str | Path, identity: dict) -> tuple[dict, dict]:
-    """The trainer's tensors and DrafterConfig, checked against the target."""
-    cfg = contract.trained_config(drafter_path)
-    tensors = io.load_tensors(drafter_path)
-    want = set(contract.expected_tensors(_flat(cfg))) | {"d2t"}
-    have = set(tensors)
-    if have != want:
-        raise io.ArtifactError(f"{drafter_path}: tensors missing {sorted(want - have)}, "
-                               f"unexpected {sorted(have - want)}")
-    if cfg.get("target_digest") and cfg["target_digest"] != identity["digest"]:
-        raise io.ArtifactError(f"{drafter_path}: trained for target digest {cfg['target_digest'][:12]}, "
-                               f"but the target is {identity['digest'][:12]}")
-    for key, ikey in (("vocab_size", "vocab_size"), ("target_hidden_size", "hidden_size")):
-        if cfg[key] != identity[ikey]:
-            raise io.ArtifactError(f"{drafter_path}: {key} {cfg[key]} != target {ikey} {identity[ikey]}")
-    validate_layer_ids(cfg["layer_ids"], identity["num_layers"])
-    return tensors, cfg
-
-
-def _flat(cfg: dict) -> dict:
-    """A DrafterConfig in HF config field names, for contract.expected_tensors."""
-    return {"hidden_size": cfg["hidden_size"], "target_hidden_size": cfg["target_hidden_size"],
-            "num_attention_heads": cfg["num_heads"], "num_key_value_heads": cfg["num_kv_heads"],
-            "head_dim": cfg["head_dim"], "intermediate_size": cfg["intermediate_size"],
-            "vocab_size": cfg["vocab_size"], "draft_vocab_size": cfg["draft_vocab_size"]}
-
-
-def export_tensors(tensors: dict, cfg: dict, layer_prefix: str = "midlayer", dtype: str = DTYPE) -> dict:
-    import torch
-
-    out = {}
-    for name, t in tensors.items():
-        if name in ("d2t", "t2d"):
-            continue
-        if name.startswith("midlayer."):
-            name = layer_prefix + name[len("midlayer"):]
-        out[name] = t.to(getattr(torch, dtype)).contiguous()
-    d2t = tensors["d2t"].to(torch.int64)
-    if cfg["draft_vocab_size"] != cfg["vocab_size"]:
-        out["d2t"] = d2t
-    elif bool(d2t.any()):
-        raise ValueError("draft vocab = target vocab but d2t is not the identity; vLLM cannot load that")
-    out["t2d"] = tensors["t2d"].to(torch.bool)
-    return out
-
-
-def _write_dir(d: Path, conf: dict, tensors: dict) -> None:
-    if d.exists():
-        shutil.rmtree(d)
-    d.mkdir(parents=True)
-    io.write_json(d / "config.json", conf)
-    io.save_tensors(d / "model.safetensors", tensors, metadata={"format": "pt"})
 
 
 # --------------------------------------------------------------------------- the stage
@@ -182,7 +63,7 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
         (out / name).unlink(missing_ok=True)
     work = Path(work_dir) if work_dir else out.parent / f"{out.name}.check"
     stage_a = out / ".staging"
-    _write_dir(stage_a, vllm_config(cfg, identity, target_conf), export_tensors(tensors, cfg, "midlayer"))
+    write_dir(stage_a, vllm_config(cfg, identity, target_conf), export_tensors(tensors, cfg, "midlayer"))
     vllm = None
     if o["vllm_check"]:
         vllm = {"work_dir": work / "vllm", "python": vllm_python, "k": o["num_speculative_tokens"],
@@ -199,7 +80,7 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
         spec = Path(speculators_dir) if speculators_dir else out.parent / f"{out.name}_speculators"
         stage_b = spec.parent / f".{spec.name}.staging"
         conf_b = speculators_config(cfg, identity, target_conf, o["num_speculative_tokens"])
-        _write_dir(stage_b, conf_b, export_tensors(tensors, cfg, "layers.0"))
+        write_dir(stage_b, conf_b, export_tensors(tensors, cfg, "layers.0"))
         accept_b = [n[len("speculators."):] for n in accept if n.startswith("speculators.")]
         rep_b = contract.check_export(stage_b, identity, trained_path=drafter_path, vllm=None,
                                       accept_not_run=accept_b)

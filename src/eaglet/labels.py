@@ -30,7 +30,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from eaglet import io
-from eaglet.model import read_target_tensor
+from eaglet.target import read_target_tensor
 
 log = logging.getLogger("eaglet.labels")
 

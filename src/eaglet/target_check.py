@@ -268,7 +268,7 @@ def unaccepted_not_run(export: dict) -> list[str]:
     """Contract checks the config already says will not run (the real-vLLM ones with
     ``export.vllm_check: false``; format B's always) that ``export.accept_not_run`` does not list.
     Each would fail the export at the end of the run, after training."""
-    from eaglet.contract import VLLM_CHECKS
+    from eaglet.contract_record import VLLM_CHECKS
 
     off = [] if export.get("vllm_check", True) else list(VLLM_CHECKS)
     if export.get("speculators"):  # format B is never run in real vLLM

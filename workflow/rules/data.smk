@@ -3,7 +3,15 @@
 
 rule target_model:
     input:
-        code=src("target", "target_check", "io"),
+        code=src(
+            "target_model",
+            "target",
+            "target_check",
+            "families",
+            "family_templates",
+            "contract_record",
+            "io",
+        ),
     output:
         model=directory(f"{TARGET_DIR}/model"),
         identity=TARGET_ID,
@@ -11,7 +19,7 @@ rule target_model:
         f"logs/target_model/{config['target']['name']}.log",
     # Cached: the job hashes the weights once (a 547 GB target takes the better part of an hour),
     # keyed on the folder's content identity. Safe to cache because its outputs hold no link to a
-    # file the pipeline does not own: a local target.path is read in place (eaglet.target.materialise).
+    # file the pipeline does not own: a local target.path is read in place (eaglet.target_model.materialise).
     cache: True
     conda:
         "../../envs/eaglet.yaml"
@@ -20,12 +28,12 @@ rule target_model:
         files=target_files(config["target"]),
         out=out_dir,
     shell:
-        "python -m eaglet.target --config {params.target:q} --out {params.out:q} --log {log:q}"
+        "python -m eaglet.target_model --config {params.target:q} --out {params.out:q} --log {log:q}"
 
 
 rule prompts:
     input:
-        code=src("prompts", "io"),
+        code=src("prompts", "contract_record", "target", "target_check", "io"),
     output:
         train=f"{RUN}/prompts/train.parquet",
         heldout=f"{RUN}/prompts/heldout.parquet",
@@ -57,7 +65,7 @@ rule prompts:
 
 rule tokenize:
     input:
-        code=src("tokenize", "target", "target_check", "io"),
+        code=src("tokenize", "target", "target_check", "contract_record", "io"),
         conversations=conversations_for_tokenize(),
         identity=TARGET_ID,
     output:
@@ -88,7 +96,7 @@ rule tokenize:
 
 rule token_freq:
     input:
-        code=src("freq", "io"),
+        code=src("freq", "contract_record", "target", "target_check", "io"),
         tokens=rules.tokenize.output.tokens,
         identity=TARGET_ID,
     output:
@@ -114,7 +122,7 @@ rule token_freq:
 
 rule vocab_map:
     input:
-        code=src("vocab", "target", "target_check", "io"),
+        code=src("vocab", "target", "target_check", "contract_record", "io"),
         counts=rules.token_freq.output.counts,
         identity=TARGET_ID,
     output:

@@ -24,7 +24,16 @@ EXTRACT_LOAD = TARGET_LOAD | {
 
 rule extract_hidden_states:
     input:
-        code=src("extract", "hidden_store", "gpu_slots", "target", "io", "capability"),
+        code=src(
+            "extract",
+            "hidden_store",
+            "gpu_slots",
+            "target",
+            "capability",
+            "contract_record",
+            "target_check",
+            "io",
+        ),
         tokens=rules.tokenize.output.tokens,
         identity=TARGET_ID,
     output:

@@ -56,6 +56,7 @@ rule generate:
             "gpu_slots",
             "target",
             "target_check",
+            "contract_record",
             "io",
         ),
         conversations=f"{RUN}/prompts/train.parquet",

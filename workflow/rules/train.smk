@@ -32,6 +32,11 @@ rule train:
             "hidden_store",
             "gpu_slots",
             "target",
+            "chain",
+            "contract_record",
+            "labels",
+            "rope",
+            "target_check",
             "io",
         )
         + (src("online", "extract") if ONLINE else []),
