@@ -3,9 +3,9 @@
 The trainer reads its micro-batches from a source with HiddenStateDataset's face (``meta``,
 ``ids``, ``num_tokens``, ``label_references``, ``sample``) plus ``collate(batch)``. Offline, that
 source is the extracted shards; online it is ``OnlineHiddenStates``: the tokens file, and the
-target loaded in this process (``eaglet.extract``'s loading, on this rank's device, in
+target loaded in this process (extraction's loading, ``eaglet.capture``, on this rank's device, in
 ``target.dtype``; ``target.device: cpu`` keeps it on the CPU). Each micro-batch runs one no-grad
-target forward with extract's own hooks (``extract.Capture``), and the aux and pre-norm final
+target forward with extraction's own hooks (``capture.Capture``), and the aux and pre-norm final
 states are rounded to the storage dtype (``extract.dtype``: bf16, fp8 or float32) exactly as a
 shard write + read rounds them (``hidden_store.storage_round``). So, on the same samples, the
 trainer sees the states offline training reads from disk, up to what batching changes in the
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from eaglet import extract, target
+from eaglet import capture, target
 from eaglet.hidden_store import storage_dtype, storage_round
 
 log = logging.getLogger("eaglet.online")
@@ -42,7 +42,7 @@ class OnlineHiddenStates:
         self.dtype = storage_dtype(dtype)
         N, H = int(identity["num_layers"]), int(identity["hidden_size"])
         self.layer_ids = target.validate_layer_ids(layer_ids or target.default_layer_ids(N), N)
-        self.ids, self.inputs, self.masks = extract.read_tokens(tokens_path)
+        self.ids, self.inputs, self.masks = capture.read_tokens(tokens_path)
         self.num_tokens = [len(r) for r in self.inputs]
         self.H = H
         self.meta = {"layer_ids": self.layer_ids, "final_layer": N, "final_is_prenorm": True,
@@ -51,11 +51,11 @@ class OnlineHiddenStates:
         mdtype = model_dtype or ("bfloat16" if dev.startswith("cuda") else "float32")
         t0 = time.perf_counter()
         # one target per rank, on this rank's device (ngpu 1: no device_map spread)
-        self.model = extract._load(identity["path"], identity["digest"], mdtype, dev, 1, trust_remote_code)
+        self.model = capture._load(identity["path"], identity["digest"], mdtype, dev, 1, trust_remote_code)
         self.device = self.model.get_input_embeddings().weight.device
         log.info("online hidden states: target loaded in %.1f s on %s (%s); states rounded to %s; %d samples, "
                  "%d tokens", time.perf_counter() - t0, dev, mdtype, self.dtype, len(self.ids), sum(self.num_tokens))
-        self.cap = extract.Capture(self.model, self.layer_ids)
+        self.cap = capture.Capture(self.model, self.layer_ids)
         self._token_budget = int(token_budget)
         self._ref_final: dict[str, dict[int, torch.Tensor]] = {}
         self._refs: list[list] | None = None
@@ -66,7 +66,7 @@ class OnlineHiddenStates:
     @torch.no_grad()
     def _forward(self, batch: list[int], ref_positions: torch.Tensor | None = None):
         """-> (aux_BT3H, final_BTH rounded, zero at padding; mask_BT bool; real logits or None)."""
-        ids_BT, mask_BT = extract.pad_batch([self.inputs[i] for i in batch], self.device)
+        ids_BT, mask_BT = capture.pad_batch([self.inputs[i] for i in batch], self.device)
         aux, final_BTH, logits = self.cap(ids_BT, mask_BT, ref_positions)
         aux_BT3H = torch.stack([a.to(final_BTH.device) for a in aux], dim=2)
         if aux_BT3H.shape[-1] != self.H:
@@ -107,9 +107,9 @@ class OnlineHiddenStates:
         if self._refs is None:
             self._refs = []
             first = sorted(range(len(self.ids)), key=self.ids.__getitem__)[:LABEL_SAMPLES]
-            for rel in extract.make_batches([self.num_tokens[i] for i in first], self._token_budget):
+            for rel in capture.make_batches([self.num_tokens[i] for i in first], self._token_budget):
                 batch = [first[j] for j in rel]
-                pos = extract.reference_positions([self.num_tokens[i] for i in batch], LABEL_REF_PER_BATCH)
+                pos = capture.reference_positions([self.num_tokens[i] for i in batch], LABEL_REF_PER_BATCH)
                 _, final, _, logits = self._forward(batch, pos)
                 if logits is None:
                     continue

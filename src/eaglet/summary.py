@@ -194,7 +194,7 @@ def table(run_dir: str | Path) -> list[str]:
     if (t := _load(run_dir, "train/train_summary.json")):
         rows.append(("train", _train(t)))
     if (lc := _load(run_dir, "learning_curve/learning_curve.json")):
-        from eaglet.learning_curve import describe
+        from eaglet.curve_fit import describe
 
         rows.append(("learning curve", describe(lc)))
     if (c := _load(run_dir, "drafter/contract.json")):

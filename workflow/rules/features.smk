@@ -26,6 +26,7 @@ rule extract_hidden_states:
     input:
         code=src(
             "extract",
+            "capture",
             "hidden_store",
             "gpu_slots",
             "target",

@@ -50,7 +50,7 @@ FINAL_OUTPUTS.extend(rules.plots.output)
 
 rule provenance:
     input:
-        code=src("provenance", "io"),
+        code=src("provenance", "job_records", "io"),
         identity=TARGET_ID,
         outputs=list(FINAL_OUTPUTS),
         # an input, not a param: as a param the whole config showed twice in `snakemake -n`
