@@ -77,13 +77,17 @@ def test_accounting_from_stage_to_stage(run):
     a, r = run
     prompts = pq.read_table(r / "prompts" / "train.parquet").num_rows
     gen = _json(r, "generate/generate_summary.json")
-    assert gen["samples"] == prompts, (gen["samples"], prompts)
-    ok = gen["samples"] - gen["errors"]
+    # every prompt is a sample written (ok), an error, or filtered before generating: a prompt that
+    # would leave no room for an answer under tokenize.max_length (issue 15)
+    assert gen["input"] == prompts, (gen["input"], prompts)
+    assert gen["samples"] + gen["errors"] + gen["filtered"] == prompts, gen
+    assert gen["filtered"] == sum(gen["filtered_by_reason"].values())
     assert gen["errors"] == sum(gen["errors_by_kind"].values())
     tok = _json(r, "tokenize/metadata.json")
-    assert tok["samples_in"] == ok, (tok["samples_in"], ok)
+    assert tok["samples_in"] == gen["samples"], (tok["samples_in"], gen["samples"])
     assert tok["samples_processed"] + tok["samples_skipped"] == tok["samples_in"]
     assert tok["samples_skipped"] == sum(tok["skipped_by_reason"].values())
+    assert tok["skipped_by_reason"].get("truncated_no_answer", 0) == 0  # the filter's point
     assert pq.read_table(r / "tokenize" / "tokens.parquet").num_rows == tok["samples_processed"]
     vocab = _json(r, "vocab_map/vocab.json")
     assert vocab["assistant_tokens"] == tok["total_assistant_tokens"]
