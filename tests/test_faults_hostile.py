@@ -158,6 +158,12 @@ UNQUOTED_OK = {
     ("evaluate_offline", "threads"): ("int", "Snakemake's thread count"),
     ("evaluate_speculative", "threads"): ("int", "Snakemake's thread count"),
     ("eval_summary", "params.vllm"): ("run-path", "'' or --vllm results/<run>/eval/vllm.json"),
+    ("eval_summary", "params.learning_curve"): ("run-path", "'' or --learning-curve "
+                                                            "results/<run>/learning_curve/learning_curve.json"),
+    ("learning_curve", "params.generate"): ("run-path", "'' or --generate "
+                                                        "results/<run>/generate/generate_summary.json"),
+    ("train", "params.data"): ("run-path", "--hidden + shlex-quoted results/<run>/extract/shard_<i>, "
+                                           "or --online @logs/<run>/config/train_online.json"),
     ("plots", "params.evaluation"): ("run-path", "'' or --evaluation results/<run>/eval/summary.json"),
 }
 SAFE_NAME = "^[A-Za-z0-9][A-Za-z0-9_.-]*$"
