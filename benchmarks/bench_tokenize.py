@@ -10,8 +10,8 @@ the loss mask. The baseline is the tokenizer's own batch encode of the already-r
 stage's own batches. Both run over the same ShareGPT conversations in pairs, ``--repeats`` pairs in
 ABBA order (raw first, then stage first: drift cancels); each pair gives a ratio. Prints the
 median tokens/s of each, the median pair ratio with its range, and says when the range is too wide
-to conclude (> ``--max-spread`` of the median: another process took the cores). The Rust encoder
-runs on every core and the stage's own Python work on one, so a busy machine lowers the ratio.
+to conclude (> ``--max-spread`` of the median). On a quiet 2-core machine single pairs still
+spread 15-27 % (2026-11-30), with one encoder thread (RAYON_RS_NUM_CPUS=1) as with two.
 """
 
 from __future__ import annotations
