@@ -121,3 +121,32 @@ def tiny_drafter(tiny_target, tmp_path_factory):
     # the digest record the train stage writes beside its drafter (the export/evaluate CLIs check it)
     io.write_json(path.with_name("train_summary.json"), {io.DIGESTS_KEY: io.record_digests(path.parent, [path.name])})
     return path
+
+
+def slowed_trainer(cmd: list[str], seconds: float) -> list[str]:
+    """``python -m eaglet.train ...`` sleeping ``seconds`` per optimizer step, so a test can kill it
+    mid-way: the pause wraps the LR scheduler's step from outside (no test hook in the trainer)."""
+    code = ("import sys, time\n"
+            "from torch.optim.lr_scheduler import LambdaLR\n"
+            "step = LambdaLR.step\n"
+            f"LambdaLR.step = lambda self, *a: (time.sleep({seconds}), step(self, *a))[1]\n"
+            "from eaglet.train import main\n"
+            "main(sys.argv[1:])\n")
+    assert cmd[1:3] == ["-m", "eaglet.train"], cmd
+    return [cmd[0], "-c", code, *cmd[3:]]
+
+
+def kill_when_written(cmd: list[str], path: Path, timeout: float, env: dict | None = None) -> None:
+    """Run ``cmd``, and kill -9 it as soon as ``path`` exists (fails if it ends or times out first)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert proc.poll() is None and time.time() < deadline, f"run ended before writing {path.name}"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()

@@ -4,10 +4,8 @@ step; a killed online run resumes and still reproduces it; settings that make no
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import kill_when_written, slowed_trainer
 from eaglet import io
 from eaglet.extract import extract
 from eaglet.hidden_store import HiddenStateDataset, storage_round
@@ -177,21 +176,8 @@ def test_online_resume_after_kill_reproduces_offline(tiny_target, run_inputs, tm
     _offline(tiny_target, run_inputs, "bfloat16", tmp_path / "off")
     params = {**PARAMS, "hidden_states": "online"}
     run = tmp_path / "run"
-    code = ("import sys, time\n"  # a pause per optimizer step, so the test can kill it mid-way
-            "from torch.optim.lr_scheduler import LambdaLR\n"
-            "step = LambdaLR.step\n"
-            "LambdaLR.step = lambda self, *a: (time.sleep(0.5), step(self, *a))[1]\n"
-            "from eaglet.train import main\n"
-            "main(sys.argv[1:])\n")
     cmd = _cli(run_inputs, run, params)
-    proc = subprocess.Popen([cmd[0], "-c", code, *cmd[3:]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=_env())
-    deadline = time.time() + 180
-    while not (run / "checkpoints" / "step_00000004.pt").exists():
-        assert proc.poll() is None and time.time() < deadline, "run ended before its checkpoint"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_when_written(slowed_trainer(cmd, 0.5), run / "checkpoints" / "step_00000004.pt", 180, env=_env())
     assert not (run / "drafter.safetensors").exists()
     # the workflow's storage statement is the job's first log line
     r = subprocess.run([*cmd, "--note", json.dumps(["storage: the statement"]), "--log", str(tmp_path / "t.log")],

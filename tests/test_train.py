@@ -2,17 +2,15 @@
 resume after kill -9 (same loss trace), and 2-process gloo DDP == single process."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import kill_when_written, slowed_trainer
 from eaglet import io
 from eaglet.hidden_store import HiddenStateDataset, ShardWriter
 from eaglet.model import load_drafter
@@ -224,19 +222,6 @@ def _cli(data, tiny_target, out, params, nproc=1):
     return [sys.executable, "-m", "eaglet.train", *args]
 
 
-def _slowed(cmd: list[str], seconds: float) -> list[str]:
-    """``python -m eaglet.train ...`` sleeping ``seconds`` per optimizer step, so a test can kill it
-    mid-way: the pause wraps the LR scheduler's step from outside (no test hook in the trainer)."""
-    code = ("import sys, time\n"
-            "from torch.optim.lr_scheduler import LambdaLR\n"
-            "step = LambdaLR.step\n"
-            f"LambdaLR.step = lambda self, *a: (time.sleep({seconds}), step(self, *a))[1]\n"
-            "from eaglet.train import main\n"
-            "main(sys.argv[1:])\n")
-    assert cmd[1:3] == ["-m", "eaglet.train"], cmd
-    return [cmd[0], "-c", code, *cmd[3:]]
-
-
 @pytest.mark.faults
 def test_resume_after_kill_reproduces_the_loss_trace(tiny_target, data, tmp_path):
     # oov_rule "label" skips the 49k-row greedy check: the test is about resuming, and is faster
@@ -246,14 +231,8 @@ def test_resume_after_kill_reproduces_the_loss_trace(tiny_target, data, tmp_path
     subprocess.run(_cli(data, tiny_target, ref, params), check=True, capture_output=True)
 
     run = tmp_path / "run"
-    proc = subprocess.Popen(_slowed(_cli(data, tiny_target, run, params), 0.25),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while not (run / "checkpoints" / "step_00000006.pt").exists():
-        assert proc.poll() is None and time.time() < deadline, "run ended before its checkpoint"
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_when_written(slowed_trainer(_cli(data, tiny_target, run, params), 0.25),
+                      run / "checkpoints" / "step_00000006.pt", 120)
     assert not (run / "drafter.safetensors").exists()
     subprocess.run(_cli(data, tiny_target, run, params), check=True, capture_output=True)
 
