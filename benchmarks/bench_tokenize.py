@@ -4,14 +4,17 @@
         [--n 1000] [--repeats 8] [--max-spread 0.1]
 
 The stage (eaglet.tokenize.tokenize_rows) renders every conversation with the chat template,
-renders the prefixes that locate the assistant spans, encodes with offsets, builds and verifies
-the loss mask. The baseline is the tokenizer's own batch encode of the already-rendered texts
-(no template, no offsets, no mask): the floor any tokenisation must pay, in the
-stage's own batches. Both run over the same ShareGPT conversations in pairs, ``--repeats`` pairs in
-ABBA order (raw first, then stage first: drift cancels); each pair gives a ratio. Prints the
-median tokens/s of each, the median pair ratio with its range, and says when the range is too wide
-to conclude (> ``--max-spread`` of the median). On a quiet 2-core machine single pairs still
-spread 15-27 % (2026-11-30), with one encoder thread (RAYON_RS_NUM_CPUS=1) as with two.
+renders the prefixes that locate the assistant spans, encodes, builds the loss mask from the span
+edges and verifies it by decoding the masked tokens. The baseline is the tokenizer's own batch
+encode of the already-rendered texts (``tokenizer(texts)``: no template, no mask): the floor a
+user pays to tokenise, in the stage's own batches. The stage calls the Rust tokenizer behind it
+directly; the bare Rust encode is timed too and printed as a stricter reference.
+
+Timing: the machine's speed drifts by tens of percent over seconds (measured on a quiet 2-core
+VM: whole-run pairs spread 15-46 %). So each batch is timed raw and through the stage back to
+back, in alternating order, and a repeat's ratio is the sum over its batches: drift slower than a
+batch (~1 s) cancels. ``--repeats`` repeats; prints the median tokens/s of each, the median ratio
+with its range, and says when the range is too wide to conclude (> ``--max-spread`` of the median).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,7 +38,7 @@ def main() -> None:
     p.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--max-length", type=int, default=1 << 20)
-    p.add_argument("--repeats", type=int, default=8, help="pairs of (raw, stage) runs")
+    p.add_argument("--repeats", type=int, default=8, help="repeats over all batches")
     p.add_argument("--max-spread", type=float, default=0.1,
                    help="pair-ratio range, as a fraction of the median, above which no conclusion is drawn")
     a = p.parse_args()
@@ -44,46 +48,59 @@ def main() -> None:
     texts = [tok.apply_chat_template(tokenize.with_reasoning(r["messages"], tok.chat_template), tokenize=False)
              for r in rows]
     batch = 256  # the stage's batch_size (tokenize.tokenize_rows)
+    chunks = [(rows[i:i + batch], texts[i:i + batch]) for i in range(0, len(rows), batch)]
     n_tokens = sum(len(x) for x in tok(texts, add_special_tokens=False)["input_ids"])
-
-    def raw() -> float:
-        t0 = time.perf_counter()
-        for i in range(0, len(texts), batch):
-            tok(texts[i:i + batch], add_special_tokens=False)
-        return time.perf_counter() - t0
-
+    fast = tokenize.backend(tok)
+    renderer = tokenize.Renderer(tok)
     kept: list = []
-    skipped: dict = {}
+    skipped: Counter = Counter()
 
-    def stage() -> float:
-        nonlocal kept, skipped
-        t0 = time.perf_counter()
-        kept, skipped, _ = tokenize.tokenize_rows(tok, rows, max_length=a.max_length, batch_size=batch)
-        return time.perf_counter() - t0
+    def raw(rs, ts) -> None:
+        tok(ts, add_special_tokens=False)
 
-    raw(), stage()  # warm: the template compiled, the tokenizer's caches filled
-    t_raw, t_stage, ratios = [], [], []
+    def rust(rs, ts) -> None:
+        fast.encode_batch(ts, add_special_tokens=False)
+
+    def stage(rs, ts) -> None:
+        k, sk, _ = tokenize.tokenize_rows(tok, rs, max_length=a.max_length, batch_size=batch, renderer=renderer)
+        kept.extend(k)
+        skipped.update(sk)
+
+    kinds = [raw, stage] + ([rust] if fast is not None else [])
+    for f in kinds:  # warm: the template compiled and checked, the tokenizer's caches filled
+        f(*chunks[0])
+    times = {f.__name__: [] for f in kinds}
     for r in range(a.repeats):
-        order = (raw, stage) if r % 2 == 0 else (stage, raw)
-        t = {f.__name__: f() for f in order}
-        t_raw.append(t["raw"])
-        t_stage.append(t["stage"])
-        ratios.append(t["raw"] / t["stage"])  # stage tok/s / raw tok/s over the same tokens
+        kept.clear()
+        skipped.clear()
+        total = dict.fromkeys(times, 0.0)
+        for j, chunk in enumerate(chunks):
+            for f in (kinds if (r + j) % 2 == 0 else kinds[::-1]):
+                t0 = time.perf_counter()
+                f(*chunk)
+                total[f.__name__] += time.perf_counter() - t0
+        for k, v in total.items():
+            times[k].append(v)
+    ratios = [x / y for x, y in zip(times["raw"], times["stage"])]
     stage_tokens = sum(r["num_tokens"] for r in kept)
     if stage_tokens != n_tokens:
         print(f"note: the stage kept {stage_tokens} of {n_tokens} tokens (skips: {dict(skipped)})")
     med = statistics.median(ratios)
     spread = (max(ratios) - min(ratios)) / med
     print(f"conversations {len(rows)} ({len(kept)} kept, skipped {dict(skipped)}), {n_tokens} tokens, "
-          f"batches of {batch}, {a.repeats} pairs")
-    print(f"raw batch encode : {n_tokens / statistics.median(t_raw):10.0f} tok/s (median)")
-    print(f"tokenize stage   : {stage_tokens / statistics.median(t_stage):10.0f} tok/s (median)")
-    print(f"pair ratios      : {' '.join(f'{x:.3f}' for x in ratios)}")
+          f"batches of {batch}, {a.repeats} repeats, each batch timed raw and staged back to back")
+    print(f"raw batch encode : {n_tokens / statistics.median(times['raw']):10.0f} tok/s (median)")
+    print(f"tokenize stage   : {stage_tokens / statistics.median(times['stage']):10.0f} tok/s (median)")
+    if fast is not None:
+        rr = [x / y for x, y in zip(times["rust"], times["stage"])]
+        print(f"bare Rust encode : {n_tokens / statistics.median(times['rust']):10.0f} tok/s (median); "
+              f"stage/Rust {statistics.median(rr):.3f} (range {min(rr):.3f}-{max(rr):.3f}; no wrapper at all)")
+    print(f"repeat ratios    : {' '.join(f'{x:.3f}' for x in ratios)}")
     if spread > a.max_spread:
-        print(f"note: pair ratios range {min(ratios):.3f}-{max(ratios):.3f} ({spread:.0%} of the median): "
+        print(f"note: ratios range {min(ratios):.3f}-{max(ratios):.3f} ({spread:.0%} of the median): "
               "too wide to conclude; rerun on a quiet machine")
     else:
-        print(f"note: median of {a.repeats} pairs, range {min(ratios):.3f}-{max(ratios):.3f} ({spread:.0%})")
+        print(f"note: median of {a.repeats} repeats, range {min(ratios):.3f}-{max(ratios):.3f} ({spread:.0%})")
     print(f"ratio stage/raw  : {med:10.3f}  (goal >= 0.8)")
 
 

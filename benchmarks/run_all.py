@@ -43,7 +43,7 @@ class Row:
 SCALE = "cost at 2x tokens / at 1x"
 # name: (command, rows)
 BENCHES = {
-    "tokenize": (["benchmarks/bench_tokenize.py", "--n", "500"],
+    "tokenize": (["benchmarks/bench_tokenize.py", "--n", "1000"],
                  [Row("tokenize", "tokenisation / raw batch encode", 0.8)]),
     "generate": (["benchmarks/bench_generate.py", "--n", "16", "--max-tokens", "48"],
                  [Row("generate", "generation stage / bare openai loop", 0.9)]),

@@ -109,3 +109,30 @@ def tiny_target_identity_path(identity):
     from pathlib import Path
 
     return Path(identity["path"]).parent / "identity.json"
+
+
+def test_backend_encode_gives_the_wrappers_ids_and_masks(tok):
+    """The stage calls the Rust tokenizer directly and finds mask bounds from the span edges'
+    tokens; the wrapper's ids and the full-offsets mask must come out, non-ASCII text included
+    (several tokens per character, spans starting inside a multi-byte run)."""
+    import copy
+
+    texts, spans = [], []
+    for content in ["Paris.", "naïve café — 東京タワー 🚀🚀 ok", "x" * 40 + " 😀", "  spaced  ", "\n\n"]:
+        msgs = [U("q 🙂 ü"), A(content), U("again"), A(content[::-1] or "r")]
+        text, sp = tokenize.render(tok, msgs)
+        texts.append(text)
+        spans.append(sp + [(sp[0][0] + 1, sp[0][1])])  # a span starting mid-token too
+    assert tokenize.backend(tok) is not None
+    ids, masks = tokenize.encode_masked(tok, texts, spans)
+    enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
+    for i in range(len(texts)):
+        assert ids[i].tolist() == enc["input_ids"][i]
+        want = tokenize.mask_from_offsets(enc["offset_mapping"][i], spans[i])
+        assert np.array_equal(masks[i], want), texts[i]
+        assert masks[i].any()
+    slow = copy.deepcopy(tok)
+    slow._tokenizer.enable_truncation(max_length=10_000)  # a configured backend: the wrapper path
+    assert tokenize.backend(slow) is None
+    ids2, masks2 = tokenize.encode_masked(slow, texts, spans)
+    assert all(np.array_equal(a, b) for a, b in zip(ids + masks, ids2 + masks2))
