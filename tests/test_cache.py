@@ -17,7 +17,7 @@ import yaml
 from conftest import REPO, clone, make_random_drafter
 from eaglet import io
 from eaglet.target_model import materialise
-from test_workflow import planned_jobs
+from workflow_common import planned_jobs
 
 
 def mode(p: Path) -> int:

@@ -55,7 +55,7 @@ def test_extraction_records_the_dtype_it_ran_in(tiny_target, tmp_path):
 
     from eaglet.extract import extract
     from eaglet.hidden_store import HiddenStateDataset
-    from test_extract import write_tokens
+    from train_common import write_tokens
 
     ident = Path(tiny_target["path"]).parent / "identity.json"
     write_tokens(tmp_path / "tokens.parquet", 4)

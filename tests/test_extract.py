@@ -2,36 +2,19 @@
 
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 import torch
 
 from eaglet import io, target
 from eaglet.extract import assign_shards, extract, make_batches
 from eaglet.hidden_store import HiddenStateDataset
-
-
-def write_tokens(path, n, seed=0, lo=3, hi=48):
-    rnd = random.Random(seed)
-    rows = []
-    for i in range(n):
-        T = rnd.randint(lo, hi)
-        rows.append({"id": f"s{i:03d}", "source": "test",
-                     "input_ids": [rnd.randrange(49152) for _ in range(T)],
-                     "loss_mask": [rnd.randint(0, 1) for _ in range(T)],
-                     "num_tokens": T, "num_assistant_tokens": 0})
-    schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("input_ids", pa.list_(pa.int32())),
-                        ("loss_mask", pa.list_(pa.int8())), ("num_tokens", pa.int32()),
-                        ("num_assistant_tokens", pa.int32())])
-    io.write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
-    return rows
+from train_common import write_tokens
 
 
 @pytest.fixture(scope="module", autouse=True)

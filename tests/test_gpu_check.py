@@ -75,7 +75,7 @@ def test_overlay_config_plans_the_gpu_jobs(tmp_path):
                        cwd=wd, env=env, capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
-    from test_kimi_config import planned
+    from workflow_common import planned
 
     jobs = {j["rule"]: j for j in planned(out)}
     assert {"generate", "extract_hidden_states", "train", "export", "evaluate_vllm"} <= set(jobs)

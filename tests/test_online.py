@@ -18,7 +18,7 @@ from eaglet import io
 from eaglet.extract import extract
 from eaglet.hidden_store import HiddenStateDataset, storage_round
 from eaglet.train import train
-from test_extract import write_tokens
+from train_common import write_tokens
 
 N_SAMPLES = 40
 VD = 256
@@ -273,7 +273,7 @@ def test_kimi_storage_choice_and_the_online_training_rank(tmp_path):
     online, the memory plan puts the whole target (547 GB) in each training rank and refuses it on
     a 140 GiB GPU, saying to train offline."""
     from eaglet import plan, storage
-    from test_kimi_config import make_config_only_checkpoint
+    from kimi_common import make_config_only_checkpoint
 
     config = plan.load_config(Path(__file__).resolve().parents[1] / "config/kimi-k2.5.yaml")
     config["target"]["path"] = str(make_config_only_checkpoint(tmp_path / "Kimi-K2.5"))

@@ -106,7 +106,7 @@ def test_training_peak_is_within_15_percent_of_a_measured_step(kw, Vd, B, T, K, 
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
-    from test_kimi_config import make_config_only_checkpoint
+    from kimi_common import make_config_only_checkpoint
 
     ckpt = make_config_only_checkpoint(tmp_path_factory.mktemp("plan") / "Kimi-K2.5")
     config = plan.load_config(plan.Path(__file__).resolve().parents[1] / "config/kimi-k2.5.yaml")

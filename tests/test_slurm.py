@@ -25,11 +25,10 @@ import pytest
 import torch
 import yaml
 
-import test_train
 from conftest import clone
 from eaglet import io
 from eaglet.gpu_slots import train_launch
-from test_train import PARAMS, _cli
+from train_common import PARAMS, hidden_data, train_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts" / "slurm"
@@ -39,8 +38,12 @@ RUN = "results/smoke"
 SMK_TIMEOUT_S = 1500
 
 pytestmark = pytest.mark.slurm
-# test_train's fixture (a real shard of the tiny target's hidden states and a vocab map), reused
-data = test_train.data
+
+
+@pytest.fixture(scope="module")
+def data(tiny_target, tmp_path_factory):
+    """A real shard of the tiny target's hidden states and a vocab map (as test_train's)."""
+    return hidden_data(tiny_target, tmp_path_factory.mktemp("hidden"))
 
 
 def free_port() -> int:
@@ -288,8 +291,8 @@ def test_srun_torchrun_launch_trains_two_gloo_ranks_like_one_process(cluster, ti
     trace of one process taking both micro-batches (as test_train's DDP test asserts)."""
     params = {**PARAMS, "max_steps": 4, "val_every": 4, "oov_rule": "label", "noise_std": 0.05}
     single, ddp = tmp_path / "single", tmp_path / "ddp"
-    subprocess.run(_cli(data, tiny_target, single, {**params, "grad_accum": 2}), check=True, capture_output=True)
-    train_args = _cli(data, tiny_target, ddp, params)[3:]  # after `python -m eaglet.train`
+    subprocess.run(train_cmd(data, tiny_target, single, {**params, "grad_accum": 2}), check=True, capture_output=True)
+    train_args = train_cmd(data, tiny_target, ddp, params)[3:]  # after `python -m eaglet.train`
     launch = train_launch(2, nodes=1, port=free_port(), srun=True)
     assert launch.startswith("srun --nodes 1 --ntasks-per-node 1 ") and "--rdzv-backend c10d" in launch
     script = tmp_path / "train.sbatch"

@@ -14,7 +14,7 @@ import yaml
 
 from conftest import VLLM_ENV, clone, vllm_env_or_skip
 from eaglet import families, rope
-from test_workflow import smk
+from workflow_common import smk
 
 # What vLLM 0.32 (envs/vllm) serves with EAGLE-3 among the tiny families (read from its source by
 # eaglet.target_check; asserted below so a change in the engine shows up here).

@@ -3,7 +3,6 @@ resume after kill -9 (same loss trace), and 2-process gloo DDP == single process
 
 import json
 import subprocess
-import sys
 
 import pandas as pd
 import pytest
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import kill_when_written, slowed_trainer
 from eaglet import io
-from eaglet.hidden_store import HiddenStateDataset, ShardWriter
+from eaglet.hidden_store import HiddenStateDataset
 from eaglet.model import load_drafter
 from eaglet.train import (
     TargetHead,
@@ -26,51 +25,12 @@ from eaglet.train import (
     train,
     valid_positions,
 )
-
-LAYERS = [2, 4, 5]
-VD = 96
+from train_common import LAYERS, PARAMS, VD, hidden_data, train_cmd
 
 
 @pytest.fixture(scope="module")
 def data(tiny_target, tmp_path_factory):
-    """Greedy continuations of the tiny target (its own data, as the pipeline generates), with
-    aux states at LAYERS and the pre-norm final state, in a real shard; plus a vocab map."""
-    from eaglet.target import load_model
-
-    out = tmp_path_factory.mktemp("hidden")
-    model = load_model(tiny_target["path"])
-    captured = {}
-    model.model.norm.register_forward_hook(lambda mod, inp, o: captured.__setitem__("pre", inp[0]))
-    g = torch.Generator().manual_seed(0)
-    w = ShardWriter(out / "shard_0", 0, 1, LAYERS, True, "float32", 128, tiny_target["digest"], 1 << 16)
-    counts = torch.zeros(tiny_target["vocab_size"], dtype=torch.long)
-    P, N = 4, 36
-    with torch.no_grad():  # one batched generate + forward (equal lengths, no padding), then cut
-        prompts = torch.randint(100, 5000, (N, P), generator=g)
-        seqs = model.generate(prompts, max_new_tokens=26, min_new_tokens=26, do_sample=False,
-                              pad_token_id=0, attention_mask=torch.ones_like(prompts))
-        o = model(seqs, output_hidden_states=True)
-    aux = torch.stack([o.hidden_states[j] for j in LAYERS], 2)
-    for i in range(N):
-        T = P + 14 + i % 13  # causal: a prefix's states are those of the whole sequence
-        mask = torch.zeros(T, dtype=torch.int8)
-        mask[P:] = 1
-        w.add(f"s{i}", seqs[i, :T], mask, aux[i, :T], captured["pre"][i, :T])
-        v, top = o.logits[i, :T:5].topk(2, -1)  # the real model's top-1 (as eaglet.extract records it)
-        w.add_references([[f"s{i}", 5 * j, int(top[j, 0]), float(v[j, 0] - v[j, 1])] for j in range(len(top))])
-        counts.index_add_(0, seqs[i, P:T], torch.ones(T - P, dtype=torch.long))
-    w.finish()
-    used = counts.argsort(descending=True)[:VD]
-    used = torch.where(counts[used] > 0, used, -1)
-    fill = [j for j in range(tiny_target["vocab_size"]) if counts[j] == 0][: int((used < 0).sum())]
-    used = torch.cat([used[used >= 0], torch.tensor(fill, dtype=torch.long)]).sort().values
-    t2d = torch.zeros(tiny_target["vocab_size"], dtype=torch.bool)
-    t2d[used] = True
-    io.save_tensors(out / "vocab.safetensors", {"d2t": used - torch.arange(VD), "t2d": t2d})
-    # vocab_map's record of its file, which `python -m eaglet.train` checks before reading it
-    io.write_json(out / "vocab.json", {io.DIGESTS_KEY: io.record_digests(out, ["vocab.safetensors"])})
-    return {"index": [str(out / "shard_0" / "index.json")], "vocab": str(out / "vocab.safetensors"),
-            "model": model, "t2d": t2d}
+    return hidden_data(tiny_target, tmp_path_factory.mktemp("hidden"))
 
 
 def test_target_head_matches_the_target(tiny_target, data):
@@ -128,10 +88,6 @@ def test_plan_and_split_are_deterministic():
     assert tf_tau([1.0, 1.0]) == 3.0 and abs(tf_tau([0.5, 0.5]) - 1.75) < 1e-12
     with pytest.raises(ValueError, match="unknown keys"):
         resolve_params({"learning_rate": 1})
-
-
-PARAMS = dict(ttt_steps=3, lr=3e-3, token_budget=256, epochs=6, val_fraction=0.15, val_every=10,
-              checkpoint_every=1000, warmup_ratio=0.05, seed=3)
 
 
 def test_training_learns_and_writes_outputs(tiny_target, data, tmp_path):
@@ -211,30 +167,19 @@ def test_checkpoint_selection_rule():
     assert is_better({"chain_tau": 1.0}, {"chain_tau": None})
 
 
-def _cli(data, tiny_target, out, params, nproc=1):
-    ident = out.parent / f"{out.name}_identity.json"
-    ident.write_text(json.dumps(tiny_target))
-    args = ["--hidden", *data["index"], "--vocab", data["vocab"], "--target-identity", str(ident),
-            "--out-dir", str(out), "--params", json.dumps(params)]
-    if nproc > 1:
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                "-m", "eaglet.train", *args]
-    return [sys.executable, "-m", "eaglet.train", *args]
-
-
 @pytest.mark.faults
 def test_resume_after_kill_reproduces_the_loss_trace(tiny_target, data, tmp_path):
     # oov_rule "label" skips the 49k-row greedy check: the test is about resuming, and is faster
     params = {**PARAMS, "epochs": 2, "checkpoint_every": 3, "keep_checkpoints": 2, "oov_rule": "label",
               "noise_std": 0.05}
     ref = tmp_path / "ref"
-    subprocess.run(_cli(data, tiny_target, ref, params), check=True, capture_output=True)
+    subprocess.run(train_cmd(data, tiny_target, ref, params), check=True, capture_output=True)
 
     run = tmp_path / "run"
-    kill_when_written(slowed_trainer(_cli(data, tiny_target, run, params), 0.25),
+    kill_when_written(slowed_trainer(train_cmd(data, tiny_target, run, params), 0.25),
                       run / "checkpoints" / "step_00000006.pt", 120)
     assert not (run / "drafter.safetensors").exists()
-    subprocess.run(_cli(data, tiny_target, run, params), check=True, capture_output=True)
+    subprocess.run(train_cmd(data, tiny_target, run, params), check=True, capture_output=True)
 
     summary = json.loads((run / "train_summary.json").read_text())
     assert summary["resumed_from"] >= 6
@@ -286,8 +231,8 @@ def test_corrupt_checkpoint_is_refused_naming_the_file(tiny_target, data, tmp_pa
 def test_ddp_gloo_matches_single_process(tiny_target, data, tmp_path):
     params = {**PARAMS, "max_steps": 4, "val_every": 4, "oov_rule": "label", "noise_std": 0.05}
     single, ddp = tmp_path / "single", tmp_path / "ddp"
-    subprocess.run(_cli(data, tiny_target, single, {**params, "grad_accum": 2}), check=True, capture_output=True)
-    r = subprocess.run(_cli(data, tiny_target, ddp, params, nproc=2), capture_output=True, text=True)
+    subprocess.run(train_cmd(data, tiny_target, single, {**params, "grad_accum": 2}), check=True, capture_output=True)
+    r = subprocess.run(train_cmd(data, tiny_target, ddp, params, nproc=2), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((ddp / "train_summary.json").read_text())
     assert s["world_size"] == 2 and s["micro_batches_per_step"] == 2

@@ -12,26 +12,10 @@ import pytest
 import yaml
 
 from conftest import clone
+from workflow_common import planned_jobs, smk
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def smk(cwd: Path, cache: Path, *args, check=True, configfile="config/smoke.yaml"):
-    env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    # args (targets, flags) first: after `--cache` a target would be read as a rule name to cache
-    # (its nargs is "*"), and the whole DAG would run
-    cmd = [sys.executable, "-m", "snakemake", *args, "--cores", "2", "--configfile", configfile, "--cache"]
-    p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
-    out = p.stdout + p.stderr
-    if check and p.returncode:
-        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{out[-6000:]}")
-    return p.returncode, out
-
-
-def planned_jobs(out: str) -> set[str]:
-    return {line.split()[1].rstrip(":") for line in out.splitlines()
-            if line.startswith(("rule ", "localrule "))} - {"all"}
 
 
 @pytest.fixture(scope="module")
