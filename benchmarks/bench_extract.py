@@ -2,20 +2,25 @@
 
     python benchmarks/bench_extract.py [--identity resources/targets/smollm2-135m-instruct/identity.json]
         [--tokens results/smollm2/tokenize/tokens.parquet] [--n 48] [--length 512]
-        [--token-budget 8192] [--dtype bfloat16] [--repeats 2] [--device auto]
+        [--token-budget 8192] [--dtype bfloat16] [--repeats 6] [--device auto] [--max-spread 0.1]
 
 Without --tokens it makes ``--n`` samples of random ids, lengths uniform in [length/2, 3*length/2].
 The bare pass is the decoder stack alone (``model.model``: no LM head, no hooks) over exactly the
 batches the stage forms; the stage adds the hooks, gathering unpadded rows, casting, the
 background chunk saves (fsync + sha256), the progress file and the final re-read check. The model
-is loaded once before either is timed. Bare and stage runs alternate ``--repeats`` times; the
-best of each counts. Prints both tok/s and the ratio (goal >= 0.95).
+is loaded once before either is timed. Bare and stage runs form ``--repeats`` pairs, back to back
+in ABBA order (bare first, then stage first: drift cancels); each pair gives a ratio. Prints the
+median tok/s of each, the median pair ratio with its range (goal >= 0.95), and says when the range
+is too wide to conclude (> ``--max-spread`` of the median): this VM's speed drifts by tens of
+percent over seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -69,7 +74,9 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=8192)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--chunk-mb", type=float, default=64)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=6, help="pairs of (bare, stage) runs")
+    p.add_argument("--max-spread", type=float, default=0.1,
+                   help="pair-ratio range, as a fraction of the median, above which no conclusion is drawn")
     p.add_argument("--device", default="auto")
     a = p.parse_args()
     io.setup_logging()
@@ -90,19 +97,36 @@ def main() -> None:
               f"{len(inputs)} samples, {ntok} tokens, budget {a.token_budget}", flush=True)
         bare(model, inputs[:2], a.token_budget, dev)  # warm-up (allocator, kernels)
         t_bare, t_ext = [], []
-        for r in range(a.repeats):
-            t_bare.append(bare(model, inputs, a.token_budget, dev))
+
+        def stage(r: int) -> float:
             t1 = time.perf_counter()
             ex.extract(tokens, a.identity, tmp / f"out{r}", dtype=a.dtype, token_budget=a.token_budget,
                        chunk_mb=a.chunk_mb, device=dev, progress=False)
-            t_ext.append(time.perf_counter() - t1)
-            print(f"  repeat {r}: bare {ntok / t_bare[-1]:.0f} tok/s, extract {ntok / t_ext[-1]:.0f} tok/s",
-                  flush=True)
-    bare_tps, ext_tps = ntok / min(t_bare), ntok / min(t_ext)
-    print(f"bare forward:  {bare_tps:10.0f} tok/s")
-    print(f"extraction:    {ext_tps:10.0f} tok/s  (dtype {a.dtype}, layers "
+            t = time.perf_counter() - t1
+            shutil.rmtree(tmp / f"out{r}")
+            return t
+
+        for r in range(a.repeats):
+            if r % 2 == 0:
+                t_bare.append(bare(model, inputs, a.token_budget, dev))
+                t_ext.append(stage(r))
+            else:
+                t_ext.append(stage(r))
+                t_bare.append(bare(model, inputs, a.token_budget, dev))
+            print(f"  pair {r}: bare {ntok / t_bare[-1]:.0f} tok/s, extract {ntok / t_ext[-1]:.0f} tok/s, "
+                  f"ratio {t_bare[-1] / t_ext[-1]:.3f}", flush=True)
+    ratios = [b / e for b, e in zip(t_bare, t_ext)]
+    med = statistics.median(ratios)
+    spread = (max(ratios) - min(ratios)) / med
+    print(f"bare forward:  {ntok / statistics.median(t_bare):10.0f} tok/s (median)")
+    print(f"extraction:    {ntok / statistics.median(t_ext):10.0f} tok/s (median; dtype {a.dtype}, layers "
           f"{target.default_layer_ids(ident['num_layers'])})")
-    print(f"ratio:         {ext_tps / bare_tps:10.3f}  (goal >= 0.95)")
+    if spread > a.max_spread:
+        print(f"note: pair ratios range {min(ratios):.3f}-{max(ratios):.3f} ({spread:.0%} of the median): "
+              "too wide to conclude; rerun on a quiet machine")
+    else:
+        print(f"note: median of {a.repeats} pairs, range {min(ratios):.3f}-{max(ratios):.3f} ({spread:.0%})")
+    print(f"ratio:         {med:10.3f}  (goal >= 0.95)")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ BENCHES = {
                  [Row("tokenize", "tokenisation / raw batch encode", 0.8)]),
     "generate": (["benchmarks/bench_generate.py", "--n", "16", "--max-tokens", "48"],
                  [Row("generate", "generation stage / bare openai loop", 0.9)]),
-    "extract": (["benchmarks/bench_extract.py", "--n", "24"], [Row("extract", "extraction / bare forward", 0.95)]),
+    "extract": (["benchmarks/bench_extract.py", "--n", "8"], [Row("extract", "extraction / bare forward", 0.95)]),
     "train": (["benchmarks/bench_train.py", "--synthetic", "--steps", "3"],
               [Row("train", "training FLOP/s / matmul peak", 0.5)]),
     "online": (["benchmarks/bench_online.py", "--n", "24", "--repeats", "3"],
