@@ -1,0 +1,216 @@
+"""The trainer's set-up (eaglet.train): the target's head over the draft vocab and the proof of the
+labels against the real model, the vocab check, processes, data, drafter, the data plan with its
+optimizer and schedule, and the resume from a checkpoint of this very configuration. What set-up
+builds, the loop (eaglet.train_loop) reads: one ``_Run``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from eaglet import io, labels
+from eaglet.hidden_store import HiddenStateDataset
+from eaglet.model import DrafterConfig, Eagle3Drafter, load_target_embedding
+from eaglet.train_data import plan_batches, plan_micro_batches
+from eaglet.train_state import _set_rng_state, dist_setup, load_latest_checkpoint
+from eaglet.ttt import TTTObjective
+
+log = logging.getLogger("eaglet.train")
+
+
+# --------------------------------------------------------------------------- target logits
+class TargetHead:
+    """The target's next-token distribution over the draft vocab, from stored pre-norm final
+    states, computed by the target's own modules (eaglet.labels)."""
+
+    def __init__(self, identity: dict, t2d: torch.Tensor, final_is_prenorm: bool, greedy_rows: bool,
+                 device):
+        if not final_is_prenorm:
+            raise io.ArtifactError("hidden states store the final state after the norm; eaglet.extract "
+                                   "stores it before (re-extract)")
+        self.head = labels.TargetHead(identity["path"], rows=t2d.nonzero().squeeze(1), device=device,
+                                      trust_remote_code=bool(identity.get("trust_remote_code", False)))
+        self.w_VdH = self.head.row_linear.weight.detach()
+        self.rest = []
+        if greedy_rows and not bool(t2d.all()):
+            dt = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+            self.rest = self.head.row_chunks((~t2d).nonzero().squeeze(1), dt)
+
+    @torch.no_grad()
+    def __call__(self, final_BTH: torch.Tensor):
+        """-> (p_BTVd float32, greedy_in_draft_vocab_BT bool or None)."""
+        x = self.head.normed(final_BTH)
+        logits = self.head.logits(x, normed=True)
+        inv = None
+        if self.rest:
+            inv = logits.amax(-1) >= self.head.max_over(x, self.rest, normed=True)
+        return torch.softmax(logits, -1), inv
+
+
+def prove_labels(head: TargetHead, ds: HiddenStateDataset, p: dict) -> dict:
+    """The reconstructed labels against the real model's top-1 tokens recorded by extraction;
+    raises LabelMismatch on disagreement, and when the check cannot run unless
+    ``accept_unchecked_labels`` (a check that did not run is not a pass)."""
+    where = {s: i for i, s in enumerate(ds.ids)}
+    final_of = getattr(ds, "reference_final", None) or (lambda sid: ds.sample(where[sid])["final"])
+    rec = labels.check_against_reference(head.head, ds.label_references, final_of,
+                                         ds.meta["dtype"], float(p["label_min_agreement"]))
+    if rec["ok"] is None and not p["accept_unchecked_labels"]:
+        raise labels.LabelMismatch(f"the label check did not run ({rec['reason']}): the hidden states hold no "
+                                   "real-model references (re-extract with this eaglet), or set "
+                                   "train.accept_unchecked_labels: true to train unchecked")
+    return rec
+
+
+# --------------------------------------------------------------------------- the run's set-up
+def lr_lambda_for(total: int, warmup: int):
+    def f(step: int) -> float:  # linear warmup, then cosine to zero
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+    return f
+
+
+@dataclass
+class _Run:
+    """What set-up builds and the loop reads: settings, data, model, optimizer, resume state."""
+    p: dict
+    out_dir: Path
+    rank: int
+    ws: int
+    device: torch.device
+    ds: HiddenStateDataset
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    cfg: DrafterConfig
+    head: TargetHead
+    label_check: dict
+    drafter: Eagle3Drafter
+    objective: TTTObjective
+    model: nn.Module
+    micro: list = field(default_factory=list)
+    train_idx: list = field(default_factory=list)
+    val_idx: list = field(default_factory=list)
+    val_batches: list = field(default_factory=list)
+    A: int = 1
+    M: int = 1
+    total: int = 0
+    opt: torch.optim.Optimizer | None = None
+    sched: torch.optim.lr_scheduler.LRScheduler | None = None
+    ckpt_dir: Path | None = None
+    digest: str = ""
+    start: int = 0
+    rows: list = field(default_factory=list)
+    best: dict | None = None  # the validation pass with the best chain τ: {"step", "chain_tau", "model"}
+    # step -> [[accepted, rounds] at k = K] per validation sequence, in val_batches order
+    val_seq: dict = field(default_factory=dict)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def check_vocab(vocab: str, identity: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the vocab map, checked against the target."""
+    vt = io.load_tensors(vocab, ["d2t", "t2d"])
+    d2t, t2d = vt["d2t"].long(), vt["t2d"].bool()
+    if len(t2d) != identity["vocab_size"] or int(t2d.sum()) != len(d2t):
+        raise io.ArtifactError(f"{vocab}: t2d has {len(t2d)} entries ({int(t2d.sum())} set), target vocab "
+                               f"{identity['vocab_size']}, d2t {len(d2t)}")
+    if not torch.equal(t2d.nonzero().squeeze(1), torch.arange(len(d2t)) + d2t):
+        raise io.ArtifactError(f"{vocab}: nonzero(t2d) != arange(V_d) + d2t")
+    return d2t, t2d
+
+
+def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
+          dataset: HiddenStateDataset | None, online: dict | None = None) -> _Run:
+    """Processes, data (stored, or the target itself when online), labels, drafter (DDP-wrapped on
+    several ranks)."""
+    rank, ws, device = dist_setup(int(p["gpus"]))
+    if dataset is not None:
+        ds = dataset
+    elif online:
+        from eaglet.online import open_source
+
+        ds = open_source(online, identity, device, int(p["token_budget"]))
+    else:
+        # Opening checks headers and sizes only; each rank hashes a chunk against its index when it
+        # first reads it, so no rank stalls the others' DDP init hashing terabytes (issue 14).
+        ds = HiddenStateDataset(hidden, verify="sha")
+    torch.manual_seed(p["seed"])  # after loading a target (online): the run's draws start here either way
+    random.seed(p["seed"])
+    meta = ds.meta
+    if meta["target_digest"] != identity["digest"]:
+        raise io.ArtifactError(f"{hidden[0] if hidden else 'hidden states'}: extracted from target "
+                               f"{meta['target_digest'][:12]}, identity says {identity['digest'][:12]}")
+    d2t, t2d = check_vocab(vocab, identity)
+    cfg = DrafterConfig.from_identity(identity, len(d2t), meta["layer_ids"], ttt_steps=int(p["ttt_steps"]))
+    head = TargetHead(identity, t2d, bool(meta["final_is_prenorm"]), p["oov_rule"] == "greedy", device)
+    label_check = prove_labels(head, ds, p)
+    if rank == 0:
+        log.info("labels: top-1 agreement with the real model %s on %d of %d recorded positions (norm %s)",
+                 f"{label_check['agreement']:.4f}" if label_check["ok"] is not None else "NOT RUN",
+                 label_check["judged"], label_check["positions"], label_check["norm_class"])
+    drafter = Eagle3Drafter(cfg, load_target_embedding(identity["path"]))
+    if p["lm_head_init"] == "target":
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(head.w_VdH.cpu())
+    drafter.to(device)
+    objective = TTTObjective(drafter, cfg.ttt_steps, float(p["gamma"]))
+    model = objective
+    if ws > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None,
+                    broadcast_buffers=False)
+    return _Run(p=p, out_dir=out_dir, rank=rank, ws=ws, device=device, ds=ds, d2t=d2t, t2d=t2d, cfg=cfg,
+                head=head, label_check=label_check, drafter=drafter, objective=objective, model=model)
+
+
+def plan_run(r: _Run, hidden: list[str]) -> None:
+    """The data plan (a pure function of (data, params), so the step number is the data position),
+    the optimizer and its schedule."""
+    p = r.p
+    lengths = list(r.ds.num_tokens)
+    r.micro, r.train_idx, r.val_idx = plan_micro_batches(r.ds.ids, lengths, p)
+    r.A = int(p["grad_accum"])
+    r.M = r.A * r.ws
+    if not r.train_idx:
+        raise io.ArtifactError(f"{hidden}: no training samples left after the validation split")
+    r.total = len(r.micro) // r.M
+    if p["max_steps"] is not None:
+        r.total = min(r.total, int(p["max_steps"]))
+    if r.total < 1:
+        raise ValueError(f"train: {len(r.micro)} micro-batches are fewer than one step of {r.M}; "
+                         "lower train.token_budget or add data")
+    r.val_batches = plan_batches(r.val_idx, lengths, p["token_budget"], p["seed"], 0, shuffle=False)
+    if p["val_max_batches"] is not None:
+        r.val_batches = r.val_batches[:int(p["val_max_batches"])]
+    r.opt = torch.optim.AdamW([q for q in r.drafter.parameters() if q.requires_grad], lr=p["lr"],
+                              weight_decay=p["weight_decay"], betas=(0.9, 0.95))
+    r.sched = torch.optim.lr_scheduler.LambdaLR(r.opt, lr_lambda_for(r.total, math.ceil(p["warmup_ratio"] * r.total)))
+
+
+def resume(r: _Run, vocab: str, identity: dict) -> None:
+    """Restart from the newest checkpoint of this very configuration, if any."""
+    r.ckpt_dir = r.out_dir / "checkpoints"
+    r.digest = io.digest_of({"params": r.p,
+                             "target": identity["digest"], "vocab": io.file_digest(vocab),
+                             "data": [r.ds.ids, list(r.ds.num_tokens)], "world": r.ws, "device": r.device.type})
+    state = load_latest_checkpoint(r.ckpt_dir, r.digest) if r.ckpt_dir.exists() else None
+    if state is None:
+        return
+    r.drafter.load_state_dict({**state["model"], "embed_tokens.weight": r.drafter.embed_tokens.weight})
+    r.opt.load_state_dict(state["optimizer"])
+    r.sched.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"])
+    r.start, r.rows, r.best = int(state["step"]), list(state["metrics"]), state.get("best")
+    if r.main:
+        log.info("resuming from %s/step_%08d.pt", r.ckpt_dir, r.start)
