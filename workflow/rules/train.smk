@@ -26,6 +26,7 @@ rule train:
         code=src(
             "train",
             "train_data",
+            "train_loop",
             "train_setup",
             "train_state",
             "ttt",
