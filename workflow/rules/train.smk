@@ -42,6 +42,7 @@ rule train:
             "online",
             "capture",
             "plan",
+            "plan_text",
             "storage",
             "io",
         ),
