@@ -28,6 +28,7 @@ rule extract_hidden_states:
             "extract",
             "capture",
             "hidden_store",
+            "hidden_reader",
             "gpu_slots",
             "target",
             "capability",

@@ -32,6 +32,7 @@ rule train:
             "ttt",
             "model",
             "hidden_store",
+            "hidden_reader",
             "gpu_slots",
             "target",
             "chain",
