@@ -114,7 +114,7 @@ def fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
     ap.add_argument("--tokens", default=str(ROOT / "results/smollm2/tokenize/tokens.parquet"))
@@ -131,7 +131,11 @@ def main() -> None:
     ap.add_argument("--eval-max-new", type=int, default=48)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     io.setup_logging()
@@ -141,36 +145,46 @@ def main() -> None:
 
     conf = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     ident = target.load_identity(a.identity)
-    H = ident["hidden_size"]
     params = {**(conf.get("train") or {}), "ttt_steps": 3, "epochs": a.epochs, "token_budget": a.token_budget,
               "val_fraction": a.val_fraction, "val_every": 10**9, "checkpoint_every": 10**9, "seed": 0,
               **json.loads(a.params)}
     p = tr.resolve_params(params)
     vd = int((conf.get("vocab") or {}).get("draft_vocab_size", 8192))
+    print_report(ident, p, measure(a, ident, p, vd))
 
+
+def extract_both(a: argparse.Namespace, ident: dict, tokens: Path, tmp: Path) -> dict:
+    """Both stores from one loaded target: their paths, seconds, bytes and bytes per token."""
+    dev = ex.pick_device(a.device)
+    ngpu = torch.cuda.device_count() if dev.startswith("cuda") else 0
+    mdtype = "bfloat16" if dev.startswith("cuda") else "float32"
+    t0 = time.perf_counter()
+    ex._load(ident["path"], ident["digest"], mdtype, dev, ngpu)  # once, reused by both extractions
+    t_load = time.perf_counter() - t0
+    stores, secs, nbytes = {}, {}, {}
+    for dt in ("bfloat16", "fp8"):
+        stores[dt] = tmp / dt / "shard_0"
+        t0 = time.perf_counter()
+        idx = ex.extract(tokens, a.identity, stores[dt], dtype=dt, token_budget=a.extract_budget,
+                         device=dev, progress=False)
+        secs[dt] = time.perf_counter() - t0
+        nbytes[dt] = store_bytes(stores[dt])
+    ntok = sum(s["num_tokens"] for s in idx["samples"])
+    bpt = {dt: nbytes[dt] / ntok for dt in nbytes}
+    ex._LOADED.clear()
+    return {"dev": dev, "t_load": t_load, "stores": stores, "secs": secs, "nbytes": nbytes, "ntok": ntok,
+            "bpt": bpt}
+
+
+def measure(a: argparse.Namespace, ident: dict, p: dict, vd: int) -> dict:
+    """Both stores, their comparison, a drafter trained on each, and their offline τ."""
     with tempfile.TemporaryDirectory(prefix="bench_fp8.") as tmp:
         tmp = Path(tmp)
         tokens = tmp / "tokens.parquet"
         n, source = subset_tokens(Path(a.tokens), tokens, a.n, a.identity)
         vocab = ensure_vocab(Path(a.vocab) if a.vocab else None, tokens, a.identity, tmp, vd)
-
-        dev = ex.pick_device(a.device)
-        ngpu = torch.cuda.device_count() if dev.startswith("cuda") else 0
-        mdtype = "bfloat16" if dev.startswith("cuda") else "float32"
-        t0 = time.perf_counter()
-        ex._load(ident["path"], ident["digest"], mdtype, dev, ngpu)  # once, reused by both extractions
-        t_load = time.perf_counter() - t0
-        stores, secs, nbytes = {}, {}, {}
-        for dt in ("bfloat16", "fp8"):
-            stores[dt] = tmp / dt / "shard_0"
-            t0 = time.perf_counter()
-            idx = ex.extract(tokens, a.identity, stores[dt], dtype=dt, token_budget=a.extract_budget,
-                             device=dev, progress=False)
-            secs[dt] = time.perf_counter() - t0
-            nbytes[dt] = store_bytes(stores[dt])
-        ntok = sum(s["num_tokens"] for s in idx["samples"])
-        bpt = {dt: nbytes[dt] / ntok for dt in nbytes}
-        ex._LOADED.clear()
+        m = extract_both(a, ident, tokens, tmp)
+        stores = m["stores"]
 
         vt = io.load_tensors(vocab, ["t2d"])
         head = tr.TargetHead(ident, vt["t2d"].bool(), True, False, "cpu")
@@ -188,11 +202,16 @@ def main() -> None:
             for dt in ("bfloat16", "fp8"):
                 evals[dt] = offline_tau(tmp / f"train_{dt}" / "drafter.safetensors", a.identity,
                                         tmp / f"eval_{dt}", a.eval_prompts, a.eval_max_new)
+    return {**m, "n": n, "source": source, "cmp": cmp, "runs": runs, "evals": evals}
 
+
+def print_report(ident: dict, p: dict, m: dict) -> None:
+    H = ident["hidden_size"]
+    runs, evals, cmp, secs, nbytes, bpt = m["runs"], m["evals"], m["cmp"], m["secs"], m["nbytes"], m["bpt"]
     sb, s8 = runs["bfloat16"]["summary"], runs["fp8"]["summary"]
     vb, v8 = sb["final_val"], s8["final_val"]
-    print(f"samples {n} ({source}), {ntok} tokens; target {ident['name']} (hidden {H}, "
-          f"layers {target.default_layer_ids(ident['num_layers'])}), loaded in {t_load:.1f} s on {dev}")
+    print(f"samples {m['n']} ({m['source']}), {m['ntok']} tokens; target {ident['name']} (hidden {H}, "
+          f"layers {target.default_layer_ids(ident['num_layers'])}), loaded in {m['t_load']:.1f} s on {m['dev']}")
     for dt, name in (("bfloat16", "bf16"), ("fp8", "fp8 ")):
         print(f"extract {name}: {secs[dt]:6.1f} s, store {nbytes[dt] / 1e6:7.2f} MB = {bpt[dt]:7.1f} B/token "
               f"(format formula {bytes_per_token(dt, H)})")
