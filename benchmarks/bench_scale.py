@@ -112,7 +112,7 @@ def conversation_pool(path: str | None, n: int, dst: Path) -> str:
     return f"pool of {len(rows)} conversations from {src}"
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, list[str]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
     ap.add_argument("--stages", default="tokenize,extract,train,generate")
@@ -141,6 +141,11 @@ def main() -> None:
     bad = set(stages) - set(STAGES)
     if bad:
         ap.error(f"--stages: unknown {sorted(bad)} (known: {', '.join(STAGES)})")
+    return a, stages
+
+
+def main() -> None:
+    a, stages = parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     io.setup_logging()
@@ -159,106 +164,133 @@ def main() -> None:
         tmp = Path(tmp)
         need_tokens = any(s in stages for s in ("tokenize", "extract", "train"))
         if need_tokens:
-            print(f"input: {conversation_pool(a.conversations, a.n_tokenize, tmp)}", flush=True)
-            # The warm-up of tokenize, and every conversation's token count (0: skipped by the stage).
-            tokenize.run(tmp / "pool.parquet", a.identity, tmp / "tok_pool", max_len, overlong)
-            pool_tok = io.read_parquet(tmp / "tok_pool/tokens.parquet")
-            ntok = dict(zip(pool_tok.column("id").to_pylist(), pool_tok.column("num_tokens").to_pylist()))
-            conv = io.read_conversations(tmp / "pool.parquet")
-            n1 = min(a.n_tokenize, len(conv))
-            n2 = prefix_closest([ntok.get(r["id"], 0) for r in conv], n1)
-            io.write_conversations(tmp / "conv_1x.parquet", conv[:n1])
-            io.write_conversations(tmp / "conv_2x.parquet", conv[:n2])
+            pool_tok = prepare_pool(a, tmp, max_len, overlong)
 
         if "tokenize" in stages:
-            def tok_run(k: int, r: int) -> dict:
-                return tokenize.run(tmp / f"conv_{k}x.parquet", a.identity, tmp / f"tok_{k}x_{r}", max_len,
-                                    overlong)
-
-            wall, cpu, res = alternate(tok_run, a.repeats)
-            m1 = next(m for k, m in res if k == 1)
-            m2 = next(m for k, m in res if k == 2)
-            report("tokenize", wall, cpu, m1["total_tokens"], m2["total_tokens"],
-                   f"  [{m1['samples_in']} -> {m2['samples_in']} conversations]")
+            scale_tokenize(a, tmp, max_len, overlong)
 
         # ---- extract: prefixes of the pool's tokens
         if "extract" in stages or "train" in stages:
-            e1 = min(a.n_extract, pool_tok.num_rows)
-            e2 = prefix_closest(pool_tok.column("num_tokens").to_pylist(), e1)
-            io.write_parquet(tmp / "tokens_1x.parquet", pool_tok.slice(0, e1))
-            io.write_parquet(tmp / "tokens_2x.parquet", pool_tok.slice(0, e2))
-            dev = ex.pick_device(a.device)
-            dtype, budget = ecfg.get("dtype", "bfloat16"), a.extract_budget or int(ecfg.get("token_budget", 16384))
-
-            def ext_run(k: int, r: int) -> dict:
-                return ex.extract(tmp / f"tokens_{k}x.parquet", a.identity, tmp / f"ext_{k}x_{r}" / "shard_0",
-                                  dtype=dtype, token_budget=budget, device=dev, progress=False)
-
-            def ext_warm() -> None:
-                io.write_parquet(tmp / "tokens_w.parquet", pool_tok.slice(0, 2))
-                ex.extract(tmp / "tokens_w.parquet", a.identity, tmp / "ext_w", dtype=dtype,
-                           token_budget=budget, device=dev, progress=False)  # loads the target once
-
-            reps = a.heavy_repeats if "extract" in stages else 1
-            wall, cpu, res = alternate(ext_run, reps, warmup=ext_warm)
-            x1 = sum(s["num_tokens"] for s in res[0][1]["samples"])
-            x2 = sum(s["num_tokens"] for s in res[1][1]["samples"])
-            if "extract" in stages:
-                report("extract", wall, cpu, x1, x2, f"  [{e1} -> {e2} samples, dtype {dtype}, budget {budget}]")
-            ex._LOADED.clear()
+            scale_extract(a, stages, pool_tok, tmp, ecfg)
 
         # ---- train on extract's 1x and 2x stores
         if "train" in stages:
-            vocab = Path(a.vocab)
-            if not vocab.exists():
-                from eaglet import freq
-                from eaglet import vocab as vocab_mod
-
-                freq.run(tmp / "tok_pool/tokens.parquet", a.identity, tmp / "freq")
-                vocab_mod.run(tmp / "freq/freq.safetensors", a.identity, tmp / "vocab",
-                              int((conf.get("vocab") or {}).get("draft_vocab_size", 8192)))
-                vocab = tmp / "vocab/vocab.safetensors"
-            params = {**(conf.get("train") or {}), "epochs": 1, "val_fraction": 0.0,
-                      "checkpoint_every": 10**9, "max_steps": None, **json.loads(a.params)}
-            p = tr.resolve_params(params)
-
-            def train_run(k: int, r: int) -> tuple[dict, float]:
-                out = tmp / f"train_{k}x_{r}"
-                s = tr.train([str(tmp / f"ext_{k}x_0/shard_0/index.json")], str(vocab), ident, out, p)
-                import pandas as pd
-
-                m = pd.read_parquet(out / "metrics.parquet")
-                m = m[m.split == "train"]
-                return s, float((m.tokens / m.tok_s).sum())  # the steps alone, setup excluded
-
-            def train_warm() -> None:
-                tr.train([str(tmp / "ext_1x_0/shard_0/index.json")], str(vocab), ident, tmp / "train_w",
-                         {**p, "max_steps": 1})
-
-            wall, cpu, res = alternate(train_run, a.heavy_repeats, warmup=train_warm)
-            s1, s2 = res[0][1][0], res[1][1][0]
-            step1 = min(x[1][1] for x in res if x[0] == 1)
-            step2 = min(x[1][1] for x in res if x[0] == 2)
-            f = s2["tokens_this_run"] / s1["tokens_this_run"]
-            report("train", wall, cpu, s1["tokens_this_run"], s2["tokens_this_run"],
-                   f"  [{s1['steps']} -> {s2['steps']} steps, token_budget {p['token_budget']}, "
-                   f"ttt_steps {p['ttt_steps']}; the steps alone {step1:.2f} -> {step2:.2f} s, "
-                   f"ratio at 2x {step2 / step1 * 2 / f:.3f}]")
+            scale_train(a, conf, ident, tmp)
 
         # ---- generate (needs a server)
         if "generate" in stages:
-            if a.base_url:
-                scale_generate(a, a.base_url, a.model, tmp)
-            elif a.serve:
-                from eaglet import vllm_server
+            generate_stage(a, ident, tmp)
 
-                with vllm_server.serve(ident["path"], work_dir=str(tmp / "vllm"), env=a.env,
-                                       served_model_name="bench", kv_cache_gb=2) as srv:
-                    scale_generate(a, srv.base_url, srv.model, tmp)
-            else:
-                print("note generate: skipped: needs a vLLM server (pass --base-url URL --model NAME, or --serve "
-                      "to start the CPU build, minutes); bench_generate.py covers its throughput")
-                print("ratio generate: skipped")
+
+def prepare_pool(a: argparse.Namespace, tmp: Path, max_len: int, overlong: str):
+    """The pool of conversations, tokenised once (the warm-up of tokenize), and tokenize's 1x and 2x
+    inputs; returns the pool's tokens table."""
+    print(f"input: {conversation_pool(a.conversations, a.n_tokenize, tmp)}", flush=True)
+    # The warm-up of tokenize, and every conversation's token count (0: skipped by the stage).
+    tokenize.run(tmp / "pool.parquet", a.identity, tmp / "tok_pool", max_len, overlong)
+    pool_tok = io.read_parquet(tmp / "tok_pool/tokens.parquet")
+    ntok = dict(zip(pool_tok.column("id").to_pylist(), pool_tok.column("num_tokens").to_pylist()))
+    conv = io.read_conversations(tmp / "pool.parquet")
+    n1 = min(a.n_tokenize, len(conv))
+    n2 = prefix_closest([ntok.get(r["id"], 0) for r in conv], n1)
+    io.write_conversations(tmp / "conv_1x.parquet", conv[:n1])
+    io.write_conversations(tmp / "conv_2x.parquet", conv[:n2])
+    return pool_tok
+
+
+def scale_tokenize(a: argparse.Namespace, tmp: Path, max_len: int, overlong: str) -> None:
+    """tokenize on the pool's first conversations (1x) and the prefix with about twice their tokens (2x)."""
+    def tok_run(k: int, r: int) -> dict:
+        return tokenize.run(tmp / f"conv_{k}x.parquet", a.identity, tmp / f"tok_{k}x_{r}", max_len,
+                            overlong)
+
+    wall, cpu, res = alternate(tok_run, a.repeats)
+    m1 = next(m for k, m in res if k == 1)
+    m2 = next(m for k, m in res if k == 2)
+    report("tokenize", wall, cpu, m1["total_tokens"], m2["total_tokens"],
+           f"  [{m1['samples_in']} -> {m2['samples_in']} conversations]")
+
+
+def scale_extract(a: argparse.Namespace, stages: list[str], pool_tok, tmp: Path, ecfg: dict) -> None:
+    """extract on prefixes of the pool's tokens; its 1x and 2x stores are train's inputs."""
+    e1 = min(a.n_extract, pool_tok.num_rows)
+    e2 = prefix_closest(pool_tok.column("num_tokens").to_pylist(), e1)
+    io.write_parquet(tmp / "tokens_1x.parquet", pool_tok.slice(0, e1))
+    io.write_parquet(tmp / "tokens_2x.parquet", pool_tok.slice(0, e2))
+    dev = ex.pick_device(a.device)
+    dtype, budget = ecfg.get("dtype", "bfloat16"), a.extract_budget or int(ecfg.get("token_budget", 16384))
+
+    def ext_run(k: int, r: int) -> dict:
+        return ex.extract(tmp / f"tokens_{k}x.parquet", a.identity, tmp / f"ext_{k}x_{r}" / "shard_0",
+                          dtype=dtype, token_budget=budget, device=dev, progress=False)
+
+    def ext_warm() -> None:
+        io.write_parquet(tmp / "tokens_w.parquet", pool_tok.slice(0, 2))
+        ex.extract(tmp / "tokens_w.parquet", a.identity, tmp / "ext_w", dtype=dtype,
+                   token_budget=budget, device=dev, progress=False)  # loads the target once
+
+    reps = a.heavy_repeats if "extract" in stages else 1
+    wall, cpu, res = alternate(ext_run, reps, warmup=ext_warm)
+    x1 = sum(s["num_tokens"] for s in res[0][1]["samples"])
+    x2 = sum(s["num_tokens"] for s in res[1][1]["samples"])
+    if "extract" in stages:
+        report("extract", wall, cpu, x1, x2, f"  [{e1} -> {e2} samples, dtype {dtype}, budget {budget}]")
+    ex._LOADED.clear()
+
+
+def scale_train(a: argparse.Namespace, conf: dict, ident: dict, tmp: Path) -> None:
+    """train on extract's 1x and 2x stores."""
+    vocab = Path(a.vocab)
+    if not vocab.exists():
+        from eaglet import freq
+        from eaglet import vocab as vocab_mod
+
+        freq.run(tmp / "tok_pool/tokens.parquet", a.identity, tmp / "freq")
+        vocab_mod.run(tmp / "freq/freq.safetensors", a.identity, tmp / "vocab",
+                      int((conf.get("vocab") or {}).get("draft_vocab_size", 8192)))
+        vocab = tmp / "vocab/vocab.safetensors"
+    params = {**(conf.get("train") or {}), "epochs": 1, "val_fraction": 0.0,
+              "checkpoint_every": 10**9, "max_steps": None, **json.loads(a.params)}
+    p = tr.resolve_params(params)
+
+    def train_run(k: int, r: int) -> tuple[dict, float]:
+        out = tmp / f"train_{k}x_{r}"
+        s = tr.train([str(tmp / f"ext_{k}x_0/shard_0/index.json")], str(vocab), ident, out, p)
+        import pandas as pd
+
+        m = pd.read_parquet(out / "metrics.parquet")
+        m = m[m.split == "train"]
+        return s, float((m.tokens / m.tok_s).sum())  # the steps alone, setup excluded
+
+    def train_warm() -> None:
+        tr.train([str(tmp / "ext_1x_0/shard_0/index.json")], str(vocab), ident, tmp / "train_w",
+                 {**p, "max_steps": 1})
+
+    wall, cpu, res = alternate(train_run, a.heavy_repeats, warmup=train_warm)
+    s1, s2 = res[0][1][0], res[1][1][0]
+    step1 = min(x[1][1] for x in res if x[0] == 1)
+    step2 = min(x[1][1] for x in res if x[0] == 2)
+    f = s2["tokens_this_run"] / s1["tokens_this_run"]
+    report("train", wall, cpu, s1["tokens_this_run"], s2["tokens_this_run"],
+           f"  [{s1['steps']} -> {s2['steps']} steps, token_budget {p['token_budget']}, "
+           f"ttt_steps {p['ttt_steps']}; the steps alone {step1:.2f} -> {step2:.2f} s, "
+           f"ratio at 2x {step2 / step1 * 2 / f:.3f}]")
+
+
+def generate_stage(a: argparse.Namespace, ident: dict, tmp: Path) -> None:
+    """generate, when a server is given or started (--base-url, --serve); else skipped, saying so."""
+    if a.base_url:
+        scale_generate(a, a.base_url, a.model, tmp)
+    elif a.serve:
+        from eaglet import vllm_server
+
+        with vllm_server.serve(ident["path"], work_dir=str(tmp / "vllm"), env=a.env,
+                               served_model_name="bench", kv_cache_gb=2) as srv:
+            scale_generate(a, srv.base_url, srv.model, tmp)
+    else:
+        print("note generate: skipped: needs a vLLM server (pass --base-url URL --model NAME, or --serve "
+              "to start the CPU build, minutes); bench_generate.py covers its throughput")
+        print("ratio generate: skipped")
 
 
 def scale_generate(a, base_url: str, model: str, tmp: Path) -> None:
