@@ -22,6 +22,7 @@ rule export:
             "vllm_check_runner",
             "vllm_env",
             "model",
+            "ttt_attention",
             "target",
             "chain",
             "hf_loop",

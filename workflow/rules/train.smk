@@ -31,6 +31,7 @@ rule train:
             "train_state",
             "ttt",
             "model",
+            "ttt_attention",
             "hidden_store",
             "hidden_reader",
             "gpu_slots",
