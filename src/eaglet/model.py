@@ -9,6 +9,7 @@ the export (minus the frozen ``embed_tokens.weight``, which engines share with t
     midlayer.mlp.{gate,up}_proj.weight [I, H], midlayer.mlp.down_proj.weight [H, I]
     midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight  [H]
     norm.weight [H], lm_head.weight [V_d, H]
+    input_norm.weight [3*H_t]                   only with cfg.norm_before_fc (vLLM's name)
     embed_tokens.weight [V, H]   frozen copy of the target's, never saved
 
 API
@@ -83,6 +84,11 @@ class DrafterConfig:
     # Flat RoPE config (eaglet.rope.drafter_rope of the target); None = plain RoPE at rope_theta
     # (drafters written before this key existed).
     rope_parameters: dict | None = None
+    # Architecture variants (speculators / EAGLE-3.1; vLLM's llama_eagle3 reads the same names from
+    # the exported config.json). All False = the EAGLE-3 drafter of eagle3.md §2.
+    norm_before_fc: bool = False        # RMSNorm ``input_norm`` [3*H_t] over concat(aux) before fc
+    norm_before_residual: bool = False  # the residual is hidden_norm(hidden), not the raw hidden
+    norm_output: bool = False           # the hidden fed to the next draft step is norm(h), not h
 
     @property
     def rope(self) -> dict:
@@ -230,6 +236,8 @@ class Eagle3Drafter(nn.Module):
             with torch.no_grad():
                 self.embed_tokens.weight.copy_(embed_weight)
         self.embed_tokens.weight.requires_grad_(False)  # shared with the target by every engine
+        if cfg.norm_before_fc:  # absent otherwise: the default's tensor set is unchanged
+            self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -251,10 +259,20 @@ class Eagle3Drafter(nn.Module):
     def project(self, aux_BT3H: torch.Tensor) -> torch.Tensor:
         """fc over concat(aux[..., 0, :], aux[..., 1, :], aux[..., 2, :]) (ascending layer ids)."""
         B, T = aux_BT3H.shape[:2]
-        return self.fc(aux_BT3H.reshape(B, T, -1).to(self.fc.weight.dtype))
+        x = aux_BT3H.reshape(B, T, -1).to(self.fc.weight.dtype)
+        if self.cfg.norm_before_fc:  # one RMSNorm over the whole concat, as vLLM's input_norm
+            x = self.input_norm(x)
+        return self.fc(x)
 
     def logits(self, h_BTH: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h_BTH))
+
+    def _out(self, h_BTH: torch.Tensor):
+        """(logits, the hidden fed to the next draft step): pre-norm h, or norm(h) (norm_output)."""
+        if not self.cfg.norm_output:
+            return self.logits(h_BTH), h_BTH
+        n = self.norm(h_BTH)
+        return self.lm_head(n), n
 
     def _qkv(self, ids_BT, hidden_BTH, pos_BT):
         a, c = self.midlayer, self.cfg
@@ -274,12 +292,14 @@ class Eagle3Drafter(nn.Module):
     def _finish(self, att_BhTd, hidden_BTH):
         a = self.midlayer
         B, _, T, _ = att_BhTd.shape
-        h = hidden_BTH + a.self_attn.o_proj(att_BhTd.transpose(1, 2).reshape(B, T, -1))
+        res = a.hidden_norm(hidden_BTH) if self.cfg.norm_before_residual else hidden_BTH
+        h = res + a.self_attn.o_proj(att_BhTd.transpose(1, 2).reshape(B, T, -1))
         return h + a.mlp(a.post_attention_layernorm(h))  # pre-norm output
 
     # ----------------------------------------------------------------- one draft step
     def forward_step(self, input_ids_BT, hidden_BTH, position_ids_BT, cache: KVCache | None = None):
-        """One draft step; returns (logits_BTVd, pre-norm hidden_BTH). See the module docstring."""
+        """One draft step; returns (logits_BTVd, hidden_BTH for the next step: pre-norm, or normed
+        with cfg.norm_output). See the module docstring."""
         q, k, v = self._qkv(input_ids_BT, hidden_BTH, position_ids_BT)
         if cache is None:
             att = F.scaled_dot_product_attention(q, self._rep(k), self._rep(v), is_causal=True)
@@ -288,8 +308,7 @@ class Eagle3Drafter(nn.Module):
             mask = cache.pos_BL[:, None, None, :] <= position_ids_BT[:, None, :, None]
             att = F.scaled_dot_product_attention(q, self._rep(cache.k_BgLd), self._rep(cache.v_BgLd),
                                                  attn_mask=mask)
-        h = self._finish(att, hidden_BTH)
-        return self.logits(h), h
+        return self._out(self._finish(att, hidden_BTH))
 
     forward = forward_step
 
@@ -326,8 +345,8 @@ class Eagle3Drafter(nn.Module):
                 diag_k.append(self._rep(kk))
                 diag_v.append(self._rep(vv))
                 att = attend(q, k0, v0, diag_k, diag_v)
-            hidden = self._finish(att, hidden)
-            yield k, self.logits(hidden), hidden
+            logits, hidden = self._out(self._finish(att, hidden))
+            yield k, logits, hidden
 
 
 # --------------------------------------------------------------------------- files

@@ -62,7 +62,7 @@ from eaglet.train_state import (  # noqa: F401
     load_latest_checkpoint,
     save_checkpoint,
 )
-from eaglet.ttt import TTTObjective, chain_counts, chain_positions, is_better, tf_tau, valid_positions  # noqa: F401
+from eaglet.ttt import TTTObjective, chain_counts, chain_positions, check_recipe, is_better, tf_tau, valid_positions  # noqa: F401
 
 log = logging.getLogger("eaglet.train")
 
@@ -77,6 +77,11 @@ DEFAULTS = dict(
     token_budget=8192,      # padded tokens (B x T_max) per micro-batch
     grad_accum=1,           # micro-batches per optimizer step and rank
     lm_head_init="target",  # "target": the target's head rows (speculators); "random" (SpecForge)
+    freeze_lm_head=False,   # keep the head at the target's rows (speculators); needs lm_head_init target
+    norm_before_fc=False,   # RMSNorm over concat(aux) before fc (EAGLE-3.1, speculators, SpecForge)
+    norm_before_residual=False,  # residual = hidden_norm(hidden) (speculators; vLLM norm_before_residual)
+    norm_output=False,      # next draft step reads norm(h), not the pre-norm h (speculators; vLLM norm_output)
+    loss="soft_ce",         # "soft_ce" or "kl" (same gradient; the loss value differs by the target entropy)
     noise_std=0.0,          # Gaussian noise added to the aux states (training only)
     oov_rule="greedy",      # "greedy": drop positions whose target argmax is outside the draft
                             # vocab (reads the other head rows too, no_grad); "label": use the
@@ -108,6 +113,7 @@ def resolve_params(params: dict | None) -> dict:
         raise ValueError(f"train.oov_rule: {p['oov_rule']!r} not 'greedy' or 'label'")
     if p["hidden_states"] not in ("offline", "online"):
         raise ValueError(f"train.hidden_states: {p['hidden_states']!r} not 'offline' or 'online'")
+    check_recipe(p)
     return p
 
 

@@ -20,7 +20,7 @@ from eaglet.hidden_store import HiddenStateDataset
 from eaglet.model import DrafterConfig, Eagle3Drafter, load_target_embedding
 from eaglet.train_data import plan_batches, plan_micro_batches
 from eaglet.train_state import _set_rng_state, dist_setup, load_latest_checkpoint
-from eaglet.ttt import TTTObjective
+from eaglet.ttt import TTTObjective, drafter_options, freeze_head
 
 log = logging.getLogger("eaglet.train")
 
@@ -151,7 +151,8 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
         raise io.ArtifactError(f"{hidden[0] if hidden else 'hidden states'}: extracted from target "
                                f"{meta['target_digest'][:12]}, identity says {identity['digest'][:12]}")
     d2t, t2d = check_vocab(vocab, identity)
-    cfg = DrafterConfig.from_identity(identity, len(d2t), meta["layer_ids"], ttt_steps=int(p["ttt_steps"]))
+    cfg = DrafterConfig.from_identity(identity, len(d2t), meta["layer_ids"], ttt_steps=int(p["ttt_steps"]),
+                                      **drafter_options(p))
     head = TargetHead(identity, t2d, bool(meta["final_is_prenorm"]), p["oov_rule"] == "greedy", device)
     label_check = prove_labels(head, ds, p)
     if rank == 0:
@@ -162,8 +163,9 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
     if p["lm_head_init"] == "target":
         with torch.no_grad():
             drafter.lm_head.weight.copy_(head.w_VdH.cpu())
+    freeze_head(drafter, p)
     drafter.to(device)
-    objective = TTTObjective(drafter, cfg.ttt_steps, float(p["gamma"]))
+    objective = TTTObjective(drafter, cfg.ttt_steps, float(p["gamma"]), p["loss"])
     model = objective
     if ws > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -13,12 +13,47 @@ from eaglet import chain
 from eaglet.model import Eagle3Drafter
 
 
-class TTTObjective(nn.Module):
-    """Drafter + TTT loss in one module, so DDP sees one forward per micro-batch."""
+# The recipe's options (train params; eaglet.train DEFAULTS holds their defaults).
+DRAFTER_OPTIONS = ("norm_before_fc", "norm_before_residual", "norm_output")  # DrafterConfig fields
+LOSSES = ("soft_ce", "kl")
 
-    def __init__(self, drafter: Eagle3Drafter, steps: int, gamma: float):
+
+def check_recipe(p: dict) -> None:
+    """Refuse recipe settings that make no sense (ValueError naming the key)."""
+    for key in DRAFTER_OPTIONS + ("freeze_lm_head",):
+        if not isinstance(p[key], bool):
+            raise ValueError(f"train.{key}: {p[key]!r} is not true or false")
+    if p["loss"] not in LOSSES:
+        raise ValueError(f"train.loss: {p['loss']!r} not one of {LOSSES}")
+    if p["freeze_lm_head"] and p["lm_head_init"] != "target":
+        raise ValueError("train.freeze_lm_head needs lm_head_init: target (a frozen random head "
+                         "cannot learn anything)")
+
+
+def drafter_options(p: dict) -> dict:
+    """The DrafterConfig overrides of the train params (architecture variants)."""
+    return {k: bool(p[k]) for k in DRAFTER_OPTIONS}
+
+
+def freeze_head(drafter: Eagle3Drafter, p: dict) -> None:
+    """``freeze_lm_head``: the head stays the target's rows (speculators); the optimizer and the
+    gradient clip see only parameters that require grad."""
+    if p["freeze_lm_head"]:
+        drafter.lm_head.weight.requires_grad_(False)
+
+
+class TTTObjective(nn.Module):
+    """Drafter + TTT loss in one module, so DDP sees one forward per micro-batch.
+
+    ``loss``: "soft_ce" = -sum p log q; "kl" = sum p (log p - log q) = soft_ce - H(p). The target
+    entropy H(p) does not depend on the drafter, so both have the same gradient (bit-equal here:
+    the entropy is computed without grad); only the reported loss value differs."""
+
+    def __init__(self, drafter: Eagle3Drafter, steps: int, gamma: float, loss: str = "soft_ce"):
         super().__init__()
-        self.drafter, self.steps, self.gamma = drafter, steps, gamma
+        if loss not in LOSSES:
+            raise ValueError(f"loss {loss!r} not one of {LOSSES}")
+        self.drafter, self.steps, self.gamma, self.loss = drafter, steps, gamma, loss
 
     def forward(self, x_BT, aux_BT3H, p_BTVd, valid_BT, noise=None, chain_BT=None):
         """valid_BT[s] = target position s counts (its next token x_{s+1} is an assistant token
@@ -44,6 +79,10 @@ class TTTObjective(nn.Module):
             valid = valid_BT[:, 1 + k:1 + k + n]
             cnt = valid.sum()
             ce = -(tgt * lp).sum(-1)
+            if self.loss == "kl":
+                with torch.no_grad():
+                    neg_entropy = torch.xlogy(tgt, tgt).sum(-1)  # - H(p): no gradient
+                ce = ce + neg_entropy
             L = (ce * valid).sum() / cnt.clamp(min=1)
             loss = loss + self.gamma ** k * L
             with torch.no_grad():
