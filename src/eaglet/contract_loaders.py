@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections import Counter
 
 from eaglet.contract_record import check
-from eaglet.contract_static import dims, effective_config
+from eaglet.contract_record import not_run
+from eaglet.contract_static import dims, effective_config, variants
 
 # (fused parameter, shard name, shard id): the stacked-parameter table both engines use.
 STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
@@ -33,6 +34,8 @@ def _vllm_params(c: dict) -> dict[str, dict]:
         p[L + n + ".weight"] = {None: (H,)}
     if (c.get("eagle_config") or {}).get("use_aux_hidden_state", True):
         p["model.fc.weight"] = {None: (H, 3 * k["Ht"])}
+        if variants(c)["norm_before_fc"]:
+            p["model.input_norm.weight"] = {None: (3 * k["Ht"],)}
     return p
 
 
@@ -111,6 +114,10 @@ def emulate_sglang(conf: dict, header: dict) -> dict:
     q/k/v and gate/up stacked, a name tried as-is then with ``model.``; anything still unknown is
     **dropped without a word** — so ``layers.0.*`` (speculators names) never reaches the midlayer."""
     _, c = effective_config(conf)
+    on = [f for f, v in variants(conf, c).items() if v]
+    if on:  # SGLang's EAGLE-3 model is not replayed for these: no verdict either way
+        return not_run("loader.sglang", f"the drafter variants {on} are not emulated for SGLang's loader "
+                       "(vLLM's llama_eagle3 reads them; whether SGLang does is unchecked)")
     params = _sglang_params(c)
     written: Counter = Counter()
     errors, ignored = [], []

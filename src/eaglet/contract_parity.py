@@ -11,7 +11,7 @@ from pathlib import Path
 
 from eaglet import io
 from eaglet.contract_record import check
-from eaglet.contract_static import dims, effective_config, read_export
+from eaglet.contract_static import dims, effective_config, read_export, variants
 
 
 def target_embedding(model_dir: str | Path):
@@ -50,8 +50,10 @@ def reference_inv_freq(c: dict, head_dim: int):
 
 def reference_step0(w: dict, c: dict, embed_VH, aux_BT3H, ids_BT, pos_BT):
     """Step 0 of an EAGLE-3 drafter as vLLM's Eagle3LlamaForCausalLM computes it, written from
-    its semantics (not from eaglet.model): returns (logits over the full vocab [B,T,V] with −inf
-    outside the draft vocab, pre-norm hidden [B,T,H] fed to the next draft step)."""
+    its semantics (not from eaglet.model), its config variants included (norm_before_fc,
+    norm_before_residual, norm_output): returns (logits over the full vocab [B,T,V] with −inf
+    outside the draft vocab, the hidden [B,T,H] fed to the next draft step: pre-norm, or post-norm
+    with norm_output)."""
     import torch
 
     k = dims(c)
@@ -64,9 +66,14 @@ def reference_step0(w: dict, c: dict, embed_VH, aux_BT3H, ids_BT, pos_BT):
     def rms(x, g):
         return g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
+    var = variants(c)
+    if var["norm_before_fc"]:  # combine_hidden_states: input_norm over the whole concat first
+        aux_BT3H = rms(aux_BT3H, w["input_norm.weight"])
     g_BTH = aux_BT3H @ w["fc.weight"].T  # combine_hidden_states
     e_BTH = embed_VH[ids_BT]
-    residual_BTH = g_BTH  # norm after residual: the residual is the un-normed hidden
+    # _norm_after_residual (default): the residual is the un-normed hidden; _norm_before_residual:
+    # the normed one
+    residual_BTH = rms(g_BTH, lw["hidden_norm.weight"]) if var["norm_before_residual"] else g_BTH
     x = torch.cat([rms(e_BTH, lw["input_layernorm.weight"]), rms(g_BTH, lw["hidden_norm.weight"])], -1)
     q = (x @ lw["self_attn.q_proj.weight"].T).view(B, T, nh, d).transpose(1, 2)
     kk = (x @ lw["self_attn.k_proj.weight"].T).view(B, T, nkv, d).transpose(1, 2)
@@ -91,10 +98,11 @@ def reference_step0(w: dict, c: dict, embed_VH, aux_BT3H, ids_BT, pos_BT):
     y = rms(h, lw["post_attention_layernorm.weight"])
     m = (torch.nn.functional.silu(y @ lw["mlp.gate_proj.weight"].T) * (y @ lw["mlp.up_proj.weight"].T))
     pre_BTH = m @ lw["mlp.down_proj.weight"].T + h
-    logits_BTVd = rms(pre_BTH, w["norm.weight"]) @ w["lm_head.weight"].T
+    normed_BTH = rms(pre_BTH, w["norm.weight"])
+    logits_BTVd = normed_BTH @ w["lm_head.weight"].T
     full = logits_BTVd.new_full((B, T, k["V"]), float("-inf"))
     full[..., torch.arange(k["Vd"]) + w["d2t"].long()] = logits_BTVd
-    return full, pre_BTH
+    return full, (normed_BTH if var["norm_output"] else pre_BTH)  # norm_output: aux_output is post-norm
 
 
 def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, identity: dict,

@@ -14,6 +14,19 @@ from eaglet.contract_record import check
 
 ARCH_A = "LlamaForCausalLMEagle3"  # vLLM's registry maps it to Eagle3LlamaForCausalLM; SGLang's name
 ARCH_B = "Eagle3Speculator"
+# Drafter variants the trainer can train (eaglet.model.DrafterConfig, same names) and vLLM 0.32's
+# llama_eagle3 reads from config.json (``norm_before_fc`` also inside ``eagle_config``).
+VARIANTS = ("norm_before_fc", "norm_before_residual", "norm_output")
+
+
+def variants(conf: dict, c: dict | None = None) -> dict[str, bool]:
+    """The variant flags as vLLM reads them: ``c`` the flat config (effective_config), ``conf`` the
+    file (its ``eagle_config`` may hold norm_before_fc)."""
+    c = conf if c is None else c
+    ec = conf.get("eagle_config") or {}
+    return {"norm_before_fc": bool(ec.get("norm_before_fc", c.get("norm_before_fc", False))),
+            "norm_before_residual": bool(c.get("norm_before_residual", False)),
+            "norm_output": bool(c.get("norm_output", False))}
 
 
 # --------------------------------------------------------------------------- reading an export
@@ -51,6 +64,8 @@ def effective_config(conf: dict) -> tuple[str, dict]:
         if conf.get("target_hidden_size") is not None:
             flat["target_hidden_size"] = conf["target_hidden_size"]
         flat["norm_before_residual"] = conf.get("norm_before_residual", True)
+        for flag in ("norm_before_fc", "fc_norm", "norm_output"):  # vLLM's conversion: default False
+            flat[flag] = conf.get(flag, False)
         if conf.get("eagle_aux_hidden_state_layer_ids"):
             flat["eagle_aux_hidden_state_layer_ids"] = conf["eagle_aux_hidden_state_layer_ids"]
         return "B", flat
@@ -79,6 +94,8 @@ def expected_tensors(c: dict, prefix: str = "midlayer") -> dict[str, tuple]:
     out.update({"norm.weight": (H,), "lm_head.weight": (k["Vd"], H), "d2t": (k["Vd"],), "t2d": (k["V"],)})
     if k["Vd"] == k["V"]:
         del out["d2t"]  # full vocab: vLLM 0.32 has no d2t parameter then and would reject one
+    if c.get("norm_before_fc") or (c.get("eagle_config") or {}).get("norm_before_fc"):
+        out["input_norm.weight"] = (3 * k["Ht"],)  # vLLM's RMSNorm over concat(aux) before fc
     return out
 
 
@@ -127,14 +144,17 @@ def config_problems(conf: dict, fmt: str, c: dict, identity: dict, trained: dict
         problems.append(f"hidden_act {c['hidden_act']!r} != 'silu'")
     if c["vocab_size"] != identity["vocab_size"]:
         problems.append(f"vocab_size {c['vocab_size']} != target vocab {identity['vocab_size']}")
-    if c.get("norm_before_residual"):
-        problems.append("norm_before_residual is true (the trainer normalises after taking the residual)"
-                        + ("; the speculators format defaults it to true when absent" if fmt == "B" else ""))
-    if fmt == "B" and conf.get("norm_before_residual") is not False:
-        problems.append("speculators config must write norm_before_residual: false explicitly")
-    for flag in ("norm_before_fc", "fc_norm", "norm_output"):  # vLLM variants we do not train
-        if c.get(flag) or (conf.get("eagle_config") or {}).get(flag):
-            problems.append(f"{flag} is set: vLLM would add a layer the trainer does not have")
+    got = variants(conf, c)
+    for flag in VARIANTS:  # what vLLM will compute must be what was trained
+        want = bool((trained or {}).get(flag, False))
+        if got[flag] != want:
+            problems.append(f"{flag} is {str(got[flag]).lower()} in the export, {str(want).lower()} in training"
+                            + ("; the speculators format defaults norm_before_residual to true when absent"
+                               if fmt == "B" and flag == "norm_before_residual" else ""))
+    if fmt == "B" and not isinstance(conf.get("norm_before_residual"), bool):
+        problems.append("speculators config must write norm_before_residual explicitly (absent = true)")
+    if c.get("fc_norm") or (conf.get("eagle_config") or {}).get("fc_norm"):  # a vLLM variant we do not train
+        problems.append("fc_norm is set: vLLM would add per-layer norms the trainer does not have")
     if fmt == "A":
         ec = conf.get("eagle_config") or {}
         if ec.get("use_aux_hidden_state") is not True:

@@ -98,6 +98,31 @@ def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: li
     return res
 
 
+def unread_variants(drafter_dir: str | Path, python: str | Path) -> str | None:
+    """Why the installed vLLM cannot serve this export's drafter variants (norm_before_fc, ...), or
+    None: each one set in config.json must be read by the engine's EAGLE-3 Llama drafter
+    (``llama_eagle3.py``, read from its source). An engine that ignores one loads the weights
+    without a word (or stops on ``input_norm.weight``) and runs a different drafter."""
+    from eaglet.contract_static import effective_config, variants
+
+    conf = json.loads((Path(drafter_dir) / "config.json").read_text())
+    on = [f for f, v in variants(conf, effective_config(conf)[1]).items() if v]
+    if not on:
+        return None
+    venv = Path(python).parent.parent
+    src = sorted(venv.glob("lib/python3*/site-packages/vllm/model_executor/models/llama_eagle3.py"))
+    if not src:
+        return (f"the drafter uses {on}, and no vLLM llama_eagle3.py was found under {venv} to confirm "
+                "the engine reads them: refused")
+    text = src[0].read_text()
+    missing = [f for f in on if f'"{f}"' not in text]
+    if missing:
+        return (f"the installed vLLM ({src[0]}) does not read {missing}: it would load this drafter and "
+                "silently run a different one. Refused: retrain without train." + ", train.".join(missing)
+                + " or use a vLLM whose llama_eagle3 reads them (0.32 does)")
+    return None
+
+
 def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | None, *, work_dir: str | Path,
                 python: str | Path | None = None, k: int = 3, n_prompts: int = 4, max_tokens: int = 32,
                 train_tau: float | None = None, min_train_tau: float = 1.5,
@@ -110,6 +135,9 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
         py = vllm_env.vllm_python(python)
     except vllm_env.VllmEnvMissing as e:
         return [check("vllm.load_run", False, {"error": f"vLLM environment not found or incomplete: {e}"})]
+    unread = unread_variants(drafter_dir, py)
+    if unread:
+        return [check("vllm.load_run", False, {"error": unread})]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_prompts)]
     target_dir = identity["path"]
     run = dict(work_dir=work_dir, python=py, max_tokens=max_tokens, serving=serving)

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from eaglet import contract_static, io
-from eaglet.contract_static import trained_config
+from eaglet.contract_static import VARIANTS, trained_config
 from eaglet.rope import legacy_fields
 from eaglet.target import validate_layer_ids
 
@@ -57,6 +57,9 @@ def vllm_config(cfg: dict, identity: dict, target_conf: dict, dtype: str = DTYPE
     if cfg["target_hidden_size"] != cfg["hidden_size"]:
         conf["target_hidden_size"] = cfg["target_hidden_size"]
     conf["eagle_aux_hidden_state_layer_ids"] = ids  # vLLM: residual stream entering layer j
+    # trained variants, top level (vLLM's llama_eagle3 reads them there); written only when set, so
+    # the default drafter's config.json is what it always was
+    conf.update({f: True for f in VARIANTS if cfg.get(f)})
     # SGLang reads only these and taps id + 1 (see the module docstring)
     conf["eagle_config"] = {"use_aux_hidden_state": True,
                             "eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]}
@@ -80,7 +83,9 @@ def speculators_config(cfg: dict, identity: dict, target_conf: dict, k: int, dty
             "target_hidden_size": cfg["target_hidden_size"] if cfg["target_hidden_size"] != cfg["hidden_size"]
             else None,
             # written explicitly: absent, vLLM's speculators conversion defaults it to True
-            "norm_before_residual": False,
+            "norm_before_residual": bool(cfg.get("norm_before_residual", False)),
+            "norm_before_fc": bool(cfg.get("norm_before_fc", False)),
+            "norm_output": bool(cfg.get("norm_output", False)),
             "eagle_aux_hidden_state_layer_ids": list(cfg["layer_ids"]),
             "tie_word_embeddings": False, "torch_dtype": dtype}
 
@@ -110,7 +115,8 @@ def _flat(cfg: dict) -> dict:
     return {"hidden_size": cfg["hidden_size"], "target_hidden_size": cfg["target_hidden_size"],
             "num_attention_heads": cfg["num_heads"], "num_key_value_heads": cfg["num_kv_heads"],
             "head_dim": cfg["head_dim"], "intermediate_size": cfg["intermediate_size"],
-            "vocab_size": cfg["vocab_size"], "draft_vocab_size": cfg["draft_vocab_size"]}
+            "vocab_size": cfg["vocab_size"], "draft_vocab_size": cfg["draft_vocab_size"],
+            "norm_before_fc": bool(cfg.get("norm_before_fc", False))}
 
 
 def export_tensors(tensors: dict, cfg: dict, layer_prefix: str = "midlayer", dtype: str = DTYPE) -> dict:
