@@ -89,9 +89,10 @@ def vllm_tiny_server(tiny_target, tmp_path_factory):
 
 
 def make_random_drafter(identity: dict, path, draft_vocab_size: int = 1024, layer_ids=(2, 4, 5),
-                        seed: int = 0):
+                        seed: int = 0, **variants):
     """A random drafter in the trainer's file format (eaglet.model.save_drafter) for the tiny
-    target: norms perturbed away from 1 so the numeric parity check sees every weight."""
+    target: norms perturbed away from 1 so the numeric parity check sees every weight.
+    ``variants``: DrafterConfig variant flags (norm_before_fc=True, ...)."""
     import torch
 
     from eaglet import model as em
@@ -99,7 +100,7 @@ def make_random_drafter(identity: dict, path, draft_vocab_size: int = 1024, laye
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     cfg = em.DrafterConfig.from_identity(identity, draft_vocab_size=draft_vocab_size,
-                                         layer_ids=list(layer_ids))
+                                         layer_ids=list(layer_ids), **variants)
     m = em.Eagle3Drafter(cfg, em.load_target_embedding(identity["path"]))
     with torch.no_grad():
         for name, p in m.named_parameters():
