@@ -54,6 +54,8 @@ BENCHES = {
                [Row("online", "online train tok/s / (extract + offline train), 1 epoch", 0.8)]),
     "fp8": (["benchmarks/bench_fp8.py"],
             [Row("fp8", "hidden bytes/token fp8 / bf16 (note: τ)", 0.55, "<=")]),
+    "ablation": (["benchmarks/bench_ablation.py"],
+                 [Row("ablation", "best recipe option's chain τ / baseline's (2 seeds; note: beyond noise?)", 1.0)]),
     "scale": (["benchmarks/bench_scale.py"],
               [Row(f"scale_{s}", f"{s} {SCALE}", 2.3, "<=", key=s, miss="superlinear")
                for s in ("tokenize", "extract", "train", "generate")]),

@@ -1,0 +1,213 @@
+"""Recipe ablation (issue 15): the speculators-style choices one at a time against eaglet's default,
+each trained on identical data and batches with two seeds, scored by the exact chain τ
+(k = ttt_steps) on the same validation positions.
+
+    python benchmarks/bench_ablation.py [--quick] [--run-dir results/<run>] [--identity ID.json]
+        [--epochs E] [--seeds 0 1] [--only baseline,norm_before_fc] [--out results/ablation.json]
+
+Data: a run's stored hidden states (``<run-dir>/extract/shard_*/index.json`` and
+``vocab_map/vocab.safetensors``; the first ``results/*`` that has both, e.g. the SmolLM2 default run)
+with the target's ``identity.json`` (``--identity``, default the SmolLM2 one under resources/);
+without them, or with ``--quick``, a store built here from the tiny in-process Llama target
+(``eaglet.target_model``'s ``tiny``: greedy continuations of random prompts, their aux and pre-norm
+final states). Each run is ``eaglet.train.train`` itself with the base params below plus one option;
+the validation split is by sample-id hash and the batch plan depends only on (data, params, seed),
+so every option of a seed sees the same batches and the same validation positions, and its drafter
+starts from the same initial weights (the variants' extra norm starts at 1). The score is
+``best_val.chain_tau`` of ``train_summary.json`` (validation only at the end: the last weights).
+
+Prints one row per option: τ per seed, mean, Δ of the mean vs the baseline, the paired Δ per seed,
+and whether |Δ| exceeds the seed-to-seed spread (the larger range over seeds of the baseline and
+the option): "yes" = beyond noise by that yardstick, "no" = within it. Last, ``ratio: <best option's
+mean τ / baseline mean τ>`` for ``make bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+
+from eaglet import io  # noqa: E402
+from eaglet import train as tr  # noqa: E402
+
+# One option per row, on top of BASE (speculators' eagle3 defaults, issue 15 / eagle3.md §11).
+OPTIONS = {
+    "baseline": {},
+    "norm_before_fc": {"norm_before_fc": True},
+    "norm_before_residual": {"norm_before_residual": True},
+    "norm_output": {"norm_output": True},
+    "freeze_lm_head": {"freeze_lm_head": True},
+    "loss=kl": {"loss": "kl"},
+    "gamma=1.0": {"gamma": 1.0},
+    "weight_decay=0.01": {"weight_decay": 0.01},
+    "all speculators": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True,
+                        "freeze_lm_head": True, "loss": "kl", "gamma": 1.0, "weight_decay": 0.01},
+}
+# The learning-curve run's settings on SmolLM2 (k = 3 as vLLM serves it), validation at the end only.
+BASE = {"ttt_steps": 3, "gamma": 0.8, "lr": 1e-3, "warmup_ratio": 0.05, "token_budget": 2048,
+        "oov_rule": "label", "val_fraction": 0.2, "val_every": 10**9, "checkpoint_every": 10**9,
+        "lm_head_init": "target"}
+
+
+def find_run(results: Path) -> Path | None:
+    for run in sorted(results.glob("*")):
+        if sorted(run.glob("extract/shard_*/index.json")) and (run / "vocab_map/vocab.safetensors").exists():
+            return run
+    return None
+
+
+def tiny_store(out: Path, n: int, new_tokens: int) -> tuple[list[str], str, dict, str]:
+    """A hidden-state store of the tiny in-process target's own greedy continuations."""
+    from eaglet.hidden_store import ShardWriter
+    from eaglet.target import load_identity, load_model
+    from eaglet.target_model import materialise
+
+    materialise({"name": "tiny", "tiny": {}}, out / "target")
+    ident = load_identity(out / "target" / "identity.json")
+    layers = [2, 4, 5]
+    model = load_model(ident["path"])
+    captured = {}
+    model.model.norm.register_forward_hook(lambda mod, inp, o: captured.__setitem__("pre", inp[0]))
+    g = torch.Generator().manual_seed(0)
+    w = ShardWriter(out / "shard_0", 0, 1, layers, True, "float32", ident["hidden_size"], ident["digest"], 1 << 20)
+    V, P = ident["vocab_size"], 6
+    counts = torch.zeros(V, dtype=torch.long)
+    with torch.no_grad():
+        prompts = torch.randint(100, 5000, (n, P), generator=g)
+        seqs = model.generate(prompts, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=0, attention_mask=torch.ones_like(prompts))
+        o = model(seqs, output_hidden_states=True)
+    aux = torch.stack([o.hidden_states[j] for j in layers], 2)
+    for i in range(n):
+        T = P + new_tokens // 2 + i % (new_tokens // 2)
+        mask = torch.zeros(T, dtype=torch.int8)
+        mask[P:] = 1
+        w.add(f"s{i:04d}", seqs[i, :T], mask, aux[i, :T], captured["pre"][i, :T])
+        v, top = o.logits[i, :T:5].topk(2, -1)
+        w.add_references([[f"s{i:04d}", 5 * j, int(top[j, 0]), float(v[j, 0] - v[j, 1])] for j in range(len(top))])
+        counts.index_add_(0, seqs[i, P:T], torch.ones(T - P, dtype=torch.long))
+    w.finish()
+    vd = 256
+    used = counts.argsort(descending=True)[:vd].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    io.save_tensors(out / "vocab.safetensors", {"d2t": used - torch.arange(vd), "t2d": t2d})
+    return [str(out / "shard_0" / "index.json")], str(out / "vocab.safetensors"), ident, \
+        f"tiny in-process Llama target ({n} greedy continuations, {new_tokens} new tokens max)"
+
+
+def run_one(hidden, vocab, ident, out: Path, params: dict) -> dict:
+    t0 = time.time()
+    s = tr.train(hidden, vocab, ident, out, params)
+    bv = s["best_val"] or {}
+    return {"chain_tau": bv.get("chain_tau"), "tf_tau": bv.get("tf_tau"), "loss": bv.get("loss"),
+            "rounds": bv.get("chain_rounds"), "steps": s["steps"], "seconds": round(time.time() - t0, 1),
+            "acc": [bv.get(f"tf_acc_{k}") for k in range(params["ttt_steps"])]}
+
+
+def table(res: dict, seeds: list[int]) -> tuple[list[str], dict]:
+    base = res["baseline"]
+    b_taus = [base[s]["chain_tau"] for s in seeds]
+    b_mean, b_range = statistics.mean(b_taus), max(b_taus) - min(b_taus)
+    head = f"{'option':<22}" + "".join(f"{'tau s' + str(s):>9}" for s in seeds) + \
+        f"{'mean':>8}{'delta':>9}{'paired delta':>20}{'spread':>8}  beyond noise"
+    lines, verdict = [head, "-" * len(head)], {}
+    for name, by_seed in res.items():
+        taus = [by_seed[s]["chain_tau"] for s in seeds]
+        mean = statistics.mean(taus)
+        spread = max(b_range, max(taus) - min(taus))
+        delta = mean - b_mean
+        paired = [t - b for t, b in zip(taus, b_taus)]
+        if name == "baseline":
+            beyond = "-"
+        else:
+            beyond = "yes" if abs(delta) > spread else "no"
+            if all(p == 0 for p in paired):
+                beyond = "no (identical)"
+        verdict[name] = {"taus": taus, "mean": mean, "delta": delta, "paired": paired, "spread": spread,
+                         "beyond_noise": beyond}
+        lines.append(f"{name:<22}" + "".join(f"{t:>9.4f}" for t in taus) + f"{mean:>8.4f}"
+                     + (f"{delta:>+9.4f}" if name != "baseline" else f"{'':>9}")
+                     + f"{' '.join(f'{p:+.4f}' for p in paired):>20}" + f"{spread:>8.4f}  {beyond}")
+    return lines, verdict
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--quick", action="store_true", help="the tiny in-process target, a few steps (a smoke run)")
+    ap.add_argument("--run-dir", default=None, help="a run folder with extract/ and vocab_map/ (default: the "
+                    "first under results/ that has both)")
+    ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
+    ap.add_argument("--epochs", type=float, default=None, help="default 1 (real data), 3 (tiny), 1 (--quick)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--only", default=None, help="comma-separated option names (baseline is always run)")
+    ap.add_argument("--params", default="{}", help="JSON overriding the base train params")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+
+    names = list(OPTIONS) if not a.only else ["baseline"] + [n for n in a.only.split(",") if n != "baseline"]
+    unknown = [n for n in names if n not in OPTIONS]
+    if unknown:
+        raise SystemExit(f"unknown options {unknown}; known: {list(OPTIONS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        run = None if a.quick else (Path(a.run_dir) if a.run_dir else find_run(ROOT / "results"))
+        base = dict(BASE)
+        if run is not None and Path(a.identity).exists():
+            from eaglet.target import load_identity
+
+            hidden = [str(s) for s in sorted(run.glob("extract/shard_*/index.json"))]
+            vocab, ident = str(run / "vocab_map/vocab.safetensors"), load_identity(a.identity)
+            source = f"{run} (stored hidden states of {ident.get('name')})"
+            base["epochs"] = a.epochs or 1.0
+        else:
+            n, new = (24, 40) if a.quick else (96, 96)
+            hidden, vocab, ident, source = tiny_store(Path(tmp) / "data", n, new)
+            base.update(epochs=a.epochs or (1.0 if a.quick else 3.0), token_budget=512, lr=3e-3,
+                        label_min_agreement=0.9)
+            if run is None and not a.quick:
+                source += "; no stored run found under results/"
+        base.update(json.loads(a.params))
+        print(f"data: {source}", flush=True)
+        print(f"base params: {json.dumps(base, sort_keys=True)}", flush=True)
+        res: dict = {}
+        t0 = time.time()
+        for name in names:
+            res[name] = {}
+            for seed in a.seeds:
+                params = {**base, **OPTIONS[name], "seed": seed}
+                r = run_one(hidden, vocab, ident, Path(tmp) / "runs" / f"{name}_{seed}", params)
+                res[name][seed] = r
+                print(f"  {name:<22} seed {seed}: chain tau {r['chain_tau']:.4f} (teacher-forced {r['tf_tau']:.4f}, "
+                      f"{r['rounds']} rounds, {r['steps']} steps, {r['seconds']:.0f} s)", flush=True)
+        lines, verdict = table(res, a.seeds)
+    print(f"\nchain tau at k = {base['ttt_steps']} on the same validation positions; delta = mean - baseline "
+          f"mean; beyond noise = |delta| > the larger seed-to-seed range of the two ({time.time() - t0:.0f} s)")
+    print("\n".join(lines))
+    others = {n: v for n, v in verdict.items() if n != "baseline"}
+    if others:
+        best = max(others, key=lambda n: others[n]["mean"])
+        print(f"note: best option {best} (delta {others[best]['delta']:+.4f}, beyond noise: "
+              f"{others[best]['beyond_noise']})")
+        print(f"ratio: {others[best]['mean'] / verdict['baseline']['mean']:.4f}")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"data": source, "base": base, "seeds": a.seeds, "runs": res,
+                                           "table": verdict}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
