@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from eaglet.contract_record import check
-from eaglet.contract_record import not_run
+from eaglet.contract_record import check, not_run
 from eaglet.contract_static import dims, effective_config, variants
 
 # (fused parameter, shard name, shard id): the stacked-parameter table both engines use.

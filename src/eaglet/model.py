@@ -58,6 +58,7 @@ from torch import nn
 from eaglet import io
 from eaglet.rope import Rotary, drafter_rope
 from eaglet.target import load_target_embedding
+
 # the TTT attention lives in its own module; re-exported (tests and eaglet.plan's notes name it here)
 from eaglet.ttt_attention import TTT_QUERY_CHUNK, _ttt_attention_chunk, ttt_attention  # noqa: F401
 

@@ -12,7 +12,6 @@ from torch import nn
 from eaglet import chain
 from eaglet.model import Eagle3Drafter
 
-
 # The recipe's options (train params; eaglet.train DEFAULTS holds their defaults).
 DRAFTER_OPTIONS = ("norm_before_fc", "norm_before_residual", "norm_output")  # DrafterConfig fields
 LOSSES = ("soft_ce", "kl")
