@@ -28,10 +28,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
 
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.paired import spread_note  # noqa: E402
 from eaglet import extract as ex  # noqa: E402
 from eaglet import io, target  # noqa: E402
 
@@ -117,15 +119,10 @@ def main() -> None:
                   f"ratio {t_bare[-1] / t_ext[-1]:.3f}", flush=True)
     ratios = [b / e for b, e in zip(t_bare, t_ext)]
     med = statistics.median(ratios)
-    spread = (max(ratios) - min(ratios)) / med
     print(f"bare forward:  {ntok / statistics.median(t_bare):10.0f} tok/s (median)")
     print(f"extraction:    {ntok / statistics.median(t_ext):10.0f} tok/s (median; dtype {a.dtype}, layers "
           f"{target.default_layer_ids(ident['num_layers'])})")
-    if spread > a.max_spread:
-        print(f"note: pair ratios range {min(ratios):.3f}-{max(ratios):.3f} ({spread:.0%} of the median): "
-              "too wide to conclude; rerun on a quiet machine")
-    else:
-        print(f"note: median of {a.repeats} pairs, range {min(ratios):.3f}-{max(ratios):.3f} ({spread:.0%})")
+    print(spread_note(ratios, a.max_spread, "pair ratios"))
     print(f"ratio:         {med:10.3f}  (goal >= 0.95)")
 
 

@@ -28,7 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
 
+from benchmarks.paired import spread_note  # noqa: E402
 from eaglet import io, prompts, tokenize  # noqa: E402
 from eaglet.target import load_identity, load_tokenizer  # noqa: E402
 
@@ -86,7 +88,6 @@ def main() -> None:
     if stage_tokens != n_tokens:
         print(f"note: the stage kept {stage_tokens} of {n_tokens} tokens (skips: {dict(skipped)})")
     med = statistics.median(ratios)
-    spread = (max(ratios) - min(ratios)) / med
     print(f"conversations {len(rows)} ({len(kept)} kept, skipped {dict(skipped)}), {n_tokens} tokens, "
           f"batches of {batch}, {a.repeats} repeats, each batch timed raw and staged back to back")
     print(f"raw batch encode : {n_tokens / statistics.median(times['raw']):10.0f} tok/s (median)")
@@ -96,11 +97,7 @@ def main() -> None:
         print(f"bare Rust encode : {n_tokens / statistics.median(times['rust']):10.0f} tok/s (median); "
               f"stage/Rust {statistics.median(rr):.3f} (range {min(rr):.3f}-{max(rr):.3f}; no wrapper at all)")
     print(f"repeat ratios    : {' '.join(f'{x:.3f}' for x in ratios)}")
-    if spread > a.max_spread:
-        print(f"note: ratios range {min(ratios):.3f}-{max(ratios):.3f} ({spread:.0%} of the median): "
-              "too wide to conclude; rerun on a quiet machine")
-    else:
-        print(f"note: median of {a.repeats} repeats, range {min(ratios):.3f}-{max(ratios):.3f} ({spread:.0%})")
+    print(spread_note(ratios, a.max_spread, "repeat ratios"))
     print(f"ratio stage/raw  : {med:10.3f}  (goal >= 0.8)")
 
 

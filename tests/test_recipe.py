@@ -44,6 +44,16 @@ def inputs(cfg, B=2, T=9, seed=1):
     return aux, ids, torch.arange(T).expand(B, T)
 
 
+def first_steps(identity, **flags):
+    """The default and the variant drafter's first step on the same inputs:
+    (base, var, ids, g, pos, (logits, h) of base, (logits, h) of var)."""
+    base, var = pair(identity, **flags)
+    aux, ids, pos = inputs(var.cfg)
+    with torch.no_grad():
+        g = base.project(aux)
+        return base, var, ids, g, pos, base.forward_step(ids, g, pos), var.forward_step(ids, g, pos)
+
+
 def test_defaults_are_todays_drafter_and_trainer(tiny_target):
     cfg = DrafterConfig.from_identity(tiny_target, VD, LAYERS)
     assert not any(getattr(cfg, f) for f in VARIANTS)
@@ -85,12 +95,8 @@ def test_norm_before_fc_normalises_the_aux_concat(tiny_target):
 
 
 def test_norm_before_residual_takes_the_normed_hidden_as_residual(tiny_target):
-    base, var = pair(tiny_target, norm_before_residual=True)
-    aux, ids, pos = inputs(var.cfg)
+    base, var, ids, g, pos, (lb, hb), (lv, hv) = first_steps(tiny_target, norm_before_residual=True)
     with torch.no_grad():
-        g = base.project(aux)
-        lb, hb = base.forward_step(ids, g, pos)
-        lv, hv = var.forward_step(ids, g, pos)
         assert not torch.allclose(hv, hb, atol=1e-3)
         # the layer reads hidden only through hidden_norm now: a rescaled hidden changes nothing
         _, hv7 = var.forward_step(ids, 7 * g, pos)
@@ -99,12 +105,8 @@ def test_norm_before_residual_takes_the_normed_hidden_as_residual(tiny_target):
 
 
 def test_norm_output_feeds_the_normed_hidden_to_the_next_step(tiny_target):
-    base, var = pair(tiny_target, norm_output=True)
-    aux, ids, pos = inputs(var.cfg)
+    base, var, ids, g, pos, (lb, hb), (lv, hv) = first_steps(tiny_target, norm_output=True)
     with torch.no_grad():
-        g = base.project(aux)
-        lb, hb = base.forward_step(ids, g, pos)
-        lv, hv = var.forward_step(ids, g, pos)
         assert torch.equal(lv, lb)  # step 0's logits are the same ...
         assert torch.allclose(hv, base.norm(hb), atol=1e-6)  # ... the carried hidden is norm(h)
         steps = [list(m.ttt_unroll(ids, g, 3)) for m in (base, var)]
