@@ -40,6 +40,6 @@ echo "envs/anchor: pip install --no-deps $SPECULATORS"
 echo "envs/anchor: checking import"
 "$VENV/bin/python" -c "import torch, transformers, speculators; \
 from speculators.models.eagle3 import Eagle3DraftModel; import speculators.train.cli; \
-print('speculators', speculators.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
+from importlib.metadata import version; print('speculators', version('speculators'), 'transformers', transformers.__version__, 'torch', torch.__version__)"
 echo "$WANT" > "$STAMP"
 echo "envs/anchor: done in $(( $(date +%s) - start )) s ($(du -sh "$VENV" | cut -f1))"
