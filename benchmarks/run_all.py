@@ -12,7 +12,9 @@ measured in this run. ``--args NAME=ARGS`` appends ARGS to benchmark NAME's comm
 keeps the last value of a repeated option, so this overrides the defaults below). Benchmarks need
 the default target materialised (``make run`` does it; or ``snakemake --cores 2
 resources/targets/smollm2-135m-instruct/identity.json``); fp8 and scale also read
-results/smollm2/tokenize/tokens.parquet and vocab_map/ when present (never written).
+results/smollm2/tokenize/tokens.parquet and vocab_map/ when present (never written); anchor reads
+a run's stored hidden states (results/*/extract) and needs the optional envs/anchor/.venv (``make
+anchor-env``), else its rows are skipped.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ BENCHES = {
     "scale": (["benchmarks/bench_scale.py"],
               [Row(f"scale_{s}", f"{s} {SCALE}", 2.3, "<=", key=s, miss="superlinear")
                for s in ("tokenize", "extract", "train", "generate")]),
+    # needs envs/anchor/.venv (`make anchor-env`); without it both rows print "skipped"
+    "anchor": (["benchmarks/bench_anchor.py"],
+               [Row("anchor_tau", "chain τ(k=3) eaglet / speculators Eagle3, same batches", 1.05, key="tau"),
+                Row("anchor_speed", "train tok/s eaglet / speculators Eagle3, same batches", 2.0, key="speed")]),
 }
 NUM = r"([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|skipped)"
 
