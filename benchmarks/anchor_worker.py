@@ -17,7 +17,9 @@ The model is speculators' own: ``create_transformer_layer_config`` (its CLI's dr
 target folder itself; checked equal to eaglet's below), its eagle3 defaults (norm before the
 residual, before fc and on the output; frozen embedding and head; one llama layer), its loss
 (``kl_div``, no step decay; the eager implementation, the fused one needs Triton) and its optimizer
-builder (AdamW, weight decay 0.01, or Muon) with its default linear schedule (1 % warm-up). Each
+builder (AdamW, weight decay 0.01, or Muon) with its default linear schedule (1 % warm-up) and its
+Trainer's gradient clipping at norm 1.0. Its Trainer runs the forward under bf16 autocast on CUDA;
+here it runs in fp32, as eaglet's trainer does on the CPU. Each
 micro-batch is packed the way its data loader packs samples (``shift_batch`` per sample, then
 concatenated with document ids), attention ``sdpa`` (its option for hardware without flex
 attention). Its trainer itself needs CUDA, so this is the loop around the model.
@@ -113,6 +115,7 @@ def main(d: Path) -> None:
         b = pack(samples, micro[step])
         _, loss, metrics = model(**b, **train_kw)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # as its Trainer does
         for o in opts:
             o.step()
         for s in scheds:
