@@ -24,8 +24,8 @@ time of the training steps (validation excluded; the first step, warm-up, exclud
 
 Prints ``ratio tau: X`` (eaglet τ / anchor τ, goal >= 1.05) and ``ratio speed: Y`` (eaglet tok/s /
 anchor tok/s, goal >= 2.0), each with a ``note <key>:`` line; ``skipped`` when the anchor env or the
-data is missing. Default: the run's full recipe (~10 min on 2 cores for the 147-sample lcreal store);
-``--quick``: one epoch (~2-3 min).
+data is missing. Default: the run's full recipe (6.5 min on 2 shared cores for the 147-sample lcreal store, 42
+steps); ``--quick``: one epoch (~3.5 min, most of it fixed costs).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def main() -> None:
     ap.add_argument("--results", default=str(ROOT / "results"), help="where the runs are (another clone's)")
     ap.add_argument("--run", default=None, help="results/<run> with extract/ and vocab_map/ (default: the largest)")
     ap.add_argument("--identity", default=str(IDENTITY))
-    ap.add_argument("--quick", action="store_true", help="one epoch (~2-3 min)")
+    ap.add_argument("--quick", action="store_true", help="one epoch (~3.5 min)")
     ap.add_argument("--epochs", type=float, default=None, help="override the run's train.epochs")
     ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                     help="the anchor's (speculators' builder): adamw, its TrainerConfig default, or muon, its CLI's")
