@@ -184,7 +184,10 @@ def main() -> None:
     p = train_params(run_params, a)
     K = int(p["ttt_steps"])
     ds = HiddenStateDataset([str(i) for i in index], verify="sha")
-    d2t, t2d = tr.check_vocab(str(vocab), ident)
+    check_vocab = getattr(tr, "check_vocab", None)
+    if check_vocab is None:  # moved with the trainer's set-up on main (eaglet.train_setup)
+        from eaglet.train_setup import check_vocab
+    d2t, t2d = check_vocab(str(vocab), ident)
     lengths = list(ds.num_tokens)
     micro, train_idx, val_idx = tr.plan_micro_batches(ds.ids, lengths, p)
     total = len(micro) // int(p["grad_accum"])
