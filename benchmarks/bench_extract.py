@@ -2,7 +2,7 @@
 
     python benchmarks/bench_extract.py [--identity resources/targets/smollm2-135m-instruct/identity.json]
         [--tokens results/smollm2/tokenize/tokens.parquet] [--n 48] [--length 512]
-        [--token-budget 8192] [--dtype bfloat16] [--repeats 6] [--device auto] [--max-spread 0.1]
+        [--token-budget 8192] [--dtype bfloat16] [--repeats 8] [--device auto]
 
 Without --tokens it makes ``--n`` samples of random ids, lengths uniform in [length/2, 3*length/2].
 The bare pass is the decoder stack alone (``model.model``: no LM head, no hooks) over exactly the
@@ -10,9 +10,9 @@ batches the stage forms; the stage adds the hooks, gathering unpadded rows, cast
 background chunk saves (fsync + sha256), the progress file and the final re-read check. The model
 is loaded once before either is timed. Bare and stage runs form ``--repeats`` pairs, back to back
 in ABBA order (bare first, then stage first: drift cancels); each pair gives a ratio. Prints the
-median tok/s of each, the median pair ratio with its range (goal >= 0.95), and says when the range
-is too wide to conclude (> ``--max-spread`` of the median): this VM's speed drifts by tens of
-percent over seconds.
+median tok/s of each, the median pair ratio (goal >= 0.95) with a distribution-free interval
+(benchmarks/paired.py), and says "cannot conclude" when that interval holds the goal: this VM's
+speed drifts by tens of percent over seconds.
 """
 
 from __future__ import annotations
@@ -76,9 +76,7 @@ def main() -> None:
     p.add_argument("--token-budget", type=int, default=8192)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--chunk-mb", type=float, default=64)
-    p.add_argument("--repeats", type=int, default=6, help="pairs of (bare, stage) runs")
-    p.add_argument("--max-spread", type=float, default=0.1,
-                   help="pair-ratio range, as a fraction of the median, above which no conclusion is drawn")
+    p.add_argument("--repeats", type=int, default=8, help="pairs of (bare, stage) runs")
     p.add_argument("--device", default="auto")
     a = p.parse_args()
     io.setup_logging()
@@ -122,7 +120,7 @@ def main() -> None:
     print(f"bare forward:  {ntok / statistics.median(t_bare):10.0f} tok/s (median)")
     print(f"extraction:    {ntok / statistics.median(t_ext):10.0f} tok/s (median; dtype {a.dtype}, layers "
           f"{target.default_layer_ids(ident['num_layers'])})")
-    print(spread_note(ratios, a.max_spread, "pair ratios"))
+    print(spread_note(ratios, 0.95, "pair ratios"))
     print(f"ratio:         {med:10.3f}  (goal >= 0.95)")
 
 
