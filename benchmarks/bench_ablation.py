@@ -3,7 +3,7 @@ each trained on identical data and batches with two seeds, scored by the exact c
 (k = ttt_steps) on the same validation positions.
 
     python benchmarks/bench_ablation.py [--quick] [--run-dir results/<run>] [--identity ID.json]
-        [--epochs E] [--seeds 0 1] [--only baseline,norm_before_fc] [--out results/ablation.json]
+        [--epochs E] [--seeds 0 1] [--only baseline,norm_before_fc,lr=3e-3] [--out results/ablation.json]
 
 Data: a run's stored hidden states (``<run-dir>/extract/shard_*/index.json`` and
 ``vocab_map/vocab.safetensors``; the first ``results/*`` that has both, e.g. the SmolLM2 default run)
@@ -107,6 +107,27 @@ def tiny_store(out: Path, n: int, new_tokens: int) -> tuple[list[str], str, dict
         f"tiny in-process Llama target ({n} greedy continuations, {new_tokens} new tokens max)"
 
 
+def option_params(name: str) -> dict:
+    """A named option of OPTIONS, or ad-hoc train params: ``lr=3e-3`` or ``lr=3e-3+norm_output=true``
+    (values read as JSON; keys must be train params)."""
+    if name in OPTIONS:
+        return OPTIONS[name]
+    params = {}
+    for part in name.split("+"):
+        if part in OPTIONS:
+            params.update(OPTIONS[part])
+            continue
+        key, sep, value = part.partition("=")
+        if not sep or key not in tr.DEFAULTS:
+            raise SystemExit(f"unknown option {part!r}: known {list(OPTIONS)}, or key=value with a train "
+                             f"param key ({sorted(tr.DEFAULTS)})")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key] = value
+    return params
+
+
 def run_one(hidden, vocab, ident, out: Path, params: dict) -> dict:
     t0 = time.time()
     s = tr.train(hidden, vocab, ident, out, params)
@@ -152,7 +173,8 @@ def main() -> None:
     ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
     ap.add_argument("--epochs", type=float, default=None, help="default 1 (real data), 3 (tiny), 1 (--quick)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--only", default=None, help="comma-separated option names (baseline is always run)")
+    ap.add_argument("--only", default=None, help="comma-separated option names (baseline is always run), or "
+                    "ad-hoc train params such as lr=3e-3 or lr=3e-3+norm_output")
     ap.add_argument("--params", default="{}", help="JSON overriding the base train params")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
@@ -160,9 +182,7 @@ def main() -> None:
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
     names = list(OPTIONS) if not a.only else ["baseline"] + [n for n in a.only.split(",") if n != "baseline"]
-    unknown = [n for n in names if n not in OPTIONS]
-    if unknown:
-        raise SystemExit(f"unknown options {unknown}; known: {list(OPTIONS)}")
+    chosen = {n: option_params(n) for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         run = None if a.quick else (Path(a.run_dir) if a.run_dir else find_run(ROOT / "results"))
         base = dict(BASE)
@@ -188,7 +208,7 @@ def main() -> None:
         for name in names:
             res[name] = {}
             for seed in a.seeds:
-                params = {**base, **OPTIONS[name], "seed": seed}
+                params = {**base, **chosen[name], "seed": seed}
                 r = run_one(hidden, vocab, ident, Path(tmp) / "runs" / f"{name}_{seed}", params)
                 res[name][seed] = r
                 print(f"  {name:<22} seed {seed}: chain tau {r['chain_tau']:.4f} (teacher-forced {r['tf_tau']:.4f}, "

@@ -283,3 +283,42 @@ def test_a_data_fraction_trains_on_fewer_samples_and_records_its_validation_chai
         rounds = sum(r for _, r in groups)
         assert rounds == s["best_val"]["chain_rounds"] > 0
         assert 1 + sum(a for a, _ in groups) / rounds == pytest.approx(s["selected"]["val_chain_tau"])
+
+
+def _copy_store(ds, indices, out, digest, prefix=""):
+    """The samples ``indices`` of ``ds`` in a new store (ids prefixed), with their label references."""
+    from eaglet.hidden_store import ShardWriter
+
+    w = ShardWriter(out / "shard_0", 0, 1, LAYERS, True, "float32", 128, digest, 1 << 16)
+    keep = {ds.ids[i] for i in indices}
+    for i in indices:
+        s = ds.sample(i)
+        w.add(prefix + s["id"], s["input_ids"], s["loss_mask"], s["aux"].view(-1, 3, s["aux"].shape[-1]), s["final"])
+    w.add_references([[prefix + r[0], *r[1:]] for r in ds.label_references if r[0] in keep])
+    w.finish()
+    return str(out / "shard_0" / "index.json")
+
+
+def test_validation_stores_replace_the_split_and_score_the_same(tiny_target, data, tmp_path):
+    """train(val_hidden=...): the held-out samples moved to a store of their own (ids renamed) and
+    the rest as the training store train the same drafter and score the same validation chain
+    as the val_fraction split of the whole store; a validation store that repeats a training id
+    is refused, naming it."""
+    ds = HiddenStateDataset(data["index"])
+    held = [i for i, sid in enumerate(ds.ids) if is_val(sid, PARAMS["val_fraction"])]
+    rest = [i for i in range(len(ds.ids)) if i not in held]
+    assert held and rest
+    digest = tiny_target["digest"]
+    train_store = _copy_store(ds, rest, tmp_path / "train_store", digest)
+    val_store = _copy_store(ds, held, tmp_path / "val_store", digest, prefix="v-")
+    p = dict(PARAMS, max_steps=6, val_every=3)
+    a = train(data["index"], data["vocab"], tiny_target, tmp_path / "split", p)
+    b = train([train_store], data["vocab"], tiny_target, tmp_path / "stores", p, val_hidden=[val_store])
+    assert b["val_stores"] == "validation-only stores" and a["val_stores"] != b["val_stores"]
+    assert (b["train_samples"], b["val_samples"]) == (a["train_samples"], a["val_samples"]) == (len(rest), len(held))
+    assert b["best_val"]["chain_rounds"] == a["best_val"]["chain_rounds"] > 0
+    assert b["best_val"]["chain_tau"] == pytest.approx(a["best_val"]["chain_tau"], abs=1e-6)
+    assert b["best_val_chain_by_sequence"] == a["best_val_chain_by_sequence"]
+    dup = _copy_store(ds, rest[:2], tmp_path / "dup_store", digest)
+    with pytest.raises(io.ArtifactError, match=ds.ids[rest[0]]):
+        train([train_store], data["vocab"], tiny_target, tmp_path / "dup", p, val_hidden=[dup])

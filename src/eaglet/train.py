@@ -139,6 +139,7 @@ def write_outputs(r: _Run, tokens_seen: int, elapsed: float) -> dict:
     io.write_parquet(r.out_dir / "metrics.parquet", pd.DataFrame(rows))
     summary = {"steps": r.total, "resumed_from": r.start, "world_size": r.ws, "device": r.device.type,
                "micro_batches_per_step": r.M, "train_samples": len(r.train_idx), "val_samples": len(r.val_idx),
+               "val_stores": "validation-only stores" if r.val_ids is not None else "val_fraction of the data",
                "data_fraction": r.p["data_fraction"],
                "train_tokens": int(sum(r.ds.num_tokens[i] for i in r.train_idx)),
                # the kept pass's exact chain (accepted, rounds) at k = K per validation sequence
@@ -158,10 +159,13 @@ def write_outputs(r: _Run, tokens_seen: int, elapsed: float) -> dict:
 
 
 def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, params: dict | None = None,
-          dataset: HiddenStateDataset | None = None, online: dict | None = None) -> dict:
+          dataset: HiddenStateDataset | None = None, online: dict | None = None,
+          val_hidden: list[str] | None = None) -> dict:
     """Train a drafter; write the stage's outputs under ``out_dir``; return the summary. With
     ``train.hidden_states: online``, ``online`` = {tokens, layer_ids, dtype, target_load} (eaglet.online)
-    replaces the stored ``hidden`` states."""
+    replaces the stored ``hidden`` states. ``val_hidden``: stores used only for validation (for
+    example the target's own answers to the evaluation prompts); ``val_fraction`` then holds out
+    nothing from ``hidden``."""
     from tqdm import tqdm
 
     from eaglet.online import check_settings
@@ -169,7 +173,7 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
     p = resolve_params(params)
     if dataset is None:
         check_settings(p["hidden_states"], online)
-    r = setup(hidden, vocab, identity, Path(out_dir), p, dataset, online)
+    r = setup(hidden, vocab, identity, Path(out_dir), p, dataset, online, val_hidden)
     plan_run(r, hidden)
     resume(r, vocab, identity)
     batches = Batches(r)
@@ -203,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--online", default=None,
                     help='train.hidden_states online: JSON (or @FILE) {"tokens": tokenize/tokens.parquet, '
                          '"layer_ids", "dtype" (extract\'s), "target_load": {dtype, device, trust_remote_code}}')
+    ap.add_argument("--val-hidden", nargs="*", default=[], help="index.json files of stores used only for "
+                    "validation (train.val_fraction then holds out nothing)")
     ap.add_argument("--vocab", required=True, help="vocab_map/vocab.safetensors (d2t, t2d)")
     ap.add_argument("--target-identity", required=True, help="the target's identity.json")
     ap.add_argument("--out-dir", required=True)
@@ -226,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     online = io.parse_json_arg(a.online, None)
     if online:
         io.verify_recorded(online["tokens"], Path(online["tokens"]).with_name("metadata.json"))  # tokenize's record
-    train(a.hidden, a.vocab, identity, a.out_dir, io.parse_json_arg(a.params, {}), online=online)
+    train(a.hidden, a.vocab, identity, a.out_dir, io.parse_json_arg(a.params, {}), online=online,
+          val_hidden=a.val_hidden or None)
 
 
 if __name__ == "__main__":

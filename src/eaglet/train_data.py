@@ -62,16 +62,21 @@ def collate(samples: list[dict], device) -> dict:
     return out
 
 
-def plan_micro_batches(ids: list[str], lengths: list[int], p: dict):
+def plan_micro_batches(ids: list[str], lengths: list[int], p: dict, val_ids: set[str] | None = None):
     """All micro-batches of the run in order (epochs concatenated, a fractional last epoch cut),
     and the train/val sample indices. Step s of a run with M micro-batches per step uses
     micro[s*M:(s+1)*M], whatever the world size: the step number is the data position. The plan
     reads the samples in id order, so it depends on the data, not on where it is stored (shards,
-    their order, or the tokens file when the states are computed online)."""
+    their order, or the tokens file when the states are computed online). ``val_ids``: the
+    validation samples by id (stores given for validation only); ``val_fraction`` then splits
+    nothing off the training samples."""
     order = sorted(range(len(ids)), key=ids.__getitem__)
-    train_idx = [i for i in order
-                 if not is_val(ids[i], p["val_fraction"]) and in_fraction(ids[i], p["data_fraction"])]
-    val_idx = [i for i in order if is_val(ids[i], p["val_fraction"])]
+    if val_ids is None:
+        held = [is_val(i, p["val_fraction"]) for i in ids]
+    else:
+        held = [i in val_ids for i in ids]
+    train_idx = [i for i in order if not held[i] and in_fraction(ids[i], p["data_fraction"])]
+    val_idx = [i for i in order if held[i]]
     micro: list[list[int]] = []
     for e in range(math.ceil(p["epochs"])):
         eb = plan_batches(train_idx, lengths, p["token_budget"], p["seed"], e)

@@ -98,6 +98,7 @@ class _Run:
     micro: list = field(default_factory=list)
     train_idx: list = field(default_factory=list)
     val_idx: list = field(default_factory=list)
+    val_ids: set | None = None  # validation samples by id when stores are given for validation only
     val_batches: list = field(default_factory=list)
     A: int = 1
     M: int = 1
@@ -129,17 +130,36 @@ def check_vocab(vocab: str, identity: dict) -> tuple[torch.Tensor, torch.Tensor]
     return d2t, t2d
 
 
+def open_validation(hidden: list[str], val_hidden: list[str]) -> tuple[HiddenStateDataset, set[str]]:
+    """The training stores and the validation-only stores as one dataset, and the validation ids.
+    An id in both would be trained on and scored: refused."""
+    ds = HiddenStateDataset(list(hidden) + list(val_hidden), verify="sha")
+    val_ids = set(HiddenStateDataset(list(val_hidden), verify="header").ids)
+    n_train = len(ds.ids) - len(val_ids)
+    if len(set(ds.ids)) != len(ds.ids) or n_train < 0:
+        both = sorted(set(ds.ids[:n_train]) & val_ids)[:5] or sorted(i for i in set(ds.ids) if ds.ids.count(i) > 1)[:5]
+        raise io.ArtifactError(f"validation stores {val_hidden}: sample ids also in the training stores or "
+                               f"repeated, e.g. {both}")
+    return ds, val_ids
+
+
 def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
-          dataset: HiddenStateDataset | None, online: dict | None = None) -> _Run:
+          dataset: HiddenStateDataset | None, online: dict | None = None,
+          val_hidden: list[str] | None = None) -> _Run:
     """Processes, data (stored, or the target itself when online), labels, drafter (DDP-wrapped on
-    several ranks)."""
+    several ranks). ``val_hidden``: stores used only for validation (stored states only)."""
     rank, ws, device = dist_setup(int(p["gpus"]))
+    val_ids = None
+    if val_hidden and (dataset is not None or online):
+        raise ValueError("train: validation stores (val_hidden) need stored training states")
     if dataset is not None:
         ds = dataset
     elif online:
         from eaglet.online import open_source
 
         ds = open_source(online, identity, device, int(p["token_budget"]))
+    elif val_hidden:
+        ds, val_ids = open_validation(hidden, val_hidden)
     else:
         # Opening checks headers and sizes only; each rank hashes a chunk against its index when it
         # first reads it, so no rank stalls the others' DDP init hashing terabytes (issue 14).
@@ -173,7 +193,8 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
         model = DDP(objective, device_ids=[device.index] if device.type == "cuda" else None,
                     broadcast_buffers=False)
     return _Run(p=p, out_dir=out_dir, rank=rank, ws=ws, device=device, ds=ds, d2t=d2t, t2d=t2d, cfg=cfg,
-                head=head, label_check=label_check, drafter=drafter, objective=objective, model=model)
+                head=head, label_check=label_check, drafter=drafter, objective=objective, model=model,
+                val_ids=val_ids)
 
 
 def plan_run(r: _Run, hidden: list[str]) -> None:
@@ -181,7 +202,7 @@ def plan_run(r: _Run, hidden: list[str]) -> None:
     the optimizer and its schedule."""
     p = r.p
     lengths = list(r.ds.num_tokens)
-    r.micro, r.train_idx, r.val_idx = plan_micro_batches(r.ds.ids, lengths, p)
+    r.micro, r.train_idx, r.val_idx = plan_micro_batches(r.ds.ids, lengths, p, r.val_ids)
     r.A = int(p["grad_accum"])
     r.M = r.A * r.ws
     if not r.train_idx:
