@@ -3,7 +3,8 @@ each trained on identical data and batches with two seeds, scored by the exact c
 (k = ttt_steps) on the same validation positions.
 
     python benchmarks/bench_ablation.py [--quick] [--run-dir results/<run>] [--identity ID.json]
-        [--epochs E] [--seeds 0 1] [--only baseline,norm_before_fc,lr=3e-3] [--out results/ablation.json]
+        [--epochs E] [--seeds 0 1] [--only baseline,norm_before_fc,lr=3e-3] [--val results/mtval]
+        [--out results/ablation.json]
 
 Data: a run's stored hidden states (``<run-dir>/extract/shard_*/index.json`` and
 ``vocab_map/vocab.safetensors``; the first ``results/*`` that has both, e.g. the SmolLM2 default run)
@@ -128,9 +129,9 @@ def option_params(name: str) -> dict:
     return params
 
 
-def run_one(hidden, vocab, ident, out: Path, params: dict) -> dict:
+def run_one(hidden, vocab, ident, out: Path, params: dict, val_hidden: list[str] | None = None) -> dict:
     t0 = time.time()
-    s = tr.train(hidden, vocab, ident, out, params)
+    s = tr.train(hidden, vocab, ident, out, params, val_hidden=val_hidden)
     bv = s["best_val"] or {}
     return {"chain_tau": bv.get("chain_tau"), "tf_tau": bv.get("tf_tau"), "loss": bv.get("loss"),
             "rounds": bv.get("chain_rounds"), "steps": s["steps"], "seconds": round(time.time() - t0, 1),
@@ -176,6 +177,8 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated option names (baseline is always run), or "
                     "ad-hoc train params such as lr=3e-3 or lr=3e-3+norm_output")
     ap.add_argument("--params", default="{}", help="JSON overriding the base train params")
+    ap.add_argument("--val", default=None, help="score on this store instead of the run's val_fraction split: a run "
+                    "folder with extract/ (e.g. the target's answers to MT-Bench) or index.json files, comma-separated")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -201,6 +204,13 @@ def main() -> None:
             if run is None and not a.quick:
                 source += "; no stored run found under results/"
         base.update(json.loads(a.params))
+        val = None
+        if a.val:
+            val = ([str(x) for x in sorted(Path(a.val).glob("extract/shard_*/index.json"))]
+                   if Path(a.val).is_dir() else a.val.split(","))
+            if not val:
+                raise SystemExit(f"--val {a.val}: no extract/shard_*/index.json")
+            source += f"; scored on {a.val} (every sample of the data trained on)"
         print(f"data: {source}", flush=True)
         print(f"base params: {json.dumps(base, sort_keys=True)}", flush=True)
         res: dict = {}
@@ -209,7 +219,7 @@ def main() -> None:
             res[name] = {}
             for seed in a.seeds:
                 params = {**base, **chosen[name], "seed": seed}
-                r = run_one(hidden, vocab, ident, Path(tmp) / "runs" / f"{name}_{seed}", params)
+                r = run_one(hidden, vocab, ident, Path(tmp) / "runs" / f"{name}_{seed}", params, val)
                 res[name][seed] = r
                 print(f"  {name:<22} seed {seed}: chain tau {r['chain_tau']:.4f} (teacher-forced {r['tf_tau']:.4f}, "
                       f"{r['rounds']} rounds, {r['steps']} steps, {r['seconds']:.0f} s)", flush=True)

@@ -58,6 +58,9 @@ BENCHES = {
             [Row("fp8", "hidden bytes/token fp8 / bf16 (note: τ)", 0.55, "<=")]),
     "ablation": (["benchmarks/bench_ablation.py"],
                  [Row("ablation", "best recipe option's chain τ / baseline's (2 seeds; note: beyond noise?)", 1.0)]),
+    # needs the runs of benchmarks/mix/*.yaml (results/mix-*); without them the row prints "skipped"
+    "mix": (["benchmarks/bench_mix.py"],
+            [Row("mix", "best data.mix arm's MT-Bench chain τ / all regenerated, equal CPU time (note: which)", 1.0)]),
     "scale": (["benchmarks/bench_scale.py"],
               [Row(f"scale_{s}", f"{s} {SCALE}", 2.3, "<=", key=s, miss="superlinear")
                for s in ("tokenize", "extract", "train", "generate")]),
