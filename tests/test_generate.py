@@ -151,6 +151,28 @@ def test_prompt_over_the_limit_is_not_generated_and_tokenize_cuts_no_answer(tiny
 
 
 # --------------------------------------------------------------------------- data.mix (issue 15)
+def test_an_original_response_over_the_limit_is_not_passed_on(tiny_target, tmp_path):
+    """data.mix 0: no row is regenerated, and a row whose prompt leaves no room for its own answer
+    under the limit is dropped at generate with its reason, as a regenerated one would be; tokenize
+    then cuts no answer away whole."""
+    from eaglet import tokenize
+
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    _short_and_long(tmp_path / "in.parquet")
+    limit = 96
+    cfg = {"backend": "local", "max_tokens": 8, "min_answer_tokens": 8, "turns": "last", "mix": 0.0}
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "o", {**cfg, "max_length": limit})
+    assert (s["regenerated"], s["original"], s["filtered"], s["filtered_original"]) == (0, 3, 1, 1)
+    assert s["samples"] + s["errors"] + s["filtered"] == s["input"] == 4 and s["this_run"]["requests"] == 0
+    assert "long" not in assistant_texts(tmp_path / "o" / "conversations.parquet")
+    err = io.read_parquet(tmp_path / "o" / "errors.parquet").to_pylist()
+    assert [(e["id"], e["error_kind"]) for e in err] == [("long", "prompt_over_limit")]
+    m = tokenize.run(tmp_path / "o" / "conversations.parquet", ident, tmp_path / "tok", max_length=limit)
+    assert m["samples_processed"] == 3 and "truncated_no_answer" not in m["skipped_by_reason"]
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "o", cfg)  # no limit: all four passed on
+    assert (s["original"], s["filtered"]) == (4, 0)
+
+
 def test_mix_regenerates_a_share_and_passes_the_rest_through(tiny_target, tmp_path):
     """data.mix 0.5: half the conversations regenerated, the others output with the dataset's own
     responses, in input order; mix 0 generates nothing (no model is loaded: nothing to send)."""

@@ -123,10 +123,14 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
     redo = {i for i, r in done.items() if not r["ok"] and (retry_errors or transient(r["error_kind"]))}
     # Checked on every run, done rows too (cheap, no generation): a changed limit applies at once,
     # and a result kept from a run under a higher limit is not output.
-    filtered = over_limit(rows, cfg, _prompt_tokenizer(cfg, ident, chat_template)) if cfg["max_length"] else {}
+    # The dataset's own responses (data.mix < 1) too: such a row would reach tokenize with no room
+    # left for its answer either way.
+    filtered = (over_limit(everything, cfg, _prompt_tokenizer(cfg, ident, chat_template))
+                if cfg["max_length"] else {})
     pending = [r for r in rows if str(r["id"]) not in filtered
                and (str(r["id"]) not in done or str(r["id"]) in redo)]
-    skipped = len(rows) - len(pending) - len(filtered)
+    n_over = sum(str(r["id"]) in filtered for r in rows)  # of the rows to regenerate
+    skipped = len(rows) - len(pending) - n_over
     log.info("generate: %d conversations, %d keep their responses (data.mix %s), %d over the prompt limit "
              "(not sent), %d done before, %d to do (%d failures retried), backend %s", len(everything),
              len(everything) - len(rows), cfg["mix"], len(filtered), skipped, len(pending), len(redo),
@@ -135,7 +139,7 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
     from tqdm import tqdm
 
     tty = sys.stderr.isatty()
-    bar = tqdm(total=len(rows), initial=skipped + len(filtered), unit="conv", desc="generate", file=sys.stderr,
+    bar = tqdm(total=len(rows), initial=skipped + n_over, unit="conv", desc="generate", file=sys.stderr,
                mininterval=1 if tty else 30)
     t0, run = time.monotonic(), Counter()
 
@@ -158,8 +162,8 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
     timing = {"wall_s": t_end - t0, "generation_s": t_end - (sink.t_gen0 or t_end)}
     summary = _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, sink.written, run, timing, filtered,
                       everything)
-    if summary["errors"] > cfg["max_error_fraction"] * (len(rows) - len(filtered)):
-        raise RuntimeError(f"generate: {summary['errors']} of {len(rows) - len(filtered)} conversations failed "
+    if summary["errors"] > cfg["max_error_fraction"] * (len(rows) - n_over):
+        raise RuntimeError(f"generate: {summary['errors']} of {len(rows) - n_over} conversations failed "
                            f"({summary['errors_by_kind']}); see {out_dir / 'errors.parquet'}")
     return summary
 
@@ -176,29 +180,29 @@ def _prompt_tokenizer(cfg: dict, ident: dict, chat_template: str | None):
 def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, timing, filtered,
             everything) -> dict:
     """Merge the parts in input order, check the accounting, write the three outputs. Rows over
-    the prompt limit (``filtered``, never sent) are listed in errors.parquet with their reason
-    and counted apart from the generation errors. ``everything``: all input rows; those not in
-    ``rows`` (data.mix) are output with their own responses."""
+    the prompt limit (``filtered``: never sent, or with data.mix not passed on) are listed in
+    errors.parquet with their reason and counted apart from the generation errors. ``everything``:
+    all input rows; those not in ``rows`` (data.mix) are output with their own responses."""
     import pyarrow as pa
 
     done = load_parts(parts, inputs)
     sent = [str(r["id"]) for r in rows if str(r["id"]) not in filtered]
     ok = [done[i] for i in sent if i in done and done[i]["ok"]]
     err = [done[i] for i in sent if i in done and not done[i]["ok"]]
-    if written["ok"] + written["error"] + skipped + len(filtered) != len(rows):
+    if written["ok"] + written["error"] + skipped + len(rows) - len(sent) != len(rows):
         raise RuntimeError(f"generate: accounting broken: {written['ok']} ok + {written['error']} errors "
-                           f"+ {skipped} skipped + {len(filtered)} over the limit != {len(rows)} input")
+                           f"+ {skipped} skipped + {len(rows) - len(sent)} over the limit != {len(rows)} input")
     if len(ok) + len(err) != len(sent):
         raise RuntimeError(f"generate: {len(sent) - len(ok) - len(err)} input ids have no result in {parts}")
     mine = {r["id"]: r for r in ok}
-    original = [r for r in everything if str(r["id"]) not in inputs]
+    original = [r for r in everything if str(r["id"]) not in inputs and str(r["id"]) not in filtered]
     io.write_conversations(out_dir / "conversations.parquet",
                            [mine.get(str(r["id"]), r) for r in everything
-                            if str(r["id"]) in mine or str(r["id"]) not in inputs])
+                            if str(r["id"]) in mine or (str(r["id"]) not in inputs and str(r["id"]) not in filtered)])
     err_schema = pa.schema([("id", pa.string()), ("error_kind", pa.string()), ("reason", pa.string())])
     err_rows = [{"id": e["id"], "error_kind": e["error_kind"], "reason": e["reason"]} for e in err]
     err_rows += [{"id": str(r["id"]), "error_kind": OVER_LIMIT, "reason": filtered[str(r["id"])]}
-                 for r in rows if str(r["id"]) in filtered]
+                 for r in everything if str(r["id"]) in filtered]
     io.write_parquet(out_dir / "errors.parquet", pa.Table.from_pylist(err_rows, schema=err_schema))
     turns = sum(r["generated_turns"] for r in ok)
     finish = Counter(f for r in ok for f in r["finish_reasons"])
@@ -208,8 +212,10 @@ def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, tim
         "samples": len(ok) + len(original), "input": len(everything), "errors": len(err),
         # data.mix: regenerated + original = samples
         "mix": cfg["mix"], "regenerated": len(ok), "original": len(original),
-        # never sent: the prompt leaves fewer than answer_room tokens under max_length
+        # never sent (nor passed on when data.mix keeps the dataset's response): the prompt leaves
+        # fewer than answer_room tokens under max_length
         "filtered": len(filtered), "filtered_by_reason": {OVER_LIMIT: len(filtered)} if filtered else {},
+        "filtered_original": sum(str(r["id"]) not in inputs for r in everything if str(r["id"]) in filtered),
         "max_length": cfg["max_length"], "min_answer_tokens": answer_room(cfg),
         "this_run": {"success": written["ok"], "error": written["error"], "skipped": skipped,
                      "requests": run["requests"], "completion_tokens": run["tokens"]},

@@ -78,10 +78,19 @@ def _generate(g: dict) -> str:
     # samples counts the ok rows only (it once printed samples - errors of samples)
     over = g.get("filtered", 0)
     over = f"; {over} prompts over the length limit not sent" if over else ""
-    return (f"{g.get('backend')} backend; {g['samples']} of {g.get('input', g['samples'])} ok ({err}{over}); "
-            f"{_n(g.get('completion_tokens'))} completion tokens at {g.get('tokens_per_s', 0):.1f} tok/s "
-            f"(concurrency {g.get('concurrency')}); {g.get('hit_max_tokens', 0)} hit max_tokens "
-            f"{(g.get('sampling') or {}).get('max_tokens')}")
+    original = g.get("original") or 0
+    mix = (f"; data.mix {g.get('mix')}: {g.get('regenerated', 0)} regenerated, {original} with the dataset's "
+           "responses" if original else "")
+    rate, made = g.get("tokens_per_s"), g.get("regenerated", g["samples"])
+    if not made:
+        gen = "nothing generated"
+    elif rate is None:
+        gen = f"{_n(g.get('completion_tokens'))} completion tokens, all kept from an earlier run"
+    else:
+        gen = (f"{_n(g.get('completion_tokens'))} completion tokens at {rate:.1f} tok/s (concurrency "
+               f"{g.get('concurrency')}); {g.get('hit_max_tokens', 0)} hit max_tokens "
+               f"{(g.get('sampling') or {}).get('max_tokens')}")
+    return f"{g.get('backend')} backend; {g['samples']} of {g.get('input', g['samples'])} ok ({err}{over}{mix}); {gen}"
 
 
 def _skipped(m: dict) -> str:
