@@ -61,12 +61,15 @@ def arm_data(run: Path) -> dict:
     """What the arm's data is and what it cost, from the run's own records."""
     gen = io.read_json(run / "generate/generate_summary.json")
     tok = io.read_json(run / "tokenize/metadata.json")
-    jobs = stage_times(run, ROOT)
+    rel = run.resolve().relative_to(ROOT) if run.resolve().is_relative_to(ROOT) else run
+    jobs = stage_times(rel, ROOT)  # Snakemake records paths relative to the workflow folder
     ext_s = sum(j["seconds"] for j in jobs if j["rule"] == "extract_hidden_states") or None
     gen_s = gen.get("wall_s") if gen.get("regenerated") else 0.0
+    # a rate only from a run that generated all its answers itself (none reused from earlier parts)
+    whole = gen.get("regenerated") and gen.get("this_run", {}).get("completion_tokens") == gen.get("completion_tokens")
     return {"run": str(run), "regenerated": gen.get("regenerated", 0), "original": gen.get("original", 0),
             "completion_tokens": gen.get("completion_tokens", 0) if gen.get("regenerated") else 0,
-            "gen_tok_s": gen.get("tokens_per_s") if gen.get("regenerated") else None,
+            "gen_tok_s": gen.get("tokens_per_s") if whole else None,
             "samples": tok["samples_processed"], "tokens": tok["total_tokens"],
             "assistant_tokens": tok["total_assistant_tokens"], "truncated": tok.get("truncated"),
             "generate_s": gen_s, "extract_s": ext_s,
