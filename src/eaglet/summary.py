@@ -55,13 +55,24 @@ ROWS = {"target": ["target_model"], "generate": ["generate"],
         "plots / provenance": ["plots", "provenance"]}
 
 
+IDLE_S = 300  # a pause this long between jobs separates two invocations of the workflow
+
+
 def _walls(prov: dict | None) -> tuple[dict[str, float], float | None]:
-    """(seconds per row, the run's span from the first job's start to the last one's end)."""
+    """(seconds per row, the span of the last invocation: from the first job's start to the last
+    one's end, over the jobs that ran without a pause of IDLE_S; a stage kept from an earlier
+    invocation, such as a target built hours before, is not in it)."""
     times = (prov or {}).get("stage_wall_times") or []
     per = {row: sum(t["seconds"] for t in times if t["rule"] in rules) for row, rules in ROWS.items()}
-    spans = [(t["start"], t["end"]) for t in times if "start" in t]
-    total = max(e for _, e in spans) - min(s for s, _ in spans) if spans else None
-    return {r: v for r, v in per.items() if v}, total
+    spans = sorted(((t["start"], t["end"]) for t in times if "start" in t), key=lambda x: x[1], reverse=True)
+    if not spans:
+        return {r: v for r, v in per.items() if v}, None
+    first, last = spans[0]
+    for start, end in spans[1:]:
+        if end < first - IDLE_S:
+            break
+        first = min(first, start)
+    return {r: v for r, v in per.items() if v}, last - first
 
 
 def _ci(x: dict | None, fmt: str = ".2f") -> str:
@@ -218,7 +229,7 @@ def table(run_dir: str | Path) -> list[str]:
            f"{hw.get('gpu_count', 0)} GPUs", "", "| stage | result | wall |", "|---|---|---|"]
     for name, text in rows:
         out.append(f"| {name} | {text.replace('|', '/')} | {_minutes(walls.get(name))} |")
-    out.append(f"| **total** | first job start to last job end | **{_minutes(total)}** |")
+    out.append(f"| **total** | first job start to last job end (this invocation) | **{_minutes(total)}** |")
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,14 +133,16 @@ def check_vocab(vocab: str, identity: dict) -> tuple[torch.Tensor, torch.Tensor]
 
 def open_validation(hidden: list[str], val_hidden: list[str]) -> tuple[HiddenStateDataset, set[str]]:
     """The training stores and the validation-only stores as one dataset, and the validation ids.
-    An id in both would be trained on and scored: refused."""
+    An id in both (trained on and scored) or twice among the validation stores is refused."""
     ds = HiddenStateDataset(list(hidden) + list(val_hidden), verify="sha")
-    val_ids = set(HiddenStateDataset(list(val_hidden), verify="header").ids)
-    n_train = len(ds.ids) - len(val_ids)
-    if len(set(ds.ids)) != len(ds.ids) or n_train < 0:
-        both = sorted(set(ds.ids[:n_train]) & val_ids)[:5] or sorted(i for i in set(ds.ids) if ds.ids.count(i) > 1)[:5]
+    val = HiddenStateDataset(list(val_hidden), verify="header").ids  # the last len(val) ids of ds
+    val_ids = set(val)
+    bad = sorted(set(ds.ids[:len(ds.ids) - len(val)]) & val_ids)
+    if len(val_ids) != len(val):
+        bad += sorted(i for i, n in Counter(val).items() if n > 1)
+    if bad:
         raise io.ArtifactError(f"validation stores {val_hidden}: sample ids also in the training stores or "
-                               f"repeated, e.g. {both}")
+                               f"repeated, e.g. {bad[:5]}")
     return ds, val_ids
 
 
