@@ -196,9 +196,9 @@ def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, tim
         raise RuntimeError(f"generate: {len(sent) - len(ok) - len(err)} input ids have no result in {parts}")
     mine = {r["id"]: r for r in ok}
     original = [r for r in everything if str(r["id"]) not in inputs and str(r["id"]) not in filtered]
+    kept = mine.keys() | {str(r["id"]) for r in original}
     io.write_conversations(out_dir / "conversations.parquet",
-                           [mine.get(str(r["id"]), r) for r in everything
-                            if str(r["id"]) in mine or (str(r["id"]) not in inputs and str(r["id"]) not in filtered)])
+                           [mine.get(str(r["id"]), r) for r in everything if str(r["id"]) in kept])
     err_schema = pa.schema([("id", pa.string()), ("error_kind", pa.string()), ("reason", pa.string())])
     err_rows = [{"id": e["id"], "error_kind": e["error_kind"], "reason": e["reason"]} for e in err]
     err_rows += [{"id": str(r["id"]), "error_kind": OVER_LIMIT, "reason": filtered[str(r["id"])]}
@@ -215,7 +215,7 @@ def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, tim
         # never sent (nor passed on when data.mix keeps the dataset's response): the prompt leaves
         # fewer than answer_room tokens under max_length
         "filtered": len(filtered), "filtered_by_reason": {OVER_LIMIT: len(filtered)} if filtered else {},
-        "filtered_original": sum(str(r["id"]) not in inputs for r in everything if str(r["id"]) in filtered),
+        "filtered_original": len(filtered) - (len(rows) - len(sent)),
         "max_length": cfg["max_length"], "min_answer_tokens": answer_room(cfg),
         "this_run": {"success": written["ok"], "error": written["error"], "skipped": skipped,
                      "requests": run["requests"], "completion_tokens": run["tokens"]},
