@@ -55,6 +55,8 @@ def _slow_generate_workflow(tmp_path: Path, canned: str, tiny_target: dict) -> P
         for i in range(26)))
     conf = {"run": "faults", "target": {"name": "tiny-llama", "tiny": {}},
             "prompts": {"source": "file", "path": str(src), "n": 24, "heldout": 2},
+            # Every answer regenerated: config.yaml's default (data.mix 0.0) would send nothing.
+            "data": {"mix": 1.0},
             "generate": {"backend": "openai", "base_urls": [canned], "model": "canned", "concurrency": 1,
                          "chunk_size": 2, "flush_s": 3600, "max_tokens": 8}}
     (wf / "config" / "faults.yaml").write_text(yaml.safe_dump(conf))
