@@ -253,3 +253,14 @@ def test_hf_loop_auto_skips_a_tensor_parallel_target_and_says_why(repo):
     assert "evaluation HF loop: NOT RUN (evaluate.hf_loop auto: target.vllm.tensor_parallel_size is 8" in out
     off = next(j for j in jobs if j["rule"] == "evaluate_offline")
     assert '"hf_loop": false' in off["shell"] and "tensor_parallel_size is 8" in off["shell"]
+
+
+def test_tokenize_and_evaluation_render_with_the_served_template_kwargs(repo, kimi_plan):
+    """generate serves Kimi with chat_template_kwargs {thinking: true}; tokenize and every
+    evaluation stage render the template with the same kwargs (the served text), not the
+    template's defaults."""
+    by = {j["rule"]: j for j in kimi_plan[1]}
+    assert KIMI["generate"]["chat_template_kwargs"] == {"thinking": True}
+    assert "--chat-template-kwargs='{\"thinking\": true}'" in by["tokenize"]["shell"], by["tokenize"]["shell"]
+    for rule in ("evaluate_offline", "evaluate_speculative", "evaluate_vllm"):
+        assert '"chat_template_kwargs": {"thinking": true}' in by[rule]["shell"], (rule, by[rule]["shell"][:600])

@@ -1,6 +1,8 @@
 """tokenize: the template's own rendering, an assistant-only mask that decodes to assistant text,
 reasoning wrapped in thinking tokens, over-long handling, malformed rows counted."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -136,3 +138,29 @@ def test_backend_encode_gives_the_wrappers_ids_and_masks(tok):
     assert tokenize.backend(slow) is None
     ids2, masks2 = tokenize.encode_masked(slow, texts, spans)
     assert all(np.array_equal(a, b) for a, b in zip(ids + masks, ids2 + masks2))
+
+
+def test_template_kwargs_render_what_the_server_prefills(tok):
+    """Qwen3 served with enable_thinking: false pre-fills an empty think block in the generation
+    prompt: rendered with the served kwargs it is prompt (no loss token) and the evaluation prompt
+    ends with it; rendered without them it would be trained on as if the target had produced it."""
+    from eaglet import eval_sets
+    from eaglet.family_templates import QWEN3_TEMPLATE
+
+    q = copy.deepcopy(tok)
+    q.chat_template = QWEN3_TEMPLATE
+    msgs = [U("2+2?"), A("4")]
+    served = {"enable_thinking": False}
+
+    def masked(kwargs):
+        kept, skipped, _ = tokenize.tokenize_rows(q, [row(0, msgs)], template_kwargs=kwargs)
+        assert not skipped
+        return q.decode(kept[0]["input_ids"][kept[0]["loss_mask"].astype(bool)].tolist()), kept[0]["input_ids"]
+
+    text, ids = masked(served)
+    assert text.startswith("4<|im_end|>") and "think" not in text
+    assert "<think>" in q.decode(ids.tolist())  # the block is in the sequence, as prompt
+    assert masked({})[0].startswith("<think>")  # the old rendering trained on the pre-fill
+    prompt = q.decode(eval_sets.encode(q, [U("2+2?")], served))
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not q.decode(eval_sets.encode(q, [U("2+2?")])).endswith("</think>\n\n")

@@ -140,8 +140,10 @@ def load_set(spec: str, n: int | None = None) -> list[dict]:
     return spread(rows, n)
 
 
-def encode(tok, messages: list[dict]) -> list[int]:
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def encode(tok, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """The prompt as the server renders it: the generation prompt with the template's keyword
+    arguments as served (``generate.chat_template_kwargs``)."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(template_kwargs or {}))
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in transformers 5
         ids = ids["input_ids"]
     return [int(i) for i in ids]
@@ -161,14 +163,15 @@ def count_for(n: int | dict | None, name: str) -> int | None:
     return n[name]
 
 
-def load_prompts(sets: list[str], tok, n: int | dict | None, max_prompt_tokens: int) -> list[dict]:
-    """Every set's prompts, tokenised with the chat template; overlong prompts are left out.
-    ``n``: prompts per set (None = all), or a mapping set name -> that."""
+def load_prompts(sets: list[str], tok, n: int | dict | None, max_prompt_tokens: int,
+                 template_kwargs: dict | None = None) -> list[dict]:
+    """Every set's prompts, tokenised with the chat template (and its keyword arguments as served);
+    overlong prompts are left out. ``n``: prompts per set (None = all), or a mapping set name -> that."""
     rows = []
     for spec in sets:
         name = set_name(spec)
         for r in load_set(spec, count_for(n, name)):
-            ids = encode(tok, r["messages"])
+            ids = encode(tok, r["messages"], template_kwargs)
             if len(ids) > max_prompt_tokens:
                 log.warning("%s %s: prompt of %d tokens > max_prompt_tokens, skipped", name, r["id"], len(ids))
                 continue

@@ -64,7 +64,7 @@ log = logging.getLogger("eaglet.evaluate")
 
 # Sized for the default run (SmolLM2-135M on 2 CPU cores): a few minutes in all.
 DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[1, 2, 3, 4, 5], tie_eps=1e-5,
-                stop_at_eos=True, max_prompt_tokens=1024, chat_template=None, repeats=3, confidence=0.95,
+                stop_at_eos=True, max_prompt_tokens=1024, chat_template=None, chat_template_kwargs={}, repeats=3, confidence=0.95,
                 max_relative_width=0.5, hf_loop=True, hf_loop_reason=None, dtype="float32", device="auto",
                 trust_remote_code=False)
 NOT_RUN = "not run"
@@ -150,7 +150,8 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
     ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
                                                _load_opts(o))
     K, max_new, eps = max(o["k_values"]), o["max_new_tokens"], o["tie_eps"]
-    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
+    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+                                     o["chat_template_kwargs"])
     t0 = time.time()
     pos_rows, round_rows, per_set = [], [], defaultdict(lambda: {"starts": [], "rounds": defaultdict(list)})
     target_ties, per_prompt = 0, []
@@ -278,7 +279,8 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
                                                _load_opts(o))
     max_new, eps, ks, repeats = o["max_new_tokens"], o["tie_eps"], o["k_values"], int(o["repeats"])
-    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
+    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+                                     o["chat_template_kwargs"])
     greedy(target, prompts[0]["prompt_ids"], 4)  # warm-up: first calls pay allocator/thread start-up
     target.times.clear()
     per_prompt, round_rows, mismatches = [], [], []

@@ -49,7 +49,8 @@ log = logging.getLogger("eaglet.evaluate_vllm")
 RUNNER = Path(__file__).with_name("vllm_eval_runner.py")
 DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[3], iomp=True, max_num_seqs=1,
                 kv_cache_gb=2, timeout_s=1800, env="envs/vllm/.venv", stop_at_eos=True,
-                max_prompt_tokens=1024, agreement_alpha=0.001, chat_template=None, serving=None)
+                max_prompt_tokens=1024, agreement_alpha=0.001, chat_template=None, chat_template_kwargs={},
+                serving=None)
 
 
 class VllmError(RuntimeError):
@@ -223,7 +224,8 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     conf = io.read_json(Path(drafter_dir) / "config.json")  # a clear error when the export is missing
     tok = load_tokenizer(ident["path"], o["chat_template"], need_template=True,
                          trust_remote_code=bool((o["serving"] or {}).get("trust_remote_code")))
-    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"])
+    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+                                     o["chat_template_kwargs"])
     off = io.read_json(offline) if offline else None
     hf_loop = None
     if off and off.get("status") == "not run":  # nothing to compare with; said, not passed

@@ -7,6 +7,11 @@ The full conversation is encoded once with character offsets, and a token is a l
 its characters fall inside such a span. Each masked span is then decoded and checked to contain
 the assistant's text, so a template the diffing cannot follow is caught, not trained on.
 
+The template is rendered with the keyword arguments the target is served with
+(``generate.chat_template_kwargs``, e.g. Qwen3's ``enable_thinking: false`` or Kimi's ``thinking``):
+what the server's generation prompt pre-fills (an empty ``<think></think>``) is then prompt, not a
+loss token, and the sequences are the ones the drafter meets when served.
+
 ``reasoning_content`` is wrapped in the thinking tokens (``<think>``…``</think>``) before the
 content when the template does not render it itself: the seed run first lost these wrappers.
 
@@ -17,6 +22,7 @@ content when the template does not render it itself: the seed run first lost the
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections import Counter
 from pathlib import Path
@@ -51,8 +57,9 @@ class Renderer:
 
     CHECKS = 16
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, template_kwargs: dict | None = None):
         self.tok = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
         self.checks_left = self.CHECKS
         try:
             from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -65,10 +72,12 @@ class Renderer:
     def __call__(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         ref = None
         if self.compiled is None or self.checks_left > 0:
-            ref = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            ref = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               **self.template_kwargs)
             if self.compiled is None:
                 return ref
-        out = self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.kwargs)
+        out = self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   **{**self.kwargs, **self.template_kwargs})
         if ref is not None:
             self.checks_left -= 1
             if out != ref:
@@ -176,10 +185,11 @@ def mask_matches(masked_text: str, messages: list[dict]) -> bool:
 
 
 def tokenize_rows(tokenizer, rows: list[dict], max_length: int = 2048, overlong: str = "truncate",
-                  batch_size: int = 256, think=THINK, renderer: Renderer | None = None
-                  ) -> tuple[list[dict], Counter, Counter]:
+                  batch_size: int = 256, think=THINK, renderer: Renderer | None = None,
+                  template_kwargs: dict | None = None) -> tuple[list[dict], Counter, Counter]:
     """Return (tokenized rows, skip counts by reason, tokenized count by source). ``renderer``:
-    one to reuse across calls (the benchmark's batches), else a new one."""
+    one to reuse across calls (the benchmark's batches), else a new one rendering with
+    ``template_kwargs`` (the chat template's keyword arguments as served)."""
     skipped: Counter = Counter()
     kept: list[dict] = []
     seen: set[str] = set()
@@ -187,7 +197,7 @@ def tokenize_rows(tokenizer, rows: list[dict], max_length: int = 2048, overlong:
     if not template:
         raise ValueError("the target tokenizer has no chat template; set target.chat_template (a Jinja file or text)")
     pending: list[tuple[dict, list[dict], str, list]] = []
-    renderer = renderer or Renderer(tokenizer)
+    renderer = renderer or Renderer(tokenizer, template_kwargs)
 
     def flush():
         if not pending:
@@ -262,13 +272,16 @@ def write_tokens(path: str | Path, kept: list[dict]) -> None:
 
 
 def run(conversations: str | Path, target: str | Path, out_dir: str | Path, max_length: int = 2048,
-        overlong: str = "truncate", batch_size: int = 256, chat_template: str | None = None) -> dict:
-    """``chat_template``: ``target.chat_template`` (text or file), else the checkpoint's own."""
+        overlong: str = "truncate", batch_size: int = 256, chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None) -> dict:
+    """``chat_template``: ``target.chat_template`` (text or file), else the checkpoint's own;
+    ``chat_template_kwargs``: the template's keyword arguments as the target is served with them."""
     from eaglet.target import load_identity, load_tokenizer
 
     tok = load_tokenizer(load_identity(target)["path"], chat_template, need_template=True)
     rows = io.read_conversations(conversations)
-    kept, skipped, by_source = tokenize_rows(tok, rows, max_length, overlong, batch_size)
+    kept, skipped, by_source = tokenize_rows(tok, rows, max_length, overlong, batch_size,
+                                             template_kwargs=chat_template_kwargs)
     out_dir = Path(out_dir)
     write_tokens(out_dir / "tokens.parquet", kept)
     assistant_ids = np.concatenate([r["input_ids"][r["loss_mask"].astype(bool)] for r in kept]) \
@@ -285,6 +298,7 @@ def run(conversations: str | Path, target: str | Path, out_dir: str | Path, max_
         "samples_by_source": dict(by_source),
         "max_length": max_length,
         "overlong": overlong,
+        "chat_template_kwargs": dict(chat_template_kwargs or {}),
         # samples cut at max_length: kept with part of their answer, and dropped with none left
         "truncated": int(sum(r["truncated"] for r in kept)) + skipped["truncated_no_answer"],
         "truncated_kept": int(sum(r["truncated"] for r in kept)),
@@ -304,10 +318,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--overlong", choices=["skip", "truncate"], default="truncate")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--chat-template", default="", help="target.chat_template: Jinja text or a file ('' = the target's)")
+    p.add_argument("--chat-template-kwargs", default="{}",
+                   help="JSON object: the chat template's keyword arguments as served (generate.chat_template_kwargs)")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
-    m = run(a.conversations, a.target, a.out_dir, a.max_length, a.overlong, a.batch_size, a.chat_template or None)
+    kwargs = json.loads(a.chat_template_kwargs)
+    if not isinstance(kwargs, dict):
+        p.error(f"--chat-template-kwargs must be a JSON object, got {a.chat_template_kwargs!r}")
+    m = run(a.conversations, a.target, a.out_dir, a.max_length, a.overlong, a.batch_size, a.chat_template or None,
+            kwargs)
     log.info("tokenize: %d samples, %d skipped %s, %d tokens, %d assistant tokens, %d unique",
              m["samples_processed"], m["samples_skipped"], m["skipped_by_reason"], m["total_tokens"],
              m["total_assistant_tokens"], m["unique_assistant_tokens"])

@@ -70,6 +70,10 @@ logger.info(f"evaluation HF loop: {'runs' if HF_LOOP else 'NOT RUN'} ({HF_LOOP_W
 # The template's text (not its path) is a param of every stage that renders conversations, so it
 # is in their cache keys; "" = the checkpoint's own.
 CHAT_TEMPLATE = target_check.chat_template_text(config["target"]["chat_template"]) or ""
+# The template's keyword arguments as the target is served (generate.chat_template_kwargs, e.g.
+# Qwen3's enable_thinking): generate sends them to the server, tokenize and evaluate render with
+# them, so training sequences and evaluation prompts are the served ones.
+CHAT_TEMPLATE_KWARGS = config["generate"]["chat_template_kwargs"]
 
 RUN = f"results/{config['run']}"
 LOGS = f"logs/{config['run']}"

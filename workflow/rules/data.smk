@@ -88,9 +88,11 @@ rule tokenize:
         overlong=config["tokenize"]["overlong"],
         batch_size=config["tokenize"]["batch_size"],
         chat_template=verbatim(CHAT_TEMPLATE),
+        chat_template_kwargs=as_json(CHAT_TEMPLATE_KWARGS),
     shell:
         "python -m eaglet.tokenize --conversations {input.conversations:q} --target {input.identity:q}"
         " --max-length {params.max_length} --overlong {params.overlong} --chat-template={params.chat_template:q}"
+        " --chat-template-kwargs={params.chat_template_kwargs:q}"
         " --batch-size {params.batch_size} --out-dir {params.out:q} --log {log:q}"
 
 

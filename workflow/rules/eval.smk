@@ -23,6 +23,7 @@ EVAL_OPTS = {
     )
 } | {
     "chat_template": CHAT_TEMPLATE or None,
+    "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
     # the HF loop: run or not (eaglet.plan.hf_loop at parse time, logged), on the target's dtype/device
     "hf_loop": HF_LOOP,
     "hf_loop_reason": HF_LOOP_WHY,
@@ -162,6 +163,7 @@ rule evaluate_vllm:
                 },
                 **{k: v for k, v in EVAL["vllm"].items() if k != "enabled"},
                 "chat_template": CHAT_TEMPLATE or None,
+                "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
                 "serving": SERVING,
             }
         ),
