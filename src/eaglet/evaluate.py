@@ -64,7 +64,8 @@ log = logging.getLogger("eaglet.evaluate")
 
 # Sized for the default run (SmolLM2-135M on 2 CPU cores): a few minutes in all.
 DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[1, 2, 3, 4, 5], tie_eps=1e-5,
-                stop_at_eos=True, max_prompt_tokens=1024, chat_template=None, chat_template_kwargs={}, repeats=3, confidence=0.95,
+                stop_at_eos=True, max_prompt_tokens=1024, chat_template=None, chat_template_kwargs={}, repeats=3,
+                confidence=0.95,
                 max_relative_width=0.5, hf_loop=True, hf_loop_reason=None, dtype="float32", device="auto",
                 trust_remote_code=False)
 NOT_RUN = "not run"
