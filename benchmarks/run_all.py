@@ -52,6 +52,8 @@ BENCHES = {
     "extract": (["benchmarks/bench_extract.py", "--n", "8"], [Row("extract", "extraction / bare forward", 0.95)]),
     "train": (["benchmarks/bench_train.py", "--synthetic", "--steps", "3"],
               [Row("train", "training FLOP/s / matmul peak", 0.5)]),
+    "autocast": (["benchmarks/bench_autocast.py", "--steps", "6", "--repeats", "5"],
+                 [Row("autocast", "train tok/s bf16 autocast / fp32, paired (train.autocast)", 1.0)]),
     "online": (["benchmarks/bench_online.py", "--n", "24", "--repeats", "3"],
                [Row("online", "online train tok/s / (extract + offline train), 1 epoch", 0.8)]),
     "fp8": (["benchmarks/bench_fp8.py"],

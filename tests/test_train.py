@@ -322,3 +322,20 @@ def test_validation_stores_replace_the_split_and_score_the_same(tiny_target, dat
     dup = _copy_store(ds, rest[:2], tmp_path / "dup_store", digest)
     with pytest.raises(io.ArtifactError, match=ds.ids[rest[0]]):
         train([train_store], data["vocab"], tiny_target, tmp_path / "dup", p, val_hidden=[dup])
+
+
+def test_bf16_autocast_on_the_cpu_is_opt_in_recorded_and_learns(tiny_target, data, tmp_path):
+    """train.autocast: "auto" keeps the CPU in fp32; "bfloat16" runs the drafter's forward under
+    bf16 autocast there (the losses differ from fp32 from the first step, so it took effect), says
+    so in train_summary.json, and still learns; an unknown value is refused by name."""
+    p = dict(PARAMS, max_steps=12, val_every=10**6)
+    auto = train(data["index"], data["vocab"], tiny_target, tmp_path / "auto", p)
+    bf16 = train(data["index"], data["vocab"], tiny_target, tmp_path / "bf16", dict(p, autocast="bfloat16"))
+    assert auto["bf16_autocast"] is False and bf16["bf16_autocast"] is True
+    a = pd.read_parquet(tmp_path / "auto/metrics.parquet").query("split == 'train'").loss.to_numpy()
+    b = pd.read_parquet(tmp_path / "bf16/metrics.parquet").query("split == 'train'").loss.to_numpy()
+    assert len(a) == len(b) == 12 and a[0] != b[0]
+    assert abs(b[0] - a[0]) < 0.02 * a[0]  # same data, same initial weights: bf16 rounding only
+    assert b[-3:].mean() < 0.8 * b[:3].mean()
+    with pytest.raises(ValueError, match="train.autocast"):
+        resolve_params({"autocast": "fp16"})

@@ -52,7 +52,7 @@ from eaglet.model import save_drafter
 
 # the phases' parts, in their own modules (re-exported: tests and benchmarks import them from here)
 from eaglet.train_data import collate, is_val, plan_batches, plan_micro_batches  # noqa: F401
-from eaglet.train_loop import Batches, after_step, train_step, validate  # noqa: F401
+from eaglet.train_loop import Batches, after_step, autocast_on, train_step, validate  # noqa: F401
 from eaglet.train_setup import TargetHead, _Run, plan_run, prove_labels, resume, setup  # noqa: F401
 from eaglet.train_state import (  # noqa: F401
     _rng_state,
@@ -66,6 +66,7 @@ from eaglet.ttt import TTTObjective, chain_counts, chain_positions, check_recipe
 
 log = logging.getLogger("eaglet.train")
 
+AUTOCAST = ("auto", "bfloat16", "float32")
 DEFAULTS = dict(
     ttt_steps=7,            # EAGLE/SpecForge unroll; speculators/ModelOpt use 3
     gamma=0.8,              # step weight gamma^k (EAGLE/SpecForge)
@@ -98,6 +99,8 @@ DEFAULTS = dict(
     label_min_agreement=labels.MIN_AGREEMENT,  # top-1 agreement of the labels with the real model
     accept_unchecked_labels=False,  # train even when the label check could not run (no references)
     hidden_states="offline",  # "offline": read extract's shards; "online": run the target here (eaglet.online)
+    autocast="auto",        # the drafter's forward under bf16 autocast: "auto" = on CUDA only; "bfloat16"
+                            # = on any device (CPUs with bf16 units); "float32" = never
 )
 
 
@@ -111,6 +114,8 @@ def resolve_params(params: dict | None) -> dict:
         raise ValueError(f"train.lm_head_init: {p['lm_head_init']!r} not 'target' or 'random'")
     if p["oov_rule"] not in ("greedy", "label"):
         raise ValueError(f"train.oov_rule: {p['oov_rule']!r} not 'greedy' or 'label'")
+    if p["autocast"] not in AUTOCAST:
+        raise ValueError(f"train.autocast: {p['autocast']!r} not one of {AUTOCAST}")
     if p["hidden_states"] not in ("offline", "online"):
         raise ValueError(f"train.hidden_states: {p['hidden_states']!r} not 'offline' or 'online'")
     check_recipe(p)
@@ -138,6 +143,7 @@ def write_outputs(r: _Run, tokens_seen: int, elapsed: float) -> dict:
     save_drafter(r.out_dir / "drafter.safetensors", r.drafter, cfg, r.d2t, r.t2d)
     io.write_parquet(r.out_dir / "metrics.parquet", pd.DataFrame(rows))
     summary = {"steps": r.total, "resumed_from": r.start, "world_size": r.ws, "device": r.device.type,
+               "bf16_autocast": autocast_on(r.p["autocast"], r.device),
                "micro_batches_per_step": r.M, "train_samples": len(r.train_idx), "val_samples": len(r.val_idx),
                "val_stores": "validation-only stores" if r.val_ids is not None else "val_fraction of the data",
                "data_fraction": r.p["data_fraction"],

@@ -51,8 +51,13 @@ class Batches:
         self.pool.shutdown(wait=True)
 
 
+def autocast_on(setting: str, device: torch.device) -> bool:
+    """train.autocast resolved for a device: "auto" = bf16 autocast on CUDA only."""
+    return setting == "bfloat16" or (setting == "auto" and device.type == "cuda")
+
+
 def _forward(r: _Run, m, b, p_BTVd, valid, noise, chain_BT=None):
-    with torch.autocast(r.device.type, dtype=torch.bfloat16, enabled=r.device.type == "cuda"):
+    with torch.autocast(r.device.type, dtype=torch.bfloat16, enabled=autocast_on(r.p["autocast"], r.device)):
         return m(b["x"], b["aux"], p_BTVd, valid, noise, chain_BT)
 
 

@@ -1,0 +1,112 @@
+"""Training speed with the drafter's forward under bf16 autocast vs fp32 (``train.autocast``, issue
+15), on this machine's CPU (or GPU), paired.
+
+    python benchmarks/bench_autocast.py [--run smollm2] [--steps 6] [--repeats 5] [--synthetic]
+        [--params '{"token_budget": 2048}'] [--identity resources/targets/smollm2-135m-instruct/identity.json]
+
+Data: the run's stored hidden states and vocab map (results/<run>/extract, vocab_map), else (or
+with ``--synthetic``) random states of the target's shape (bench_train's): speed does not depend on
+the values. The trainer itself (eaglet.train.train, config/config.yaml's train section) runs
+``--steps`` optimizer steps, validation and checkpoints off, once with ``autocast: float32`` and
+once with ``autocast: bfloat16`` per repeat, in alternating order (fp32 first on even repeats,
+bf16 first on odd ones), so slow drifts of a shared machine hit both. Both see the same batches
+(same seed). A run's time is the trainer's own per-step time (tokens / tok_s in metrics.parquet)
+summed over steps 1.. (step 0 is warm-up). Prints each mode's median tok/s, the per-repeat ratios
+(fp32 time / bf16 time), their median with a distribution-free interval (benchmarks/paired.py) and
+whether the interval lets "bf16 is faster" be concluded; ``ratio:`` = the median (goal > 1: worth
+turning on). The CPU's bf16 capability (eaglet.capability) is printed: without bf16 units the
+ratio is expected below 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+from bench_train import synthetic  # noqa: E402
+from paired import spread_note  # noqa: E402
+
+from eaglet import capability, io  # noqa: E402
+from eaglet import train as tr  # noqa: E402
+from eaglet.target import load_identity  # noqa: E402
+
+MODES = ("float32", "bfloat16")
+
+
+def timed(hidden: list[str], vocab: str, ident: dict, out: Path, params: dict) -> tuple[float, float]:
+    """(seconds, tokens) of the trainer's steps 1.. (step 0 is warm-up)."""
+    tr.train(hidden, vocab, ident, out, params)
+    rows = pd.read_parquet(out / "metrics.parquet")
+    rows = rows[rows.split == "train"].reset_index(drop=True).iloc[1:]
+    return float((rows.tokens / rows.tok_s).sum()), float(rows.tokens.sum())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", default="smollm2")
+    ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--params", default="{}", help="train params overriding config/config.yaml's")
+    ap.add_argument("--synthetic", action="store_true")
+    ap.add_argument("--n", type=int, default=64, help="synthetic samples")
+    ap.add_argument("--length", type=int, default=512, help="synthetic mean length")
+    a = ap.parse_args()
+    io.setup_logging()
+
+    import yaml
+
+    conf = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    ident = load_identity(a.identity)
+    params = {**(conf.get("train") or {}), **json.loads(a.params)}
+    params.update(max_steps=a.steps, val_fraction=0.0, checkpoint_every=10**9)
+    tr.resolve_params(params)
+    flags = capability.cpu_flags()
+    print(f"CPU: {capability.cpu_model()}; bf16 units: "
+          f"{', '.join(sorted(f for f in flags if 'bf16' in f or f.startswith('amx'))) or 'none'}; "
+          f"threads {torch.get_num_threads()}")
+
+    run = ROOT / "results" / a.run
+    shards = sorted(run.glob("extract/shard_*/index.json"))
+    vocab = run / "vocab_map/vocab.safetensors"
+    secs: dict[str, list[float]] = {m: [] for m in MODES}
+    with tempfile.TemporaryDirectory() as tmp:
+        if shards and vocab.exists() and not a.synthetic:
+            hidden, vocab_path, source = [str(s) for s in shards], str(vocab), f"results/{a.run}"
+        else:
+            vd = int((conf.get("vocab") or {}).get("draft_vocab_size", 32000))
+            hidden, vocab_path = synthetic(ident, Path(tmp) / "data", a.n, a.length, vd)
+            source = f"synthetic ({a.n} samples, mean length {a.length})"
+            params["accept_unchecked_labels"] = True  # random states have no real-model references
+        print(f"data: {source}; {a.steps} steps per run (step 0 warm-up), {a.repeats} repeats, "
+              f"token_budget {params.get('token_budget')}, ttt_steps {params.get('ttt_steps')}")
+        tokens = None
+        for i in range(a.repeats):
+            for mode in (MODES if i % 2 == 0 else MODES[::-1]):
+                s, n = timed(hidden, vocab_path, ident, Path(tmp) / f"{mode}_{i}", dict(params, autocast=mode))
+                if tokens is not None and n != tokens:
+                    raise SystemExit(f"the runs trained on different tokens ({n} vs {tokens}): not comparable")
+                tokens = n
+                secs[mode].append(s)
+                print(f"  repeat {i} {mode:8s} {n / s:8.0f} tok/s ({s:.2f} s)", flush=True)
+    for m in MODES:
+        print(f"{m}: median {tokens / statistics.median(secs[m]):.0f} tok/s "
+              f"(range {tokens / max(secs[m]):.0f}-{tokens / min(secs[m]):.0f})")
+    ratios = [f / b for f, b in zip(secs["float32"], secs["bfloat16"], strict=True)]
+    print("pair ratios (fp32 time / bf16 time): " + ", ".join(f"{r:.3f}" for r in ratios))
+    print(spread_note(ratios, 1.0))
+    print(f"ratio: {statistics.median(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
