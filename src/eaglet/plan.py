@@ -130,7 +130,9 @@ def training_rank(config: dict, s: dict, attention: str = TTT_ATTENTION) -> dict
     """Peak bytes of one training rank (module docstring), by part."""
     t, Vd = config["train"], int(config["vocab"]["draft_vocab_size"])
     gpu = int(t.get("gpus") or 0) > 0
-    dtype = "bfloat16" if gpu else "float32"  # train.py autocasts to bf16 on CUDA only
+    # train.autocast: "auto" = bf16 autocast on CUDA only (eaglet.train_loop.autocast_on)
+    auto = t.get("autocast", "auto")
+    dtype = "bfloat16" if auto == "bfloat16" or (auto == "auto" and gpu) else "float32"
     budget, max_len = int(t["token_budget"]), int(config["tokenize"]["max_length"])
     T = min(max_len, budget)
     B = max(1, budget // T)
