@@ -33,13 +33,13 @@ def test_flags_and_model_are_read_from_cpuinfo():
     assert capability.cpu_flags("") == set() and capability.cpu_model("") == "unknown CPU"
 
 
-def test_auto_is_bf16_only_with_amx_or_a_gpu():
+def test_auto_is_bf16_only_with_bf16_units_or_a_gpu():
     amx = capability.cpu_flags(cpuinfo(extra="avx512_bf16 amx_bf16 amx_tile amx_int8"))
     epyc = capability.cpu_flags(cpuinfo(extra="avx512f avx512_bf16"))
     avx2 = capability.cpu_flags(cpuinfo())
     assert capability.resolve_target_dtype("auto", False, amx)[0] == "bfloat16"
     dtype, why = capability.resolve_target_dtype("auto", False, epyc)
-    assert dtype == "float32" and "avx512_bf16 but no AMX" in why
+    assert dtype == "bfloat16" and "avx512_bf16 (no AMX)" in why
     dtype, why = capability.resolve_target_dtype("auto", False, avx2)
     assert dtype == "float32" and "no bf16 matrix units" in why
     # amx_tile alone (no bf16 on the tiles) is not enough

@@ -1,14 +1,14 @@
 """The dtype of the target's forward in extraction, chosen by what the machine computes fast
 (``extract.target_dtype: auto``; issue 15).
 
-On the CPU, ``auto`` picks bf16 where the CPU has bf16 matrix units (AMX: ``amx_bf16`` and
-``amx_tile`` in /proc/cpuinfo): the SmolLM2 forward (L = 512, 2 threads) ran ~5x faster there
-than in fp32. On AVX2-only CPUs bf16 is ~5x slower: fp32. In between, an AMD EPYC with
-``avx512_bf16`` but no AMX ran it 1.81x faster in bf16 (median of 21 paired runs, 1 thread,
-1.62-2.19; 2 threads on the busy machine: 1.53, 0.56-2.64), with 97.2 % of the target's argmax
-labels on assistant tokens the same as fp32 (benchmarks/bench_bf16.py); ``auto`` keeps fp32 there
-until a τ measurement says those 2.8 % label flips cost nothing (``extract.target_dtype:
-bfloat16`` opts in). On a GPU bf16 is the norm. Generation keeps its own dtypes (``target.dtype``,
+On the CPU, ``auto`` picks bf16 where the CPU computes bf16 natively: AMX (``amx_bf16`` and
+``amx_tile`` in /proc/cpuinfo), where the SmolLM2 forward (L = 512, 2 threads) ran ~5x faster than
+in fp32, and ``avx512_bf16``: an AMD EPYC without AMX ran it 1.81x faster in bf16 (median of 21
+paired runs, 1 thread, 1.62-2.19), with 97.2 % of the target's argmax labels on assistant tokens
+the same as fp32 (benchmarks/bench_bf16.py), and drafters trained on the default data's bf16
+states scored the same exact chain τ(k=3) on SmolLM2's answers to the 80 MT-Bench questions as on
+its fp32 states (seeds 0/1: 1.3095/1.3169 vs 1.309/1.3167; benchmarks/bench_mix.py, 2026-12-01).
+On AVX2-only CPUs bf16 is ~5x slower: fp32. On a GPU bf16 is the norm. Generation keeps its own dtypes (``target.dtype``,
 ``target.vllm.dtype``): vLLM-CPU in bf16 answered garbage.
 """
 
@@ -49,9 +49,8 @@ def cpu_target_dtype(flags: set[str] | None = None) -> tuple[str, str]:
     if all(f in flags for f in AMX):
         return "bfloat16", "CPU has AMX bf16 matrix units (amx_bf16, amx_tile): bf16 forward ~5x faster"
     if "avx512_bf16" in flags:
-        return "float32", ("CPU has avx512_bf16 but no AMX: bf16 measured ~1.8x faster on such a CPU, at 97% "
-                           "label agreement; not chosen without a tau measurement (extract.target_dtype: "
-                           "bfloat16 opts in)")
+        return "bfloat16", ("CPU has avx512_bf16 (no AMX): bf16 forward measured ~1.8x faster on such a CPU, "
+                            "drafter tau on bf16 states equal to fp32's")
     return "float32", "CPU has no bf16 matrix units (no AMX, no avx512_bf16): bf16 forward ~5x slower"
 
 

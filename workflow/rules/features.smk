@@ -5,7 +5,8 @@
 # it before a rerun): a killed shard resumes from its last complete chunk.
 
 # The dtype of the target's forward here (extract.target_dtype), decided now, with the reason: auto
-# = bf16 on a GPU job, else bf16 only where the CPU has AMX (eaglet.capability, issue 15).
+# = bf16 on a GPU job, else bf16 where the CPU computes it natively (AMX or avx512_bf16), fp32 on
+# AVX2-only CPUs (eaglet.capability, issue 15).
 from eaglet import capability
 
 EXTRACT_TARGET_DTYPE, EXTRACT_TARGET_DTYPE_WHY = capability.resolve_target_dtype(
