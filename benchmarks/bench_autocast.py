@@ -21,7 +21,6 @@ ratio is expected below 1.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -33,12 +32,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
-from bench_train import synthetic  # noqa: E402
+from bench_train import config_params, data_args, store  # noqa: E402
 from paired import spread_note  # noqa: E402
 
 from eaglet import capability, io  # noqa: E402
 from eaglet import train as tr  # noqa: E402
-from eaglet.target import load_identity  # noqa: E402
 
 MODES = ("float32", "bfloat16")
 
@@ -53,41 +51,22 @@ def timed(hidden: list[str], vocab: str, ident: dict, out: Path, params: dict) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--run", default="smollm2")
-    ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
+    data_args(ap)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--params", default="{}", help="train params overriding config/config.yaml's")
-    ap.add_argument("--synthetic", action="store_true")
-    ap.add_argument("--n", type=int, default=64, help="synthetic samples")
-    ap.add_argument("--length", type=int, default=512, help="synthetic mean length")
     a = ap.parse_args()
     io.setup_logging()
 
-    import yaml
-
-    conf = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    ident = load_identity(a.identity)
-    params = {**(conf.get("train") or {}), **json.loads(a.params)}
-    params.update(max_steps=a.steps, val_fraction=0.0, checkpoint_every=10**9)
+    conf, ident, params = config_params(a, a.steps)
     tr.resolve_params(params)
     flags = capability.cpu_flags()
     print(f"CPU: {capability.cpu_model()}; bf16 units: "
           f"{', '.join(sorted(f for f in flags if 'bf16' in f or f.startswith('amx'))) or 'none'}; "
           f"threads {torch.get_num_threads()}")
 
-    run = ROOT / "results" / a.run
-    shards = sorted(run.glob("extract/shard_*/index.json"))
-    vocab = run / "vocab_map/vocab.safetensors"
     secs: dict[str, list[float]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
-        if shards and vocab.exists() and not a.synthetic:
-            hidden, vocab_path, source = [str(s) for s in shards], str(vocab), f"results/{a.run}"
-        else:
-            vd = int((conf.get("vocab") or {}).get("draft_vocab_size", 32000))
-            hidden, vocab_path = synthetic(ident, Path(tmp) / "data", a.n, a.length, vd)
-            source = f"synthetic ({a.n} samples, mean length {a.length})"
-            params["accept_unchecked_labels"] = True  # random states have no real-model references
+        hidden, vocab_path, source = store(a, conf, ident, params, Path(tmp))
         print(f"data: {source}; {a.steps} steps per run (step 0 warm-up), {a.repeats} repeats, "
               f"token_budget {params.get('token_budget')}, ttt_steps {params.get('ttt_steps')}")
         tokens = None

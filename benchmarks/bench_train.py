@@ -81,37 +81,54 @@ def synthetic(ident: dict, out: Path, n: int, length: int, vd: int) -> tuple[lis
     return [str(out / "shard_0")], str(out / "vocab.safetensors")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def data_args(ap: argparse.ArgumentParser) -> None:
+    """The options of the training benchmarks' data and params (this one, bench_autocast)."""
     ap.add_argument("--run", default="smollm2")
     ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
-    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--params", default="{}", help="train params overriding config/config.yaml's")
     ap.add_argument("--synthetic", action="store_true")
     ap.add_argument("--n", type=int, default=64, help="synthetic samples")
     ap.add_argument("--length", type=int, default=512, help="synthetic mean length")
-    a = ap.parse_args()
-    io.setup_logging()
 
+
+def config_params(a, max_steps: int) -> tuple[dict, dict, dict]:
+    """(config.yaml, the target's identity, train params: config.yaml's train section, --params,
+    ``max_steps`` optimizer steps, validation and checkpoints off)."""
     import yaml
 
     conf = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    ident = load_identity(a.identity)
     params = {**(conf.get("train") or {}), **json.loads(a.params)}
-    params.update(max_steps=a.steps + 1, val_fraction=0.0, checkpoint_every=10**9)
-    p = tr.resolve_params(params)
-    device = torch.device("cuda" if p["gpus"] > 0 else "cpu")
+    params.update(max_steps=max_steps, val_fraction=0.0, checkpoint_every=10**9)
+    return conf, load_identity(a.identity), params
 
+
+def store(a, conf: dict, ident: dict, params: dict, tmp: Path) -> tuple[list[str], str, str]:
+    """(hidden-state stores, vocab map, description): results/<run>'s, else (or --synthetic) random
+    states written under ``tmp``, which hold no real-model references: ``params`` then trains
+    with the label check off."""
     run = ROOT / "results" / a.run
     shards = sorted(run.glob("extract/shard_*/index.json"))
     vocab = run / "vocab_map/vocab.safetensors"
+    if shards and vocab.exists() and not a.synthetic:
+        return [str(s) for s in shards], str(vocab), f"results/{a.run}"
+    vd = int((conf.get("vocab") or {}).get("draft_vocab_size", 32000))
+    hidden, vocab_path = synthetic(ident, tmp / "data", a.n, a.length, vd)
+    params["accept_unchecked_labels"] = True
+    return hidden, vocab_path, f"synthetic ({a.n} samples, mean length {a.length})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    data_args(ap)
+    ap.add_argument("--steps", type=int, default=4)
+    a = ap.parse_args()
+    io.setup_logging()
+
+    conf, ident, params = config_params(a, a.steps + 1)
+    device = torch.device("cuda" if params.get("gpus") else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        if shards and vocab.exists() and not a.synthetic:
-            hidden, vocab_path, source = [str(s) for s in shards], str(vocab), f"results/{a.run}"
-        else:
-            vd = int((conf.get("vocab") or {}).get("draft_vocab_size", 32000))
-            hidden, vocab_path = synthetic(ident, Path(tmp) / "data", a.n, a.length, vd)
-            source = f"synthetic ({a.n} samples, mean length {a.length})"
+        hidden, vocab_path, source = store(a, conf, ident, params, Path(tmp))
+        p = tr.resolve_params(params)
         n_mm = 4096 if device.type == "cuda" else 1024
         peak0 = matmul_peak(device, n_mm)
         out = Path(tmp) / "train"

@@ -27,6 +27,8 @@ def spread_note(ratios: list[float], goal: float, what: str = "pair ratios") -> 
     lo, hi, cover = median_interval(ratios)
     head = (f"note: median of {len(ratios)} {what} {med:.3f}, {cover:.0%} interval {lo:.3f}-{hi:.3f} "
             f"(all {min(ratios):.3f}-{max(ratios):.3f})")
+    if cover < 0.5:
+        return head + ": too few pairs for an interval, cannot conclude; repeat more"
     if lo < goal <= hi:
         return head + f": the interval holds the goal {goal}, cannot conclude; rerun on a quiet machine"
     return head + (": above the goal" if lo >= goal else ": below the goal")

