@@ -126,13 +126,17 @@ def _attention_transient(B: int, T: int, h: int, K: int, dtype: str, attention: 
     return CHUNK_BYTES[dtype] * B * h * widest if K > 1 else 0
 
 
+def bf16_autocast(setting: str, on_gpu: bool) -> bool:
+    """``train.autocast`` resolved: "bfloat16" = always, "auto" = on a GPU only, "float32" = never
+    (the trainer's rule, eaglet.train_loop.autocast_on, and the memory plan's)."""
+    return setting == "bfloat16" or (setting == "auto" and on_gpu)
+
+
 def training_rank(config: dict, s: dict, attention: str = TTT_ATTENTION) -> dict:
     """Peak bytes of one training rank (module docstring), by part."""
     t, Vd = config["train"], int(config["vocab"]["draft_vocab_size"])
     gpu = int(t.get("gpus") or 0) > 0
-    # train.autocast: "auto" = bf16 autocast on CUDA only (eaglet.train_loop.autocast_on)
-    auto = t.get("autocast", "auto")
-    dtype = "bfloat16" if auto == "bfloat16" or (auto == "auto" and gpu) else "float32"
+    dtype = "bfloat16" if bf16_autocast(t.get("autocast", "auto"), gpu) else "float32"
     budget, max_len = int(t["token_budget"]), int(config["tokenize"]["max_length"])
     T = min(max_len, budget)
     B = max(1, budget // T)

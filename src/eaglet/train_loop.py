@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from eaglet.plan import bf16_autocast
 from eaglet.train_data import collate
 from eaglet.train_setup import _Run
 from eaglet.train_state import _rng_state, all_sum, save_checkpoint
@@ -52,8 +53,8 @@ class Batches:
 
 
 def autocast_on(setting: str, device: torch.device) -> bool:
-    """train.autocast resolved for a device: "auto" = bf16 autocast on CUDA only."""
-    return setting == "bfloat16" or (setting == "auto" and device.type == "cuda")
+    """train.autocast resolved for a device (eaglet.plan.bf16_autocast: "auto" = on CUDA only)."""
+    return bf16_autocast(setting, device.type == "cuda")
 
 
 def _forward(r: _Run, m, b, p_BTVd, valid, noise, chain_BT=None):
