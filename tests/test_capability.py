@@ -1,5 +1,6 @@
-"""extract.target_dtype: auto picks bf16 only where the machine computes it fast (a GPU job, or a
-CPU with AMX), decided at parse time with its reason, recorded in the extraction artifact."""
+"""extract.target_dtype and train.autocast: auto picks bf16 only where the machine computes it fast
+(a GPU job, or a CPU with AMX or avx512_bf16), decided at parse time with its reason, recorded in
+the extraction artifact and handed to the trainer resolved."""
 
 import json
 import subprocess
@@ -96,3 +97,42 @@ def test_parse_time_decision_is_logged_and_reaches_extraction(tmp_path):
     assert f'"dtype": "{want}"' in out["auto"].split("python -m eaglet.extract")[1]
     assert "extraction target forward: bfloat16 (set in the config" in out["bfloat16"]
     assert '"dtype": "bfloat16"' in out["bfloat16"].split("python -m eaglet.extract")[1]
+
+
+def test_train_autocast_auto_follows_the_same_bf16_units():
+    """train.autocast: auto = bf16 autocast on a GPU and on a CPU with bf16 units (AMX or
+    avx512_bf16, as extraction's forward), fp32 on AVX2-only CPUs; an explicit value is kept."""
+    from eaglet.plan import bf16_autocast
+
+    amx = capability.cpu_flags(cpuinfo(extra="avx512_bf16 amx_bf16 amx_tile"))
+    epyc = capability.cpu_flags(cpuinfo(extra="avx512f avx512_bf16"))
+    avx2 = capability.cpu_flags(cpuinfo())
+    for flags in (amx, epyc):
+        dtype, why = capability.resolve_autocast("auto", False, flags)
+        assert dtype == "bfloat16" and "training under bf16 autocast" in why
+        assert bf16_autocast("auto", False, flags)
+    dtype, why = capability.resolve_autocast("auto", False, avx2)
+    assert dtype == "float32" and "no bf16 matrix units" in why and not bf16_autocast("auto", False, avx2)
+    assert capability.resolve_autocast("auto", True, avx2) == ("bfloat16", "GPU job")
+    assert capability.resolve_autocast("float32", True, amx)[0] == "float32"
+    assert capability.resolve_autocast("bfloat16", False, avx2)[0] == "bfloat16"
+    assert not bf16_autocast("float32", True, amx) and bf16_autocast("bfloat16", False, avx2)
+
+
+def test_train_autocast_is_decided_at_parse_time_and_is_the_trainers_param(tmp_path):
+    """The workflow resolves train.autocast: auto for this machine, logs why, and hands the trainer
+    the resolved value (a param: a drafter trained in bf16 is no cache hit on an fp32 CPU)."""
+    a = clone(tmp_path / "wf")
+    conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
+    want, why = capability.resolve_autocast("auto", False)
+    for setting, expect in (("auto", want), ("float32", "float32")):
+        conf.setdefault("train", {})["autocast"] = setting
+        (a / "config/t.yaml").write_text(yaml.safe_dump(conf))
+        p = subprocess.run([sys.executable, "-m", "snakemake", "results/smoke/train/train_summary.json", "-n",
+                            "--cores", "1", "--configfile", "config/t.yaml"], cwd=a, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        if setting == "auto":
+            assert f"training autocast: {want} ({why})" in p.stdout + p.stderr
+        staged = json.loads((a / "logs/smoke/config/train.json").read_text())
+        assert staged["autocast"] == expect

@@ -54,7 +54,8 @@ def shapes(H=64, heads=4, kv=4, d=16, I=160, V=600, layers=8) -> dict:  # noqa: 
 
 def config_for(Vd: int, budget: int, max_len: int, steps: int, gpus: int = 0) -> dict:
     return {"vocab": {"draft_vocab_size": Vd}, "tokenize": {"max_length": max_len},
-            "train": {"gpus": gpus, "token_budget": budget, "ttt_steps": steps, "oov_rule": "greedy"}}
+            "train": {"gpus": gpus, "token_budget": budget, "ttt_steps": steps, "oov_rule": "greedy",
+                      "autocast": "bfloat16" if gpus else "float32"}}
 
 
 def measured_peak(s: dict, Vd: int, B: int, T: int, steps: int, bf16: bool) -> int:

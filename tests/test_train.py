@@ -324,15 +324,20 @@ def test_validation_stores_replace_the_split_and_score_the_same(tiny_target, dat
         train([train_store], data["vocab"], tiny_target, tmp_path / "dup", p, val_hidden=[dup])
 
 
-def test_bf16_autocast_on_the_cpu_is_opt_in_recorded_and_learns(tiny_target, data, tmp_path):
-    """train.autocast: "auto" keeps the CPU in fp32; "bfloat16" runs the drafter's forward under
+def test_bf16_autocast_on_the_cpu_takes_effect_is_recorded_and_learns(tiny_target, data, tmp_path):
+    """train.autocast: "float32" keeps the CPU in fp32; "bfloat16" runs the drafter's forward under
     bf16 autocast there (the losses differ from fp32 from the first step, so it took effect), says
-    so in train_summary.json, and still learns; an unknown value is refused by name."""
+    so in train_summary.json, and still learns; "auto" follows this CPU's bf16 units (as the
+    workflow resolves it); an unknown value is refused by name."""
+    from eaglet.capability import cpu_target_dtype
+
     p = dict(PARAMS, max_steps=12, val_every=10**6)
-    auto = train(data["index"], data["vocab"], tiny_target, tmp_path / "auto", p)
+    fp32 = train(data["index"], data["vocab"], tiny_target, tmp_path / "fp32", p)
     bf16 = train(data["index"], data["vocab"], tiny_target, tmp_path / "bf16", dict(p, autocast="bfloat16"))
-    assert auto["bf16_autocast"] is False and bf16["bf16_autocast"] is True
-    a = pd.read_parquet(tmp_path / "auto/metrics.parquet").query("split == 'train'").loss.to_numpy()
+    auto = train(data["index"], data["vocab"], tiny_target, tmp_path / "auto", dict(p, autocast="auto", max_steps=1))
+    assert fp32["bf16_autocast"] is False and bf16["bf16_autocast"] is True
+    assert auto["bf16_autocast"] is (cpu_target_dtype()[0] == "bfloat16")
+    a = pd.read_parquet(tmp_path / "fp32/metrics.parquet").query("split == 'train'").loss.to_numpy()
     b = pd.read_parquet(tmp_path / "bf16/metrics.parquet").query("split == 'train'").loss.to_numpy()
     assert len(a) == len(b) == 12 and a[0] != b[0]
     assert abs(b[0] - a[0]) < 0.02 * a[0]  # same data, same initial weights: bf16 rounding only

@@ -13,8 +13,10 @@ from eaglet.hidden_store import ShardWriter
 
 LAYERS = [2, 4, 5]
 VD = 96
+# fp32 stated: train.autocast auto would follow the CPU (bf16 autocast where it has bf16 units), and
+# these tests check the trainer's arithmetic the same way on every machine.
 PARAMS = dict(ttt_steps=3, lr=3e-3, token_budget=256, epochs=6, val_fraction=0.15, val_every=10,
-              checkpoint_every=1000, warmup_ratio=0.05, seed=3)
+              checkpoint_every=1000, warmup_ratio=0.05, seed=3, autocast="float32")
 
 
 

@@ -126,10 +126,13 @@ def _attention_transient(B: int, T: int, h: int, K: int, dtype: str, attention: 
     return CHUNK_BYTES[dtype] * B * h * widest if K > 1 else 0
 
 
-def bf16_autocast(setting: str, on_gpu: bool) -> bool:
-    """``train.autocast`` resolved: "bfloat16" = always, "auto" = on a GPU only, "float32" = never
-    (the trainer's rule, eaglet.train_loop.autocast_on, and the memory plan's)."""
-    return setting == "bfloat16" or (setting == "auto" and on_gpu)
+def bf16_autocast(setting: str, on_gpu: bool, flags: set[str] | None = None) -> bool:
+    """``train.autocast`` resolved: "bfloat16" = always, "float32" = never, "auto" = on a GPU and
+    on a CPU with bf16 units (eaglet.capability.resolve_autocast; ``flags``: the CPU's, default
+    this machine's). The trainer's rule (eaglet.train_loop.autocast_on) and the memory plan's."""
+    from eaglet.capability import resolve_autocast
+
+    return resolve_autocast(setting, on_gpu, flags)[0] == "bfloat16"
 
 
 def training_rank(config: dict, s: dict, attention: str = TTT_ATTENTION) -> dict:

@@ -99,8 +99,8 @@ DEFAULTS = dict(
     label_min_agreement=labels.MIN_AGREEMENT,  # top-1 agreement of the labels with the real model
     accept_unchecked_labels=False,  # train even when the label check could not run (no references)
     hidden_states="offline",  # "offline": read extract's shards; "online": run the target here (eaglet.online)
-    autocast="auto",        # the drafter's forward under bf16 autocast: "auto" = on CUDA only; "bfloat16"
-                            # = on any device (CPUs with bf16 units); "float32" = never
+    autocast="auto",        # the drafter's forward under bf16 autocast: "auto" = on CUDA and on CPUs with
+                            # bf16 units (eaglet.capability); "bfloat16" = on any device; "float32" = never
 )
 
 

@@ -53,7 +53,8 @@ class Batches:
 
 
 def autocast_on(setting: str, device: torch.device) -> bool:
-    """train.autocast resolved for a device (eaglet.plan.bf16_autocast: "auto" = on CUDA only)."""
+    """train.autocast resolved for a device (eaglet.plan.bf16_autocast: "auto" = on CUDA and on a
+    CPU with bf16 units)."""
     return bf16_autocast(setting, device.type == "cuda")
 
 

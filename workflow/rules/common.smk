@@ -18,6 +18,7 @@ validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 # a wrong target.path, layer ids, a missing chat template or an engine that cannot serve the
 # drafter stop `snakemake -n` already, naming the key.
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+from eaglet import capability
 from eaglet import target_check
 from eaglet.target import default_layer_ids
 
@@ -215,11 +216,22 @@ def train_launcher(wildcards, resources):
     return gpu_slots.train_launch(int(t["gpus"]), int(t["nodes"]), int(t["rdzv_port"]))
 
 
+# train.autocast decided now, with the reason (eaglet.capability.resolve_autocast): auto = bf16
+# autocast on a GPU job and on a CPU with bf16 units, fp32 elsewhere. The resolved value is the
+# trainer's param, so a drafter trained on one kind of CPU is no cache hit for the other.
+TRAIN_AUTOCAST, TRAIN_AUTOCAST_WHY = capability.resolve_autocast(
+    config["train"].get("autocast", "auto"), on_gpu=int(config["train"]["gpus"] or 0) > 0
+)
+logger.info(f"training autocast: {TRAIN_AUTOCAST} ({TRAIN_AUTOCAST_WHY})")
+
+
 def train_params():
     """train.* for eaglet.train, less how its ranks are launched: nodes and rdzv_port reach the
-    cache key through the launcher param instead, so a one-node config keeps its old key.
+    cache key through the launcher param instead, so a one-node config keeps its old key; with
+    train.autocast resolved (TRAIN_AUTOCAST).
     """
-    return {k: v for k, v in config["train"].items() if k not in ("nodes", "rdzv_port")}
+    p = {k: v for k, v in config["train"].items() if k not in ("nodes", "rdzv_port")}
+    return p | {"autocast": TRAIN_AUTOCAST}
 
 
 # Online: the tokens, the aux layer ids and storage rounding (extract's keys) and how the target is

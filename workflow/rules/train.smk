@@ -46,6 +46,7 @@ rule train:
             "plan",
             "plan_text",
             "storage",
+            "capability",
             "io",
         ),
         hidden=train_hidden_input,
