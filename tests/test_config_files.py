@@ -1,6 +1,6 @@
 """The files in config/: each one validates as Snakemake reads it (over config/config.yaml, the
 Snakefile's own config file), the data choice of each is its own, and config/long.yaml is the
-default with more data, fewer epochs and bf16 autocast training, nothing else changed."""
+default with more data and nothing else changed."""
 
 from pathlib import Path
 
@@ -36,11 +36,9 @@ def test_the_default_trains_on_the_dataset_answers_and_the_others_say_their_own(
         assert plan.load_config(REPO / "config" / name)["data"]["mix"] == 1.0, name
 
 
-def test_long_is_the_default_with_more_data_fewer_epochs_and_bf16_autocast():
+def test_long_is_the_default_with_more_data_and_fewer_epochs():
     default = _flat(plan.load_config(REPO / "config/config.yaml"))
     long = _flat(plan.load_config(REPO / "config/long.yaml"))
     changed = {k for k in default.keys() | long.keys() if default.get(k) != long.get(k)}
-    assert changed == {"run", "prompts.n", "train.epochs", "train.checkpoint_every", "train.val_every",
-                       "train.autocast"}, changed
-    assert long["train.autocast"] == "bfloat16"  # measured: 1.53x faster here, tau within the seed spread
+    assert changed == {"run", "prompts.n", "train.epochs", "train.checkpoint_every", "train.val_every"}, changed
     assert long["prompts.n"] >= 10 * default["prompts.n"] and long["train.epochs"] < default["train.epochs"]

@@ -164,3 +164,54 @@ def test_template_kwargs_render_what_the_server_prefills(tok):
     prompt = q.decode(eval_sets.encode(q, [U("2+2?")], served))
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not q.decode(eval_sets.encode(q, [U("2+2?")])).endswith("</think>\n\n")
+
+
+def _runs(tok, kept):
+    """The decoded text of each run of loss tokens."""
+    ids, mask = kept["input_ids"].tolist(), kept["loss_mask"].tolist()
+    runs, cur = [], []
+    for t, m in zip(ids + [0], mask + [0]):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(tok.decode(cur))
+            cur = []
+    return runs
+
+
+@pytest.mark.parametrize("served", [{}, {"enable_thinking": False}])
+def test_qwen3_history_turns_are_found_in_the_full_rendering(tok, served):
+    """Qwen3's template gives only the latest answer a think block (and drops an earlier turn's
+    reasoning): the prefix renders disagree for every earlier turn, and such conversations were
+    all skipped (template_not_prefix). Each turn is now located in the full rendering: the sequence
+    is the conversation as the target reads it at the last turn, every answer and its end marker
+    is a loss token, and nothing of the users' text or the role headers is."""
+    from eaglet.family_templates import QWEN3_TEMPLATE
+
+    q = copy.deepcopy(tok)
+    q.chat_template = QWEN3_TEMPLATE
+    msgs = [U("Name a colour."), A("Blue.", reasoning_content="Pick one."), U("Another?"), A("Green."),
+            U("And a third?"), A("Red, of course.")]
+    kept, skipped, _ = tokenize.tokenize_rows(q, [row(0, msgs)], template_kwargs=served)
+    assert not skipped, skipped
+    full = q.apply_chat_template(msgs, tokenize=False, **served)
+    assert q.decode(kept[0]["input_ids"].tolist()) == full
+    assert "Pick one." not in full  # history drops the reasoning: not in the sequence at all
+    runs = _runs(q, kept[0])
+    last = "Red, of course.<|im_end|>\n" if served else "<think>\n\n</think>\n\nRed, of course.<|im_end|>\n"
+    assert runs == ["Blue.<|im_end|>\n", "Green.<|im_end|>\n", last], runs
+
+
+def test_history_span_refuses_a_turn_it_cannot_place(tok):
+    """A template that rewrites an earlier answer in history (here: upper-cased) leaves nothing to
+    locate: refused by name, not trained on a guessed span."""
+    from eaglet.family_templates import QWEN3_TEMPLATE
+
+    q = copy.deepcopy(tok)
+    q.chat_template = QWEN3_TEMPLATE.replace(
+        "{%- else %}\n            {{- '<|im_start|>' + message.role + '\\n' + content }}\n        {%- endif %}",
+        "{%- else %}\n            {{- '<|im_start|>' + message.role + '\\n' + content|upper }}\n        {%- endif %}")
+    assert q.chat_template != QWEN3_TEMPLATE
+    msgs = [U("Name a colour."), A("Blue."), U("Another?"), A("Green.")]
+    kept, skipped, _ = tokenize.tokenize_rows(q, [row(0, msgs)])
+    assert not kept and skipped == {"template_not_prefix": 1}

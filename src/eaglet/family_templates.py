@@ -45,10 +45,11 @@ QWEN2_TEMPLATE = r"""{%- if messages[0]['role'] == 'system' %}
 QWEN3_TEMPLATE = r"""{%- if messages[0].role == 'system' %}
     {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
-{%- set ns = namespace(last_query_index=messages|length - 1) %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
 {%- for message in messages[::-1] %}
     {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if message.role == "user" and ns.last_query_index == messages|length - 1 and index <= ns.last_query_index %}
+    {%- if ns.multi_step_tool and message.role == "user" %}
+        {%- set ns.multi_step_tool = false %}
         {%- set ns.last_query_index = index %}
     {%- endif %}
 {%- endfor %}

@@ -3,6 +3,9 @@
 No template is hard-coded. The mask comes from the template itself: for every assistant turn i
 we render ``messages[:i]`` with the generation prompt and ``messages[:i+1]``; the characters
 between the two renders are what the assistant produced (its content and end-of-turn marker).
+A template that renders an earlier turn differently as history (Qwen3 drops its think block) is
+followed in the full rendering instead (``history_span``): every turn is trained on as the
+target reads it when the conversation goes on.
 The full conversation is encoded once with character offsets, and a token is a loss token when
 its characters fall inside such a span. Each masked span is then decoded and checked to contain
 the assistant's text, so a template the diffing cannot follow is caught, not trained on.
@@ -87,20 +90,64 @@ class Renderer:
 
 
 def render(tokenizer, messages: list[dict], renderer: Renderer | None = None) -> tuple[str, list[tuple[int, int]]]:
-    """The conversation text and the character spans the assistant produced."""
+    """The conversation text and the character spans the assistant produced.
+
+    A turn is found by the prefix renders (module docstring) where the template renders it the
+    same as the latest turn and as history. Where it does not (Qwen3 gives only the latest answer
+    a think block; Kimi gives history an empty one), the turn is located in the full rendering
+    instead: :func:`history_span`."""
     r = renderer or Renderer(tokenizer)
     full = r(messages)
-    spans = []
+    spans: list[tuple[int, int]] = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         before = r(messages[:i], add_generation_prompt=True)
         # The last turn's prefix is the whole conversation: no second render needed.
         upto = full if i == len(messages) - 1 else r(messages[: i + 1])
-        if not (upto.startswith(before) and full.startswith(upto)):
+        if upto.startswith(before) and full.startswith(upto):
+            span = (len(before), len(upto))
+        else:
+            span = history_span(full, r(messages[:i]), before, upto, m["content"],
+                                [x["content"] for x in messages[i + 1:]])
+        if spans and span[0] < spans[-1][1]:
             raise ValueError("template_not_prefix")
-        spans.append((len(before), len(upto)))
+        spans.append(span)
     return full, spans
+
+
+def _common(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def history_span(full: str, prior: str, before: str, upto: str, content: str, later: list[str]) -> tuple[int, int]:
+    """The span of an assistant turn the template renders differently in history than as the
+    latest turn (``render``). ``prior``: the messages before the turn, rendered (must be a prefix
+    of ``full``); ``before``: the same with the generation prompt; ``upto``: the turn rendered as
+    the latest one; ``later``: the contents after it. The span starts where ``full`` leaves the
+    generation prompt (after the role header both share) and ends after the turn's content and
+    the end-of-turn text that follows it in ``upto`` (e.g. ``<|im_end|>\n``), which ``full`` must
+    hold right there. Whatever the template writes between the header and the content in history
+    (an empty think block) is in the span: the target reads it there. Raises ValueError
+    ("template_not_prefix") when the turn cannot be located so."""
+    text = content.strip()
+    if not text or not full.startswith(prior) or not upto.startswith(prior):
+        raise ValueError("template_not_prefix")
+    start = len(prior) + _common(before[len(prior):], full[len(prior):])
+    q, p = upto.rfind(text), full.find(text, start)
+    if q < len(prior) or p < 0:
+        raise ValueError("template_not_prefix")
+    tail = upto[q + len(text):]
+    end = p + len(text) + len(tail)
+    # The content must be this turn's: nothing of a later message may sit before it.
+    nxt = next((full.find(c.strip(), start) for c in later if c and c.strip()), -1)
+    if full[p + len(text):end] != tail or 0 <= nxt < p:
+        raise ValueError("template_not_prefix")
+    return start, end
 
 
 def mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
