@@ -324,6 +324,39 @@ def test_validation_stores_replace_the_split_and_score_the_same(tiny_target, dat
         train([train_store], data["vocab"], tiny_target, tmp_path / "dup", p, val_hidden=[dup])
 
 
+def test_score_drafter_reproduces_the_trainers_validation_of_the_kept_weights(tiny_target, data, tmp_path):
+    """benchmarks/score_drafter.py scores a finished run's kept weights on a validation store
+    without retraining: on the store the run validated on, it gives the run's own best validation
+    row (the kept weights' chain τ and rounds); other weights score otherwise."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from score_drafter import score
+
+    ds = HiddenStateDataset(data["index"])
+    held = [i for i, sid in enumerate(ds.ids) if is_val(sid, PARAMS["val_fraction"])]
+    rest = [i for i in range(len(ds.ids)) if i not in held]
+    train_store = _copy_store(ds, rest, tmp_path / "train_store", tiny_target["digest"])
+    val_store = _copy_store(ds, held, tmp_path / "val_store", tiny_target["digest"], prefix="v-")
+    p = dict(PARAMS, val_every=5)
+    b = train([train_store], data["vocab"], tiny_target, tmp_path / "run/train", p, val_hidden=[val_store])
+    (tmp_path / "run/extract").mkdir()
+    (tmp_path / "run/extract/shard_0").symlink_to(Path(train_store).parent)
+    row = score(tmp_path / "run", [val_store], tiny_target, p)
+    assert row["chain_rounds"] == b["best_val"]["chain_rounds"] > 0 and b["best_val"]["chain_tau"] > 1
+    assert row["chain_tau"] == pytest.approx(b["best_val"]["chain_tau"], abs=1e-6)
+    assert row["loss"] == pytest.approx(b["best_val"]["loss"], rel=1e-5)
+    f = tmp_path / "run/train/drafter.safetensors"
+    t = io.load_tensors(f)
+    meta = io.tensor_metadata(f)
+    name = next(k for k in t if k.endswith("weight") and t[k].dim() == 2 and k not in ("d2t", "t2d"))
+    t[name] = torch.randn_like(t[name])  # other weights: another score
+    io.save_tensors(f, t, metadata=meta)
+    other = score(tmp_path / "run", [val_store], tiny_target, p)
+    assert other["loss"] != pytest.approx(row["loss"], rel=1e-3) and other["chain_tau"] != row["chain_tau"]
+
+
 def test_bf16_autocast_on_the_cpu_takes_effect_is_recorded_and_learns(tiny_target, data, tmp_path):
     """train.autocast: "float32" keeps the CPU in fp32; "bfloat16" runs the drafter's forward under
     bf16 autocast there (the losses differ from fp32 from the first step, so it took effect), says
