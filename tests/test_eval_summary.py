@@ -97,3 +97,44 @@ def test_two_proportion_z_by_hand():
     assert st.two_proportion_z(0, 50, 0, 60) == 0.0 and st.two_proportion_z(3, 0, 1, 5) is None
     assert st.z_critical(0.05, 1) == pytest.approx(1.959964, abs=1e-5)
     assert st.z_critical(0.05, 10) == pytest.approx(2.807034, abs=1e-5)  # Bonferroni: 0.005 per side
+
+
+def test_timings_on_a_busy_machine_are_not_conclusive():
+    """Other processes' CPU use is measured while the timings run (eaglet.eval_stats.OtherLoad): two
+    busy processes beside it read as a busy machine, this process's own work does not count; on a
+    busy machine no speedup verdict and no recommendation is conclusive, whatever the intervals."""
+    import subprocess
+    import sys
+    import time
+
+    from eaglet.eval_stats import BUSY_SHARE, OtherLoad, busy_verdict
+    from eaglet.eval_summary import recommend
+
+    base = OtherLoad().start()
+    time.sleep(1.0)
+    base = base.stop()
+    own = OtherLoad().start()
+    t = time.monotonic()
+    while time.monotonic() - t < 1.0:  # this process's own CPU: not another process's
+        pass
+    own = own.stop()
+    assert own["other_cpu_share"] <= base["other_cpu_share"] + 0.2, (own, base)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(own["cpus"])]
+    try:
+        time.sleep(0.5)
+        busy = OtherLoad().start()
+        time.sleep(1.5)
+        busy = busy.stop()
+    finally:
+        for h in hogs:
+            h.kill()
+    assert busy["busy"] is True and busy["other_cpu_share"] > BUSY_SHARE and "too busy" in busy["note"]
+    ci = {"estimate": 0.6, "lo": 0.55, "hi": 0.65, "conclusive": True, "note": "speedup 0.6 (...)"}
+    assert busy_verdict(ci, {"busy": False}) == ci
+    flagged = busy_verdict(ci, busy)
+    assert flagged["conclusive"] is False and flagged["note"].endswith(busy["note"])
+    offline, spec = _measured({1: (0.66, 0.6, 0.7), 2: (0.55, 0.5, 0.6), 3: (0.48, 0.4, 0.52)})
+    assert recommend(offline, spec)["conclusive"] is True
+    spec["timing"] = {"load": busy}
+    rec = recommend(offline, spec)
+    assert rec["conclusive"] is False and rec["sentence"].endswith(f"Not conclusive: {busy['note']}.")

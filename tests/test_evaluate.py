@@ -124,6 +124,11 @@ def test_speculative_stage_records_paired_interleaved_repeats(stages):
     out, _, spec, _ = stages
     rows = json.loads((out / "speculative.json").read_text())["per_prompt"]
     assert len(rows) == N_PROMPTS and spec["timing"]["repeats"] == 2
+    # how busy the machine was meanwhile is recorded; when busy, no speedup claims a conclusion
+    load = spec["timing"]["load"]
+    assert load["cpus"] >= 1 and 0 <= load["other_cpu_share"] <= 1 and isinstance(load["busy"], bool)
+    if load["busy"]:
+        assert not any(v["speedup_ci"]["conclusive"] for v in spec["overall"]["k"].values())
     for i, row in enumerate(rows):
         blocks = row["samples"]
         assert [b["repeat"] for b in blocks] == [0, 1]

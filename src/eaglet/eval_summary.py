@@ -136,6 +136,10 @@ def recommend(offline: dict, spec: dict) -> dict:
         sentence = (f"Speculate with k={best['k']}: measured speedup {_fmt(best['measured_speedup'])}x{band}, "
                     f"predicted {_fmt(best['predicted_speedup'])}x; break-even τ {_fmt(best['break_even_tau'])}."
                     + ("" if conclusive else " Not conclusive: the interval does not rule out no gain."))
+    load = (spec.get("timing") or {}).get("load") or {}
+    if load.get("busy"):  # the step costs and the speedups alike were timed under contention
+        conclusive = False
+        sentence += f" Not conclusive: {load['note']}."
     return {"table": rows, "verdict": verdict, "sentence": sentence, "conclusive": conclusive,
             "recommended_k": best["k"] if best else None,
             "predicted_speedup": best["predicted_speedup"] if best else None,

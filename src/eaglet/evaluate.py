@@ -285,6 +285,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     greedy(target, prompts[0]["prompt_ids"], 4)  # warm-up: first calls pay allocator/thread start-up
     target.times.clear()
     per_prompt, round_rows, mismatches = [], [], []
+    other = eval_stats.OtherLoad().start()
     for i, p in enumerate(prompts):
         ids = p["prompt_ids"]
         samples, first = _timed_blocks(target, proposer, p, i, ks, repeats, max_new, mismatches)
@@ -309,6 +310,9 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
                  len(gr["tokens"]) / row["greedy_seconds"],
                  ", ".join(f"k={k} tau {row['k'][k]['tau'] or 1:.2f} x{row['k'][k]['speedup']:.2f} "
                            f"(paired {', '.join(f'{x:.2f}' for x in row['k'][k]['speedup_samples'])})" for k in ks))
+    load = other.stop()
+    if load["busy"]:
+        log.warning("speculative: %s; the speedups are reported not conclusive", load["note"])
     costs = {"target_forward_s": {T: _median(v) for T, v in sorted(target.times.items())},
              "draft_step_s": _median(proposer.step_times)}
     costs["target_step_s"] = costs["target_forward_s"].get(1)
@@ -320,10 +324,11 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
                       "greedy and every k back to back, order rotated; speedup sample = greedy s / spec s "
                       "of the same block; per prompt the median; figure = median over prompts with a "
                       f"{100 * o['confidence']:.0f}% bootstrap interval over prompts "
-                      f"({eval_stats.BOOTSTRAP_SAMPLES} resamples, seed {eval_stats.SEED})"},
-           "sets": {s: _spec_stats([r for r in per_prompt if r["set"] == s], round_rows, ks, s, o)
+                      f"({eval_stats.BOOTSTRAP_SAMPLES} resamples, seed {eval_stats.SEED})",
+                      "load": load},
+           "sets": {s: _spec_stats([r for r in per_prompt if r["set"] == s], round_rows, ks, s, o, load)
                     for s in dict.fromkeys(p["set"] for p in prompts)},
-           "overall": _spec_stats(per_prompt, round_rows, ks, None, o),
+           "overall": _spec_stats(per_prompt, round_rows, ks, None, o, load),
            "domains": _domains(per_prompt, "chain", ks, o),
            "lossless": {"pass": not unexplained, "compared": len(prompts) * len(ks), "mismatches": mismatches,
                         "unexplained": len(unexplained), "tie_eps": eps},
@@ -344,9 +349,11 @@ class LosslessError(RuntimeError):
     """Speculative output differs from plain greedy where no numerical tie explains it."""
 
 
-def _spec_stats(rows: list[dict], round_rows: list[dict], ks: list[int], set_name: str | None, o: dict) -> dict:
+def _spec_stats(rows: list[dict], round_rows: list[dict], ks: list[int], set_name: str | None, o: dict,
+                load: dict | None = None) -> dict:
     """Per k: τ and the speedup (median over prompts of each prompt's median paired speedup), each
-    with its interval over prompts; tokens/s from the median seconds of every prompt."""
+    with its interval over prompts; tokens/s from the median seconds of every prompt. A speedup
+    timed on a busy machine (``load``: eval_stats.OtherLoad) is not conclusive, whatever its interval."""
     g_tok, g_s = sum(r["greedy_tokens"] for r in rows), sum(r["greedy_seconds"] for r in rows)
     out = {"prompts": len(rows), "greedy_tokens": g_tok, "greedy_seconds": round(g_s, 3),
            "greedy_tok_s": g_tok / g_s if g_s else None, "k": {}}
@@ -355,8 +362,9 @@ def _spec_stats(rows: list[dict], round_rows: list[dict], ks: list[int], set_nam
               if x["k"] == k and (set_name is None or x["set"] == set_name)]
         s_tok, s_s = sum(r["k"][k]["tokens"] for r in rows), sum(r["k"][k]["seconds"] for r in rows)
         reach = [sum(1 for r in rr if r[1] > j) for j in range(k)]
-        sp = eval_stats.speedup_interval([r["k"][k]["speedup"] for r in rows], o["confidence"],
-                                         o["max_relative_width"])
+        sp = eval_stats.busy_verdict(eval_stats.speedup_interval([r["k"][k]["speedup"] for r in rows],
+                                                                 o["confidence"], o["max_relative_width"]),
+                                     load or {})
         out["k"][k] = {"tau": rounds_tau(rr), "tau_se": _se(rr), "rounds": len(rr), "tokens": s_tok,
                        "tau_ci": eval_stats.tau_interval([tuple(r["chain"][k]) for r in rows], o["confidence"],
                                                          o["max_relative_width"]),
