@@ -21,17 +21,18 @@ AMX = ("amx_bf16", "amx_tile")
 
 
 @lru_cache(maxsize=1)
-def _own_cpuinfo() -> str:
+def _own_flags() -> frozenset[str]:
+    """This machine's flags, read once (the trainer asks every step)."""
     try:
-        return Path("/proc/cpuinfo").read_text()
+        return frozenset(cpu_flags(Path("/proc/cpuinfo").read_text()))
     except OSError:
-        return ""
+        return frozenset()
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     """The first CPU's ``flags`` in /proc/cpuinfo (empty where there is none: not Linux)."""
     if cpuinfo is None:
-        cpuinfo = _own_cpuinfo()
+        return set(_own_flags())
     for line in cpuinfo.splitlines():
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
@@ -51,7 +52,7 @@ def cpu_model(cpuinfo: str | None = None) -> str:
 
 def cpu_target_dtype(flags: set[str] | None = None) -> tuple[str, str]:
     """(dtype, reason) for a target forward on this CPU."""
-    flags = cpu_flags() if flags is None else flags
+    flags = _own_flags() if flags is None else flags
     if all(f in flags for f in AMX):
         return "bfloat16", "CPU has AMX bf16 matrix units (amx_bf16, amx_tile): bf16 forward ~5x faster"
     if "avx512_bf16" in flags:
@@ -74,7 +75,7 @@ def resolve_autocast(setting: str, on_gpu: bool, flags: set[str] | None = None) 
     """``train.autocast`` resolved: (``"bfloat16"`` or ``"float32"``, reason). ``auto``: bf16
     autocast on a GPU and on a CPU with bf16 units (as extraction's forward: AMX or avx512_bf16;
     on this AMD EPYC the trainer ran 1.53x faster under autocast, drafter τ within the seed spread
-    of fp32 training; benchmarks/bench_autocast.py, README "The recipe"), fp32 elsewhere."""
+    of fp32 training; benchmarks/bench_autocast.py, README "The data"), fp32 elsewhere."""
     if setting != "auto":
         return setting, "set in the config (train.autocast)"
     if on_gpu:

@@ -38,6 +38,8 @@ import json
 import os
 from pathlib import Path
 
+from eaglet.capability import resolve_autocast
+
 GIB = 1 << 30
 CONTEXT_GIB = 1.0       # per GPU process, outside PyTorch's allocator: CUDA context + cuBLAS workspace
 TYPICAL_TOKENS = 1500   # tokens per regenerated conversation (the Kimi config's storage comment)
@@ -130,8 +132,6 @@ def bf16_autocast(setting: str, on_gpu: bool, flags: set[str] | None = None) -> 
     """``train.autocast`` resolved: "bfloat16" = always, "float32" = never, "auto" = on a GPU and
     on a CPU with bf16 units (eaglet.capability.resolve_autocast; ``flags``: the CPU's, default
     this machine's). The trainer's rule (eaglet.train_loop.autocast_on) and the memory plan's."""
-    from eaglet.capability import resolve_autocast
-
     return resolve_autocast(setting, on_gpu, flags)[0] == "bfloat16"
 
 
