@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -116,14 +117,6 @@ def render(tokenizer, messages: list[dict], renderer: Renderer | None = None) ->
     return full, spans
 
 
-def _common(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def history_span(full: str, prior: str, before: str, upto: str, content: str, later: list[str]) -> tuple[int, int]:
     """The span of an assistant turn the template renders differently in history than as the
     latest turn (``render``). ``prior``: the messages before the turn, rendered (must be a prefix
@@ -137,7 +130,7 @@ def history_span(full: str, prior: str, before: str, upto: str, content: str, la
     text = content.strip()
     if not text or not full.startswith(prior) or not upto.startswith(prior):
         raise ValueError("template_not_prefix")
-    start = len(prior) + _common(before[len(prior):], full[len(prior):])
+    start = len(prior) + len(os.path.commonprefix([before[len(prior):], full[len(prior):]]))
     q, p = upto.rfind(text), full.find(text, start)
     if q < len(prior) or p < 0:
         raise ValueError("template_not_prefix")
