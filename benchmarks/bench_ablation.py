@@ -3,7 +3,7 @@ each trained on identical data and batches with two seeds, scored by the exact c
 (k = ttt_steps) on the same validation positions.
 
     python benchmarks/bench_ablation.py [--quick] [--run-dir results/<run>] [--identity ID.json]
-        [--epochs E] [--seeds 0 1] [--only baseline,norm_before_fc,lr=3e-3] [--val results/mtval]
+        [--epochs E] [--seeds 0 1] [--only baseline,norm_before_fc,lr=3e-3] [--val results/mix-mtval]
         [--out results/ablation.json]
 
 Data: a run's stored hidden states (``<run-dir>/extract/shard_*/index.json`` and
@@ -206,10 +206,10 @@ def main() -> None:
         base.update(json.loads(a.params))
         val = None
         if a.val:
-            val = ([str(x) for x in sorted(Path(a.val).glob("extract/shard_*/index.json"))]
-                   if Path(a.val).is_dir() else a.val.split(","))
-            if not val:
-                raise SystemExit(f"--val {a.val}: no extract/shard_*/index.json")
+            sys.path.insert(0, str(ROOT / "benchmarks"))
+            from bench_mix import val_stores  # here: bench_mix imports this module
+
+            val = val_stores(a.val)
             source += f"; scored on {a.val} (every sample of the data trained on)"
         print(f"data: {source}", flush=True)
         print(f"base params: {json.dumps(base, sort_keys=True)}", flush=True)

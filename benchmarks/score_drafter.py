@@ -1,12 +1,12 @@
 """Score trained drafters on one validation store: the exact chain τ(k = ttt_steps) of each run's
 ``train/drafter.safetensors`` (the weights the workflow kept) on stored states of the target's own
-answers that no run trained on — by default the 80 MT-Bench first turns (``results/mtval``, made as
+answers that no run trained on — by default the 80 MT-Bench first turns (``results/mix-mtval``, made as
 bench_mix.py describes). The trainer's own validation pass, nothing retrained: runs of different
 sizes (the default, config/long.yaml) compared on the same ~8,000 chain rounds, a larger yardstick
 than evaluate's few MT-Bench prompts.
 
     python benchmarks/score_drafter.py --run results/smollm2 --run results/smollm2-long \
-        [--val results/mtval] [--out FILE]
+        [--val results/mix-mtval] [--out FILE]
 
 Each run needs ``train/drafter.safetensors``, ``vocab_map/vocab.safetensors``, its
 ``extract/shard_*/index.json`` (opened, not read: the trainer's data plan wants a training store)
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_mix import stores  # noqa: E402
+from bench_mix import stores, val_stores  # noqa: E402
 
 
 def score(run: Path, val: list[str], identity: dict, params: dict) -> dict:
@@ -63,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--run", action="append", required=True, help="a run folder (results/<run>)")
-    ap.add_argument("--val", default="results/mtval",
+    ap.add_argument("--val", default="results/mix-mtval",
                     help="a run folder with extract/, or index.json files (comma-separated)")
     ap.add_argument("--logs", default="logs", help="where logs/<run>/config/train.json lives")
     ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
@@ -73,7 +73,7 @@ def main() -> None:
     from eaglet.target import load_identity
 
     identity = load_identity(a.identity)
-    val = stores(ROOT / a.val) if (ROOT / a.val).is_dir() else a.val.split(",")
+    val = val_stores(a.val)
     print(f"validation store: {val}")
     out = {}
     for spec in a.run:

@@ -36,3 +36,24 @@ def test_validation_prompts_are_the_mtbench_first_turns(tmp_path):
     res = build_prompts("file", str(out), n=80, heldout=0, seed=0, max_turns=2)
     assert len(res["train"]) == 80 and res["summary"]["skipped"] == 0
     assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in res["train"])
+
+
+def test_a_validation_store_of_answers_not_the_targets_own_is_refused(tmp_path):
+    """A --val run made with data.mix < 1 holds the prompts file's placeholder answers (or the
+    dataset's), not the target's: scoring on it is refused, naming the fix; a regenerated one passes."""
+    from benchmarks.bench_mix import val_stores
+
+    run = tmp_path / "mix-mtval"
+    (run / "generate").mkdir(parents=True)
+    (run / "extract/shard_0").mkdir(parents=True)
+    (run / "extract/shard_0/index.json").write_text("{}")
+    summary = run / "generate/generate_summary.json"
+    summary.write_text(json.dumps({"regenerated": 0, "original": 80}))
+    try:
+        val_stores(str(run))
+    except SystemExit as e:
+        assert "80 answers were not regenerated" in str(e) and "data.mix: 1.0" in str(e), e
+    else:
+        raise AssertionError("a store of placeholder answers was accepted")
+    summary.write_text(json.dumps({"regenerated": 80, "original": 0}))
+    assert val_stores(str(run)) == [str(run / "extract/shard_0/index.json")]
