@@ -41,4 +41,4 @@ def test_long_is_the_default_with_more_data_and_fewer_epochs():
     long = _flat(plan.load_config(REPO / "config/long.yaml"))
     changed = {k for k in default.keys() | long.keys() if default.get(k) != long.get(k)}
     assert changed == {"run", "prompts.n", "train.epochs", "train.checkpoint_every", "train.val_every"}, changed
-    assert long["prompts.n"] >= 10 * default["prompts.n"] and long["train.epochs"] < default["train.epochs"]
+    assert long["prompts.n"] >= 5 * default["prompts.n"] and long["train.epochs"] < default["train.epochs"]
