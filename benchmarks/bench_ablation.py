@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
@@ -206,7 +207,6 @@ def main() -> None:
         base.update(json.loads(a.params))
         val = None
         if a.val:
-            sys.path.insert(0, str(ROOT / "benchmarks"))
             from bench_mix import val_stores  # here: bench_mix imports this module
 
             val = val_stores(a.val)
