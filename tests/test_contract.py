@@ -277,6 +277,11 @@ def test_engine_error_puts_the_root_cause_first():
     assert contract_vllm.engine_error("INFO ok\nValueError: Model does not support EAGLE3 interface\n") == [
         "ValueError: Model does not support EAGLE3 interface"]
     assert contract_vllm.engine_error("all fine\n") == []
+    # the engine core in the runner's process (one device): torch.distributed prefixes each line
+    assert contract_vllm.engine_error("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", "
+                                      "line 1, in f\n[rank0]: RuntimeError: start (0) + length (512) exceeds "
+                                      "dimension size (256).\n") == [
+        "RuntimeError: start (0) + length (512) exceeds dimension size (256)."]
 
 
 def test_failure_errors_collects_the_error_of_each_failed_check():

@@ -242,9 +242,10 @@ def test_real_vllm_loads_and_runs_the_export(tiny_target, tmp_path):
 @pytest.mark.vllm
 def test_vllm_load_failure_puts_the_engine_error_in_the_record_and_the_message(tiny_target, tiny_drafter, tmp_path):
     """A drafter whose config says intermediate_size 512 over 256-row MLP weights: vLLM's worker
-    fails loading the weights. The root cause (the worker's RuntimeError, not vLLM's "Engine core
-    initialization failed. See root cause above") is in contract.failed.json and in the
-    ContractError message; the plain run is not started for nothing."""
+    fails loading the weights. The root cause (the worker's RuntimeError, not a wrapper such as
+    vLLM's "Engine core initialization failed. See root cause above" when the core runs in its own
+    process: test_contract's canned log) is in contract.failed.json and in the ContractError
+    message; the plain run is not started for nothing."""
     vllm_env.vllm_python()  # VllmEnvMissing fails the test: it needs envs/vllm/setup.sh
     meta = json.loads(io.tensor_metadata(tiny_drafter)["eaglet"])
     broken = tmp_path / "broken.safetensors"
@@ -257,9 +258,8 @@ def test_vllm_load_failure_puts_the_engine_error_in_the_record_and_the_message(t
     failed = json.loads((out / "contract.failed.json").read_text())
     assert "vllm.load_run" in failed["failed"]
     err = failed["errors"]["vllm.load_run"].splitlines()
-    # first the worker's own exception (the weight that does not fit), then vLLM's wrappers
+    # first the worker's own exception (the weight that does not fit), then any wrappers of vLLM's
     assert err[0].startswith("spec: RuntimeError") and "512" in err[0] and "256" in err[0], err
-    assert any("See root cause above" in ln for ln in err[1:]), err
     load = next(c for c in failed["checks"] if c["name"] == "vllm.load_run")["details"]
     assert load["spec"]["rc"] not in (0, None) and load["plain"]["rc"] is None and "skipped" in load["plain"]
     assert Path(load["spec"]["log"]).is_file()  # the whole log is still there

@@ -144,3 +144,35 @@ def test_resolver_requires_the_finished_setup_everywhere(tmp_path, monkeypatch):
 
     with pytest.raises(vllm_server.ServerError, match="incomplete"):
         vllm_server.start(tmp_path, work_dir=tmp_path / "w", env=half)
+
+
+def test_every_vllm_process_shares_the_venvs_model_class_answers(tmp_path, monkeypatch):
+    py = _venv(tmp_path / "venv", True) / "bin" / "python"
+    monkeypatch.setenv("PYTHONPATH", "/eaglet/src")
+    monkeypatch.setenv("VIRTUAL_ENV", "/eaglet/.venv")
+    env = vllm_env.process_env(tmp_path / "run1", py, VLLM_CPU_KVCACHE_SPACE="2")
+    assert "PYTHONPATH" not in env and "VIRTUAL_ENV" not in env  # eaglet's venv stays out of vLLM's
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "run1" / "vllm_cache") and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1"
+    shared = tmp_path / "venv" / vllm_env.MODELINFOS
+    # What one run's vLLM writes there, the next run's reads: one folder behind both links
+    (Path(env["VLLM_CACHE_ROOT"]) / "modelinfos" / "m-LlamaForCausalLM.json").write_text("{}")
+    env2 = vllm_env.process_env(tmp_path / "run2", py)
+    assert (Path(env2["VLLM_CACHE_ROOT"]) / "modelinfos" / "m-LlamaForCausalLM.json").exists()
+    assert (shared / "m-LlamaForCausalLM.json").exists()
+    # The venv rebuilt (its folder gone): the dangling link is made again, not left for vLLM to trip on
+    link = tmp_path / "run1" / "vllm_cache" / "modelinfos"
+    import shutil
+
+    shutil.rmtree(shared)
+    assert vllm_env.share_modelinfos(link.parent, py) == shared and link.resolve() == shared.resolve()
+    # A read-only venv: the run keeps a cache of its own, and says so by returning None
+    ro = _venv(tmp_path / "ro", True)
+    ro.chmod(0o555)
+    try:
+        if os.access(ro, os.W_OK):  # root writes anyway: nothing to show
+            return
+        assert vllm_env.share_modelinfos(tmp_path / "run3" / "vllm_cache", ro / "bin" / "python") is None
+        assert not (tmp_path / "run3" / "vllm_cache" / "modelinfos").is_symlink()
+    finally:
+        ro.chmod(0o755)

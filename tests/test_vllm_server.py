@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from conftest import vllm_env_or_skip
-from eaglet import vllm_server
+from conftest import VLLM_ENV, vllm_env_or_skip
+from eaglet import vllm_env, vllm_server
 from eaglet.vllm_server import Server, ServerError
 
 
@@ -109,6 +109,9 @@ def test_real_server_health_models_and_metrics(vllm_tiny_server):
     env = open(f"/proc/{srv.process.pid}/environ", "rb").read().split(b"\0")
     assert b"VLLM_CPU_NUM_OF_RESERVED_CPU=0" in env
     assert any(e.startswith(b"VLLM_CACHE_ROOT=") and b"vllm_tiny" in e for e in env)
+    # vLLM stored its answer about the target's model class where every later vLLM run reads it
+    shared = vllm_env.vllm_python(VLLM_ENV).parent.parent / vllm_env.MODELINFOS
+    assert list(shared.glob("*LlamaForCausalLM.json")), sorted(shared.parent.iterdir())
 
 
 def test_server_dies_with_a_killed_parent(tmp_path):

@@ -7,7 +7,6 @@ with eaglet's exact offline chain on the same prompts.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
@@ -21,7 +20,8 @@ RUNNER = Path(__file__).with_name("vllm_check_runner.py")
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
            "List three uses of a paperclip:", "The quick brown fox", "In summary, the main reason"]
 
-_LOG_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:(?:ERROR|WARNING|INFO|DEBUG|CRITICAL)\s+"
+# "(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] " and torch.distributed's "[rank0]: " (the core in-process)
+_LOG_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:\[rank\d+\]:\s?)?(?:(?:ERROR|WARNING|INFO|DEBUG|CRITICAL)\s+"
                          r"\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?")
 _WRAPPER = ("See root cause above", "See stack trace for root cause")
 
@@ -52,7 +52,7 @@ def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: li
              work_dir: str | Path, python: str | Path, k: int = 3, max_tokens: int = 32,
              timeout: float = 900, serving: dict | None = None) -> dict:
     """One vLLM-CPU run (plain when drafter_dir is None) in a subprocess; its JSON result plus the
-    log lines that matter. Each run is its own process: vLLM spawns workers and keeps global state.
+    log lines that matter. Each run is its own process: vLLM keeps global state.
     ``serving``: dtype, tensor/expert parallelism and trust_remote_code (eaglet.target.serving)."""
     work = Path(work_dir).absolute()  # the runner runs with cwd=work: relative paths would double
     work.mkdir(parents=True, exist_ok=True)
@@ -64,12 +64,8 @@ def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: li
            "--max-tokens", str(max_tokens), "--out", str(out)] + vllm_runner_args(serving)
     if drafter_dir:
         cmd += ["--drafter", str(Path(drafter_dir).resolve()), "--k", str(k)]
-    env = {key: v for key, v in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env = vllm_env.process_env(work, python, VLLM_LOGGING_LEVEL="INFO")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the check needs little
-    env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-               VLLM_CACHE_ROOT=str(work / "vllm_cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL="INFO",
-               TOKENIZERS_PARALLELISM="false")
     t0 = time.time()
     with open(logf, "w") as fh:
         try:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -75,10 +74,7 @@ def run_one(py: Path, target_dir: str, prompts_file: Path, work: Path, tag: str,
     cmd += vllm_runner_args(o["serving"])
     if drafter:
         cmd += ["--drafter", str(Path(drafter).resolve()), "--k", str(k)]
-    env = {key: v for key, v in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE=str(o["kv_cache_gb"]), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-               VLLM_CACHE_ROOT=str(work / "vllm_cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+    env = vllm_env.process_env(work, py, VLLM_CPU_KVCACHE_SPACE=str(o["kv_cache_gb"]))
     env.pop("LD_PRELOAD", None)
     if iomp:
         env["LD_PRELOAD"] = str(iomp)

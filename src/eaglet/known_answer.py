@@ -168,7 +168,6 @@ def run_batch(target_dir: str | Path, drafter_dirs: list[str | Path], prompts: l
     interpreter start and vLLM import, ~25-40 s of each run, are paid once). Each result is what
     :func:`eaglet.contract_vllm.run_vllm` returns for one drafter (rc, token_ids, spec_decode, aux_layers,
     log); a run that did not finish has rc != 0 and the log tail."""
-    import os
     import subprocess
     import time
 
@@ -185,11 +184,8 @@ def run_batch(target_dir: str | Path, drafter_dirs: list[str | Path], prompts: l
            "--max-tokens", str(max_tokens), "--k", str(k), "--drafter", dirs[0], "--out", str(outs[0]),
            "--more", json.dumps([[d, str(o)] for d, o in zip(dirs[1:], outs[1:], strict=True)])]
     cmd += vllm_runner_args(twin_serving(serving))
-    env = {key: v for key, v in os.environ.items() if not key.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env = vllm_env.process_env(work, python, VLLM_LOGGING_LEVEL="INFO")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CACHE_ROOT=str(work / "vllm_cache"), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL="INFO",
-               TOKENIZERS_PARALLELISM="false")
     t0 = time.time()
     with open(logf, "w") as fh:
         try:

@@ -12,6 +12,7 @@ inside vLLM's interpreter, where eaglet's own dependencies are not installed.
 
     py = vllm_python("envs/vllm/.venv")       # VllmEnvMissing unless setup.sh finished there
     runner = copy_runner(RUNNER, work_dir)    # the runner and this module, side by side
+    env = process_env(work_dir, py, VLLM_CPU_KVCACHE_SPACE="1")   # a vLLM process's environment
     counters = spec_decode_counters(metric_samples(llm.get_metrics()))
 """
 
@@ -27,6 +28,8 @@ DEFAULT_ENV = "envs/vllm/.venv"
 SETUP_STAMP = ".eaglet-setup-complete"
 # Overrides DEFAULT_ENV (a venv folder or its bin/python) where no environment is given.
 ENV_VAR = "EAGLET_VLLM_PYTHON"
+# Beside the venv's stamp: vLLM's answers about its model classes, shared by every run (process_env)
+MODELINFOS = "eaglet-vllm-modelinfos"
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 PER_POS = "num_accepted_tokens_per_pos"
 
@@ -52,6 +55,40 @@ def vllm_python(env: str | os.PathLike | None = None) -> Path:
         raise VllmEnvMissing(f"{venv}: vLLM environment incomplete (no {SETUP_STAMP}: its install did not "
                              "finish); rerun envs/vllm/setup.sh")
     return py
+
+
+def process_env(work: str | os.PathLike, python: str | os.PathLike, **extra: str) -> dict[str, str]:
+    """Environment of a vLLM process that eaglet starts with ``python`` (from vllm_python) for a run
+    in ``work``: eaglet's interpreter settings removed (they must not leak into vLLM's venv), vLLM's
+    caches inside ``work`` (share_modelinfos aside), no hub access, no usage report; ``extra`` on top."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    cache = Path(work).absolute() / "vllm_cache"
+    share_modelinfos(cache, python)
+    env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CACHE_ROOT=str(cache), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def share_modelinfos(cache: Path, python: str | os.PathLike) -> Path | None:
+    """Link ``cache``/modelinfos to one folder in the vLLM venv; that folder, or None where it cannot
+    be made (a read-only venv: the run then keeps its own). Before it serves a model class, vLLM asks
+    a fresh interpreter about it (about 15 s on two cores, once for the target and once for the
+    drafter of every run) unless VLLM_CACHE_ROOT/modelinfos has the answer, stored under a digest of
+    the class's source file: a pure function of the installed vLLM, which goes with the venv."""
+    link = cache / "modelinfos"
+    shared = Path(python).absolute().parent.parent / MODELINFOS  # python: VENV/bin/python
+    try:
+        if link.is_symlink() and not link.exists():  # the venv was rebuilt since
+            link.unlink()
+        if link.exists():
+            return shared if link.is_symlink() else None
+        shared.mkdir(exist_ok=True)
+        cache.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(shared, target_is_directory=True)
+    except OSError:
+        return None
+    return shared
 
 
 def copy_runner(runner: Path, work: Path) -> Path:

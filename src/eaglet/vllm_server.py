@@ -142,22 +142,11 @@ def _get(url: str, timeout: float) -> str | None:
         return None
 
 
-def server_env(work_dir: Path, kv_cache_gb: float) -> dict[str, str]:
-    """Environment of the server process: CPU knobs, caches inside the run, no hub access."""
-    env = {k: v for k, v in os.environ.items()
-           # The workflow's venv must not leak into vLLM's interpreter.
-           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env.update({
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
-        "VLLM_CACHE_ROOT": str(work_dir / "vllm_cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(work_dir / "inductor_cache"),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-    })
-    return env
+def server_env(work_dir: Path, kv_cache_gb: float, python: str | os.PathLike) -> dict[str, str]:
+    """Environment of the server process (vllm_env.process_env): CPU knobs, caches inside the run,
+    no hub access."""
+    return vllm_env.process_env(work_dir, python, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb),
+                                TORCHINDUCTOR_CACHE_DIR=str(Path(work_dir) / "inductor_cache"))
 
 
 def start(model: str | os.PathLike, *, work_dir: str | os.PathLike, env: str | os.PathLike = DEFAULT_ENV,
@@ -201,7 +190,7 @@ def start(model: str | os.PathLike, *, work_dir: str | os.PathLike, env: str | o
         fh.write(f"\n=== eaglet: {' '.join(cmd)}\n".encode())
         fh.flush()
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=server_env(work_dir, kv_cache_gb), cwd=work_dir,
+                                env=server_env(work_dir, kv_cache_gb, py), cwd=work_dir,
                                 start_new_session=True, preexec_fn=_die_with_parent)
     return Server(process=proc, port=port, model=name, log_path=log_path, command=cmd)
 
