@@ -146,7 +146,7 @@ def server_env(work_dir: Path, kv_cache_gb: float, python: str | os.PathLike) ->
     """Environment of the server process (vllm_env.process_env): CPU knobs, caches inside the run,
     no hub access."""
     return vllm_env.process_env(work_dir, python, VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb),
-                                TORCHINDUCTOR_CACHE_DIR=str(Path(work_dir) / "inductor_cache"))
+                                TORCHINDUCTOR_CACHE_DIR=str(Path(work_dir).absolute() / "inductor_cache"))
 
 
 def start(model: str | os.PathLike, *, work_dir: str | os.PathLike, env: str | os.PathLike = DEFAULT_ENV,
