@@ -41,7 +41,8 @@ import torch  # noqa: E402
 from eaglet import extract as ex  # noqa: E402
 from eaglet import io, target  # noqa: E402
 from eaglet import train as tr  # noqa: E402
-from eaglet.hidden_store import HiddenStateDataset, bytes_per_token  # noqa: E402
+from eaglet.hidden_store import HiddenStateDataset  # noqa: E402
+from eaglet.storage import bytes_per_token  # noqa: E402
 
 
 def subset_tokens(src: Path, dst: Path, n: int, identity: str) -> tuple[int, str]:

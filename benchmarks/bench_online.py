@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from eaglet import io  # noqa: E402
 from eaglet import train as tr  # noqa: E402
 from eaglet.extract import extract  # noqa: E402
-from eaglet.hidden_store import bytes_per_token  # noqa: E402
+from eaglet.storage import bytes_per_token  # noqa: E402
 from eaglet.target import load_identity  # noqa: E402
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglet.hidden_store import bytes_per_token
+from eaglet.storage import bytes_per_token
 from eaglet.target import default_layer_ids, validate_layer_ids
 from kimi_common import HIDDEN, KIMI_MARKERS, NUM_LAYERS, make_config_only_checkpoint
 from workflow_common import planned

@@ -42,7 +42,8 @@ from eaglet.capture import (  # noqa: F401 - extract's helpers, in the library s
     read_tokens,
     reference_positions,
 )
-from eaglet.hidden_store import HiddenStateDataset, ShardWriter, bytes_per_token, storage_dtype
+from eaglet.hidden_store import HiddenStateDataset, ShardWriter
+from eaglet.storage import bytes_per_token, storage_dtype
 
 __all__ = ["extract", "assign_shards", "make_batches", "HiddenStateDataset"]
 

@@ -31,27 +31,11 @@ import torch
 
 from eaglet import io
 from eaglet.hidden_reader import HiddenStateDataset  # noqa: F401 - the reader, re-exported
+from eaglet.storage import bytes_per_token, storage_dtype
 
 log = logging.getLogger("eaglet.hidden_store")
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
-# Config spelling -> storage dtype name written into index.json.
-DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "fp8": "float8_e4m3fn",
-          "float8_e4m3fn": "float8_e4m3fn"}
-
-
-def storage_dtype(name: str) -> str:
-    if name not in DTYPES:
-        raise ValueError(f"extract.dtype: {name!r} not one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
-def bytes_per_token(dtype: str, hidden_size: int) -> int:
-    """Disk bytes per stored token: (3 aux + 1 final) x H values, plus fp8 scales and ids."""
-    d = storage_dtype(dtype)
-    elem = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}[d]
-    scales = 4 * 4 if d == "float8_e4m3fn" else 0
-    return 4 * hidden_size * elem + scales + 4 + 1
 
 
 def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,8 @@ import time
 import torch
 
 from eaglet import capture, target
-from eaglet.hidden_store import storage_dtype, storage_round
+from eaglet.hidden_store import storage_round
+from eaglet.storage import storage_dtype
 
 log = logging.getLogger("eaglet.online")
 

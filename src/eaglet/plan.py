@@ -8,7 +8,7 @@ the start, so `snakemake -n` logs this module's one-line summary (workflow/rules
 stops a config whose training rank, extraction shard or vLLM server cannot fit
 ``resources.gpu_memory_gb`` (GiB per GPU), naming the key. Figures, per config:
 
-- hidden states on disk: ``hidden_store.bytes_per_token`` x tokens, per shard and in total; the
+- hidden states on disk: ``storage.bytes_per_token`` x tokens, per shard and in total; the
   token count is bounded by ``prompts.n x tokenize.max_length`` (and stated at 1,500 tokens per
   conversation, the typical length of a regenerated reply, as the Kimi config's comment does);
 - training rank: the drafter's weights (fp32, frozen target embedding included), gradients, AdamW
@@ -227,7 +227,7 @@ def vllm_server(config: dict, s: dict, gpu_gib: float | None) -> dict | None:
 
 def hidden_states(config: dict, s: dict) -> dict:
     """Disk bytes of the extracted hidden states (hidden_store's format), bounded and typical."""
-    from eaglet.hidden_store import bytes_per_token
+    from eaglet.storage import bytes_per_token
 
     per_tok = bytes_per_token(config["extract"]["dtype"], s["hidden_size"])
     n, max_len, shards = int(config["prompts"]["n"]), int(config["tokenize"]["max_length"]), \

@@ -14,7 +14,7 @@ budget nothing is chosen: ``train.hidden_states`` and ``extract.dtype`` are used
 figures are stated all the same when the target's shape is known. A config that already says
 ``train.hidden_states: online`` stays online (it needs the least disk).
 
-Figures (decimal GB): hidden states = ``hidden_store.bytes_per_token`` x the token bound
+Figures (decimal GB): hidden states = ``bytes_per_token`` (below) x the token bound
 ``prompts.n x tokenize.max_length`` (what a run can reach; eaglet.plan states the same bound);
 the rest of what every mode writes = the tokens file (~5 B per token) + ``train.keep_checkpoints``
 checkpoints (fp32 trainable weights + AdamW's two moments) + the drafter. The target checkpoint
@@ -23,7 +23,24 @@ itself (resources/) is not counted.
 
 from __future__ import annotations
 
-from eaglet.hidden_store import bytes_per_token
+# Config spelling -> storage dtype name written into index.json.
+DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "fp8": "float8_e4m3fn",
+          "float8_e4m3fn": "float8_e4m3fn"}
+
+
+def storage_dtype(name: str) -> str:
+    if name not in DTYPES:
+        raise ValueError(f"extract.dtype: {name!r} not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def bytes_per_token(dtype: str, hidden_size: int) -> int:
+    """Disk bytes per stored token: (3 aux + 1 final) x H values, plus fp8 scales and ids."""
+    d = storage_dtype(dtype)
+    elem = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}[d]
+    scales = 4 * 4 if d == "float8_e4m3fn" else 0
+    return 4 * hidden_size * elem + scales + 4 + 1
+
 
 ORDER = (("offline", "bfloat16"), ("offline", "fp8"), ("online", None))
 TOKEN_FILE_BYTES = 5  # per token in tokens.parquet: int32 id + int8 mask (before compression)
