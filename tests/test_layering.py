@@ -12,57 +12,27 @@ except those under ``if __name__ == "__main__":`` (an entry point, not a depende
 and runs (``Path(__file__).with_name("vllm_*_runner.py")``) is code that module runs.
 """
 
-import ast
 import re
 from pathlib import Path
+
+from eaglet import code_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "eaglet"
 RULES = sorted((REPO / "workflow" / "rules").glob("*.smk"))
-LAUNCHER = "gpu_slots"
+LAUNCHER = code_inputs.LAUNCHER
 
 
 def modules() -> list[str]:
-    return sorted(p.stem for p in SRC.glob("*.py") if p.stem != "__init__")
-
-
-def _is_main_guard(node: ast.AST) -> bool:
-    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+    return code_inputs.modules()
 
 
 def imports(module: str) -> set[str]:
-    """The eaglet modules ``module`` imports or runs (see the module docstring)."""
-    text = (SRC / f"{module}.py").read_text()
-    tree = ast.parse(text)
-    skip = {id(n) for top in tree.body if _is_main_guard(top) for n in ast.walk(top)}
-    found = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        else:
-            continue
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "eaglet" and len(parts) > 1:
-                found.add(parts[1])
-            elif len(parts) == 1 and name != "eaglet":
-                found.add(name)  # a runner's `from vllm_env import ...` (copied beside it)
-    found |= set(re.findall(r'with_name\("(\w+)\.py"\)', text))
-    return {m for m in found if (SRC / f"{m}.py").is_file() and m != module}
+    return set(code_inputs.imports(module))
 
 
 def closure(module: str) -> set[str]:
-    seen, todo = {module}, [module]
-    while todo:
-        for m in imports(todo.pop()) - seen:
-            seen.add(m)
-            todo.append(m)
-    return seen
+    return code_inputs.closure(module)
 
 
 def rules() -> dict[str, dict]:
@@ -74,9 +44,9 @@ def rules() -> dict[str, dict]:
             ran = re.findall(r"-m eaglet\.(\w+)", body)  # python -m, or torchrun -m
             stages = [m for m in ran if m != LAUNCHER]
             assert len(stages) <= 1, (smk.name, name, stages)
-            code = re.search(r"code=src\((.*?)\)", body, re.S)
+            code = re.search(r"code=stage_code\((.*?)\)", body, re.S)
             out[name] = {"stage": stages[0] if stages else None, "launcher": LAUNCHER in ran,
-                         "code": re.findall(r'"(\w+)"', code.group(1)) if code else None}
+                         "code": code.group(1) if code else None}
     return out
 
 
@@ -114,17 +84,16 @@ def test_the_workflow_reads_only_library_modules_at_parse_time():
 
 def test_every_rule_lists_the_code_its_stage_runs():
     """Code inputs are what reruns a stage when its code changes (the cache key never sees code
-    imported by `python -m`): they must hold the stage's whole import closure."""
-    missing = {}
+    imported by `python -m`): every rule that runs a stage derives them from that stage's whole
+    import closure (eaglet.code_inputs), with the launcher's when the rule runs one."""
     for name, r in rules().items():
         if r["stage"] is None:
             continue
-        assert r["code"] is not None, f"rule {name} runs eaglet.{r['stage']} but lists no code inputs"
-        assert all((SRC / f"{m}.py").is_file() for m in r["code"]), (name, r["code"])
-        need = closure(r["stage"]) | (closure(LAUNCHER) if r["launcher"] else set())
-        if need - set(r["code"]):
-            missing[name] = sorted(need - set(r["code"]))
-    assert not missing, f"rules whose code inputs omit modules their stage runs: {missing}"
+        want = f'"{r["stage"]}"' + (", launcher=True" if r["launcher"] else "")
+        assert r["code"] == want, f"rule {name} runs eaglet.{r['stage']}: code=stage_code({want}), not {r['code']}"
+    files = code_inputs.files("train", launcher=True)
+    assert {"src/eaglet/train.py", "src/eaglet/gpu_slots.py", "src/eaglet/io.py"} <= set(files)
+    assert "src/eaglet/export.py" not in files and files == sorted(set(files))
 
 
 def test_imports_are_read_as_written():

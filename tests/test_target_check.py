@@ -268,7 +268,8 @@ def test_vocab_pins_the_markers_of_the_template_given_by_the_key(base_target):
 def test_built_target_is_reported_from_its_recorded_identity(tmp_path):
     conf = {"target": {"name": "t", "tiny": {}, "path": None, "chat_template": None},
             "evaluate": {"vllm": {"env": str(VLLM_ENV), "enabled": True}}, "export": {"vllm_check": True}}
-    (line,) = target_check.parse_time(conf, tmp_path)
+    ids, line = target_check.parse_time(conf, tmp_path)
+    assert ids == "aux layer ids: [2, 4, 5] (vLLM's default for the target)"  # known before the build
     assert "built by the first job" in line
     ident = tmp_path / "resources/targets/t/identity.json"
     ident.parent.mkdir(parents=True)
@@ -278,7 +279,7 @@ def test_built_target_is_reported_from_its_recorded_identity(tmp_path):
         target_check.parse_time(conf, tmp_path)
     off = {**conf, "evaluate": {"vllm": {"env": str(VLLM_ENV), "enabled": False}},
            "export": {"vllm_check": False, "accept_not_run": list(contract.VLLM_CHECKS)}}
-    (line,) = target_check.parse_time(off, tmp_path)
+    _, line = target_check.parse_time(off, tmp_path)
     assert "can NOT serve an EAGLE-3 drafter for Gemma3ForCausalLM" in line
 
 
@@ -348,3 +349,37 @@ def test_vllm_check_off_without_accepting_its_checks_is_refused_at_the_start(tmp
         target_check.parse_time(conf, tmp_path)
     conf["export"] = {"vllm_check": True, "accept_not_run": []}
     assert target_check.parse_time(conf, tmp_path)
+
+
+def test_layer_ids_are_resolved_and_checked_before_any_target_is_built(tiny_target):
+    """The aux layer ids are a plain param resolved at parse time from the config alone, for every
+    kind of target (a tiny spec, a local folder, the packaged GGUF): an id >= N stops the preview
+    before generation or extraction runs, naming extract.layer_ids."""
+    import gguf
+
+    from eaglet.target import DEFAULT_GGUF, gguf_num_layers, package_file
+
+    # The header reader against the gguf package's own (full) reader.
+    path = package_file(*DEFAULT_GGUF)
+    field = gguf.GGUFReader(str(path)).fields["llama.block_count"]
+    assert gguf_num_layers(path) == int(field.parts[field.data[0]][0]) == 30
+    kinds = {"tiny": ({"tiny": {}}, 8),
+             "tiny qwen3, 10 layers": ({"tiny": {"family": "qwen3", "num_hidden_layers": 10}}, 10),
+             "folder": ({"path": tiny_target["path"]}, 8), "gguf": ({}, 30)}
+    for kind, (target, n) in kinds.items():
+        conf = {"target": {"name": "t", "path": None, "tiny": None, **target}, "extract": {"layer_ids": None}}
+        assert target_check.layer_ids(conf) == [2, n // 2, n - 3], kind
+        conf["extract"]["layer_ids"] = [1, 2, n]
+        with pytest.raises(ValueError, match=rf"extract\.layer_ids: \[1, 2, {n}\] outside \[1, {n - 1}\]"):
+            target_check.layer_ids(conf)
+
+
+def test_a_layer_id_past_the_target_stops_the_preview_of_an_unbuilt_target(tmp_path):
+    a = clone(tmp_path / "wf")
+    conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
+    conf["extract"]["layer_ids"] = [2, 4, 8]
+    (a / "config/bad.yaml").write_text(yaml.safe_dump(conf))
+    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", "config/bad.yaml"],
+                       cwd=a, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "extract.layer_ids: [2, 4, 8] outside [1, 7]" in p.stdout + p.stderr
+    assert not (a / "resources").exists() and not (a / "results").exists()

@@ -143,6 +143,15 @@ LLAMA_DEFAULTS = dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=
                       num_key_value_heads=1, intermediate_size=256)
 
 
+def tiny_num_layers(tiny: dict) -> int:
+    """The layer count of ``target.tiny`` without building it (the workflow resolves the aux
+    layer ids at parse time): an override, else the family's tiny default."""
+    family = tiny.get("family", "llama")
+    _check(family)
+    base = LLAMA_DEFAULTS if family == "llama" else FAMILY_CONFIGS[family]
+    return int(tiny.get("num_hidden_layers", base["num_hidden_layers"]))
+
+
 def _check(family: str) -> None:
     if family not in FAMILIES:
         raise ValueError(f"target.tiny.family: {family!r} is not one of {', '.join(FAMILIES)}")

@@ -40,6 +40,73 @@ def package_file(package: str, filename: str) -> Path:
     return path
 
 
+def packaged_file_identity(package: str, filename: str) -> str:
+    """The content identity of a data file inside an installed package, the same in every
+    installation of that package: the distribution's version and the sha256 its wheel RECORD holds
+    for the file (a file's mtime differs from one venv to the next, and a key holding it made every
+    clone's cache its own). A file with no recorded hash (an editable or hand-placed install) is
+    hashed here, once per parse."""
+    from importlib import metadata
+
+    path = package_file(package, filename)
+    for dist in metadata.packages_distributions().get(package, []):
+        for f in metadata.files(dist) or []:
+            if f.hash is not None and Path(f).parts[-2:] == (package, filename):
+                return f"{dist}=={metadata.version(dist)} {f.hash.mode}:{f.hash.value} ({f.size} bytes)"
+    return f"{package}/{filename} sha256:{io.file_digest(path)} ({path.stat().st_size} bytes, not recorded by pip)"
+
+
+# GGUF value types (the GGUF specification's numbering) -> struct format, for the header reader.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_num_layers(path: str | Path) -> int:
+    """The layer count (``<architecture>.block_count``) from a GGUF file's header, read up to that
+    key: the workflow needs it at parse time, before the target is built, and the gguf package's
+    reader parses every tensor record and the whole vocabulary first (2 s per parse here)."""
+    import struct
+
+    def read(fh, fmt):
+        size = struct.calcsize("<" + fmt)
+        data = fh.read(size)
+        if len(data) != size:
+            raise ValueError(f"{path}: GGUF header ends early")
+        return struct.unpack("<" + fmt, data)[0]
+
+    def string(fh):
+        return fh.read(read(fh, "Q")).decode("utf-8", "replace")
+
+    def value(fh, kind):
+        if kind == _GGUF_STRING:
+            return string(fh)
+        if kind == _GGUF_ARRAY:
+            item, count = read(fh, "I"), read(fh, "Q")
+            if item in _GGUF_SCALARS:  # skipped, not decoded
+                fh.seek(count * struct.calcsize("<" + _GGUF_SCALARS[item]), 1)
+            else:
+                for _ in range(count):
+                    value(fh, item)
+            return None
+        if kind not in _GGUF_SCALARS:
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+        return read(fh, _GGUF_SCALARS[kind])
+
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        read(fh, "I")  # version
+        read(fh, "Q")  # tensor count
+        found: dict[str, object] = {}
+        for _ in range(read(fh, "Q")):
+            key = string(fh)
+            found[key] = value(fh, read(fh, "I"))
+            arch = found.get("general.architecture")
+            if arch is not None and f"{arch}.block_count" in found:
+                return int(found[f"{arch}.block_count"])
+    raise ValueError(f"{path}: no <architecture>.block_count in the GGUF header")
+
+
 def default_layer_ids(num_layers: int) -> list[int]:
     """vLLM's default aux layer ids: the residual stream entering layers 2, N//2, N-3."""
     return [2, num_layers // 2, num_layers - 3]

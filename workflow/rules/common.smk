@@ -19,8 +19,8 @@ validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 # drafter stop `snakemake -n` already, naming the key.
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from eaglet import capability
+from eaglet import code_inputs
 from eaglet import target_check
-from eaglet.target import default_layer_ids
 
 for _line in target_check.parse_time(config):
     logger.info(_line)
@@ -87,10 +87,12 @@ EVAL_SUMMARY = []
 FINAL_OUTPUTS = []
 
 
-def src(*modules):
-    """Module files behind a stage: listed as inputs so that editing the code reruns the stage
-    (the cache key never sees code imported by `python -m`)."""
-    return [f"src/eaglet/{m}.py" for m in modules]
+def stage_code(stage, launcher=False):
+    """The module files a stage runs (its whole import closure, read from the source by
+    eaglet.code_inputs; with the GPU-slot launcher's when the rule puts it in front): listed as
+    inputs, so editing a module reruns exactly the stages whose code imports it (the cache key never
+    sees code imported by `python -m`)."""
+    return code_inputs.files(stage, launcher)
 
 
 def verbatim(value):
@@ -199,13 +201,11 @@ def conversations_for_tokenize():
     return f"{RUN}/prompts/train.parquet"
 
 
-def extract_layer_ids(wildcards, input):
-    """Aux layer ids in vLLM convention: configured, or vLLM's default for the target (one
-    definition in eaglet.target, shared with the stages and the parse-time check)."""
-    if config["extract"]["layer_ids"]:
-        return json.dumps(config["extract"]["layer_ids"], sort_keys=True)
-    n = json.loads(Path(input.identity).read_text())["num_layers"]
-    return json.dumps(default_layer_ids(n), sort_keys=True)
+# Aux layer ids in vLLM convention, resolved now from the target's config (extract.layer_ids, or
+# vLLM's default for the target's layer count): a plain param, so a change reruns extraction and
+# everything after it, and an id >= N stops `snakemake -n` (a param computed from an input file is
+# never compared by Snakemake's rerun trigger).
+LAYER_IDS = target_check.layer_ids(config)
 
 
 def train_launcher(wildcards, resources):
@@ -238,7 +238,7 @@ def train_params():
 # loaded (the target section), handed to the trainer as one settings file.
 ONLINE_SETTINGS = {
     "tokens": f"{RUN}/tokenize/tokens.parquet",  # rules.tokenize.output.tokens
-    "layer_ids": config["extract"]["layer_ids"],
+    "layer_ids": LAYER_IDS,
     "dtype": config["extract"]["dtype"],
     "target_load": TARGET_LOAD,
 }

@@ -3,15 +3,7 @@
 
 rule target_model:
     input:
-        code=src(
-            "target_model",
-            "target",
-            "target_check",
-            "families",
-            "family_templates",
-            "contract_record",
-            "io",
-        ),
+        code=stage_code("target_model"),
     output:
         model=directory(f"{TARGET_DIR}/model"),
         identity=TARGET_ID,
@@ -33,7 +25,7 @@ rule target_model:
 
 rule prompts:
     input:
-        code=src("prompts", "contract_record", "target", "target_check", "io"),
+        code=stage_code("prompts"),
     output:
         train=f"{RUN}/prompts/train.parquet",
         heldout=f"{RUN}/prompts/heldout.parquet",
@@ -65,7 +57,7 @@ rule prompts:
 
 rule tokenize:
     input:
-        code=src("tokenize", "target", "target_check", "contract_record", "io"),
+        code=stage_code("tokenize"),
         conversations=conversations_for_tokenize(),
         identity=TARGET_ID,
     output:
@@ -98,7 +90,7 @@ rule tokenize:
 
 rule token_freq:
     input:
-        code=src("freq", "contract_record", "target", "target_check", "io"),
+        code=stage_code("freq"),
         tokens=rules.tokenize.output.tokens,
         identity=TARGET_ID,
     output:
@@ -124,7 +116,7 @@ rule token_freq:
 
 rule vocab_map:
     input:
-        code=src("vocab", "target", "target_check", "contract_record", "io"),
+        code=stage_code("vocab"),
         counts=rules.token_freq.output.counts,
         identity=TARGET_ID,
     output:

@@ -35,21 +35,7 @@ HF_LOOP_GPUS = 1 if HF_LOOP and VLLM_GPUS else 0
 
 rule evaluate_offline:
     input:
-        code=src(
-            "evaluate",
-            "hf_loop",
-            "chain",
-            "eval_sets",
-            "eval_stats",
-            "model",
-            "ttt_attention",
-            "target",
-            "target_check",
-            "gpu_slots",
-            "contract_record",
-            "rope",
-            "io",
-        ),
+        code=stage_code("evaluate", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -78,21 +64,7 @@ rule evaluate_offline:
 # Timing: run alone (all cores), after the offline stage so the two never share the CPU.
 rule evaluate_speculative:
     input:
-        code=src(
-            "evaluate",
-            "hf_loop",
-            "chain",
-            "eval_sets",
-            "eval_stats",
-            "model",
-            "ttt_attention",
-            "target",
-            "target_check",
-            "gpu_slots",
-            "contract_record",
-            "rope",
-            "io",
-        ),
+        code=stage_code("evaluate", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -120,18 +92,7 @@ rule evaluate_speculative:
 
 rule evaluate_vllm:
     input:
-        code=src(
-            "evaluate_vllm",
-            "vllm_eval_runner",
-            "vllm_env",
-            "eval_sets",
-            "eval_stats",
-            "target",
-            "target_check",
-            "gpu_slots",
-            "contract_record",
-            "io",
-        ),
+        code=stage_code("evaluate_vllm", launcher=True),
         config=rules.export.output.config,
         weights=rules.export.output.weights,
         identity=TARGET_ID,
@@ -186,7 +147,7 @@ rule eval_summary:
             if config["plan"]["learning_curve"]
             else {}
         ),
-        code=src("eval_summary", "eval_stats", "io"),
+        code=stage_code("eval_summary"),
         offline=rules.evaluate_offline.output.offline,
         positions=rules.evaluate_offline.output.positions,
         offline_rounds=rules.evaluate_offline.output.rounds,

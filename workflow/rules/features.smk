@@ -25,21 +25,7 @@ EXTRACT_LOAD = TARGET_LOAD | {
 
 rule extract_hidden_states:
     input:
-        code=src(
-            "extract",
-            "capture",
-            "hidden_store",
-            "hidden_reader",
-            "gpu_slots",
-            "target",
-            "capability",
-            "contract_record",
-            "target_check",
-            "storage",
-            "plan",
-            "plan_text",
-            "io",
-        ),
+        code=stage_code("extract", launcher=True),
         tokens=rules.tokenize.output.tokens,
         identity=TARGET_ID,
     output:
@@ -61,7 +47,7 @@ rule extract_hidden_states:
         shard=lambda wildcards: int(wildcards.shard),
         num_shards=len(EXTRACT_SHARDS),
         digest=target_digest,
-        layer_ids=extract_layer_ids,
+        layer_ids=as_json(LAYER_IDS),
         dtype=config["extract"]["dtype"],
         token_budget=config["extract"]["token_budget"],
         chunk_mb=config["extract"]["chunk_mb"],

@@ -46,19 +46,7 @@ GENERATE_DATA_KEYS = (
 
 rule generate:
     input:
-        code=src(
-            "generate",
-            "generate_turns",
-            "generate_parts",
-            "generate_backends",
-            "vllm_server",
-            "vllm_env",
-            "gpu_slots",
-            "target",
-            "target_check",
-            "contract_record",
-            "io",
-        ),
+        code=stage_code("generate", launcher=True),
         conversations=f"{RUN}/prompts/train.parquet",
         identity=TARGET_ID,
     output:

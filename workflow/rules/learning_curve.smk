@@ -49,7 +49,7 @@ rule learning_curve:
                 )
             }
         ),
-        code=src("learning_curve", "curve_fit", "job_records", "io"),
+        code=stage_code("learning_curve"),
         full=rules.train.output.summary,
         fractions=expand(f"{LC_DIR}/f{{frac}}/train_summary.json", frac=LC_FRACTIONS),
         # the stored states' disk (none online: the target runs inside each training)

@@ -5,7 +5,7 @@
 
 rule plots:
     input:
-        code=src("plots", "io"),
+        code=stage_code("plots"),
         vocab=rules.vocab_map.output.summary,
         metadata=rules.tokenize.output.metadata,
         metrics=rules.train.output.metrics,
@@ -50,7 +50,7 @@ FINAL_OUTPUTS.extend(rules.plots.output)
 
 rule provenance:
     input:
-        code=src("provenance", "job_records", "io"),
+        code=stage_code("provenance"),
         identity=TARGET_ID,
         outputs=list(FINAL_OUTPUTS),
         # an input, not a param: as a param the whole config showed twice in `snakemake -n`
