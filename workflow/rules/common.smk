@@ -220,7 +220,8 @@ def train_launcher(wildcards, resources):
 # autocast on a GPU job and on a CPU with bf16 units, fp32 elsewhere. The resolved value is the
 # trainer's param, so a drafter trained on one kind of CPU is no cache hit for the other.
 TRAIN_AUTOCAST, TRAIN_AUTOCAST_WHY = capability.resolve_autocast(
-    config["train"].get("autocast", "auto"), on_gpu=int(config["train"]["gpus"] or 0) > 0
+    config["train"].get("autocast", "auto"),
+    on_gpu=int(config["train"]["gpus"] or 0) > 0,
 )
 logger.info(f"training autocast: {TRAIN_AUTOCAST} ({TRAIN_AUTOCAST_WHY})")
 
