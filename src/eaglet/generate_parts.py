@@ -3,7 +3,9 @@ discarded when the settings that define the data change."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -71,20 +73,55 @@ def load_parts(parts_dir: Path, inputs: dict[str, str] | None = None) -> dict[st
     return done
 
 
+def setting_changes(old, new: dict, prefix: str = "") -> list[str]:
+    """One ``key: before -> after`` per changed value between two keys (nested by dotted key;
+    ``(absent)`` where one lacks the key). The same as eaglet.hidden_store.setting_changes, which
+    this stage's code does not import (no torch here)."""
+    def shown(v):
+        s = "(absent)" if v is _ABSENT else json.dumps(v, sort_keys=True, default=str)
+        s = re.sub(r"\b[0-9a-f]{32,}\b", lambda m: m.group(0)[:12], s)
+        return s if len(s) <= 160 else s[:157] + "..."
+
+    if not isinstance(old, dict):
+        return [f"{prefix.rstrip('.') or 'record'}: {shown(old)} -> {shown(new)}"]
+    out = []
+    for k in [*new, *(k for k in old if k not in new)]:
+        a, b = old.get(k, _ABSENT), new.get(k, _ABSENT)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += setting_changes(a, b, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}: {shown(a)} -> {shown(b)}")
+    return out
+
+
+_ABSENT = object()
+
+
 def prepare_parts(out_dir: Path, key: dict) -> Path:
-    """The parts folder for this identity; parts made under another identity are discarded."""
+    """The parts folder for this key (eaglet.generate.parts_key); parts made under another key, or
+    with no record of theirs (manifest.json), are discarded, the log line naming each difference."""
     parts = out_dir / "parts"
     parts.mkdir(parents=True, exist_ok=True)
     for tmp in parts.glob(".*.tmp"):  # leftovers of a write interrupted by a kill
         tmp.unlink()
+    key = json.loads(json.dumps(key))  # as manifest.json gives it back
     manifest = parts / "manifest.json"
+    old_parts = sorted(parts.glob("part_*.parquet"))
+    why = None
     if manifest.exists():
-        old = io.read_json(manifest)
-        if old != key:
-            old_parts = list(parts.glob("part_*.parquet"))
-            log.warning("%s: parts were made with other settings; discarding %d part files",
-                        parts, len(old_parts))
-            for p in old_parts:
-                p.unlink()
+        try:
+            changed = setting_changes(io.read_json(manifest), key)
+        except io.ArtifactError as e:
+            changed = [f"unreadable ({e})"]
+        why = "; ".join(changed) or None
+    elif old_parts:
+        why = "no manifest.json records the settings they were made with"
+    if why and old_parts:
+        log.warning("%s: parts made with other settings (%s); discarding %d part files, not resuming them",
+                    parts, why, len(old_parts))
+        for p in old_parts:
+            p.unlink()
     io.write_json(manifest, key)
     return parts
