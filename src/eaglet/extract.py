@@ -66,10 +66,19 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
     lengths = [len(r) for r in all_input]
     mine = [i for i, s in enumerate(assign_shards(ids, lengths, num_shards)) if s == shard]
 
+    # The target forward's device and dtype, resolved now: with the token budget (the batches, so
+    # the padding and the reference positions) they change the stored bytes, so a resumed shard
+    # needs them equal (ShardWriter.resume_key; the tokens digest, layer ids, dtype, shard and
+    # chunk size are the writer's own fields).
+    dev = pick_device(device)
+    mdtype = model_dtype or ("bfloat16" if dev.startswith("cuda") else "float32")
+    settings = {"token_budget": int(token_budget), "reference_per_batch": REF_PER_BATCH,
+                "target_dtype": mdtype, "target_device": dev.split(":")[0],
+                "trust_remote_code": bool(trust_remote_code)}
     writer = ShardWriter(out_dir, shard, num_shards, layer_ids, final_is_prenorm=True, dtype=dtype,
                          hidden_size=H, target_digest=ident["digest"],
                          chunk_bytes=int(chunk_mb * (1 << 20)), final_layer=N, work_dir=work_dir,
-                         source_digest=io.file_digest(tokens_path))
+                         source_digest=io.file_digest(tokens_path), settings=settings)
     done = writer.done_ids
     todo = [i for i in mine if ids[i] not in done]
     shard_tokens = sum(lengths[i] for i in mine)
@@ -87,8 +96,6 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
                       f"only {free / 1e9:.2f} GB free")
 
     t0 = time.perf_counter()
-    dev = pick_device(device) if todo else device
-    mdtype = model_dtype or ("bfloat16" if dev.startswith("cuda") else "float32")
     if todo:
         ngpu = torch.cuda.device_count() if dev.startswith("cuda") else 0
         model = _load(ident["path"], ident["digest"], mdtype, dev, ngpu, trust_remote_code)

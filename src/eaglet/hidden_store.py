@@ -5,8 +5,11 @@ Shared by ``eaglet.extract`` (writes) and ``eaglet.train`` / ``eaglet.evaluate``
 
 A shard folder holds ``chunk_{j:05d}.safetensors`` files, each the concatenated tokens of whole
 samples, and ``index.json``. While a shard is being written, ``progress.json`` (same fields,
-``"complete": false``) is rewritten atomically after every chunk, so a killed writer resumes from
-its last complete chunk; a chunk is saved atomically, so a partial file never looks complete.
+``"complete": false``, plus the chunk size and the writer's ``settings``) is rewritten atomically
+after every chunk, so a killed writer resumes from its last complete chunk; a chunk is saved
+atomically, so a partial file never looks complete. A resume happens only when every field that
+defines the bytes (header, source digest, chunk size, settings) is the same; otherwise the saved
+chunks are discarded and the log line names each difference (before -> after).
 
     w = ShardWriter(out_dir, shard=0, num_shards=1, layer_ids=[2, 15, 27], final_is_prenorm=True,
                     dtype="bfloat16", hidden_size=576, target_digest=digest, chunk_bytes=512 << 20)
@@ -21,8 +24,10 @@ Shape legend: T tokens, S samples, H hidden size, 3 = the three aux layers (asce
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -62,6 +67,35 @@ def chunk_name(j: int) -> str:
     return f"chunk_{j:05d}.safetensors"
 
 
+# --------------------------------------------------------------------------- resume identities
+_ABSENT = object()
+
+
+def _shown(v) -> str:
+    if v is _ABSENT:
+        return "(absent)"
+    s = re.sub(r"\b[0-9a-f]{32,}\b", lambda m: m.group(0)[:12], json.dumps(v, sort_keys=True, default=str))
+    return s if len(s) <= 160 else s[:157] + "..."
+
+
+def setting_changes(old, new: dict, prefix: str = "") -> list[str]:
+    """What differs between two records of what defines a resumable result (the shard writer's
+    progress, the trainer's checkpoints): one ``key: before -> after`` per changed value, nested
+    records by dotted key, ``(absent)`` for a key one record lacks, long digests cut to 12 digits."""
+    if not isinstance(old, dict):
+        return [f"{prefix.rstrip('.') or 'record'}: {_shown(old)} -> {_shown(new)}"]
+    out = []
+    for k in [*new, *(k for k in old if k not in new)]:
+        a, b = old.get(k, _ABSENT), new.get(k, _ABSENT)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += setting_changes(a, b, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}: {_shown(a)} -> {_shown(b)}")
+    return out
+
+
 # --------------------------------------------------------------------------- writer
 class ShardWriter:
     """Append samples to a shard; chunks are flushed atomically in a background thread.
@@ -75,7 +109,7 @@ class ShardWriter:
     def __init__(self, out_dir, shard: int, num_shards: int, layer_ids: list[int],
                  final_is_prenorm: bool, dtype: str, hidden_size: int, target_digest: str,
                  chunk_bytes: int, final_layer: int | None = None, work_dir=None,
-                 source_digest: str | None = None):
+                 source_digest: str | None = None, settings: dict | None = None):
         self.out_dir = Path(out_dir)
         self.work_dir = Path(work_dir) if work_dir else self.out_dir
         self.header = {"shard": int(shard), "num_shards": int(num_shards),
@@ -87,6 +121,11 @@ class ShardWriter:
         if len(self.header["layer_ids"]) != 3:
             raise ValueError(f"layer_ids: need 3, got {layer_ids}")
         self.chunk_bytes = max(1, int(chunk_bytes))
+        # What a resume needs equal besides the header (which is also the index's): the chunk size
+        # (it places the chunk boundaries) and the caller's ``settings`` that change the stored
+        # bytes (eaglet.extract: the batching token budget, the target forward's dtype and device).
+        self.resume_key = {**self.header, "chunk_bytes": self.chunk_bytes,
+                           "settings": json.loads(json.dumps(settings or {}, sort_keys=True))}
         self.bpt = bytes_per_token(dtype, hidden_size)
         self.chunks: list[dict] = []
         self.samples: list[dict] = []
@@ -118,9 +157,12 @@ class ShardWriter:
                 prog = io.read_json(self.progress_path)
             except io.ArtifactError as e:
                 log.warning("%s; starting the shard over", e)
-        if prog is not None and {k: prog.get(k) for k in self.header} != self.header:
-            log.warning("%s: written with other settings; starting the shard over", self.progress_path)
-            prog = None
+        if prog is not None:
+            changed = setting_changes({k: prog[k] for k in self.resume_key if k in prog}, self.resume_key)
+            if changed:
+                log.warning("%s: written with other settings (%s); discarding its %d chunks, starting the "
+                            "shard over", self.progress_path, "; ".join(changed), len(prog.get("chunks") or []))
+                prog = None
         kept: list[dict] = []
         for c in (prog or {}).get("chunks", []):
             path = self.work_dir / c["file"]
@@ -201,7 +243,7 @@ class ShardWriter:
         samples = [s for s in self.samples if s["chunk"] < upto]
         done = {s["id"] for s in samples}
         io.write_json(self.progress_path, {
-            **self.header, "chunks": self.chunks[:upto], "samples": samples,
+            **self.resume_key, "chunks": self.chunks[:upto], "samples": samples,
             "label_reference": [r for r in self.references if r[0] in done], "complete": False})
 
     def _check_pending(self, wait: bool = False) -> None:

@@ -54,6 +54,8 @@ class OnlineHiddenStates:
         # one target per rank, on this rank's device (ngpu 1: no device_map spread)
         self.model = capture._load(identity["path"], identity["digest"], mdtype, dev, 1, trust_remote_code)
         self.device = self.model.get_input_embeddings().weight.device
+        # how the target computes the states (their bytes): part of a checkpoint's identity (eaglet.train_setup)
+        self.target_load = {"dtype": mdtype, "device": self.device.type, "trust_remote_code": bool(trust_remote_code)}
         log.info("online hidden states: target loaded in %.1f s on %s (%s); states rounded to %s; %d samples, "
                  "%d tokens", time.perf_counter() - t0, dev, mdtype, self.dtype, len(self.ids), sum(self.num_tokens))
         self.cap = capture.Capture(self.model, self.layer_ids)

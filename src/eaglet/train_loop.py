@@ -149,7 +149,7 @@ def after_step(r: _Run, batches: Batches, done: int) -> None:
                       "model": {k: v.detach().cpu().clone() for k, v in r.drafter.trainable_state_dict().items()}}
     if r.main and (done % p["checkpoint_every"] == 0) and done < r.total:
         save_checkpoint(r.ckpt_dir, done, {
-            "digest": r.digest, "step": done,
+            "digest": r.digest, "identity": r.identity, "step": done,
             "model": {k: v.detach().cpu() for k, v in r.drafter.trainable_state_dict().items()},
             "optimizer": r.opt.state_dict(), "scheduler": r.sched.state_dict(), "rng": _rng_state(),
             "data_position": {"step": done, "micro_batch": done * r.M}, "metrics": r.rows, "best": r.best,

@@ -1,11 +1,12 @@
 """The trainer's set-up (eaglet.train): the target's head over the draft vocab and the proof of the
 labels against the real model, the vocab check, processes, data, drafter, the data plan with its
-optimizer and schedule, and the resume from a checkpoint of this very configuration. What set-up
+optimizer and schedule, and the resume from a checkpoint of this very run (run_identity). What set-up
 builds, the loop (eaglet.train_loop) reads: one ``_Run``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -19,6 +20,7 @@ from torch import nn
 from eaglet import io, labels
 from eaglet.hidden_store import HiddenStateDataset
 from eaglet.model import DrafterConfig, Eagle3Drafter, load_target_embedding
+from eaglet.plan import bf16_autocast
 from eaglet.train_data import plan_batches, plan_micro_batches
 from eaglet.train_state import _set_rng_state, dist_setup, load_latest_checkpoint
 from eaglet.ttt import TTTObjective, drafter_options, freeze_head
@@ -107,6 +109,8 @@ class _Run:
     opt: torch.optim.Optimizer | None = None
     sched: torch.optim.lr_scheduler.LRScheduler | None = None
     ckpt_dir: Path | None = None
+    data_identity: dict = field(default_factory=dict)  # what the samples are (data_identity)
+    identity: dict = field(default_factory=dict)  # what defines this run's checkpoints (run_identity)
     digest: str = ""
     start: int = 0
     rows: list = field(default_factory=list)
@@ -197,7 +201,7 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
                     broadcast_buffers=False)
     return _Run(p=p, out_dir=out_dir, rank=rank, ws=ws, device=device, ds=ds, d2t=d2t, t2d=t2d, cfg=cfg,
                 head=head, label_check=label_check, drafter=drafter, objective=objective, model=model,
-                val_ids=val_ids)
+                val_ids=val_ids, data_identity=data_identity(ds, hidden, val_hidden, online))
 
 
 def plan_run(r: _Run, hidden: list[str]) -> None:
@@ -224,13 +228,59 @@ def plan_run(r: _Run, hidden: list[str]) -> None:
     r.sched = torch.optim.lr_scheduler.LambdaLR(r.opt, lr_lambda_for(r.total, math.ceil(p["warmup_ratio"] * r.total)))
 
 
+# Train params that do not change what a run computes, and so stay out of its checkpoints' identity
+# (a rerun with another value continues the same run): how often a checkpoint is written and how
+# many are kept (writing one draws no random number and changes no state: a resume from any of them
+# reproduces the uninterrupted run), and the label check's gate (label_min_agreement,
+# accept_unchecked_labels: whether the run may start, not what it computes). gpus: the world size
+# and device it gives are in the identity themselves. Every other key is in, max_steps and epochs
+# too: the plan (which micro-batches each step reads) follows epochs, and the warmup + cosine
+# schedule (lr_lambda_for) is a function of the total steps, so a run whose epochs or max_steps are
+# raised is another run (each step at another learning rate), not a continuation of the shorter one.
+NOT_DEFINING = ("checkpoint_every", "keep_checkpoints", "label_min_agreement", "accept_unchecked_labels", "gpus")
+
+
+def _index_file(path) -> Path:
+    path = Path(path)
+    return path / "index.json" if path.is_dir() else path
+
+
+def data_identity(ds, hidden: list[str], val_hidden: list[str] | None, online: dict | None) -> dict:
+    """What the trainer's samples are, exactly and cheaply: the aux layer ids and storage dtype of
+    the states, the samples (ids, lengths) in the order read; offline the sha256 of each store's
+    index.json (header, samples and every chunk's sha256: the exact bytes, with no chunk read),
+    validation-only stores apart; online the tokens file's sha256 and how the target computes the
+    states in this job (dtype, device, trust_remote_code; eaglet.online)."""
+    out = {"layer_ids": [int(i) for i in ds.meta["layer_ids"]], "storage_dtype": str(ds.meta["dtype"]),
+           "samples": io.digest_of([list(ds.ids), [int(n) for n in ds.num_tokens]])}
+    if online:
+        out["online"] = {"tokens": io.file_digest(online["tokens"]),
+                         "target_load": dict(getattr(ds, "target_load", None) or {})}
+    else:
+        out["stores"] = [io.file_digest(_index_file(h)) for h in hidden]
+        out["val_stores"] = [io.file_digest(_index_file(h)) for h in val_hidden or []]
+    return out
+
+
+def run_identity(r: _Run, vocab: str, identity: dict) -> dict:
+    """Everything that defines a run's checkpoints: a checkpoint is resumed only when its recorded
+    identity equals this (eaglet.train_state.load_latest_checkpoint)."""
+    ident = {"format": 2, "target": identity["digest"], "vocab": io.file_digest(vocab),
+             "layer_ids": r.data_identity["layer_ids"],
+             "hidden_states": {k: v for k, v in r.data_identity.items() if k != "layer_ids"},
+             "params": {k: v for k, v in r.p.items() if k not in NOT_DEFINING},
+             "world": r.ws, "device": r.device.type,
+             "bf16_autocast": bf16_autocast(r.p["autocast"], r.device.type == "cuda")}
+    return json.loads(json.dumps(ident, default=str))  # plain values, as a checkpoint gives them back
+
+
 def resume(r: _Run, vocab: str, identity: dict) -> None:
-    """Restart from the newest checkpoint of this very configuration, if any."""
+    """Restart from the newest checkpoint of this very run (run_identity), if any; stale ones are
+    discarded, each with a log line naming what differs."""
     r.ckpt_dir = r.out_dir / "checkpoints"
-    r.digest = io.digest_of({"params": r.p,
-                             "target": identity["digest"], "vocab": io.file_digest(vocab),
-                             "data": [r.ds.ids, list(r.ds.num_tokens)], "world": r.ws, "device": r.device.type})
-    state = load_latest_checkpoint(r.ckpt_dir, r.digest) if r.ckpt_dir.exists() else None
+    r.identity = run_identity(r, vocab, identity)
+    r.digest = io.digest_of(r.identity)
+    state = load_latest_checkpoint(r.ckpt_dir, r.identity) if r.ckpt_dir.exists() else None
     if state is None:
         return
     r.drafter.load_state_dict({**state["model"], "embed_tokens.weight": r.drafter.embed_tokens.weight})

@@ -1,5 +1,6 @@
 """The trainer's processes and persistent state (eaglet.train): DDP set-up, checkpoints written
-atomically and read back only for the same configuration, RNG state."""
+atomically and read back only for the same run (same data, layers, vocab, target and settings), RNG
+state."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import torch
 
 from eaglet import io
+from eaglet.hidden_store import setting_changes
 
 log = logging.getLogger("eaglet.train")
 
@@ -53,18 +55,25 @@ def save_checkpoint(ckpt_dir: Path, step: int, state: dict, keep: int) -> None:
         old.unlink()
 
 
-def load_latest_checkpoint(ckpt_dir: Path, digest: str) -> dict | None:
-    """Newest checkpoint of this very configuration; others are stale and removed."""
+def load_latest_checkpoint(ckpt_dir: Path, identity: dict) -> dict | None:
+    """Newest checkpoint of this very run: its recorded ``identity`` (eaglet.train_setup.run_identity:
+    the data, aux layers, draft vocab, target and every train setting that changes the result)
+    equals ``identity``. Any other is stale: removed, with a log line naming each difference (before
+    -> after); so is one written before checkpoints recorded an identity. An unreadable one is
+    skipped (a kill mid-write)."""
     for f in reversed(_ckpt_files(ckpt_dir)):
         try:
             state = torch.load(f, map_location="cpu", weights_only=True)  # never unpickle objects
         except Exception as e:  # noqa: BLE001 - a corrupt file must not stop training
             log.warning("%s: unreadable checkpoint (%s); ignoring it", f, e)
             continue
-        if state.get("digest") == digest:
+        old = state.get("identity")
+        if old == identity:
             return state
-        log.warning("%s: written by a different configuration; removing it", f)
-        f.unlink()
+        why = ("it records no identity of its run (written by an older eaglet)" if old is None
+               else "; ".join(setting_changes(old, identity)))
+        log.warning("%s: checkpoint of another run, discarding it (not resuming): %s", f, why)
+        f.unlink(missing_ok=True)  # missing: another rank of this run removed it first
     return None
 
 
