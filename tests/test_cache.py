@@ -1,9 +1,12 @@
 """The between-workflow output cache as a shared machine sees it: the target keyed on its folder's
 content, the user's own checkpoint never re-permissioned, the cache folder closed to other users,
-and every stage refusing an artifact altered inside the cache, naming the file."""
+every stage refusing an artifact altered inside the cache, naming the file, its cache entry and the
+command evicting it, and that command (scripts/cache_evict.py) evicting it."""
 
 import json
 import os
+import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -94,8 +97,9 @@ def test_local_target_is_keyed_on_its_content_and_never_re_permissioned(tiny_tar
 
 @pytest.fixture(scope="module")
 def tokenized(tmp_path_factory):
-    """A smoke clone run through tokenize (generation off: tokenize reads the prompts) with a
-    private cache; the cache now serves target_model, prompts and tokenize to any other clone."""
+    """A smoke clone run through token_freq (generation off: tokenize reads the prompts) with a
+    private cache; the cache now serves target_model, prompts, tokenize and token_freq to any
+    other clone."""
     root = tmp_path_factory.mktemp("cached")
     cache = root / "cache"
     cache.mkdir()
@@ -103,7 +107,7 @@ def tokenized(tmp_path_factory):
     conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
     conf["generate"]["enabled"] = False
     (a / "config/nogen.yaml").write_text(yaml.safe_dump(conf))
-    smk(a, cache, "results/smoke/tokenize/tokens.parquet", configfile="config/nogen.yaml")
+    smk(a, cache, "results/smoke/token_freq/freq.safetensors", configfile="config/nogen.yaml")
     return root, a, cache
 
 
@@ -152,6 +156,107 @@ def test_target_altered_in_the_cache_is_refused_by_the_next_run(tokenized):
         cached.write_text(original)
 
 
+def test_counts_altered_in_the_cache_are_refused_then_evicted_and_recomputed(tokenized):
+    """One byte flipped in the cached token counts: vocab_map refuses them, naming the file, the
+    cache entry and the command evicting it (a --forcerun would restore the same entry); that
+    command removes the entry (all of token_freq's files) and its links, and the next run
+    recomputes token_freq, stores a good entry and builds the vocabulary from the true counts."""
+    root, a, cache = tokenized
+    shutil.copytree(REPO / "scripts", a / "scripts", dirs_exist_ok=True)  # the checkout's script
+    counts = a / "results/smoke/token_freq/freq.safetensors"
+    record = counts.with_name("summary.json")
+    cached = Path(os.path.realpath(counts))
+    assert cached.parent == cache and cached.name.endswith("_counts.safetensors")
+    entry = sorted(cache.glob(cached.name[:64] + "*"))
+    assert {p.name[64:] for p in entry} == {"_counts.safetensors", "_top.tsv", "_summary.json"}
+    want = json.loads(record.read_text())[io.DIGESTS_KEY]["freq.safetensors"]
+    assert io.file_digest(counts) == want
+    original = cached.read_bytes()
+    flip_last_byte(counts)  # through the results link, as any writer of the 0666 cache file could
+    try:
+        assert cached.read_bytes() != original
+        code, out = smk(a, cache, "results/smoke/vocab_map/vocab.json", check=False, configfile="config/nogen.yaml")
+        assert code != 0, out[-3000:]
+        log = (a / "logs/smoke/vocab_map.log").read_text()
+        assert "results/smoke/token_freq/freq.safetensors: sha256 differs from the one recorded in " \
+               "results/smoke/token_freq/summary.json" in log, log[-3000:]
+        assert f"output cache entry {cached} " in log and "scripts/cache_evict.py" in log, log[-3000:]
+        assert not (a / "results/smoke/vocab_map/vocab.json").exists()
+        cmd = re.search(r"evict it with `([^`]+)`", log).group(1)
+        assert shlex.split(cmd)[1:] == ["scripts/cache_evict.py", "results/smoke/token_freq/freq.safetensors"], cmd
+
+        # A path that is not in the cache is refused, and nothing is deleted.
+        p = subprocess.run([*shlex.split(cmd)[:2], "config/nogen.yaml", "results/smoke/token_freq/freq.safetensors"],
+                           cwd=a, capture_output=True, text=True, timeout=120)
+        assert p.returncode != 0 and "config/nogen.yaml: not in the Snakemake output cache" in p.stderr, p.stderr
+        assert (a / "config/nogen.yaml").is_file() and cached.exists() and counts.is_symlink()
+
+        p = subprocess.run(shlex.split(cmd), cwd=a, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert not [f for f in entry if f.exists()], p.stdout
+        assert not [f for f in ("freq.safetensors", "top.tsv", "summary.json")
+                    if os.path.lexists(counts.with_name(f))], p.stdout
+        assert f"removed cache entry file {cached}" in p.stdout and "recomputes" in p.stdout, p.stdout
+    finally:
+        if cached.exists():  # not evicted (a failure above): the module's other tests need it intact
+            cached.write_bytes(original)
+
+    smk(a, cache, "results/smoke/vocab_map/vocab.json", configfile="config/nogen.yaml")
+    fresh = Path(os.path.realpath(counts))
+    assert fresh.parent == cache and fresh.read_bytes() == original  # token_freq recomputed and stored
+    assert io.file_digest(counts) == json.loads(record.read_text())[io.DIGESTS_KEY]["freq.safetensors"] == want
+    vocab = json.loads((a / "results/smoke/vocab_map/vocab.json").read_text())
+    assert vocab["assistant_tokens"] == json.loads(record.read_text())["tokens"]
+
+
+def test_cache_evict_removes_every_file_of_the_entry_and_the_links_to_it(tmp_path):
+    """scripts/cache_evict.py on the layouts Snakemake's local cache makes (snakemake/caching/local.py):
+    a job's named outputs as <hash>_<name><suffix> files, a directory output stored (the results
+    folder a link to the entry) or restored (a real folder of links, with .snakemake_timestamp)."""
+    cache, wf = tmp_path / "cache", tmp_path / "wf"
+    h1, h2, h3, other = "1" * 64, "2" * 64, "3" * 64, "4" * 64
+    stage = wf / "results/run/stage"
+    stage.mkdir(parents=True)
+    (wf / "Snakefile").write_text("")
+    cache.mkdir()
+    for name in (f"{h1}_counts.safetensors", f"{h1}_summary.json", f"{other}.parquet"):
+        (cache / name).write_text(name)
+    for out, ext in (("freq.safetensors", "_counts.safetensors"), ("summary.json", "_summary.json")):
+        (stage / out).symlink_to(cache / f"{h1}{ext}")
+    (wf / "results/run/keep.parquet").symlink_to(cache / f"{other}.parquet")
+    for h in (h2, h3):
+        (cache / h).mkdir()
+        (cache / h / "index.json").write_text("{}")
+        (cache / h / "chunk_00000.safetensors").write_text("x")
+    (wf / "results/run/shard_0").symlink_to(cache / h2)  # stored: the folder is the link
+    restored = wf / "results/run/shard_1"  # restored: a folder of links
+    restored.mkdir()
+    for f in (cache / h3).iterdir():
+        (restored / f.name).symlink_to(f)
+    (restored / ".snakemake_timestamp").write_text("")
+    (wf / "real.parquet").write_text("mine")
+
+    def evict(*paths):
+        env = {k: v for k, v in os.environ.items() if k != io.CACHE_ENV}  # as in a user's shell
+        return subprocess.run([sys.executable, str(REPO / "scripts/cache_evict.py"), *paths], cwd=wf, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    # Refused, nothing deleted: a real file; a missing path. All paths are checked first.
+    for bad in ("real.parquet", "results/run/nothing.parquet"):
+        p = evict("results/run/stage/freq.safetensors", bad)
+        assert p.returncode == 2 and f"{bad}: " in p.stderr and "nothing deleted" in p.stderr, p.stderr
+    assert len(list(cache.iterdir())) == 5 and (stage / "freq.safetensors").is_symlink()
+
+    p = evict("results/run/stage/freq.safetensors", "results/run/shard_0/index.json", "results/run/shard_1")
+    assert p.returncode == 0, p.stderr
+    assert sorted(c.name for c in cache.iterdir()) == [f"{other}.parquet"]  # the other job's entry stays
+    assert not list(stage.iterdir())  # both of the job's links, the one named and its sibling
+    assert not os.path.lexists(wf / "results/run/shard_0") and not restored.exists()
+    assert (wf / "results/run/keep.parquet").resolve() == cache / f"{other}.parquet"
+    assert (wf / "real.parquet").read_text() == "mine"
+    assert f"removed cache entry file {cache / f'{h1}_summary.json'}" in p.stdout, p.stdout
+
+
 # --------------------------------------------------------------------------- consumers' checks
 def test_vocab_and_drafter_are_checked_against_their_producers_record(tiny_target, tmp_path):
     """train refuses a vocab.safetensors, export and evaluate a drafter.safetensors, whose sha256
@@ -182,6 +287,113 @@ def test_vocab_and_drafter_are_checked_against_their_producers_record(tiny_targe
                      "--train-summary", str(d.with_name("train_summary.json")), "--log", str(tmp_path / "x.log")])
     assert "drafter.safetensors: sha256 differs" in (tmp_path / "x.log").read_text()
     assert not (tmp_path / "x").exists()
+
+
+def _other_rows(path: Path) -> None:
+    """Rewrite a Parquet file valid, with its last row gone: every format check passes, only the
+    recorded digest tells (what a writer of the 0666 cache files could do)."""
+    t = io.read_parquet(path)
+    assert t.num_rows > 0
+    io.write_parquet(path, t.slice(0, t.num_rows - 1))
+
+
+def refused(path: Path, run) -> str:
+    """``run()`` must refuse the altered ``path``, naming it; the message."""
+    with pytest.raises(io.ArtifactError, match=re.escape(f"{path}: sha256 differs from the one recorded")) as e:
+        run()
+    return str(e.value)
+
+
+def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target, tmp_path):
+    """Each artifact one stage writes and another reads carries the sha256 its producer recorded,
+    and each consumer refuses it altered, naming it: prompts' train/heldout Parquet (generate,
+    tokenize, evaluate's sets), generate's conversations (tokenize), token_freq's counts
+    (vocab_map), train's metrics (plots), evaluate's Parquet files (eval_summary), the export's
+    config and weights (evaluate_vllm)."""
+    import pandas as pd
+    import torch
+
+    from eaglet import eval_sets, eval_summary, evaluate, evaluate_vllm, freq, generate, plots, prompts, tokenize, vocab
+
+    ident = str(Path(tiny_target["path"]).parent / "identity.json")
+
+    # prompts -> generate, tokenize (train.parquet), evaluate (heldout.parquet)
+    src = tmp_path / "source.jsonl"
+    src.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i} " * 4}]}) + "\n"
+        for i in range(6)))
+    pr = tmp_path / "prompts"
+    prompts.main(["--source", "file", "--path", str(src), "--n", "4", "--heldout", "2", "--out-dir", str(pr)])
+    recorded = io.read_json(pr / "summary.json")[io.DIGESTS_KEY]
+    assert recorded == io.record_digests(pr, ["train.parquet", "heldout.parquet"])
+    assert len(eval_sets.load_set(str(pr / "heldout.parquet"))) == 2  # intact, it reads
+
+    gen = tmp_path / "generate"
+    generate.generate(pr / "train.parquet", ident, gen, {"backend": "local", "max_tokens": 2})
+    assert io.read_json(gen / "generate_summary.json")[io.DIGESTS_KEY] == io.record_digests(
+        gen, ["conversations.parquet", "errors.parquet"])
+    tok_args = ["--target", ident, "--out-dir", str(tmp_path / "tok")]
+    tokenize.main(["--conversations", str(gen / "conversations.parquet"), *tok_args])  # intact, it reads
+
+    _other_rows(pr / "train.parquet")
+    refused(pr / "train.parquet", lambda: tokenize.main(["--conversations", str(pr / "train.parquet"), *tok_args]))
+    refused(pr / "train.parquet", lambda: generate.main([
+        "--conversations", str(pr / "train.parquet"), "--target", ident, "--out-dir", str(tmp_path / "g2"),
+        "--config", json.dumps({"backend": "local"})]))
+    _other_rows(pr / "heldout.parquet")
+    refused(pr / "heldout.parquet", lambda: eval_sets.load_set(str(pr / "heldout.parquet")))
+    _other_rows(gen / "conversations.parquet")
+    refused(gen / "conversations.parquet",
+            lambda: tokenize.main(["--conversations", str(gen / "conversations.parquet"), *tok_args]))
+
+    # token_freq -> vocab_map
+    fr = tmp_path / "freq"
+    s = freq.run(tmp_path / "tok" / "tokens.parquet", ident, fr)
+    assert io.read_json(fr / "summary.json") == s and s["tokens"] > 0
+    assert s[io.DIGESTS_KEY] == io.record_digests(fr, ["freq.safetensors", "top.tsv"])
+    vocab_args = ["--target", ident, "--draft-vocab-size", "64", "--out-dir", str(tmp_path / "vocab")]
+    vocab.main(["--counts", str(fr / "freq.safetensors"), *vocab_args])  # intact, it reads
+    flip_last_byte(fr / "freq.safetensors")  # the adversarial case: one count becomes ~10^14
+    refused(fr / "freq.safetensors", lambda: vocab.main(["--counts", str(fr / "freq.safetensors"), *vocab_args]))
+    (fr / "summary.json").unlink()  # no record: refused too
+    with pytest.raises(io.ArtifactError, match=re.escape(f"{fr / 'summary.json'}: missing")):
+        vocab.main(["--counts", str(fr / "freq.safetensors"), *vocab_args])
+
+    # train -> plots (metrics.parquet; train.py records it beside drafter.safetensors, test_train checks)
+    tr = tmp_path / "train"
+    io.write_parquet(tr / "metrics.parquet", pd.DataFrame({"step": [1, 2], "split": ["train", "train"],
+                                                           "loss": [2.0, 1.0], "tf_tau": [1.0, 1.2]}))
+    io.write_json(tr / "train_summary.json", {io.DIGESTS_KEY: io.record_digests(tr, ["metrics.parquet"])})
+    _other_rows(tr / "metrics.parquet")
+    refused(tr / "metrics.parquet", lambda: plots.main(["--metrics", str(tr / "metrics.parquet"),
+                                                        "--out-dir", str(tmp_path / "plots")]))
+    assert not (tmp_path / "plots" / "training.png").exists()
+
+    # evaluate -> eval_summary (the stages' own writer, as when the HF loop is off)
+    ev = tmp_path / "eval"
+    o = {"hf_loop_reason": "test"}
+    evaluate.hf_loop_not_run("evaluate_offline", ev, o, "offline.json",
+                             ("offline_positions.parquet", "offline_rounds.parquet"))
+    evaluate.hf_loop_not_run("evaluate_speculative", ev, o, "speculative.json", ("speculative_rounds.parquet",))
+    eval_summary.main(["--eval-dir", str(ev)])  # intact, it reads
+    for name in eval_summary.RECORDED:
+        original = (ev / name).read_bytes()
+        flip_last_byte(ev / name)
+        refused(ev / name, lambda: eval_summary.main(["--eval-dir", str(ev)]))
+        (ev / name).write_bytes(original)
+
+    # export -> evaluate_vllm (contract.json records config.json and model.safetensors; test_export checks)
+    dr = tmp_path / "drafter"
+    io.write_json(dr / "config.json", {"architectures": ["Eagle3Speculator"]})
+    io.save_tensors(dr / "model.safetensors", {"d2t": torch.zeros(4, dtype=torch.int64)})
+    io.write_json(dr / "contract.json",
+                  {"ok": True, io.DIGESTS_KEY: io.record_digests(dr, ["config.json", "model.safetensors"])})
+    for name in ("config.json", "model.safetensors"):
+        original = (dr / name).read_bytes()
+        flip_last_byte(dr / name)
+        refused(dr / name, lambda: evaluate_vllm.main(["--drafter-dir", str(dr), "--identity", ident, "--out-dir",
+                                                       str(tmp_path / "ev"), "--work-dir", str(tmp_path / "w")]))
+        (dr / name).write_bytes(original)
 
 
 def test_tokens_without_a_record_are_refused(tiny_target, tmp_path):

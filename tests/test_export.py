@@ -76,6 +76,8 @@ def test_contract_json_records_every_check(exported):
     assert [(r["name"], r["accepted"]) for r in written["not_run"]] == (
         [(n, True) for n in NO_VLLM] + [(f"speculators.{n}", True) for n in NO_VLLM])
     assert written["train_chain_tau"] == 1.23  # the validation chain τ at the k vLLM runs (4)
+    # the digests evaluate_vllm checks the exported files against before vLLM loads them
+    assert written[io.DIGESTS_KEY] == io.record_digests(out, ["config.json", "model.safetensors"])
     assert not (out / ".staging").exists() and not (out / "contract.failed.json").exists()
 
 

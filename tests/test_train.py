@@ -106,6 +106,8 @@ def test_training_learns_and_writes_outputs(tiny_target, data, tmp_path):
     assert cfg.target_digest == tiny_target["digest"] and torch.equal(t2d, data["t2d"])
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary["val_samples"] > 0 and summary["final_val"]["split"] == "val"
+    # the digests export, evaluate (drafter) and plots (metrics) check the files against
+    assert summary[io.DIGESTS_KEY] == io.record_digests(tmp_path, ["drafter.safetensors", "metrics.parquet"])
 
 
 def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_target, data, tmp_path):

@@ -94,7 +94,10 @@ def math() -> list[dict]:
 
 
 def conversations(path: str | Path) -> list[dict]:
-    """Prompts from a conversation Parquet: the messages before the last user turn's reply."""
+    """Prompts from a conversation Parquet: the messages before the last user turn's reply. A stage's
+    output (prompts/heldout.parquet, generate/conversations.parquet) is checked against the sha256
+    its stage recorded beside it; a user's own file is read as given."""
+    io.verify_beside(path, "summary.json", "generate_summary.json")
     out, skipped = [], Counter()
     for r in io.read_conversations(path):
         reason = io.prompt_problem(r["messages"])

@@ -351,7 +351,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
+    verify_inputs(a.eval_dir)
     summarise(a.eval_dir, a.vllm, a.learning_curve, **io.parse_json_arg(a.config, {}))
+
+
+# The evaluate stages' Parquet files, each with the JSON its stage recorded its sha256 in.
+RECORDED = {"offline_positions.parquet": "offline.json", "offline_rounds.parquet": "offline.json",
+            "speculative_rounds.parquet": "speculative.json"}
+
+
+def verify_inputs(eval_dir: str | Path) -> None:
+    """Refuse an evaluate Parquet whose sha256 is not the one its stage recorded (io.verify_recorded)."""
+    for name, record in RECORDED.items():
+        io.verify_recorded(Path(eval_dir) / name, Path(eval_dir) / record)
 
 
 if __name__ == "__main__":

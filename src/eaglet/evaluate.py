@@ -138,6 +138,7 @@ def hf_loop_not_run(stage: str, out_dir: str | Path, o: dict, json_name: str, pa
     out = Path(out_dir)
     for name in parquets:
         io.write_parquet(out / name, _frame([]))
+    res[io.DIGESTS_KEY] = io.record_digests(out, list(parquets))  # checked by eval_summary
     io.write_json(out / json_name, res)
     return res
 
@@ -195,6 +196,8 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
     out = Path(out_dir)
     io.write_parquet(out / "offline_positions.parquet", _frame(pos_rows))
     io.write_parquet(out / "offline_rounds.parquet", _frame(round_rows))
+    # checked by eval_summary (io.verify_recorded)
+    res[io.DIGESTS_KEY] = io.record_digests(out, ["offline_positions.parquet", "offline_rounds.parquet"])
     io.write_json(out / "offline.json", res)
     log.info("offline: tau %s (all positions), chain %s", res["overall"]["tau"], res["overall"]["tau_chain"])
     return res
@@ -340,6 +343,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
         raise LosslessError(f"speculative decoding is not lossless on {len(unexplained)} prompt/k pairs "
                             f"(details in {out / 'speculative.failed.json'})")
     (out / "speculative.failed.json").unlink(missing_ok=True)
+    res[io.DIGESTS_KEY] = io.record_digests(out, ["speculative_rounds.parquet"])  # checked by eval_summary
     io.write_json(out / "speculative.json", res)
     log.info("speculative: %s", {k: (v["tau"], v["speedup_ci"]["note"]) for k, v in res["overall"]["k"].items()})
     return res

@@ -289,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
+    for name in ("config.json", "model.safetensors"):  # the export's record
+        io.verify_recorded(Path(a.drafter_dir) / name, Path(a.drafter_dir) / "contract.json")
     try:
         evaluate_vllm(a.drafter_dir, a.identity, io.parse_json_arg(a.sets), a.out_dir, work_dir=a.work_dir,
                       offline=a.offline, **io.parse_json_arg(a.config, {}))

@@ -109,6 +109,8 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
     for name in ("config.json", "model.safetensors"):
         (stage_a / name).replace(out / name)
     shutil.rmtree(stage_a)
+    # checked by evaluate_vllm before vLLM loads them (io.verify_recorded)
+    report[io.DIGESTS_KEY] = io.record_digests(out, ["config.json", "model.safetensors"])
     io.write_json(out / "contract.json", report)  # last: its presence means a complete, checked export
     return report
 

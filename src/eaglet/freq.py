@@ -1,8 +1,9 @@
 """Token frequencies over loss-masked (assistant) tokens only: the draft vocabulary is chosen
 from what the drafter will have to predict, not from prompts or template scaffolding.
 
-Writes ``freq.safetensors`` (``counts`` [V] int64 and ``counts/<source>`` per source) and a
-human-readable ``top.tsv`` (rank, id, token, count, share, cumulative share).
+Writes ``freq.safetensors`` (``counts`` [V] int64 and ``counts/<source>`` per source), a
+human-readable ``top.tsv`` (rank, id, token, count, share, cumulative share), and ``summary.json``:
+the totals and the sha256 of both files, which vocab_map checks before trusting the counts.
 
     python -m eaglet.freq --tokens results/smollm2/tokenize/tokens.parquet \
         --target resources/targets/smollm2-135m-instruct/identity.json --out-dir results/smollm2/token_freq
@@ -77,7 +78,12 @@ def run(tokens: str | Path, target: str | Path, out_dir: str | Path, top_n: int 
     io.save_tensors(out_dir / "freq.safetensors", counts)
     io.write_text(out_dir / "top.tsv", top_table(counts["counts"], tok, top_n))
     c = counts["counts"]
-    return {"tokens": int(c.sum()), "distinct": int((c > 0).sum()), "vocab_size": len(c)}
+    summary = {"tokens": int(c.sum()), "distinct": int((c > 0).sum()), "vocab_size": len(c),
+               "tokens_by_source": {k.split("/", 1)[1]: int(v.sum()) for k, v in counts.items() if "/" in k},
+               # checked by vocab_map (io.verify_recorded) before it trusts the counts
+               io.DIGESTS_KEY: io.record_digests(out_dir, ["freq.safetensors", "top.tsv"])}
+    io.write_json(out_dir / "summary.json", summary)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> None:

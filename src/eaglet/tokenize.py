@@ -366,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     kwargs = json.loads(a.chat_template_kwargs)
     if not isinstance(kwargs, dict):
         p.error(f"--chat-template-kwargs must be a JSON object, got {a.chat_template_kwargs!r}")
+    # generate's record, or the prompts stage's (generation off), when a stage made them
+    io.verify_beside(a.conversations, "generate_summary.json", "summary.json")
     m = run(a.conversations, a.target, a.out_dir, a.max_length, a.overlong, a.batch_size, a.chat_template or None,
             kwargs)
     log.info("tokenize: %d samples, %d skipped %s, %d tokens, %d assistant tokens, %d unique",

@@ -156,7 +156,7 @@ def write_outputs(r: _Run, tokens_seen: int, elapsed: float) -> dict:
                "draft_vocab_size": len(r.d2t), "layer_ids": cfg.layer_ids, "label_check": r.label_check,
                "target_digest": identity_digest, "params": r.p, "config": json.loads(cfg.to_json()),
                # checked by export and evaluate (io.verify_recorded)
-               io.DIGESTS_KEY: io.record_digests(r.out_dir, ["drafter.safetensors"])}
+               io.DIGESTS_KEY: io.record_digests(r.out_dir, ["drafter.safetensors", "metrics.parquet"])}
     io.write_json(r.out_dir / "train_summary.json", summary)
     log.info("trained %d steps: train loss %.4f; validation chain tau %s (teacher-forced %s); kept the "
              "weights of step %d", r.total, last_train["loss"],

@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
+    io.verify_recorded(a.counts, Path(a.counts).with_name("summary.json"))  # token_freq's record
     s = run(a.counts, a.target, a.out_dir, a.draft_vocab_size, a.pin_special, json.loads(a.pinned),
             a.curve_points, a.chat_template or None)
     missed = [p["token"] for p in s["pinned"] if not p["would_be_in_without_pin"]]

@@ -95,6 +95,8 @@ rule token_freq:
         identity=TARGET_ID,
     output:
         counts=f"{RUN}/token_freq/freq.safetensors",
+        # the counts' sha256 and totals: vocab_map checks the counts against it
+        summary=f"{RUN}/token_freq/summary.json",
         top=report(
             f"{RUN}/token_freq/top.tsv",
             caption="../report/token_freq.rst",
