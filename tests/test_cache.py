@@ -257,6 +257,57 @@ def test_cache_evict_removes_every_file_of_the_entry_and_the_links_to_it(tmp_pat
     assert f"removed cache entry file {cache / f'{h1}_summary.json'}" in p.stdout, p.stdout
 
 
+def test_a_refusal_inside_a_cached_folder_names_the_entry_and_its_evict_command(tmp_path, monkeypatch):
+    """A file inside a directory output served from the cache: restored (a real folder of links,
+    the target's model folder checked against its manifest) or stored (the folder itself a link, a
+    hidden-state shard's index): the error names the file, the entry and the command; the command
+    evicts the whole job (its model folder and its identity.json)."""
+    monkeypatch.delenv(io.CACHE_ENV, raising=False)
+    cache, wf, h, h2 = tmp_path / "cache", tmp_path / "wf", "5" * 64, "6" * 64
+    entry = cache / f"{h}_model"
+    entry.mkdir(parents=True)
+    (entry / "config.json").write_text('{"rms_norm_eps": 1e-06}')
+    (entry / "tokenizer.json").write_text("{}")
+    (cache / f"{h}_identity.json").write_text("{}")
+    model = wf / "resources/targets/t/model"
+    model.mkdir(parents=True)
+    for f in entry.iterdir():
+        (model / f.name).symlink_to(f)
+    (model / ".snakemake_timestamp").write_text("")
+    (model.parent / "identity.json").symlink_to(cache / f"{h}_identity.json")
+    (cache / h2).mkdir()
+    (cache / h2 / "index.json").write_text("{not json")
+    (wf / "results/r/extract").mkdir(parents=True)
+    (wf / "results/r/extract/shard_0").symlink_to(cache / h2)
+    (wf / "Snakefile").write_text("")
+    monkeypatch.chdir(wf)
+
+    manifest = io.folder_manifest("resources/targets/t/model")
+    (entry / "config.json").write_text('{"rms_norm_eps": 1e-05}')
+    with pytest.raises(io.ArtifactError) as e:
+        io.verify_manifest("resources/targets/t/model", manifest, "resources/targets/t/identity.json")
+    msg = str(e.value)
+    assert msg.startswith("resources/targets/t/model/config.json: sha256 differs from the one recorded"), msg
+    assert f"served from the Snakemake output cache entry {entry} " in msg, msg
+    cmd = re.search(r"evict it with `([^`]+)`", msg).group(1)
+    assert shlex.split(cmd)[2:] == ["resources/targets/t/model/config.json"], cmd
+
+    with pytest.raises(io.ArtifactError) as e:
+        io.read_json("results/r/extract/shard_0/index.json")
+    assert "results/r/extract/shard_0/index.json: corrupt JSON" in str(e.value)
+    assert f"cache entry {cache / h2} " in str(e.value), str(e.value)
+    with pytest.raises(io.ArtifactError) as e:  # not in the cache: no word of it
+        io.read_json("Snakefile")
+    assert "cache" not in str(e.value)
+
+    env = {k: v for k, v in os.environ.items() if k != io.CACHE_ENV}
+    p = subprocess.run(shlex.split(cmd), cwd=wf, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert sorted(c.name for c in cache.iterdir()) == [h2]  # the model folder and identity.json entries
+    assert not model.exists() and not os.path.lexists(model.parent / "identity.json")
+    assert (wf / "results/r/extract/shard_0").is_symlink()
+
+
 # --------------------------------------------------------------------------- consumers' checks
 def test_vocab_and_drafter_are_checked_against_their_producers_record(tiny_target, tmp_path):
     """train refuses a vocab.safetensors, export and evaluate a drafter.safetensors, whose sha256
