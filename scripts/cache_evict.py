@@ -96,7 +96,8 @@ def evict(paths: list[Path], dry_run: bool = False) -> dict:
         scan = sorted({r / sub for r in roots for sub in ("results", "resources") if (r / sub).is_dir()}
                       | {Path(os.path.abspath(p)).parent for p in given})
         links = links_into(scan, files or [entry])
-        links += [(p, False) for p in given if p.is_symlink() and p not in {lk for lk, _ in links}]
+        found = {Path(os.path.abspath(lk)) for lk, _ in links}
+        links += [(p, False) for p in given if p.is_symlink() and Path(os.path.abspath(p)) not in found]
         if dry_run:
             removed_entries += files
             removed_links += [lk for lk, _ in links]

@@ -246,6 +246,9 @@ def test_cache_evict_removes_every_file_of_the_entry_and_the_links_to_it(tmp_pat
         p = evict("results/run/stage/freq.safetensors", bad)
         assert p.returncode == 2 and f"{bad}: " in p.stderr and "nothing deleted" in p.stderr, p.stderr
     assert len(list(cache.iterdir())) == 5 and (stage / "freq.safetensors").is_symlink()
+    p = evict("-n", "results/run/stage/freq.safetensors")  # a dry run says, and removes nothing
+    assert p.returncode == 0 and p.stdout.count("would remove") == 4, p.stdout  # 2 entry files, 2 links
+    assert len(list(cache.iterdir())) == 5 and len(list(stage.iterdir())) == 2
 
     p = evict("results/run/stage/freq.safetensors", "results/run/shard_0/index.json", "results/run/shard_1")
     assert p.returncode == 0, p.stderr
