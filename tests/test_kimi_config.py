@@ -17,7 +17,7 @@ import yaml
 from eaglet.storage import bytes_per_token
 from eaglet.target import default_layer_ids, validate_layer_ids
 from kimi_common import HIDDEN, KIMI_MARKERS, NUM_LAYERS, make_config_only_checkpoint
-from workflow_common import planned
+from workflow_common import flag_json, planned
 
 REPO = Path(__file__).resolve().parents[1]
 COPY = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.toml"]
@@ -55,17 +55,22 @@ def dry_run(repo, name: str, gpus: int = 8, **overrides) -> tuple[str, list[dict
     for section, values in overrides.items():
         conf[section].update(values)
     (repo["wd"] / f"config/{name}.yaml").write_text(yaml.safe_dump(conf))
-    env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(repo["cache"]),
+    preview = repo["wd"] / f"preview-{name}"  # generate's settings file, written only where asked
+    env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(repo["cache"]), "EAGLET_PREVIEW_SETTINGS": str(preview),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "32", "--resources",
                         f"gpu={gpus}", "--cache", "--configfile", f"config/{name}.yaml"],
                        cwd=repo["wd"], env=env, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"dry run of {name} failed:\n{out[-6000:]}"
-    # The settings the stages read from logs/<run>/config/<stage>.json (written at parse time),
-    # kept per dry run: the next dry run of the same run name rewrites them.
-    STAGE_CONFIGS[name] = {f.stem: json.loads(f.read_text())
-                           for f in (repo["wd"] / "logs" / conf["run"] / "config").glob("*.json")}
+    # The settings the stages are handed: generate's file (a preview writes it only under
+    # EAGLET_PREVIEW_SETTINGS, never where a run reads), export's inline on its command line.
+    assert not (repo["wd"] / "logs" / conf["run"] / "config").exists(), "a preview wrote a run's settings"
+    jobs = {j["rule"]: j for j in planned(out)}
+    STAGE_CONFIGS[name] = {
+        "generate": json.loads((preview / "logs" / conf["run"] / "config/generate.json").read_text()),
+        "export": flag_json(jobs["export"]["shell"], "--config"),
+        "target_model": json.loads(next((preview / "logs/target_model").glob("*.config.json")).read_text())}
     return out, planned(out)
 
 
@@ -127,7 +132,8 @@ def test_dry_run_plans_one_job_per_stage(repo, kimi_plan):
     for rule in ("target_model", "prompts", "tokenize", "token_freq", "vocab_map"):
         assert counts.get(rule) == 1, (rule, counts)
     target = next(j for j in jobs if j["rule"] == "target_model")
-    assert str(repo["ckpt"]) in target["shell"]
+    assert "--config @logs/target_model/kimi-k2.5.config.json" in target["shell"]
+    assert STAGE_CONFIGS["kimi"]["target_model"]["path"] == str(repo["ckpt"])
     vocab = next(j for j in jobs if j["rule"] == "vocab_map")
     assert "--draft-vocab-size 32000" in vocab["shell"] and "<|im_assistant|>" in vocab["shell"]
 
@@ -232,8 +238,7 @@ def test_evaluation_and_contract_serve_kimi_as_configured(repo, kimi_plan):
     ev = by["evaluate_vllm"]
     assert serving in ev["shell"], ev["shell"][:600]
     assert ev["resources"].get("gpu") == "8" and ev["shell"].startswith("python -m eaglet.gpu_slots --gpus 8 -- ")
-    # export reads its settings from the file the workflow writes (--config @FILE)
-    assert "--config @logs/kimi-k2.5/config/export.json" in by["export"]["shell"], by["export"]["shell"][:600]
+    # export is handed its settings on its command line (--config JSON)
     assert STAGE_CONFIGS["kimi"]["export"]["serving"] == want
     # extract.target_dtype auto on a GPU job: bf16, with the reason (eaglet.capability, issue 15)
     load = '{"device": "auto", "dtype": "bfloat16", "dtype_reason": "GPU job", "trust_remote_code": true}'

@@ -19,6 +19,7 @@ from eaglet.extract import extract
 from eaglet.hidden_store import HiddenStateDataset, storage_round
 from eaglet.train import train
 from train_common import write_tokens
+from workflow_common import flag_json, planned
 
 N_SAMPLES = 40
 VD = 256
@@ -236,7 +237,7 @@ def test_dry_run_shows_the_storage_choice(tiny_target, tmp_path):
     code, out = _dry_run(tmp_path, tiny_target, {"train": {"hidden_states": "online"}})
     assert code == 0, out[-3000:]
     assert "train" in jobs(out) and "extract_hidden_states" not in jobs(out)
-    assert re.search(r"eaglet\.train --online @logs/smoke/config/train_online\.json", out), out[-3000:]
+    assert re.search(r"eaglet\.train --online '\{", out), out[-3000:]  # its settings inline
     assert "hidden states: none stored (train.hidden_states online" in out  # the memory plan counts the target
 
     code, out = _dry_run(tmp_path, tiny_target, {})
@@ -247,7 +248,8 @@ def test_dry_run_shows_the_storage_choice(tiny_target, tmp_path):
     assert sizes, out[-3000:]
     tokens, bf16, fp8, d_bf16, d_fp8, d_on = (float(x.replace(",", "")) for x in sizes.groups())
     # the training job logs the same statement first (eaglet.train --note)
-    note = json.loads((tmp_path / "wf/logs/smoke/config/train_note.json").read_text())
+    train = next(j for j in planned(out) if j["rule"] == "train")
+    note = flag_json(train["shell"], "--note")
     assert note["lines"][0].startswith("storage: hidden states of <= 12,288 tokens") and note["lines"][0] in out
     # a job parsed before its target was built (no lines) states the same from the target itself
     from eaglet.storage import job_lines

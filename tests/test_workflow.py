@@ -18,77 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dag")
-    cache = root / "cache"
-    cache.mkdir()
-    a = clone(root / "a")
-    smk(a, cache)
-    return a, cache
-
-
 def test_nothing_to_do_after_a_finished_run(finished_run):
     a, cache = finished_run
     _, out = smk(a, cache, "-n")
     assert "Nothing to be done" in out
-
-
-def preview_one_key_change(a: Path, cache: Path, section: str, key: str, value) -> str:
-    """`snakemake -n` of the finished run with one config key changed (the run is not touched:
-    a dry run, and the smoke config is restored for the next test)."""
-    conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
-    conf.setdefault(section, {})[key] = value
-    (a / "config/changed.yaml").write_text(yaml.safe_dump(conf))
-    try:
-        _, out = smk(a, cache, "-n", configfile="config/changed.yaml")
-    finally:
-        smk(a, cache, "-n")  # the config files under logs/ back to the smoke config's
-    # A reader sees what changed: each rule's params change in a short line, not every key of the
-    # config twice (provenance once took the whole config as one param: ~3 KB after any change).
-    # (Snakemake's own listings of a job's input files are long, and not at issue.)
-    changes = [part.strip() for line in out.splitlines() for part in line.split("; ")
-               if "Params have changed" in part]
-    long = [c for c in changes if len(c) > 300]
-    assert not long, f"{len(long)} params changes over 300 chars, e.g. {long[0][:600]}"
-    return out
-
-
-def test_draft_vocab_size_change_reruns_vocab_map_only_with_reason(finished_run, tmp_path):
-    a, cache = finished_run
-    out = preview_one_key_change(a, cache, "vocab", "draft_vocab_size", 512)
-    jobs = planned_jobs(out)
-    assert "vocab_map" in jobs
-    assert not jobs & {"target_model", "prompts", "tokenize", "token_freq"}
-    assert "Params have changed" in out and "before: 1024 now: 512" in out
-
-
-def test_one_train_key_change_names_the_key_in_one_short_line(finished_run):
-    a, cache = finished_run
-    out = preview_one_key_change(a, cache, "train", "lr", 0.002)
-    assert {"train", "provenance"} <= planned_jobs(out)
-    assert not planned_jobs(out) & {"vocab_map", "generate", "extract_hidden_states"}
-    assert "before: 'lr=0.001' now: 'lr=0.002'" in out
-
-
-def test_generate_backend_settings_are_not_what_defines_the_data(finished_run):
-    """Backend settings reach generate through its config file, not params: changing one reruns
-    nothing; a sampling setting is a param, and reruns generate naming it."""
-    a, cache = finished_run
-    out = preview_one_key_change(a, cache, "generate", "chunk_size", 7)
-    assert "generate" not in planned_jobs(out), out[-3000:]
-    out = preview_one_key_change(a, cache, "generate", "top_p", 0.5)
-    assert "generate" in planned_jobs(out)
-    assert "before: 'top_p=1.0' now: 'top_p=0.5'" in out
-
-
-def test_tokenize_max_length_reruns_generate_naming_the_limit(finished_run):
-    """Issue 15: generate filters prompts by the limit tokenize will cut at, so that limit is a
-    param of generate: changing tokenize.max_length reruns it, and -n says why."""
-    a, cache = finished_run
-    out = preview_one_key_change(a, cache, "tokenize", "max_length", 128)
-    assert {"generate", "tokenize"} <= planned_jobs(out)
-    assert "before: 'max_length=256' now: 'max_length=128'" in out
 
 
 def test_editing_a_module_reruns_its_stage_and_nothing_upstream(finished_run):

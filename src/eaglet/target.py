@@ -14,6 +14,7 @@ eaglet.target_model).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -40,6 +41,13 @@ def package_file(package: str, filename: str) -> Path:
     return path
 
 
+@functools.cache
+def _distributions() -> dict[str, list[str]]:
+    from importlib import metadata
+
+    return metadata.packages_distributions()
+
+
 def packaged_file_identity(package: str, filename: str) -> str:
     """The content identity of a data file inside an installed package, the same in every
     installation of that package: the distribution's version and the sha256 its wheel RECORD holds
@@ -49,9 +57,9 @@ def packaged_file_identity(package: str, filename: str) -> str:
     from importlib import metadata
 
     path = package_file(package, filename)
-    for dist in metadata.packages_distributions().get(package, []):
+    for dist in _distributions().get(package, []):
         for f in metadata.files(dist) or []:
-            if f.hash is not None and Path(f).parts[-2:] == (package, filename):
+            if f.hash is not None and Path(f) == Path(package) / filename:
                 return f"{dist}=={metadata.version(dist)} {f.hash.mode}:{f.hash.value} ({f.size} bytes)"
     return f"{package}/{filename} sha256:{io.file_digest(path)} ({path.stat().st_size} bytes, not recorded by pip)"
 

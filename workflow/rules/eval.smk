@@ -29,6 +29,16 @@ EVAL_OPTS = {
     "hf_loop_reason": HF_LOOP_WHY,
     **TARGET_LOAD,
 }
+# The settings that define the measurements, compared one by one (key_params): all but the HF
+# loop's reason, which follows from hf_loop.
+EVAL_KEYS = [k for k in EVAL_OPTS if k != "hf_loop_reason"]
+# The packaged evaluation sets by content (version + recorded sha256): another package version
+# reruns the evaluation; a .parquet set is an input file.
+EVAL_DATA = {
+    s: packaged_file_identity(*PACKAGED_SETS[s])
+    for s in EVAL_SETS
+    if s in PACKAGED_SETS
+}
 # The HF loop on a GPU machine (CUDA vLLM build) takes one GPU through eaglet.gpu_slots.
 HF_LOOP_GPUS = 1 if HF_LOOP and VLLM_GPUS else 0
 
@@ -51,8 +61,10 @@ rule evaluate_offline:
     resources:
         gpu=HF_LOOP_GPUS,
     params:
+        **key_params("evaluate", EVAL_OPTS, EVAL_KEYS),
+        **key_params("set", EVAL_DATA),
         sets=as_json(EVAL_SETS),
-        opts=as_json(EVAL_OPTS),
+        opts=settings(EVAL_OPTS),
         out=out_dir,
     shell:
         "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
@@ -80,14 +92,35 @@ rule evaluate_speculative:
     resources:
         gpu=HF_LOOP_GPUS,
     params:
+        **key_params("evaluate", EVAL_OPTS, EVAL_KEYS),
+        **key_params("set", EVAL_DATA),
         sets=as_json(EVAL_SETS),
-        opts=as_json(EVAL_OPTS),
+        opts=settings(EVAL_OPTS),
         out=out_dir,
     shell:
         "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
         " python -m eaglet.evaluate speculative --drafter {input.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --threads {threads} --log {log:q}"
+
+
+EVAL_VLLM_OPTS = {
+    **{
+        k: EVAL[k]
+        for k in (
+            "num_prompts",
+            "max_new_tokens",
+            "stop_at_eos",
+            "max_prompt_tokens",
+        )
+    },
+    **{k: v for k, v in EVAL["vllm"].items() if k != "enabled"},
+    "chat_template": CHAT_TEMPLATE or None,
+    "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
+    "serving": SERVING,
+}
+# what defines vLLM's measurements: all but how long a run may take
+EVAL_VLLM_KEYS = [k for k in EVAL_VLLM_OPTS if k != "timeout_s"]
 
 
 rule evaluate_vllm:
@@ -110,24 +143,10 @@ rule evaluate_vllm:
         # vLLM's tensor-parallel GPUs (target.vllm), taken through eaglet.gpu_slots
         gpu=VLLM_GPUS,
     params:
+        **key_params("evaluate_vllm", EVAL_VLLM_OPTS, EVAL_VLLM_KEYS),
+        **key_params("set", EVAL_DATA),
         sets=as_json(EVAL_SETS),
-        opts=as_json(
-            {
-                **{
-                    k: EVAL[k]
-                    for k in (
-                        "num_prompts",
-                        "max_new_tokens",
-                        "stop_at_eos",
-                        "max_prompt_tokens",
-                    )
-                },
-                **{k: v for k, v in EVAL["vllm"].items() if k != "enabled"},
-                "chat_template": CHAT_TEMPLATE or None,
-                "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
-                "serving": SERVING,
-            }
-        ),
+        opts=settings(EVAL_VLLM_OPTS),
         drafter=lambda wildcards, input: str(Path(input.config).parent),
         out=out_dir,
         # vLLM's own logs and caches: logs, not results

@@ -38,14 +38,18 @@ rule export:
         **key_params("export", EXPORT),
         out=lambda wildcards, output: str(Path(output.config).parent),
         speculators_out=f"{RUN}/drafter_speculators",
-        export=stage_config("export", EXPORT),
+        export=settings(EXPORT),
         # vLLM's own logs and cache: logs, not results
         work=f"{LOGS}/export_check",
     shell:
         "python -m eaglet.export --drafter {input.drafter:q} --identity {input.identity:q}"
         " --train-summary {input.summary:q} --out {params.out:q}"
         " --speculators-out {params.speculators_out:q} --work-dir {params.work:q}"
-        " --config @{params.export:q} --log {log:q}"
+        " --config {params.export:q} --log {log:q}"
 
 
 FINAL_OUTPUTS.append(rules.export.output.contract)
+# Requested too, so that turning export.speculators on reruns the export: Snakemake checks only the
+# outputs something asks for, and a new output of a finished job went unnoticed.
+if EXPORT_SPECULATORS:
+    FINAL_OUTPUTS.append(rules.export.output.speculators)

@@ -9,10 +9,11 @@
 # AVX2-only CPUs (eaglet.capability, issue 15).
 from eaglet import capability
 
+EXTRACT_ON_GPU = (
+    config["extract"]["gpus_per_shard"] > 0 or config["target"]["device"] == "cuda"
+)
 EXTRACT_TARGET_DTYPE, EXTRACT_TARGET_DTYPE_WHY = capability.resolve_target_dtype(
-    config["extract"]["target_dtype"],
-    on_gpu=config["extract"]["gpus_per_shard"] > 0
-    or config["target"]["device"] == "cuda",
+    config["extract"]["target_dtype"], on_gpu=EXTRACT_ON_GPU
 )
 logger.info(
     f"extraction target forward: {EXTRACT_TARGET_DTYPE} ({EXTRACT_TARGET_DTYPE_WHY})"
@@ -43,6 +44,9 @@ rule extract_hidden_states:
     resources:
         gpu=config["extract"]["gpus_per_shard"],
     params:
+        **key_params("load", EXTRACT_LOAD, ["dtype", "device", "trust_remote_code"]),
+        # where the forward runs (a GPU's numbers are not a CPU's; target.device auto follows it)
+        on_gpu=EXTRACT_ON_GPU,
         # Shard index and count in params: otherwise every shard hits one cache entry.
         shard=lambda wildcards: int(wildcards.shard),
         num_shards=len(EXTRACT_SHARDS),
@@ -52,7 +56,7 @@ rule extract_hidden_states:
         token_budget=config["extract"]["token_budget"],
         chunk_mb=config["extract"]["chunk_mb"],
         # how the target is loaded: extract.target_dtype (resolved), target.device, target.trust_remote_code
-        load=as_json(EXTRACT_LOAD),
+        load=settings(EXTRACT_LOAD),
     shell:
         "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
         " python -m eaglet.extract --tokens {input.tokens:q} --identity {input.identity:q}"

@@ -27,9 +27,24 @@ GENERATE = config["generate"] | {
 }
 GENERATE_GPUS = VLLM_GPUS if config["generate"]["backend"] == "vllm" else 0
 # What defines the data is in params, so in the cache key; the stage reads all its settings from
-# its config file, so the backend's (servers, concurrency, timeouts, vLLM launch options), which
-# change how the data is made and not what it is, stay out of the key and the rerun triggers.
+# its config file, so the backend's (servers, concurrency, timeouts, memory), which change how the
+# data is made and not what it is, stay out of the key and the rerun triggers. The engine that
+# answers is in (engines differ in their greedy answers): its kind, and for vllm its package, dtype
+# and extra arguments, for openai the model it is asked for (base_urls are where that model is
+# served, not what it is), for local how the target is loaded and batched.
+GENERATE_ENGINE_KEYS = {
+    "vllm": ("vllm.package", "vllm.dtype", "vllm.extra_args", "vllm.reasoning_parser"),
+    "openai": ("model",),
+    "local": (
+        "target_load.dtype",
+        "target_load.device",
+        "target_load.trust_remote_code",
+        "concurrency",  # the batch size: padding changes the answers
+    ),
+}[config["generate"]["backend"]]
 GENERATE_DATA_KEYS = (
+    "backend",
+    *GENERATE_ENGINE_KEYS,
     "temperature",
     "top_p",
     "max_tokens",
@@ -37,7 +52,6 @@ GENERATE_DATA_KEYS = (
     "turns",
     "chat_template_kwargs",
     "reject_markers",
-    "vllm.reasoning_parser",
     "max_length",
     "min_answer_tokens",
     "mix",
@@ -73,7 +87,7 @@ rule generate:
     params:
         **key_params("generate", GENERATE, GENERATE_DATA_KEYS),
         digest=target_digest,
-        config=stage_config("generate", GENERATE),
+        config=settings_file(f"{LOGS}/config/generate.json", GENERATE),
         chat_template=verbatim(CHAT_TEMPLATE),
         out=out_dir,
     shell:

@@ -24,9 +24,9 @@ use rule train as train_fraction with:
             TRAIN_PARAMS
             | {
                 "data_fraction": lambda wildcards: f"data_fraction={wildcards.frac}",
-                "train": lambda wildcards: stage_config(
-                    f"train_f{wildcards.frac}",
+                "train": lambda wildcards, output: json.dumps(
                     train_params() | {"data_fraction": float(wildcards.frac)},
+                    sort_keys=True,
                 ),
             }
         ),
@@ -74,14 +74,13 @@ rule learning_curve:
             for h in (input.hidden if "hidden" in input.keys() else [])
         ],
         run_dir=lambda wildcards, input: str(Path(input.full).parents[1]),
-        opts=stage_config(
-            "learning_curve",
-            {k: PLAN[k] for k in ("multipliers", "confidence", "require_check")},
+        opts=settings(
+            {k: PLAN[k] for k in ("multipliers", "confidence", "require_check")}
         ),
     shell:
         "python -m eaglet.learning_curve --full {input.full:q} --fractions {input.fractions:q}"
         " {params.generate} --hidden {params.index:q} --run-dir {params.run_dir:q} --out {output.curve:q}"
-        " --config @{params.opts:q} --log {log:q}"
+        " --config {params.opts:q} --log {log:q}"
 
 
 if PLAN["learning_curve"]:

@@ -53,8 +53,6 @@ rule provenance:
         code=stage_code("provenance"),
         identity=TARGET_ID,
         outputs=list(FINAL_OUTPUTS),
-        # an input, not a param: as a param the whole config showed twice in `snakemake -n`
-        config=stage_config("workflow", config),
     output:
         report(
             f"{RUN}/provenance.json",
@@ -68,9 +66,13 @@ rule provenance:
         "../../envs/eaglet.yaml"
     params:
         run=lambda wildcards, output: str(Path(output[0]).parent),
+        # the config's digest is compared (a changed key reruns provenance in one short line); the
+        # config itself reaches the job as a derived param (common.smk, settings)
+        config_digest=digest_of(config),
+        config=settings(config),
     shell:
         "python -m eaglet.provenance --run-dir {params.run:q} --target {input.identity:q}"
-        " --config-json @{input.config:q} --out {output:q} 2> {log:q}"
+        " --config-json {params.config:q} --out {output:q} 2> {log:q}"
 
 
 FINAL_OUTPUTS.append(rules.provenance.output[0])

@@ -6,17 +6,21 @@
 
 # The training job's params, shared with the learning curve's train_fraction (learning_curve.smk).
 TRAIN_PARAMS = dict(
-    **key_params("train", train_params()),
+    **key_params(
+        "train",
+        train_params(),
+        [k for k in train_params() if k not in TRAIN_NOT_DEFINING],
+    ),
     **(
         key_params("online", ONLINE_SETTINGS, ["layer_ids", "dtype", "target_load"])
         if ONLINE
         else {}
     ),
     out=out_dir,
-    train=stage_config("train", train_params()),
+    train=settings(train_params()),
     data=train_data_args,
     # the storage statement, the job's first log line (a file: a log line is no cache key)
-    note=stage_config("train_note", storage.job_note(config, STORAGE_LINES)),
+    note=settings(storage.job_note(config, STORAGE_LINES)),
     launcher=train_launcher,
 )
 
@@ -52,7 +56,7 @@ rule train:
         "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
         " {params.launcher} -m eaglet.train {params.data} --vocab {input.vocab:q}"
         " --target-identity {input.identity:q} --out-dir {params.out:q}"
-        " --params @{params.train:q} --note @{params.note:q} --log {log:q}"
+        " --params {params.train:q} --note {params.note:q} --log {log:q}"
 
 
 FINAL_OUTPUTS.append(rules.train.output.summary)
