@@ -532,7 +532,8 @@ def test_a_second_clone_with_its_own_venv_computes_nothing_the_first_cached(toke
     assert check.returncode == 0 and str(root / "venv2") in check.stdout, check.stdout + check.stderr
     b = clone(root / "second")
     shutil.copy(a / "config/nogen.yaml", b / "config/nogen.yaml")
-    env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache), "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}"}
+    env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache),
+           "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}"}
     p = subprocess.run([str(python), "-m", "snakemake", "results/smoke/tokenize/tokens.parquet", "--cores", "2",
                         "--configfile", "config/nogen.yaml", "--cache"], cwd=b, env=env, capture_output=True,
                        text=True, timeout=1800)
