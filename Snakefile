@@ -16,6 +16,12 @@ include: "workflow/rules/eval.smk"
 include: "workflow/rules/report.smk"
 
 
+# The settings files of the cached stages are written when a run starts, never by a preview
+# (common.smk, settings_file).
+onstart:
+    write_settings_files()
+
+
 rule all:
     default_target: True
     input:

@@ -10,6 +10,7 @@ defines. All previews run in this process (tests/dag_preview.py), on a copy of t
 
 import copy
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -188,6 +189,12 @@ def after(stages: set[str]) -> set[str]:
     return out
 
 
+def snapshot(wf: Path) -> dict[str, tuple]:
+    """Every file a run writes or reads under results/, resources/ and logs/: size, mtime, link."""
+    return {str(p.relative_to(wf)): (p.lstat().st_size, p.lstat().st_mtime_ns, os.path.islink(p))
+            for top in ("results", "resources", "logs") for p in (wf / top).rglob("*")}
+
+
 def changed(base: dict, changes: dict) -> dict:
     conf = copy.deepcopy(base)
     for key, value in changes.items():
@@ -228,6 +235,7 @@ def test_each_key_reruns_exactly_the_stages_it_defines(run_copy):
     base = yaml.safe_load((wf / "config/smoke.yaml").read_text())
     (wf / "config/same.yaml").write_text(yaml.safe_dump(base))
     assert preview(wf, wf / "config/same.yaml", cache) == {}, "the finished run is not up to date"
+    before = snapshot(wf)
     wrong, long = {}, {}
     for key, row in TABLE.items():
         value, stages, *more = row
@@ -246,6 +254,8 @@ def test_each_key_reruns_exactly_the_stages_it_defines(run_copy):
             long[key] = [c[:limit + 100] for c in changes if len(c) >= limit]
     assert not wrong, "\n".join(f"{k}: {v}" for k, v in wrong.items())
     assert not long, long
+    # 128 previews of other configs wrote nothing a run reads (settings files included)
+    assert snapshot(wf) == before
     # the reasons name the key, before and after (the layer ids were once a param read from a file,
     # which Snakemake never compares: a changed id list reran nothing)
     for key, value, job, text in [

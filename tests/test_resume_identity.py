@@ -20,7 +20,8 @@ from eaglet.capture import REF_PER_BATCH
 from eaglet.extract import extract
 from eaglet.generate import engine_key, generate, parts_key, resolve_config
 from eaglet.generate_parts import prepare_parts
-from eaglet.hidden_store import HiddenStateDataset, ShardWriter, setting_changes
+from eaglet.hidden_store import HiddenStateDataset, ShardWriter
+from eaglet.io import setting_changes
 from eaglet.train import train
 from train_common import LAYERS, PARAMS, hidden_data, write_tokens
 

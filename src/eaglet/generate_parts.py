@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -73,32 +72,6 @@ def load_parts(parts_dir: Path, inputs: dict[str, str] | None = None) -> dict[st
     return done
 
 
-def setting_changes(old, new: dict, prefix: str = "") -> list[str]:
-    """One ``key: before -> after`` per changed value between two keys (nested by dotted key;
-    ``(absent)`` where one lacks the key). The same as eaglet.hidden_store.setting_changes, which
-    this stage's code does not import (no torch here)."""
-    def shown(v):
-        s = "(absent)" if v is _ABSENT else json.dumps(v, sort_keys=True, default=str)
-        s = re.sub(r"\b[0-9a-f]{32,}\b", lambda m: m.group(0)[:12], s)
-        return s if len(s) <= 160 else s[:157] + "..."
-
-    if not isinstance(old, dict):
-        return [f"{prefix.rstrip('.') or 'record'}: {shown(old)} -> {shown(new)}"]
-    out = []
-    for k in [*new, *(k for k in old if k not in new)]:
-        a, b = old.get(k, _ABSENT), new.get(k, _ABSENT)
-        if a == b:
-            continue
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += setting_changes(a, b, f"{prefix}{k}.")
-        else:
-            out.append(f"{prefix}{k}: {shown(a)} -> {shown(b)}")
-    return out
-
-
-_ABSENT = object()
-
-
 def prepare_parts(out_dir: Path, key: dict) -> Path:
     """The parts folder for this key (eaglet.generate.parts_key); parts made under another key, or
     with no record of theirs (manifest.json), are discarded, the log line naming each difference."""
@@ -112,7 +85,7 @@ def prepare_parts(out_dir: Path, key: dict) -> Path:
     why = None
     if manifest.exists():
         try:
-            changed = setting_changes(io.read_json(manifest), key)
+            changed = io.setting_changes(io.read_json(manifest), key)
         except io.ArtifactError as e:
             changed = [f"unreadable ({e})"]
         why = "; ".join(changed) or None

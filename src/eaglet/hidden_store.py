@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 
 from eaglet import io
 from eaglet.hidden_reader import HiddenStateDataset  # noqa: F401 - the reader, re-exported
+from eaglet.io import setting_changes
 from eaglet.storage import bytes_per_token, storage_dtype
 
 log = logging.getLogger("eaglet.hidden_store")
@@ -65,35 +65,6 @@ def storage_round(x: torch.Tensor, dtype: str) -> torch.Tensor:
 
 def chunk_name(j: int) -> str:
     return f"chunk_{j:05d}.safetensors"
-
-
-# --------------------------------------------------------------------------- resume identities
-_ABSENT = object()
-
-
-def _shown(v) -> str:
-    if v is _ABSENT:
-        return "(absent)"
-    s = re.sub(r"\b[0-9a-f]{32,}\b", lambda m: m.group(0)[:12], json.dumps(v, sort_keys=True, default=str))
-    return s if len(s) <= 160 else s[:157] + "..."
-
-
-def setting_changes(old, new: dict, prefix: str = "") -> list[str]:
-    """What differs between two records of what defines a resumable result (the shard writer's
-    progress, the trainer's checkpoints): one ``key: before -> after`` per changed value, nested
-    records by dotted key, ``(absent)`` for a key one record lacks, long digests cut to 12 digits."""
-    if not isinstance(old, dict):
-        return [f"{prefix.rstrip('.') or 'record'}: {_shown(old)} -> {_shown(new)}"]
-    out = []
-    for k in [*new, *(k for k in old if k not in new)]:
-        a, b = old.get(k, _ABSENT), new.get(k, _ABSENT)
-        if a == b:
-            continue
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += setting_changes(a, b, f"{prefix}{k}.")
-        else:
-            out.append(f"{prefix}{k}: {_shown(a)} -> {_shown(b)}")
-    return out
 
 
 # --------------------------------------------------------------------------- writer

@@ -422,6 +422,35 @@ def verify_manifest(folder: str | os.PathLike, manifest: dict[str, dict], record
             raise ArtifactError(f"{f}: sha256 differs from the one recorded in {record} (altered or corrupt)")
 
 
+# --------------------------------------------------------------------------- resume identities
+_ABSENT = object()
+
+
+def _shown(v) -> str:
+    if v is _ABSENT:
+        return "(absent)"
+    s = re.sub(r"\b[0-9a-f]{32,}\b", lambda m: m.group(0)[:12], json.dumps(v, sort_keys=True, default=str))
+    return s if len(s) <= 160 else s[:157] + "..."
+
+
+def setting_changes(old, new: dict, prefix: str = "") -> list[str]:
+    """What differs between two records of what defines a resumable result (the shard writer's
+    progress, the trainer's checkpoints): one ``key: before -> after`` per changed value, nested
+    records by dotted key, ``(absent)`` for a key one record lacks, long digests cut to 12 digits."""
+    if not isinstance(old, dict):
+        return [f"{prefix.rstrip('.') or 'record'}: {_shown(old)} -> {_shown(new)}"]
+    out = []
+    for k in [*new, *(k for k in old if k not in new)]:
+        a, b = old.get(k, _ABSENT), new.get(k, _ABSENT)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += setting_changes(a, b, f"{prefix}{k}.")
+        else:
+            out.append(f"{prefix}{k}: {_shown(a)} -> {_shown(b)}")
+    return out
+
+
 # --------------------------------------------------------------------------- logging / CLI
 def setup_logging(log_file: str | os.PathLike | None = None, level: int = logging.INFO) -> None:
     """Log to stderr, and to ``log_file`` too when given. Silences chatty third-party loggers.
@@ -468,6 +497,23 @@ def quiet_third_party() -> None:
         hf_logging.disable_progress_bar()
     except Exception:  # transformers not installed in this environment
         pass
+
+
+def write_settings(path: str | os.PathLike, text: str) -> None:
+    """A job's settings file (workflow/rules/common.smk, settings_file): written atomically, and
+    left alone (its mtime too) when its content is already ``text``."""
+    path = Path(path)
+    if path.is_file() and path.read_text() == text:
+        return
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def settings_preview_dir() -> Path | None:
+    """``EAGLET_PREVIEW_SETTINGS``: where a preview also writes the settings files, to inspect them
+    (a run writes them when it starts; a preview writes nothing a run reads)."""
+    d = os.environ.get("EAGLET_PREVIEW_SETTINGS")
+    return Path(d) if d else None
 
 
 def parse_json_arg(s: str | None, default: Any = None) -> Any:

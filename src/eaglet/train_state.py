@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from eaglet import io
-from eaglet.hidden_store import setting_changes
+from eaglet.io import setting_changes
 
 log = logging.getLogger("eaglet.train")
 

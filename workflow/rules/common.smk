@@ -20,6 +20,7 @@ validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from eaglet import capability
 from eaglet import code_inputs
+from eaglet import io as eaglet_io
 from eaglet import target_check
 
 for _line in target_check.parse_time(config):
@@ -91,7 +92,7 @@ FINAL_OUTPUTS = []
 
 def stage_code(stage, launcher=False):
     """The module files a stage runs (its whole import closure, read from the source by
-    eaglet.code_inputs; with the GPU-slot launcher's when the rule puts it in front): listed as
+    eaglet.code_inputs; with the GPU-slot launcher's when it runs in front of the stage), listed as
     inputs, so editing a module reruns exactly the stages whose code imports it (the cache key never
     sees code imported by `python -m`)."""
     return code_inputs.files(stage, launcher)
@@ -128,15 +129,6 @@ SETTINGS_FILES = {}
 SETTINGS_WRITTEN = []
 
 
-def _write_settings(path, text):
-    path = Path(path)
-    if not path.is_file() or path.read_text() != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-
-
 def settings_file(path, value):
     """The path of a file (under logs/) holding `value` as JSON: how a cached rule's job receives
     its settings (`--config @FILE`) while its params hold one entry per setting that defines its
@@ -147,15 +139,17 @@ def settings_file(path, value):
     text = json.dumps(value, indent=2, sort_keys=True) + "\n"
     SETTINGS_FILES[str(path)] = text
     if SETTINGS_WRITTEN:  # evaluated after the run started
-        _write_settings(path, text)
-    if os.environ.get("EAGLET_PREVIEW_SETTINGS"):
-        _write_settings(Path(os.environ["EAGLET_PREVIEW_SETTINGS"]) / path, text)
+        eaglet_io.write_settings(path, text)
+    preview = eaglet_io.settings_preview_dir()
+    if preview:
+        eaglet_io.write_settings(preview / path, text)
     return str(path)
 
 
-onstart:
-    for _path, _text in SETTINGS_FILES.items():
-        _write_settings(_path, _text)
+def write_settings_files():
+    """Write every settings file of this run (the Snakefile's onstart: a run, never a preview)."""
+    for path, text in SETTINGS_FILES.items():
+        eaglet_io.write_settings(path, text)
     SETTINGS_WRITTEN.append(True)
 
 
@@ -329,8 +323,8 @@ def train_hidden_input(wildcards):
 def train_data_args(wildcards, input):
     """The trainer's data flags: the shards (offline) or the online settings file."""
     if ONLINE:
-        return "--online " + shlex.quote(json.dumps(ONLINE_SETTINGS, sort_keys=True))
-    return "--hidden " + " ".join(shlex.quote(str(p)) for p in input.hidden)
+        return f"--online {shlex.quote(json.dumps(ONLINE_SETTINGS, sort_keys=True))}"
+    return f"--hidden {' '.join(shlex.quote(str(p)) for p in input.hidden)}"
 
 
 def train_resources():
