@@ -70,7 +70,7 @@ report: venv
 	$(SNAKEMAKE) --report results/$(RUN_NAME)/report.html
 
 test: venv vllm-env test-deps cache-dir
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=30
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow and not vllm and not slurm"

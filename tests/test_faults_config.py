@@ -58,7 +58,12 @@ def test_schema_refuses_bad_values_naming_the_key(key, value):
              str(REPO / "workflow/schemas/config.schema.yaml"), set_default=True)  # the base is valid
     with pytest.raises(WorkflowError) as e:
         validate(conf, str(REPO / "workflow/schemas/config.schema.yaml"), set_default=True)
-    assert parts[-1] in str(e.value), str(e.value)
+    # the key's whole path: the value's own (On instance['prompts']['n']), or an unknown key's
+    # parent and name (its last part alone, `n`, is in every message)
+    msg = str(e.value)
+    where, parent = "".join(f"['{p}']" for p in parts), "".join(f"['{p}']" for p in parts[:-1])
+    unknown = f"On instance{parent}:" in msg and f"'{parts[-1]}' was unexpected" in msg
+    assert f"On instance{where}" in msg or unknown, msg
 
 
 def test_layer_id_beyond_the_model_names_the_key(tiny_target, tmp_path):

@@ -7,6 +7,7 @@ drafter whose output equals plain greedy. A family vLLM cannot serve must be ref
 time, naming the engine feature. Nothing here skips: an unsupported family fails."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -88,8 +89,14 @@ def test_family_runs_the_dag_with_proven_labels_and_parity(runs, family):
                               "config.json").read_text())
     exported = json.loads((run / "drafter" / "config.json").read_text())
     assert exported["rope_parameters"] == rope.drafter_rope(target_conf)
+    # the offline evaluation measured every set it was sent: a finite chain tau in [1, k + 1] per k
     offline = json.loads((run / "eval" / "offline.json").read_text())
-    assert "heldout" in json.dumps(offline)
+    sets = offline["sets"]
+    assert any("heldout" in name for name in sets) and offline["prompts"] == sum(s["prompts"] for s in sets.values())
+    for name, s in sets.items():
+        assert s["prompts"] >= 1 and sorted(map(int, s["tau_chain"])) == list(range(1, offline["K"] + 1)), name
+        for k, tau in s["tau_chain"].items():
+            assert math.isfinite(tau) and 1.0 <= tau <= int(k) + 1, (name, k, tau)
 
 
 @pytest.mark.vllm
