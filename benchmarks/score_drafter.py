@@ -10,9 +10,9 @@ than evaluate's few MT-Bench prompts.
 
 Each run needs ``train/drafter.safetensors``, ``vocab_map/vocab.safetensors``, its
 ``extract/shard_*/index.json`` (opened, not read: the trainer's data plan wants a training store)
-and ``logs/<run>/config/train.json`` (the staged train params; ``--logs``); the draft vocabulary is
-the drafter file's own. Scored in fp32 (as the drafter is served here), whatever it trained under. Prints per run: τ at
-every k, teacher-forced τ, the chain rounds and positions scored.
+and ``train/train_summary.json`` (the train params it ran with, ``params``); the draft vocabulary
+is the drafter file's own. Scored in fp32 (as the drafter is served here), whatever it trained
+under. Prints per run: τ at every k, teacher-forced τ, the chain rounds and positions scored.
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ def main() -> None:
     ap.add_argument("--run", action="append", required=True, help="a run folder (results/<run>)")
     ap.add_argument("--val", default="results/mix-mtval",
                     help="a run folder with extract/, or index.json files (comma-separated)")
-    ap.add_argument("--logs", default="logs", help="where logs/<run>/config/train.json lives")
     ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -78,7 +77,7 @@ def main() -> None:
     out = {}
     for spec in a.run:
         run = Path(spec) if Path(spec).is_absolute() else ROOT / spec
-        params = json.loads((ROOT / a.logs / run.name / "config/train.json").read_text())
+        params = json.loads((run / "train/train_summary.json").read_text())["params"]
         row = score(run, val, identity, params)
         ks = sorted(int(k.rsplit("_", 1)[1]) for k in row if k.startswith("chain_tau_"))
         taus = "  ".join(f"k={k} {row[f'chain_tau_{k}']:.4f}" for k in ks)

@@ -518,7 +518,7 @@ def settings_preview_dir() -> Path | None:
 
 def parse_json_arg(s: str | None, default: Any = None) -> Any:
     """CLI helper: JSON text, or ``@FILE`` for the JSON in a file (the workflow hands a stage its
-    settings as logs/<run>/config/<stage>.json; see workflow/rules/common.smk)."""
+    settings inline, or a cached stage as logs/.../*.json; see workflow/rules/common.smk)."""
     if s is None or s == "":
         return default
     if s.startswith("@"):

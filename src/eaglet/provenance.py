@@ -3,7 +3,7 @@
 identity digest, the config, and the wall time of every stage of this run.
 
     python -m eaglet.provenance --run-dir results/smollm2 --target resources/targets/x/identity.json \
-        --config-json @logs/smollm2/config/workflow.json --out results/smollm2/provenance.json
+        --config-json "$(cat config.json)" --out results/smollm2/provenance.json
 """
 
 from __future__ import annotations
