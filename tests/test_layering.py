@@ -91,6 +91,10 @@ def test_every_rule_lists_the_code_its_stage_runs():
             continue
         want = f'"{r["stage"]}"' + (", launcher=True" if r["launcher"] else "")
         assert r["code"] == want, f"rule {name} runs eaglet.{r['stage']}: code=stage_code({want}), not {r['code']}"
+    # what only the parse reads is no stage's code: editing the tiny families' specs (which
+    # eaglet.target_shape reads to resolve the layer ids) reruns target_model, nothing else
+    assert not [s for s in STAGES if "target_shape" in closure(s)]
+    assert [s for s in STAGES if "families" in closure(s)] == ["target_model"]
     files = code_inputs.files("train", launcher=True)
     assert {"src/eaglet/train.py", "src/eaglet/gpu_slots.py", "src/eaglet/io.py"} <= set(files)
     assert "src/eaglet/export.py" not in files and files == sorted(set(files))

@@ -12,7 +12,6 @@ transformers, no torch, no vLLM import, so parsing the workflow stays fast.
 - ``cpu_mla_block_sizes``  on a vLLM-CPU build: the KV block sizes its MLA and standard attention
                            kernels accept (an MLA target's drafter needs one both accept)
 - ``serving``              one verdict line for the target's architecture
-- ``num_layers``           the target's layer count before it is built (aux layer ids at parse time)
 - ``parse_time``           all of the above for a workflow config; raises naming the key
 """
 
@@ -51,36 +50,6 @@ def text_config(conf: dict) -> dict:
 
 def architecture(conf: dict) -> str:
     return (conf.get("architectures") or ["?"])[0]
-
-
-def num_layers(target: dict) -> int:
-    """The target's layer count from what its config names, before anything is built: a tiny
-    target's spec, a local folder's config.json, or a packaged GGUF's header. The workflow resolves
-    the aux layer ids from it at parse time, so they are a plain param (compared by Snakemake's
-    rerun trigger and in the cache key) and an id >= N stops `snakemake -n`."""
-    from eaglet.target import DEFAULT_GGUF, gguf_num_layers, package_file
-
-    if target.get("tiny") is not None:
-        from eaglet.families import tiny_num_layers
-
-        n = tiny_num_layers(target["tiny"])
-        where = "target.tiny"
-    elif target.get("path"):
-        n = text_config(read_config(target["path"])).get("num_hidden_layers")
-        where = f"target.path: {target['path']}/config.json"
-    else:
-        gguf = package_file(target.get("gguf_package") or DEFAULT_GGUF[0], target.get("gguf_file") or DEFAULT_GGUF[1])
-        n = gguf_num_layers(gguf)
-        where = f"target.gguf_file: {gguf}"
-    if not isinstance(n, int) or n < 4:
-        raise ValueError(f"{where}: num_hidden_layers {n!r} (an EAGLE-3 target needs at least 4 layers)")
-    return n
-
-
-def layer_ids(config: dict) -> list[int]:
-    """The run's aux layer ids, resolved now: ``extract.layer_ids``, or vLLM's default for the
-    target; a ValueError names extract.layer_ids when one is out of range."""
-    return check_layer_ids(config.get("extract", {}).get("layer_ids"), num_layers(config["target"]))
 
 
 def check_layer_ids(layer_ids: list[int] | None, num_layers: int) -> list[int]:
@@ -312,9 +281,7 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
     """Check a validated workflow config against the target it names; return the lines to log.
     Raises ValueError naming the config key when the run cannot succeed."""
     t = config["target"]
-    ids = layer_ids(config)
-    lines: list[str] = [f"aux layer ids: {ids}" + ("" if config.get("extract", {}).get("layer_ids")
-                                                   else " (vLLM's default for the target)")]
+    lines: list[str] = []
     missing = unaccepted_not_run(config.get("export", {}))
     if missing:
         raise ValueError(f"export.accept_not_run: the config turns off contract checks {missing} "

@@ -22,6 +22,7 @@ from eaglet import capability
 from eaglet import code_inputs
 from eaglet import io as eaglet_io
 from eaglet import target_check
+from eaglet import target_shape
 
 for _line in target_check.parse_time(config):
     logger.info(_line)
@@ -261,7 +262,11 @@ def conversations_for_tokenize():
 # vLLM's default for the target's layer count): a plain param, so a change reruns extraction and
 # everything after it, and an id >= N stops `snakemake -n` (a param computed from an input file is
 # never compared by Snakemake's rerun trigger).
-LAYER_IDS = target_check.layer_ids(config)
+LAYER_IDS = target_shape.layer_ids(config)
+logger.info(
+    f"aux layer ids: {LAYER_IDS}"
+    + ("" if config["extract"]["layer_ids"] else " (vLLM's default for the target)")
+)
 
 
 def train_launcher(wildcards, resources):
