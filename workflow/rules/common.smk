@@ -1,6 +1,5 @@
 # Config validation and small pure helpers shared by every rule file. Nothing else lives here.
 import hashlib
-import importlib.util
 import json
 import os
 import shlex
@@ -124,8 +123,8 @@ def settings(value):
     return lambda wildcards, output: text
 
 
-# Settings files of cached rules (settings_file): written when a run starts (onstart, below), never
-# by a preview, so `snakemake -n` changes no file a run reads.
+# Settings files of cached rules (settings_file): written when a run starts (the Snakefile's
+# onstart), never by a preview, so `snakemake -n` changes no file a run reads.
 SETTINGS_FILES = {}
 SETTINGS_WRITTEN = []
 
