@@ -73,7 +73,7 @@ test: venv vllm-env test-deps cache-dir
 	$(BIN)/python -m pytest -q --durations=30
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not slow and not vllm and not slurm"
+	$(BIN)/python -m pytest -q -m "not slow and not vllm and not slurm and not dag"
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks

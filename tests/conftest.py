@@ -1,6 +1,8 @@
 """Shared test fixtures and helpers."""
 
+import inspect
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -23,6 +25,26 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"not run under CI, so failed: {reason}"
+
+
+# What makes a test a DAG test (marker `dag`, left out by `make test-fast`): it runs Snakemake on a
+# clone of the workflow, itself or through one of these fixtures; a test that starts real vLLM
+# (the shared server, or the engine through vllm_env_or_skip) is marked `vllm` too.
+_DAG_FIXTURES = {"finished_run", "run_copy", "tokenized", "runs", "run", "repo", "kimi_plan", "workflow"}
+_DAG_CALL = re.compile(r"\bclone\(|\b_?smk\(|\b_?dry_run\(|\"snakemake\"")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fn = getattr(item, "function", None)
+        try:
+            source = inspect.getsource(fn) if fn else ""
+        except (OSError, TypeError):
+            source = ""
+        if _DAG_FIXTURES & set(getattr(item, "fixturenames", ())) or _DAG_CALL.search(source):
+            item.add_marker(pytest.mark.dag)
+        if "vllm_tiny_server" in getattr(item, "fixturenames", ()) or "vllm_env_or_skip(" in source:
+            item.add_marker(pytest.mark.vllm)
 
 
 def clone(dest: Path) -> Path:
