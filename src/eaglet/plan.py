@@ -128,6 +128,14 @@ def _attention_transient(B: int, T: int, h: int, K: int, dtype: str, attention: 
     return CHUNK_BYTES[dtype] * B * h * widest if K > 1 else 0
 
 
+# train.* keys that do not change what a training run computes, written once for the workflow (kept
+# out of the train rule's params: no rerun, no other cache key) and the trainer (kept out of its
+# checkpoints' identity, eaglet.train_setup.run_identity): how often a checkpoint is written and how
+# many are kept (writing one draws no random number and changes no state), and the label check's
+# gate (whether the run may start, not what it computes).
+TRAIN_NOT_DEFINING = ("checkpoint_every", "keep_checkpoints", "label_min_agreement", "accept_unchecked_labels")
+
+
 def bf16_autocast(setting: str, on_gpu: bool, flags: set[str] | None = None) -> bool:
     """``train.autocast`` resolved: "bfloat16" = always, "float32" = never, "auto" = on a GPU and
     on a CPU with bf16 units (eaglet.capability.resolve_autocast; ``flags``: the CPU's, default

@@ -20,7 +20,7 @@ from torch import nn
 from eaglet import io, labels
 from eaglet.hidden_store import HiddenStateDataset
 from eaglet.model import DrafterConfig, Eagle3Drafter, load_target_embedding
-from eaglet.plan import bf16_autocast
+from eaglet.plan import TRAIN_NOT_DEFINING, bf16_autocast
 from eaglet.train_data import plan_batches, plan_micro_batches
 from eaglet.train_state import _set_rng_state, dist_setup, load_latest_checkpoint
 from eaglet.ttt import TTTObjective, drafter_options, freeze_head
@@ -228,16 +228,12 @@ def plan_run(r: _Run, hidden: list[str]) -> None:
     r.sched = torch.optim.lr_scheduler.LambdaLR(r.opt, lr_lambda_for(r.total, math.ceil(p["warmup_ratio"] * r.total)))
 
 
-# Train params that do not change what a run computes, and so stay out of its checkpoints' identity
-# (a rerun with another value continues the same run): how often a checkpoint is written and how
-# many are kept (writing one draws no random number and changes no state: a resume from any of them
-# reproduces the uninterrupted run), and the label check's gate (label_min_agreement,
-# accept_unchecked_labels: whether the run may start, not what it computes). gpus: the world size
-# and device it gives are in the identity themselves. Every other key is in, max_steps and epochs
-# too: the plan (which micro-batches each step reads) follows epochs, and the warmup + cosine
-# schedule (lr_lambda_for) is a function of the total steps, so a run whose epochs or max_steps are
-# raised is another run (each step at another learning rate), not a continuation of the shorter one.
-NOT_DEFINING = ("checkpoint_every", "keep_checkpoints", "label_min_agreement", "accept_unchecked_labels", "gpus")
+# What a train param not in a checkpoint's identity leaves alone: plan.TRAIN_NOT_DEFINING, and gpus
+# (the world size and device it gives are in the identity themselves). Every other key is in,
+# max_steps and epochs too: the plan (which micro-batches each step reads) follows epochs, and the
+# warmup + cosine schedule (lr_lambda_for) is a function of the total steps, so a run whose epochs or
+# max_steps are raised is another run (each step at another learning rate), not a continuation.
+NOT_DEFINING = (*TRAIN_NOT_DEFINING, "gpus")
 
 
 def _index_file(path) -> Path:

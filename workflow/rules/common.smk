@@ -106,11 +106,6 @@ def verbatim(value):
     return lambda wildcards: value
 
 
-def digest_of(value):
-    """A short digest of a JSON-able value, for params."""
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def settings(value):
     """A job's whole settings as JSON text for its command line (`--config {params.x:q}`), as a
     param *derived* from the job's output: Snakemake stores and compares only the params that are
@@ -295,15 +290,9 @@ def train_params():
     return p | {"autocast": TRAIN_AUTOCAST}
 
 
-# train.* keys that do not change the drafter, kept out of its params (the trainer still reads
-# them from its settings file): how often checkpoints are written and how many are kept, and the
-# label-agreement gate, which passes or stops the job (a stopped job has no output to keep).
-TRAIN_NOT_DEFINING = (
-    "checkpoint_every",
-    "keep_checkpoints",
-    "label_min_agreement",
-    "accept_unchecked_labels",
-)
+# train.* keys that do not change the drafter (eaglet.plan.TRAIN_NOT_DEFINING): out of its params,
+# the trainer still reads them from its settings.
+TRAIN_NOT_DEFINING = memory_plan.TRAIN_NOT_DEFINING
 
 
 # Online: the tokens, the aux layer ids and storage rounding (extract's keys) and how the target is
