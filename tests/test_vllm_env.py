@@ -176,3 +176,14 @@ def test_every_vllm_process_shares_the_venvs_model_class_answers(tmp_path, monke
         assert not (tmp_path / "run3" / "vllm_cache" / "modelinfos").is_symlink()
     finally:
         ro.chmod(0o755)
+
+
+def test_vllm_time_limits_are_capped_by_the_environment(monkeypatch):
+    """EAGLET_VLLM_TIMEOUT_S caps every vLLM start and run (the suite sets it: a hung engine costs
+    minutes); without it the configured limit stands, and a larger cap changes nothing."""
+    from eaglet import vllm_env
+
+    monkeypatch.delenv("EAGLET_VLLM_TIMEOUT_S", raising=False)
+    assert vllm_env.timeout(900) == 900.0
+    monkeypatch.setenv("EAGLET_VLLM_TIMEOUT_S", "420")
+    assert vllm_env.timeout(900) == 420.0 and vllm_env.timeout(60) == 60.0

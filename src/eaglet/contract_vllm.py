@@ -70,7 +70,7 @@ def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: li
     with open(logf, "w") as fh:
         try:
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                timeout=timeout).returncode
+                                timeout=vllm_env.timeout(timeout)).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     text = logf.read_text(errors="replace")

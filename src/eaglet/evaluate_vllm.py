@@ -84,7 +84,7 @@ def run_one(py: Path, target_dir: str, prompts_file: Path, work: Path, tag: str,
     with open(logf, "w") as fh:
         try:
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                timeout=o["timeout_s"]).returncode
+                                timeout=vllm_env.timeout(o["timeout_s"])).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     if rc != 0 or not out.exists():

@@ -190,7 +190,7 @@ def run_batch(target_dir: str | Path, drafter_dirs: list[str | Path], prompts: l
     with open(logf, "w") as fh:
         try:
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                timeout=timeout_each * len(dirs)).returncode
+                                timeout=vllm_env.timeout(timeout_each * len(dirs))).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     text = logf.read_text(errors="replace")

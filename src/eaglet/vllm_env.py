@@ -57,6 +57,14 @@ def vllm_python(env: str | os.PathLike | None = None) -> Path:
     return py
 
 
+def timeout(seconds: float) -> float:
+    """A vLLM process's time limit: ``seconds``, or less where ``EAGLET_VLLM_TIMEOUT_S`` caps it (the
+    test suite sets it, so that one hung engine costs minutes, not the CI run). A limit only: it
+    defines no output, and no stage is keyed by it."""
+    cap = os.environ.get("EAGLET_VLLM_TIMEOUT_S")
+    return min(float(seconds), float(cap)) if cap else float(seconds)
+
+
 def process_env(work: str | os.PathLike, python: str | os.PathLike, **extra: str) -> dict[str, str]:
     """Environment of a vLLM process that eaglet starts with ``python`` (from vllm_python) for a run
     in ``work``: eaglet's interpreter settings removed (they must not leak into vLLM's venv), vLLM's

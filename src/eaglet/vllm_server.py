@@ -200,7 +200,7 @@ def serve(model: str | os.PathLike, *, startup_timeout_s: float = 600.0, **kwarg
     """Start a server, wait until healthy, yield it; always stop it (also on error or Ctrl-C)."""
     server = start(model, **kwargs)
     try:
-        server.wait_healthy(startup_timeout_s)
+        server.wait_healthy(vllm_env.timeout(startup_timeout_s))
         yield server
     finally:
         server.stop()
