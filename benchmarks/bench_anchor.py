@@ -6,16 +6,16 @@
 Both drafters train on the SAME stored hidden states (a real store: results/<run>/extract, the run
 with the most tokens, with its vocab map and its trainer's params from train/train_summary.json,
 else config/config.yaml's train section; with no store but a tokens file, a small one is
-extracted here with eaglet.extract) in the SAME micro-batches in the same order (eaglet's plan:
-eaglet.train_data.plan_micro_batches, read by eaglet.hidden_store.HiddenStateDataset):
+extracted here with eaglet.features.extract) in the SAME micro-batches in the same order (eaglet's plan:
+eaglet.train.data.plan_micro_batches, read by eaglet.hidden.store.HiddenStateDataset):
 
-- eaglet: its own loop, eaglet.train.train, on those params (k = ttt_steps);
+- eaglet: its own loop, eaglet.train.train.train, on those params (k = ttt_steps);
 - the anchor: benchmarks/anchor_worker.py in envs/anchor/.venv (``make anchor-env``; it cannot share
   a process with eaglet's stack), a CPU loop around speculators' Eagle3DraftModel with its eagle3
   defaults (see the worker's docstring), the same embedding and head rows, the same learning rate
   and number of steps; the tensors travel through safetensors files in a temp dir.
 
-Both are scored by eaglet's exact greedy-chain τ at k = ttt_steps (eaglet.ttt.chain_positions and
+Both are scored by eaglet's exact greedy-chain τ at k = ttt_steps (eaglet.drafter.ttt.chain_positions and
 chain_counts, as the trainer's validation computes ``best_val.chain_tau``) on the same validation
 positions, each at its best validation pass (the trainer's rule: passes at every ``val_every`` steps
 and the last; the best chain τ, the later on a tie). The scorer first re-scores eaglet's kept
@@ -76,7 +76,7 @@ def extract_store(results: Path, tmp: Path, ident_path: Path,
     """No stored hidden states: extract the first ``n`` samples of a run's tokens file here."""
     import pandas as pd
 
-    from eaglet.extract import extract
+    from eaglet.features.extract import extract
 
     for r in sorted(results.glob("*")):
         tok, vocab = r / "tokenize/tokens.parquet", r / "vocab_map/vocab.safetensors"
@@ -91,7 +91,7 @@ def extract_store(results: Path, tmp: Path, ident_path: Path,
 def train_params(run_params: dict | None, a) -> dict:
     import yaml
 
-    from eaglet.train import resolve_params
+    from eaglet.train.train import resolve_params
 
     if run_params is None:
         run_params = yaml.safe_load((ROOT / "config/config.yaml").read_text())["train"]
@@ -107,28 +107,30 @@ def train_params(run_params: dict | None, a) -> dict:
 
 class Scorer:
     """eaglet's validation chain τ for any drafter's per-step greedy draft tokens: the very code of
-    eaglet.train.validate (valid_positions, chain_positions, chain_counts) with the drafts given."""
+    eaglet.train.train.validate (valid_positions, chain_positions, chain_counts) with the drafts given."""
 
     def __init__(self, ds, ident, d2t, t2d, p, val_batches, K):
         import torch
 
-        from eaglet import train as tr
+        from eaglet.drafter import ttt
+        from eaglet.train import data as train_data
+        from eaglet.train import setup as train_setup
 
         self.ds, self.val_batches, self.K, self.d2t, self.t2d = ds, val_batches, K, d2t, t2d
-        head = tr.TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), p["oov_rule"] == "greedy", "cpu")
+        head = train_setup.TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), p["oov_rule"] == "greedy", "cpu")
         self.batches = []
         with torch.no_grad():
             for vb in val_batches:
-                b = tr.collate([ds.sample(i) for i in vb], "cpu")
+                b = train_data.collate([ds.sample(i) for i in vb], "cpu")
                 p_BTVd, inv = head(b["final"])
-                valid = tr.valid_positions(b, t2d, inv)
-                self.batches.append((vb, b, p_BTVd.argmax(-1), tr.chain_positions(b, valid, p_BTVd, d2t)))
+                valid = ttt.valid_positions(b, t2d, inv)
+                self.batches.append((vb, b, p_BTVd.argmax(-1), ttt.chain_positions(b, valid, p_BTVd, d2t)))
 
     def tau(self, drafts) -> list[float | None]:
         """drafts(vb, b) -> [B, T, K] draft-vocab tokens (index t of step k drafts x_{t+2+k})."""
         import torch
 
-        from eaglet.ttt import chain_counts
+        from eaglet.drafter.ttt import chain_counts
 
         ch = torch.zeros(self.K, 2, dtype=torch.float64)
         for vb, b, tgt, chain_BT in self.batches:
@@ -167,10 +169,12 @@ def main() -> None:
     import torch
     from safetensors.torch import save_file
 
-    from eaglet import train as tr
-    from eaglet.hidden_store import HiddenStateDataset
-    from eaglet.model import load_drafter
-    from eaglet.target import load_identity
+    from eaglet.drafter.model import load_drafter
+    from eaglet.hidden.reader import HiddenStateDataset
+    from eaglet.target.load import load_identity
+    from eaglet.train import data as train_data
+    from eaglet.train import setup as train_setup
+    from eaglet.train import train as tr
 
     tmp_ctx = tempfile.TemporaryDirectory(prefix="bench_anchor_") if a.keep is None else None
     tmp = Path(a.keep or tmp_ctx.name)
@@ -185,13 +189,13 @@ def main() -> None:
     K = int(p["ttt_steps"])
     ds = HiddenStateDataset([str(i) for i in index], verify="sha")
     check_vocab = getattr(tr, "check_vocab", None)
-    if check_vocab is None:  # moved with the trainer's set-up on main (eaglet.train_setup)
-        from eaglet.train_setup import check_vocab
+    if check_vocab is None:  # moved with the trainer's set-up on main (eaglet.train.setup)
+        from eaglet.train.setup import check_vocab
     d2t, t2d = check_vocab(str(vocab), ident)
     lengths = list(ds.num_tokens)
-    micro, train_idx, val_idx = tr.plan_micro_batches(ds.ids, lengths, p)
+    micro, train_idx, val_idx = train_data.plan_micro_batches(ds.ids, lengths, p)
     total = len(micro) // int(p["grad_accum"])
-    val_batches = tr.plan_batches(val_idx, lengths, p["token_budget"], p["seed"], 0, shuffle=False)
+    val_batches = train_data.plan_batches(val_idx, lengths, p["token_budget"], p["seed"], 0, shuffle=False)
     if p["val_max_batches"] is not None:
         val_batches = val_batches[:int(p["val_max_batches"])]
     val_steps = sorted({s for s in range(1, total + 1) if s % p["val_every"] == 0} | {total})
@@ -207,7 +211,7 @@ def main() -> None:
           f"{threads} threads", flush=True)
 
     # -- the exchange files for the anchor: every sample it reads, eaglet's frozen rows, the plan
-    head = tr.TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), False, "cpu")
+    head = train_setup.TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), False, "cpu")
     exact = torch.bfloat16 if ds.meta["dtype"] == "bfloat16" else torch.float32  # lossless for the store
     used = sorted({i for mb in micro for i in mb} | {i for vb in val_batches for i in vb})
     tensors = {}
@@ -219,7 +223,7 @@ def main() -> None:
                         f"{i}.final": s["final"].to(exact).contiguous()})
     save_file(tensors, str(tmp / "samples.safetensors"))
     del tensors
-    from eaglet.model import load_target_embedding
+    from eaglet.drafter.model import load_target_embedding
 
     save_file({"embed": load_target_embedding(ident["path"]).float().contiguous(),
                "head_rows": head.w_VdH.float().contiguous(),
@@ -273,7 +277,7 @@ def main() -> None:
                          f"{best['chain_tau']:.6f} (not the same positions or rule)")
     from safetensors.torch import load_file
 
-    from eaglet.ttt import is_better
+    from eaglet.drafter.ttt import is_better
 
     a_best = None
     for s in val_steps:

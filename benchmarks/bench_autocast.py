@@ -6,7 +6,7 @@
 
 Data: the run's stored hidden states and vocab map (results/<run>/extract, vocab_map), else (or
 with ``--synthetic``) random states of the target's shape (bench_train's): speed does not depend on
-the values. The trainer itself (eaglet.train.train, config/config.yaml's train section) runs
+the values. The trainer itself (eaglet.train.train.train, config/config.yaml's train section) runs
 ``--steps`` optimizer steps, validation and checkpoints off, once with ``autocast: float32`` and
 once with ``autocast: bfloat16`` per repeat, in alternating order (fp32 first on even repeats,
 bf16 first on odd ones), so slow drifts of a shared machine hit both. Both see the same batches
@@ -14,7 +14,7 @@ bf16 first on odd ones), so slow drifts of a shared machine hit both. Both see t
 summed over steps 1.. (step 0 is warm-up). Prints each mode's median tok/s, the per-repeat ratios
 (fp32 time / bf16 time), their median with a distribution-free interval (benchmarks/paired.py) and
 whether the interval lets "bf16 is faster" be concluded; ``ratio:`` = the median (goal > 1: worth
-turning on). The CPU's bf16 capability (eaglet.capability) is printed: without bf16 units the
+turning on). The CPU's bf16 capability (eaglet.base.capability) is printed: without bf16 units the
 ratio is expected below 1.
 """
 
@@ -35,8 +35,8 @@ import torch  # noqa: E402
 from bench_train import config_params, data_args, store  # noqa: E402
 from paired import spread_note  # noqa: E402
 
-from eaglet import capability, io  # noqa: E402
-from eaglet import train as tr  # noqa: E402
+from eaglet.base import capability, io  # noqa: E402
+from eaglet.train import train as tr  # noqa: E402
 
 MODES = ("float32", "bfloat16")
 

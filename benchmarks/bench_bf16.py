@@ -27,9 +27,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from eaglet import capability, target  # noqa: E402
-from eaglet.prompts import build_prompts  # noqa: E402
-from eaglet.tokenize import tokenize_rows  # noqa: E402
+from eaglet.base import capability  # noqa: E402
+from eaglet.data.prompts import build_prompts  # noqa: E402
+from eaglet.data.tokenize import tokenize_rows  # noqa: E402
+from eaglet.target import load as target  # noqa: E402
 
 
 def default_data(tok, n: int, length: int) -> list[tuple[list[int], list[int]]]:

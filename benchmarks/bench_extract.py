@@ -34,8 +34,9 @@ import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.paired import spread_note  # noqa: E402
-from eaglet import extract as ex  # noqa: E402
-from eaglet import io, target  # noqa: E402
+from eaglet.base import io  # noqa: E402
+from eaglet.features import extract as ex  # noqa: E402
+from eaglet.target import load as target  # noqa: E402
 
 
 def make_tokens(path: Path, n: int, length: int, vocab: int, seed: int = 0) -> None:
@@ -92,7 +93,7 @@ def main() -> None:
         ntok = sum(len(r) for r in inputs)
         ngpu = torch.cuda.device_count() if dev.startswith("cuda") else 0
         t0 = time.perf_counter()
-        model = ex._load(ident["path"], ident["digest"], mdtype, dev, ngpu)  # what extract() reuses
+        model = ex.load_cached(ident["path"], ident["digest"], mdtype, dev, ngpu)  # what extract() reuses
         print(f"target {ident['name']} loaded in {time.perf_counter() - t0:.1f} s on {dev} ({mdtype}); "
               f"{len(inputs)} samples, {ntok} tokens, budget {a.token_budget}", flush=True)
         bare(model, inputs[:2], a.token_budget, dev)  # warm-up (allocator, kernels)

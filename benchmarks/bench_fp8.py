@@ -5,7 +5,7 @@
         [--params '{"lr": 3e-4}'] [--eval-prompts 2] [--eval-max-new 48] [--device auto] [--threads 0]
 
 The same ``--n`` samples (the first of the tokens file; without it, ShareGPT conversations through
-the tokenize stage) go through the extraction stage (eaglet.extract.extract) twice, once with
+the tokenize stage) go through the extraction stage (eaglet.features.extract.extract) twice, once with
 ``dtype bfloat16`` and once with ``dtype fp8``, from one loaded target. Stored bytes per token =
 every file of the shard folder (chunks + index.json) / stored tokens; the ratio fp8 / bf16 is the
 row's figure (goal <= 0.55; the format's own formula gives 0.504). Beside it, what fp8 does to the
@@ -14,12 +14,12 @@ the final state), and how often the target's greedy token over the draft vocab (
 target, from the stored final state) stays the same. The draft vocab is the run's vocab map, or
 one built from these samples by the freq and vocab stages when it is missing.
 
-Then a drafter is trained on each store by eaglet.train.train with identical params and seed
+Then a drafter is trained on each store by eaglet.train.train.train with identical params and seed
 (config/config.yaml's train section, ttt_steps 3, ``--epochs`` over the samples at
 ``--token-budget``, val_fraction 0.2: the held-out ids are the same for both). Reported: the
 trainer's validation chain τ (the exact greedy chain at k = ttt_steps over the held-out samples,
 each drafter on its own store; teacher-forced accuracies beside it), and, unless
-``--eval-prompts 0``, the offline τ of eaglet.evaluate on that many MT-Bench prompts (the fp32
+``--eval-prompts 0``, the offline τ of eaglet.eval.evaluate on that many MT-Bench prompts (the fp32
 target's real hidden states, identical for both drafters). A few dozen steps leave the drafter far
 from trained: the τ difference says whether fp8 storage visibly hurts this early, not what it costs a converged drafter.
 """
@@ -38,11 +38,14 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from eaglet import extract as ex  # noqa: E402
-from eaglet import io, target  # noqa: E402
-from eaglet import train as tr  # noqa: E402
-from eaglet.hidden_store import HiddenStateDataset  # noqa: E402
-from eaglet.storage import bytes_per_token  # noqa: E402
+from eaglet.base import io  # noqa: E402
+from eaglet.features import extract as ex  # noqa: E402
+from eaglet.hidden.dtypes import bytes_per_token  # noqa: E402
+from eaglet.hidden.reader import HiddenStateDataset  # noqa: E402
+from eaglet.target import capture  # noqa: E402
+from eaglet.target import load as target  # noqa: E402
+from eaglet.train import setup as train_setup  # noqa: E402
+from eaglet.train import train as tr  # noqa: E402
 
 
 def subset_tokens(src: Path, dst: Path, n: int, identity: str) -> tuple[int, str]:
@@ -53,20 +56,20 @@ def subset_tokens(src: Path, dst: Path, n: int, identity: str) -> tuple[int, str
         table = table.slice(0, min(n, table.num_rows))
         io.write_parquet(dst, table)
         return table.num_rows, f"first of {src}"
-    from eaglet import prompts, tokenize
+    from eaglet.data import prompts, tokenize
 
     rows = prompts.build_prompts("sharegpt", n=n, heldout=0, seed=0, max_turns=2)["train"]
     io.write_conversations(dst.parent / "conv.parquet", rows)
     meta = tokenize.run(dst.parent / "conv.parquet", identity, dst.parent, max_length=1024)
-    return meta["samples_processed"], f"{src} missing: ShareGPT seed 0 through eaglet.tokenize"
+    return meta["samples_processed"], f"{src} missing: ShareGPT seed 0 through eaglet.data.tokenize"
 
 
 def ensure_vocab(vocab: Path | None, tokens: Path, identity: str, work: Path, vd: int) -> Path:
     """The run's vocab map when it exists, else one built from ``tokens`` by the stages' code."""
     if vocab is not None and vocab.exists():
         return vocab
-    from eaglet import freq
-    from eaglet import vocab as vocab_mod
+    from eaglet.data import freq
+    from eaglet.data import vocab as vocab_mod
 
     freq.run(tokens, identity, work / "freq")
     vocab_mod.run(work / "freq/freq.safetensors", identity, work / "vocab", vd)
@@ -78,7 +81,7 @@ def store_bytes(shard: Path) -> int:
 
 
 @torch.no_grad()
-def compare_stores(bf16: Path, fp8: Path, head: tr.TargetHead) -> dict:
+def compare_stores(bf16: Path, fp8: Path, head: train_setup.TargetHead) -> dict:
     """fp8 vs bf16 decoded states: relative RMS error per aux layer and final; greedy agreement."""
     a, b = HiddenStateDataset([bf16], verify="header"), HiddenStateDataset([fp8], verify="header")
     order = {s: i for i, s in enumerate(b.ids)}
@@ -101,7 +104,7 @@ def compare_stores(bf16: Path, fp8: Path, head: tr.TargetHead) -> dict:
 
 
 def offline_tau(drafter: Path, identity: str, out: Path, prompts: int, max_new: int) -> dict:
-    from eaglet import evaluate as ev
+    from eaglet.eval import evaluate as ev
 
     res = ev.evaluate_offline(drafter, identity, ["mtbench"], out, num_prompts=prompts,
                               max_new_tokens=max_new, k_values=[1, 2, 3])
@@ -160,7 +163,7 @@ def extract_both(a: argparse.Namespace, ident: dict, tokens: Path, tmp: Path) ->
     ngpu = torch.cuda.device_count() if dev.startswith("cuda") else 0
     mdtype = "bfloat16" if dev.startswith("cuda") else "float32"
     t0 = time.perf_counter()
-    ex._load(ident["path"], ident["digest"], mdtype, dev, ngpu)  # once, reused by both extractions
+    ex.load_cached(ident["path"], ident["digest"], mdtype, dev, ngpu)  # once, reused by both extractions
     t_load = time.perf_counter() - t0
     stores, secs, nbytes = {}, {}, {}
     for dt in ("bfloat16", "fp8"):
@@ -172,7 +175,7 @@ def extract_both(a: argparse.Namespace, ident: dict, tokens: Path, tmp: Path) ->
         nbytes[dt] = store_bytes(stores[dt])
     ntok = sum(s["num_tokens"] for s in idx["samples"])
     bpt = {dt: nbytes[dt] / ntok for dt in nbytes}
-    ex._LOADED.clear()
+    capture.LOADED.clear()
     return {"dev": dev, "t_load": t_load, "stores": stores, "secs": secs, "nbytes": nbytes, "ntok": ntok,
             "bpt": bpt}
 
@@ -188,7 +191,7 @@ def measure(a: argparse.Namespace, ident: dict, p: dict, vd: int) -> dict:
         stores = m["stores"]
 
         vt = io.load_tensors(vocab, ["t2d"])
-        head = tr.TargetHead(ident, vt["t2d"].bool(), True, False, "cpu")
+        head = train_setup.TargetHead(ident, vt["t2d"].bool(), True, False, "cpu")
         cmp = compare_stores(stores["bfloat16"], stores["fp8"], head)
         del head
 
@@ -239,7 +242,7 @@ def print_report(ident: dict, p: dict, m: dict) -> None:
     if evals:
         eb, e8 = evals["bfloat16"], evals["fp8"]
         k = max(eb["tau"])
-        print(f"offline τ (eaglet.evaluate, every position, {eb['prompts']} MT-Bench prompts, "
+        print(f"offline τ (eaglet.eval.evaluate, every position, {eb['prompts']} MT-Bench prompts, "
               f"{eb['new_tokens']} new tokens, fp32 target states): " + ", ".join(
                   f"k={j} bf16 {fmt(eb['tau'][j])} fp8 {fmt(e8['tau'][j])}" for j in sorted(eb["tau"])))
         if eb["tau"][k] is not None and e8["tau"][k] is not None:

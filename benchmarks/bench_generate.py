@@ -4,7 +4,7 @@
         [--conversations results/smollm2/prompts/train.parquet] [--n 32] [--max-tokens 64]
         [--concurrency 8] [--base-url http://127.0.0.1:8000/v1]
 
-Without --base-url it starts a vLLM (CPU build) server for the target through eaglet.vllm_server.
+Without --base-url it starts a vLLM (CPU build) server for the target through eaglet.engines.vllm_server.
 The bare loop is what the engine delivers to any client: AsyncOpenAI, a semaphore, nothing else.
 The stage adds conversation planning, retries, Parquet parts, the progress bar and the final merge.
 Prints completion tokens/s of both and the ratio (goal >= 0.9). At temperature 0 both produce the
@@ -23,8 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from eaglet import io, vllm_server  # noqa: E402
-from eaglet.generate import generate, plan_turns  # noqa: E402
+from eaglet.base import io  # noqa: E402
+from eaglet.engines import vllm_server  # noqa: E402
+from eaglet.generate.generate import generate, plan_turns  # noqa: E402
 
 
 def prompts_of(rows: list[dict]) -> list[list[dict]]:
@@ -105,7 +106,7 @@ def main() -> None:
     if a.base_url:
         run(a.base_url, a.model, Path(a.target), rows, a.concurrency, a.max_tokens)
         return
-    from eaglet.target import load_identity
+    from eaglet.target.load import load_identity
 
     ident = load_identity(a.target)
     with tempfile.TemporaryDirectory() as work, vllm_server.serve(

@@ -17,7 +17,7 @@ The arms' settings are in benchmarks/mix/*.yaml (overlays of config/config.yaml;
 Each arm is a run folder with ``extract/shard_*/index.json``, ``vocab_map/vocab.safetensors`` (its
 own draft vocab, as its workflow made it), ``generate/generate_summary.json`` and
 ``tokenize/metadata.json``; ``--val`` a run folder (or index.json files) of the validation store.
-Training is ``eaglet.train.train`` with every sample of the arm trained on (``val_hidden``), the
+Training is ``eaglet.train.train.train`` with every sample of the arm trained on (``val_hidden``), the
 learning-curve run's params (bench_ablation's BASE) and validation at the end (the last weights).
 
 The cost of an arm's data is printed from its own records: generation seconds (the stage's wall,
@@ -45,9 +45,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_ablation import BASE  # noqa: E402
 
-from eaglet import io  # noqa: E402
-from eaglet import train as tr  # noqa: E402
-from eaglet.job_records import stage_times  # noqa: E402
+from eaglet.base import io  # noqa: E402
+from eaglet.base.job_records import stage_times  # noqa: E402
+from eaglet.train import train as tr  # noqa: E402
 
 
 def stores(run: Path) -> list[str]:
@@ -95,7 +95,7 @@ def arm_data(run: Path) -> dict:
 
 def write_val_prompts(path: Path) -> None:
     """The MT-Bench first turns as prompts with a placeholder answer (every one is regenerated)."""
-    from eaglet.eval_sets import mtbench
+    from eaglet.base.datasets import mtbench
 
     rows = [{"id": r["id"], "messages": [*r["messages"], {"role": "assistant", "content": "(regenerated)"}]}
             for r in mtbench()]
@@ -144,7 +144,7 @@ def main() -> None:
         print(f"note: no stored states in {missing} (make them with benchmarks/mix/*.yaml, see --help)")
         print("ratio: skipped")
         return
-    from eaglet.target import load_identity
+    from eaglet.target.load import load_identity
 
     ident = load_identity(a.identity)
     val = val_stores(a.val)

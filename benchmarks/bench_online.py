@@ -3,8 +3,8 @@
     python benchmarks/bench_online.py [--identity resources/targets/smollm2-135m-instruct/identity.json]
         [--n 24] [--length 256] [--repeats 3] [--params '{"token_budget": 2048}']
 
-Each repeat runs, back to back on the same tokens, (a) offline: ``eaglet.extract`` (bf16 shard) then
-``eaglet.train`` on it, and (b) online: ``eaglet.train`` with ``hidden_states: online`` (the target in
+Each repeat runs, back to back on the same tokens, (a) offline: ``eaglet.features.extract`` (bf16 shard) then
+``eaglet.train.train`` on it, and (b) online: ``eaglet.train.train`` with ``hidden_states: online`` (the target in
 the training process). One epoch, no validation, checkpoints off; wall time of each whole call
 (target loads and set-up included, as a job pays them). Prints medians with min..max:
 
@@ -32,11 +32,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from eaglet import io  # noqa: E402
-from eaglet import train as tr  # noqa: E402
-from eaglet.extract import extract  # noqa: E402
-from eaglet.storage import bytes_per_token  # noqa: E402
-from eaglet.target import load_identity  # noqa: E402
+from eaglet.base import io  # noqa: E402
+from eaglet.features.extract import extract  # noqa: E402
+from eaglet.hidden.dtypes import bytes_per_token  # noqa: E402
+from eaglet.target.load import load_identity  # noqa: E402
+from eaglet.train import train as tr  # noqa: E402
 
 
 def tokens_file(out: Path, n: int, length: int, vocab_size: int) -> tuple[Path, int]:

@@ -13,13 +13,13 @@ linear interpolation over the few percent of difference; the raw figures are pri
 <= 2.3 (2.0 is linear; fixed costs pull it lower).
 
 Each stage is its module's stage function, timed whole, as the workflow calls it (minus the
-Python start-up, the same at both sizes): ``eaglet.tokenize.run`` (read conversations, load the
-tokenizer, tokenise, write tokens + metadata); ``eaglet.extract.extract`` (config's extract dtype
+Python start-up, the same at both sizes): ``eaglet.data.tokenize.run`` (read conversations, load the
+tokenizer, tokenise, write tokens + metadata); ``eaglet.features.extract.extract`` (config's extract dtype
 and token budget; the target is loaded once before timing, so neither size pays it; the final
-sha256 re-read counts); ``eaglet.train.train`` (config's train section, one epoch, no
+sha256 re-read counts); ``eaglet.train.train.train`` (config's train section, one epoch, no
 validation, no checkpoints; setup and the drafter write count). The chain is the workflow's: the
 pool of conversations (``--conversations``, default 3 x ``--n-tokenize`` ShareGPT conversations
-by eaglet.prompts, seed 0, max_turns 2) is tokenised once as a warm-up, which also gives every
+by eaglet.data.prompts, seed 0, max_turns 2) is tokenised once as a warm-up, which also gives every
 conversation's token count; extract's inputs are prefixes of that tokens file (1x: the first
 ``--n-extract`` samples); train's inputs are extract's 1x and 2x stores. A warm-up call before
 each stage takes the one-time costs (imports, thread pools, first kernels). 1x and 2x alternate
@@ -28,7 +28,7 @@ counts. Beside the wall-time ratio, the process CPU time ratio (all threads, sam
 normalisation): on a shared machine it moves less with other work's load.
 
 generate needs a vLLM server: with ``--base-url`` it uses that one, with ``--serve`` it starts
-the CPU build through eaglet.vllm_server (minutes); otherwise it is skipped, and says so. Its
+the CPU build through eaglet.engines.vllm_server (minutes); otherwise it is skipped, and says so. Its
 inputs are made-up one-turn prompts (``--n-generate`` and twice as many, at temperature 0), its
 tokens the completion tokens. Prints one line ``ratio <stage>: <value>`` per stage.
 """
@@ -47,9 +47,12 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from eaglet import extract as ex  # noqa: E402
-from eaglet import io, target, tokenize  # noqa: E402
-from eaglet import train as tr  # noqa: E402
+from eaglet.base import io  # noqa: E402
+from eaglet.data import tokenize  # noqa: E402
+from eaglet.features import extract as ex  # noqa: E402
+from eaglet.target import capture  # noqa: E402
+from eaglet.target import load as target  # noqa: E402
+from eaglet.train import train as tr  # noqa: E402
 
 GOAL = 2.3
 STAGES = ("tokenize", "extract", "train", "generate")
@@ -104,10 +107,10 @@ def conversation_pool(path: str | None, n: int, dst: Path) -> str:
     if path:
         rows, src = io.read_conversations(path)[:3 * n], path
     else:
-        from eaglet import prompts
+        from eaglet.data import prompts
 
         rows = prompts.build_prompts("sharegpt", n=3 * n, heldout=0, seed=0, max_turns=2)["train"]
-        src = "ShareGPT (eaglet.prompts, seed 0, max_turns 2)"
+        src = "ShareGPT (eaglet.data.prompts, seed 0, max_turns 2)"
     io.write_conversations(dst / "pool.parquet", rows)
     return f"pool of {len(rows)} conversations from {src}"
 
@@ -117,7 +120,7 @@ def parse_args() -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
     ap.add_argument("--stages", default="tokenize,extract,train,generate")
     ap.add_argument("--conversations", default=None,
-                    help="conversation Parquet (default: ShareGPT conversations through eaglet.prompts)")
+                    help="conversation Parquet (default: ShareGPT conversations through eaglet.data.prompts)")
     ap.add_argument("--vocab", default=str(ROOT / "results/smollm2/vocab_map/vocab.safetensors"),
                     help="draft vocab map for train (built from the pool's tokens when missing)")
     ap.add_argument("--n-tokenize", type=int, default=800, help="conversations at 1x (pool: 3x as many)")
@@ -235,15 +238,15 @@ def scale_extract(a: argparse.Namespace, stages: list[str], pool_tok, tmp: Path,
     x2 = sum(s["num_tokens"] for s in res[1][1]["samples"])
     if "extract" in stages:
         report("extract", wall, cpu, x1, x2, f"  [{e1} -> {e2} samples, dtype {dtype}, budget {budget}]")
-    ex._LOADED.clear()
+    capture.LOADED.clear()
 
 
 def scale_train(a: argparse.Namespace, conf: dict, ident: dict, tmp: Path) -> None:
     """train on extract's 1x and 2x stores."""
     vocab = Path(a.vocab)
     if not vocab.exists():
-        from eaglet import freq
-        from eaglet import vocab as vocab_mod
+        from eaglet.data import freq
+        from eaglet.data import vocab as vocab_mod
 
         freq.run(tmp / "tok_pool/tokens.parquet", a.identity, tmp / "freq")
         vocab_mod.run(tmp / "freq/freq.safetensors", a.identity, tmp / "vocab",
@@ -282,7 +285,7 @@ def generate_stage(a: argparse.Namespace, ident: dict, tmp: Path) -> None:
     if a.base_url:
         scale_generate(a, a.base_url, a.model, tmp)
     elif a.serve:
-        from eaglet import vllm_server
+        from eaglet.engines import vllm_server
 
         with vllm_server.serve(ident["path"], work_dir=str(tmp / "vllm"), env=a.env,
                                served_model_name="bench", kv_cache_gb=2) as srv:
@@ -294,7 +297,7 @@ def generate_stage(a: argparse.Namespace, ident: dict, tmp: Path) -> None:
 
 
 def scale_generate(a, base_url: str, model: str, tmp: Path) -> None:
-    from eaglet.generate import generate
+    from eaglet.generate.generate import generate
 
     rows = default_rows(2 * a.n_generate)
     io.write_conversations(tmp / "gen_1x.parquet", rows[:a.n_generate])

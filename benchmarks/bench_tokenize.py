@@ -3,7 +3,7 @@
     python benchmarks/bench_tokenize.py [--identity resources/targets/smollm2-135m-instruct/identity.json]
         [--n 1000] [--repeats 8]
 
-The stage (eaglet.tokenize.tokenize_rows) renders every conversation with the chat template,
+The stage (eaglet.data.tokenize.tokenize_rows) renders every conversation with the chat template,
 renders the prefixes that locate the assistant spans, encodes, builds the loss mask from the span
 edges and verifies it by decoding the masked tokens. The baseline is the tokenizer's own batch
 encode of the already-rendered texts (``tokenizer(texts)``: no template, no mask): the floor a
@@ -32,8 +32,9 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.paired import spread_note  # noqa: E402
-from eaglet import io, prompts, tokenize  # noqa: E402
-from eaglet.target import load_identity, load_tokenizer  # noqa: E402
+from eaglet.base import io  # noqa: E402
+from eaglet.data import prompts, tokenize  # noqa: E402
+from eaglet.target.load import load_identity, load_tokenizer  # noqa: E402
 
 
 def main() -> None:

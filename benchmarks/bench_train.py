@@ -5,7 +5,7 @@
 
 Data: the run's extracted hidden states and vocab map (results/<run>/extract, vocab_map) when
 they exist, else (or with --synthetic) random hidden states of the target's shape: FLOPs and
-timing do not depend on the values. The trainer itself (eaglet.train.train) runs ``--steps``
+timing do not depend on the values. The trainer itself (eaglet.train.train.train) runs ``--steps``
 optimizer steps with validation off; each step's time is the trainer's own (tokens / tok_s in
 metrics.parquet, so setup and the checkpoint write do not count); the first step is warm-up.
 
@@ -33,10 +33,12 @@ sys.path.insert(0, str(ROOT / "src"))
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from eaglet import io  # noqa: E402
-from eaglet import train as tr  # noqa: E402
-from eaglet.hidden_store import HiddenStateDataset, ShardWriter  # noqa: E402
-from eaglet.target import default_layer_ids, load_identity  # noqa: E402
+from eaglet.base import io  # noqa: E402
+from eaglet.hidden.reader import HiddenStateDataset  # noqa: E402
+from eaglet.hidden.store import ShardWriter  # noqa: E402
+from eaglet.target.load import default_layer_ids, load_identity  # noqa: E402
+from eaglet.train import data as train_data  # noqa: E402
+from eaglet.train import train as tr  # noqa: E402
 
 
 def matmul_peak(device: torch.device, n: int, repeats: int = 5) -> float:
@@ -137,7 +139,7 @@ def main() -> None:
 
         ds = HiddenStateDataset(hidden, verify="header")
         vd = len(io.load_tensors(vocab_path, ["d2t"])["d2t"])
-        micro, _, _ = tr.plan_micro_batches(ds.ids, list(ds.num_tokens), p)
+        micro, _, _ = train_data.plan_micro_batches(ds.ids, list(ds.num_tokens), p)
         M = p["grad_accum"]
         rows = pd.read_parquet(out / "metrics.parquet")
         rows = rows[rows.split == "train"].reset_index(drop=True)

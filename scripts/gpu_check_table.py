@@ -3,7 +3,7 @@ extraction benchmark's output; exits 1 when a figure is missing or says the chec
 
     python scripts/gpu_check_table.py results/gpu-check results/gpu-check/bench_extract.txt [--wall-s 512]
 
-Why a table of its own: `python -m eaglet.summary` says what each stage produced; this says what
+Why a table of its own: `python -m eaglet.workflow.summary` says what each stage produced; this says what
 the GPU machine is for, measured: extraction tok/s against the bare forward of the same batches,
 training tok/s, and vLLM's τ and speedup with the drafter, plus whether the contract passed.
 """

@@ -11,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 # What a workflow clone needs (tests run Snakemake in copies so they never touch results/)
 WORKFLOW_FILES = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.toml"]
-# A hung vLLM start or run costs at most this (eaglet.vllm_env.timeout; inherited by every Snakemake
+# A hung vLLM start or run costs at most this (eaglet.engines.vllm_env.timeout; inherited by every Snakemake
 # and engine process a test starts): the slowest legitimate one here takes about two minutes.
 os.environ.setdefault("EAGLET_VLLM_TIMEOUT_S", "420")
 
@@ -85,7 +85,7 @@ def clone(dest: Path) -> Path:
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory):
     """A clone of the workflow run to the end on config/smoke.yaml with a private output cache:
-    ``(clone, cache)``, shared by the DAG tests (tests/test_workflow.py, tests/test_rerun_table.py)."""
+    ``(clone, cache)``, shared by the DAG tests (tests/workflow/test_workflow.py and test_rerun_table.py)."""
     from workflow_common import smk
 
     root = tmp_path_factory.mktemp("dag")
@@ -120,8 +120,8 @@ def canned():
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     """A tiny random Llama target (8 layers, hidden 128) with identity.json, built once."""
-    from eaglet.target import load_identity
-    from eaglet.target_model import materialise
+    from eaglet.data.target_model import materialise
+    from eaglet.target.load import load_identity
 
     out = tmp_path_factory.mktemp("tiny_target")
     materialise({"name": "tiny", "tiny": {}}, out)
@@ -136,7 +136,7 @@ VLLM_ENV = REPO / "envs" / "vllm" / ".venv"
 
 def vllm_env_or_skip():
     """Path of the vLLM venv; skips the test when envs/vllm/setup.sh has not (completely) run."""
-    from eaglet import vllm_env
+    from eaglet.engines import vllm_env
 
     try:
         vllm_env.vllm_python(VLLM_ENV)
@@ -150,7 +150,7 @@ def vllm_tiny_server(tiny_target, tmp_path_factory):
     """One real vLLM (CPU build) OpenAI server on the tiny target, shared by the whole session."""
     import time
 
-    from eaglet import vllm_server
+    from eaglet.engines import vllm_server
 
     env = vllm_env_or_skip()
     work = tmp_path_factory.mktemp("vllm_tiny")
@@ -164,12 +164,12 @@ def vllm_tiny_server(tiny_target, tmp_path_factory):
 
 def make_random_drafter(identity: dict, path, draft_vocab_size: int = 1024, layer_ids=(2, 4, 5),
                         seed: int = 0, **variants):
-    """A random drafter in the trainer's file format (eaglet.model.save_drafter) for the tiny
+    """A random drafter in the trainer's file format (eaglet.drafter.model.save_drafter) for the tiny
     target: norms perturbed away from 1 so the numeric parity check sees every weight.
     ``variants``: DrafterConfig variant flags (norm_before_fc=True, ...)."""
     import torch
 
-    from eaglet import model as em
+    from eaglet.drafter import model as em
 
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -190,7 +190,7 @@ def make_random_drafter(identity: dict, path, draft_vocab_size: int = 1024, laye
 @pytest.fixture(scope="session")
 def tiny_drafter(tiny_target, tmp_path_factory):
     """A random drafter.safetensors (trainer format, V_d 1024, layer ids [2, 4, 5]) for tiny_target."""
-    from eaglet import io
+    from eaglet.base import io
 
     path = make_random_drafter(tiny_target, tmp_path_factory.mktemp("tiny_drafter") / "drafter.safetensors")
     # the digest record the train stage writes beside its drafter (the export/evaluate CLIs check it)
@@ -199,15 +199,15 @@ def tiny_drafter(tiny_target, tmp_path_factory):
 
 
 def slowed_trainer(cmd: list[str], seconds: float) -> list[str]:
-    """``python -m eaglet.train ...`` sleeping ``seconds`` per optimizer step, so a test can kill it
+    """``python -m eaglet.train.train ...`` sleeping ``seconds`` per optimizer step, so a test can kill it
     mid-way: the pause wraps the LR scheduler's step from outside (no test hook in the trainer)."""
     code = ("import sys, time\n"
             "from torch.optim.lr_scheduler import LambdaLR\n"
             "step = LambdaLR.step\n"
             f"LambdaLR.step = lambda self, *a: (time.sleep({seconds}), step(self, *a))[1]\n"
-            "from eaglet.train import main\n"
+            "from eaglet.train.train import main\n"
             "main(sys.argv[1:])\n")
-    assert cmd[1:3] == ["-m", "eaglet.train"], cmd
+    assert cmd[1:3] == ["-m", "eaglet.train.train"], cmd
     return [cmd[0], "-c", code, *cmd[3:]]
 
 

@@ -15,7 +15,7 @@ def identity_path(tiny_target) -> Path:
 
 
 def generate_run(conversations, ident, out, cfg) -> dict:
-    from eaglet.generate import generate
+    from eaglet.generate.generate import generate
 
     return generate(conversations, ident, out, cfg)
 

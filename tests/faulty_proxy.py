@@ -1,4 +1,4 @@
-"""A faulty HTTP proxy for the fault-injection suite (tests/test_faults_network.py).
+"""A faulty HTTP proxy for the fault-injection suite (tests/faults/test_faults_network.py).
 
 It sits between an OpenAI client and a real OpenAI-compatible server and, for each POST, asks a
 ``plan(messages, attempt) -> action`` what to do with it:

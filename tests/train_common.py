@@ -8,8 +8,8 @@ import sys
 import pyarrow as pa
 import torch
 
-from eaglet import io
-from eaglet.hidden_store import ShardWriter
+from eaglet.base import io
+from eaglet.hidden.store import ShardWriter
 
 LAYERS = [2, 4, 5]
 VD = 96
@@ -40,7 +40,7 @@ def write_tokens(path, n, seed=0, lo=3, hi=48):
 def hidden_data(tiny_target, out):
     """Greedy continuations of the tiny target (its own data, as the pipeline generates), with
     aux states at LAYERS and the pre-norm final state, in a real shard; plus a vocab map."""
-    from eaglet.target import load_model
+    from eaglet.target.load import load_model
 
     model = load_model(tiny_target["path"])
     captured = {}
@@ -60,7 +60,7 @@ def hidden_data(tiny_target, out):
         mask = torch.zeros(T, dtype=torch.int8)
         mask[P:] = 1
         w.add(f"s{i}", seqs[i, :T], mask, aux[i, :T], captured["pre"][i, :T])
-        v, top = o.logits[i, :T:5].topk(2, -1)  # the real model's top-1 (as eaglet.extract records it)
+        v, top = o.logits[i, :T:5].topk(2, -1)  # the real model's top-1 (as eaglet.features.extract records it)
         w.add_references([[f"s{i}", 5 * j, int(top[j, 0]), float(v[j, 0] - v[j, 1])] for j in range(len(top))])
         counts.index_add_(0, seqs[i, P:T], torch.ones(T - P, dtype=torch.long))
     w.finish()
@@ -71,7 +71,7 @@ def hidden_data(tiny_target, out):
     t2d = torch.zeros(tiny_target["vocab_size"], dtype=torch.bool)
     t2d[used] = True
     io.save_tensors(out / "vocab.safetensors", {"d2t": used - torch.arange(VD), "t2d": t2d})
-    # vocab_map's record of its file, which `python -m eaglet.train` checks before reading it
+    # vocab_map's record of its file, which `python -m eaglet.train.train` checks before reading it
     io.write_json(out / "vocab.json", {io.DIGESTS_KEY: io.record_digests(out, ["vocab.safetensors"])})
     return {"index": [str(out / "shard_0" / "index.json")], "vocab": str(out / "vocab.safetensors"),
             "model": model, "t2d": t2d}
@@ -84,5 +84,5 @@ def train_cmd(data, tiny_target, out, params, nproc=1):
             "--out-dir", str(out), "--params", json.dumps(params)]
     if nproc > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                "-m", "eaglet.train", *args]
-    return [sys.executable, "-m", "eaglet.train", *args]
+                "-m", "eaglet.train.train", *args]
+    return [sys.executable, "-m", "eaglet.train.train", *args]

@@ -1,18 +1,20 @@
 """eaglet: a Snakemake workflow that turns a target LLM into a trained EAGLE-3 drafter.
 
-Two layers, and what each may import (tests/test_layering.py checks it on every module):
+One package per stage family of the DAG, named like the rule file that runs it
+(workflow/rules/<name>.smk runs ``python -m eaglet.<name>.<module>``), over a few shared packages:
 
-- **stages**: the modules a rule runs with ``python -m eaglet.<stage>`` (workflow/rules/*.smk):
-  target_model, prompts, generate, tokenize, freq, vocab, extract, train, learning_curve, export,
-  evaluate, evaluate_vllm, eval_summary, plots, provenance. A stage imports the library only, never
-  another stage: stages meet through artifacts on disk. Code two stages share moves into the library.
-- **library**: everything else (io, target, target_check, model, rope, chain, labels, hidden_store,
-  hf_loop, contract and its checks, export_format, known_answer, eval_sets, eval_stats, families,
-  plan, storage, capture, online, curve_fit, job_records, vllm_env, vllm_server, gpu_slots, ...).
-  The library never imports a stage; the workflow imports only the library at parse time.
+    workflow                                   parse-time checks, code inputs, the run's summary
+    data  generate  features  train  export  eval  learning_curve  report        (stages)
+    planner                                    shapes, memory plan, storage choice, GPU slots
+    engines                                    vLLM and the Hugging Face speculative loop
+    drafter                                    the drafter model, its TTT unroll and chain
+    target  hidden                             the target; hidden states on disk
+    base                                       I/O, machine capability, records, data sets
 
-Each rule lists the code its stage runs as inputs (``code=src(...)``), the stage's whole import
-closure, so that editing a module reruns exactly the stages that run it.
+Imports point only downward. Each package's ``MAY_IMPORT`` names the packages it may import; no
+stage package imports another (stages meet through artifacts on disk); the Snakefile imports only
+``workflow`` and the shared packages at parse time. tests/workflow/test_layering.py checks all of it, and
+that each rule lists as inputs exactly the code its stage runs (eaglet.workflow.code_inputs).
 """
 
 __version__ = "0.1.0"

@@ -17,21 +17,22 @@ validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 # a wrong target.path, layer ids, a missing chat template or an engine that cannot serve the
 # drafter stop `snakemake -n` already, naming the key.
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
-from eaglet import capability
-from eaglet import code_inputs
-from eaglet import io as eaglet_io
-from eaglet import target_check
-from eaglet import target_shape
+from eaglet.base import capability
+from eaglet.workflow import code_inputs
+from eaglet.base import io as eaglet_io
+from eaglet.target import chat_template
+from eaglet.workflow import checks as workflow_checks
+from eaglet.target import shape as target_shape
 
-for _line in target_check.parse_time(config):
+for _line in workflow_checks.parse_time(config):
     logger.info(_line)
-# The memory plan (eaglet.plan): hidden-state disk and the peak GPU memory of each job, in one line;
+# The memory plan (eaglet.planner.plan): hidden-state disk and the peak GPU memory of each job, in one line;
 # a job that cannot fit resources.gpu_memory_gb stops the run here, not hours into it.
-from eaglet import plan as memory_plan
-from eaglet import gpu_slots
-from eaglet import storage
+from eaglet.planner import plan as memory_plan
+from eaglet.planner import gpu_slots
+from eaglet.planner import storage
 
-# Where the hidden states live (eaglet.storage, issue 17): stored by extract (offline) or computed
+# Where the hidden states live (eaglet.planner.storage, issue 17): stored by extract (offline) or computed
 # in the training job (online). storage.budget_gb picks bf16 offline, fp8 offline or online, in that
 # order, to fit; the choice is written into the config before anything reads it, so the DAG (no
 # extract job online), the params and the memory plan all follow it.
@@ -56,9 +57,9 @@ for _line in memory_plan.parse_time(config):
 # How the target is run, one place for every stage (issue 14): in-process loads (extract, the HF
 # evaluation loop, the contract's offline chain, generate's local backend) read TARGET_LOAD; every
 # vLLM engine (generate's server, the contract's check, evaluate_vllm) reads SERVING.
-from eaglet.target import serving as target_serving
-from eaglet.target import packaged_file_identity
-from eaglet.eval_sets import PACKAGED as PACKAGED_SETS, SHAREGPT
+from eaglet.target.load import serving as target_serving
+from eaglet.target.load import packaged_file_identity
+from eaglet.base.datasets import PACKAGED as PACKAGED_SETS, SHAREGPT
 
 TARGET_LOAD = {k: config["target"][k] for k in ("dtype", "device", "trust_remote_code")}
 SERVING = target_serving(config["target"])
@@ -73,7 +74,9 @@ HF_LOOP, HF_LOOP_WHY = memory_plan.hf_loop(config)
 logger.info(f"evaluation HF loop: {'runs' if HF_LOOP else 'NOT RUN'} ({HF_LOOP_WHY})")
 # The template's text (not its path) is a param of every stage that renders conversations, so it
 # is in their cache keys; "" = the checkpoint's own.
-CHAT_TEMPLATE = target_check.chat_template_text(config["target"]["chat_template"]) or ""
+CHAT_TEMPLATE = (
+    chat_template.chat_template_text(config["target"]["chat_template"]) or ""
+)
 # The template's keyword arguments as the target is served (generate.chat_template_kwargs, e.g.
 # Qwen3's enable_thinking): generate sends them to the server, tokenize and evaluate render with
 # them, so training sequences and evaluation prompts are the served ones.
@@ -92,7 +95,7 @@ FINAL_OUTPUTS = []
 
 def stage_code(stage, launcher=False):
     """The module files a stage runs (its whole import closure, read from the source by
-    eaglet.code_inputs; with the GPU-slot launcher's when it runs in front of the stage), listed as
+    eaglet.workflow.code_inputs; with the GPU-slot launcher's when it runs in front of the stage), listed as
     inputs, so editing a module reruns exactly the stages whose code imports it (the cache key never
     sees code imported by `python -m`)."""
     return code_inputs.files(stage, launcher)
@@ -219,7 +222,7 @@ def target_files(target):
         digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()[:16]
         total = sum(size or 0 for _, size, _ in listing)
         return f"{len(listing)} files, {total} bytes, names/sizes/mtimes {digest}"
-    from eaglet.target import DEFAULT_GGUF
+    from eaglet.target.load import DEFAULT_GGUF
 
     package = target.get("gguf_package") or DEFAULT_GGUF[0]
     name = target.get("gguf_file") or DEFAULT_GGUF[1]
@@ -265,13 +268,13 @@ logger.info(
 
 def train_launcher(wildcards, resources):
     """torchrun with one process per GPU (DDP) when train.gpus >= 1, else plain python; with
-    train.nodes > 1, one srun of torchrun per node of the SLURM allocation (eaglet.gpu_slots).
+    train.nodes > 1, one srun of torchrun per node of the SLURM allocation (eaglet.planner.gpu_slots).
     """
     t = config["train"]
     return gpu_slots.train_launch(int(t["gpus"]), int(t["nodes"]), int(t["rdzv_port"]))
 
 
-# train.autocast decided now, with the reason (eaglet.capability.resolve_autocast): auto = bf16
+# train.autocast decided now, with the reason (eaglet.base.capability.resolve_autocast): auto = bf16
 # autocast on a GPU job and on a CPU with bf16 units, fp32 elsewhere. The resolved value is the
 # trainer's param, so a drafter trained on one kind of CPU is no cache hit for the other.
 TRAIN_AUTOCAST, TRAIN_AUTOCAST_WHY = capability.resolve_autocast(
@@ -282,7 +285,7 @@ logger.info(f"training autocast: {TRAIN_AUTOCAST} ({TRAIN_AUTOCAST_WHY})")
 
 
 def train_params():
-    """train.* for eaglet.train, less how its ranks are launched: nodes and rdzv_port reach the
+    """train.* for eaglet.train.train, less how its ranks are launched: nodes and rdzv_port reach the
     cache key through the launcher param instead, so a one-node config keeps its old key; with
     train.autocast resolved (TRAIN_AUTOCAST).
     """
@@ -290,7 +293,7 @@ def train_params():
     return p | {"autocast": TRAIN_AUTOCAST}
 
 
-# train.* keys that do not change the drafter (eaglet.plan.TRAIN_NOT_DEFINING): out of its params,
+# train.* keys that do not change the drafter (eaglet.planner.plan.TRAIN_NOT_DEFINING): out of its params,
 # the trainer still reads them from its settings.
 TRAIN_NOT_DEFINING = memory_plan.TRAIN_NOT_DEFINING
 

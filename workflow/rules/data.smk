@@ -23,7 +23,7 @@ else:
 
 rule target_model:
     input:
-        code=stage_code("target_model"),
+        code=stage_code("data.target_model"),
     output:
         model=directory(f"{TARGET_DIR}/model"),
         identity=TARGET_ID,
@@ -31,7 +31,7 @@ rule target_model:
         f"logs/target_model/{config['target']['name']}.log",
     # Cached: the job hashes the weights once (a 547 GB target takes the better part of an hour),
     # keyed on the folder's content identity. Safe to cache because its outputs hold no link to a
-    # file the pipeline does not own: a local target.path is read in place (eaglet.target_model.materialise).
+    # file the pipeline does not own: a local target.path is read in place (eaglet.data.target_model.materialise).
     cache: True
     conda:
         "../../envs/eaglet.yaml"
@@ -45,7 +45,7 @@ rule target_model:
         ),
         out=out_dir,
     shell:
-        "python -m eaglet.target_model --config @{params.config:q} --out {params.out:q} --log {log:q}"
+        "python -m eaglet.data.target_model --config @{params.config:q} --out {params.out:q} --log {log:q}"
 
 
 PROMPTS_DATA = (
@@ -57,7 +57,7 @@ PROMPTS_DATA = (
 
 rule prompts:
     input:
-        code=stage_code("prompts"),
+        code=stage_code("data.prompts"),
         user=user_files(config["prompts"]["path"]),
     output:
         train=f"{RUN}/prompts/train.parquet",
@@ -85,14 +85,14 @@ rule prompts:
         seed=config["prompts"]["seed"],
         max_turns=config["prompts"]["max_turns"] or 0,
     shell:
-        "python -m eaglet.prompts --source {params.source} --path={params.path:q}"
+        "python -m eaglet.data.prompts --source {params.source} --path={params.path:q}"
         " --split {params.split:q} --n {params.n} --heldout {params.heldout} --seed {params.seed}"
         " --max-turns {params.max_turns} --out-dir {params.out:q} --log {log:q}"
 
 
 rule tokenize:
     input:
-        code=stage_code("tokenize"),
+        code=stage_code("data.tokenize"),
         conversations=conversations_for_tokenize(),
         identity=TARGET_ID,
     output:
@@ -117,7 +117,7 @@ rule tokenize:
         chat_template=verbatim(CHAT_TEMPLATE),
         chat_template_kwargs=as_json(CHAT_TEMPLATE_KWARGS),
     shell:
-        "python -m eaglet.tokenize --conversations {input.conversations:q} --target {input.identity:q}"
+        "python -m eaglet.data.tokenize --conversations {input.conversations:q} --target {input.identity:q}"
         " --max-length {params.max_length} --overlong {params.overlong} --chat-template={params.chat_template:q}"
         " --chat-template-kwargs={params.chat_template_kwargs:q}"
         " --batch-size {params.batch_size} --out-dir {params.out:q} --log {log:q}"
@@ -125,7 +125,7 @@ rule tokenize:
 
 rule token_freq:
     input:
-        code=stage_code("freq"),
+        code=stage_code("data.freq"),
         tokens=rules.tokenize.output.tokens,
         identity=TARGET_ID,
     output:
@@ -147,13 +147,13 @@ rule token_freq:
         digest=target_digest,
         out=out_dir,
     shell:
-        "python -m eaglet.freq --tokens {input.tokens:q} --target {input.identity:q}"
+        "python -m eaglet.data.freq --tokens {input.tokens:q} --target {input.identity:q}"
         " --out-dir {params.out:q} --log {log:q}"
 
 
 rule vocab_map:
     input:
-        code=stage_code("vocab"),
+        code=stage_code("data.vocab"),
         counts=rules.token_freq.output.counts,
         identity=TARGET_ID,
     output:
@@ -178,7 +178,7 @@ rule vocab_map:
         curve_points=config["vocab"]["curve_points"],
         chat_template=verbatim(CHAT_TEMPLATE),
     shell:
-        "python -m eaglet.vocab --counts {input.counts:q} --target {input.identity:q}"
+        "python -m eaglet.data.vocab --counts {input.counts:q} --target {input.identity:q}"
         " --draft-vocab-size {params.draft_vocab_size} --pin-special {params.pin_special}"
         " --pinned {params.pinned:q} --curve-points {params.curve_points} --chat-template={params.chat_template:q}"
         " --out-dir {params.out:q} --log {log:q}"

@@ -1,10 +1,10 @@
-# Evaluation (eagle3.md §7): the exact offline acceptance simulator, the real speculative loop on
+# Evaluation (docs/eagle3.md §7): the exact offline acceptance simulator, the real speculative loop on
 # the HF target (speed + lossless check), vLLM serving with and without the drafter, and a summary
 # with the draft-length recommendation and plots. Measurements, so never cached.
 
 EVAL = config["evaluate"]
 EVAL_DIR = f"{RUN}/eval"
-# "heldout" = this run's held-out prompts; other names and .parquet paths go to eaglet.eval_sets
+# "heldout" = this run's held-out prompts; other names and .parquet paths go to eaglet.base.datasets
 EVAL_SETS = [
     f"{RUN}/prompts/heldout.parquet" if s == "heldout" else s for s in EVAL["sets"]
 ]
@@ -24,7 +24,7 @@ EVAL_OPTS = {
 } | {
     "chat_template": CHAT_TEMPLATE or None,
     "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
-    # the HF loop: run or not (eaglet.plan.hf_loop at parse time, logged), on the target's dtype/device
+    # the HF loop: run or not (eaglet.planner.plan.hf_loop at parse time, logged), on the target's dtype/device
     "hf_loop": HF_LOOP,
     "hf_loop_reason": HF_LOOP_WHY,
     **TARGET_LOAD,
@@ -39,13 +39,13 @@ EVAL_DATA = {
     for s in EVAL_SETS
     if s in PACKAGED_SETS
 }
-# The HF loop on a GPU machine (CUDA vLLM build) takes one GPU through eaglet.gpu_slots.
+# The HF loop on a GPU machine (CUDA vLLM build) takes one GPU through eaglet.planner.gpu_slots.
 HF_LOOP_GPUS = 1 if HF_LOOP and VLLM_GPUS else 0
 
 
 rule evaluate_offline:
     input:
-        code=stage_code("evaluate", launcher=True),
+        code=stage_code("eval.evaluate", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -67,8 +67,8 @@ rule evaluate_offline:
         opts=settings(EVAL_OPTS),
         out=out_dir,
     shell:
-        "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
-        " python -m eaglet.evaluate offline --drafter {input.drafter:q} --identity {input.identity:q}"
+        "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.eval.evaluate offline --drafter {input.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --threads {threads} --log {log:q}"
 
@@ -76,7 +76,7 @@ rule evaluate_offline:
 # Timing: run alone (all cores), after the offline stage so the two never share the CPU.
 rule evaluate_speculative:
     input:
-        code=stage_code("evaluate", launcher=True),
+        code=stage_code("eval.evaluate", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -98,8 +98,8 @@ rule evaluate_speculative:
         opts=settings(EVAL_OPTS),
         out=out_dir,
     shell:
-        "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
-        " python -m eaglet.evaluate speculative --drafter {input.drafter:q} --identity {input.identity:q}"
+        "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.eval.evaluate speculative --drafter {input.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --threads {threads} --log {log:q}"
 
@@ -125,7 +125,7 @@ EVAL_VLLM_KEYS = [k for k in EVAL_VLLM_OPTS if k != "timeout_s"]
 
 rule evaluate_vllm:
     input:
-        code=stage_code("evaluate_vllm", launcher=True),
+        code=stage_code("eval.evaluate_vllm", launcher=True),
         config=rules.export.output.config,
         weights=rules.export.output.weights,
         identity=TARGET_ID,
@@ -140,7 +140,7 @@ rule evaluate_vllm:
         "../../envs/eaglet.yaml"
     threads: workflow.cores
     resources:
-        # vLLM's tensor-parallel GPUs (target.vllm), taken through eaglet.gpu_slots
+        # vLLM's tensor-parallel GPUs (target.vllm), taken through eaglet.planner.gpu_slots
         gpu=VLLM_GPUS,
     params:
         **key_params("evaluate_vllm", EVAL_VLLM_OPTS, EVAL_VLLM_KEYS),
@@ -152,8 +152,8 @@ rule evaluate_vllm:
         # vLLM's own logs and caches: logs, not results
         work=f"{LOGS}/evaluate_vllm",
     shell:
-        "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
-        " python -m eaglet.evaluate_vllm --drafter-dir {params.drafter:q} --identity {input.identity:q}"
+        "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.eval.evaluate_vllm --drafter-dir {params.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --work-dir {params.work:q} --offline {input.offline:q} --log {log:q}"
 
@@ -166,7 +166,7 @@ rule eval_summary:
             if config["plan"]["learning_curve"]
             else {}
         ),
-        code=stage_code("eval_summary"),
+        code=stage_code("eval.summary"),
         offline=rules.evaluate_offline.output.offline,
         positions=rules.evaluate_offline.output.positions,
         offline_rounds=rules.evaluate_offline.output.rounds,
@@ -214,7 +214,7 @@ rule eval_summary:
         ),
         opts=as_json({"tie_eps": EVAL["tie_eps"], "headline_k": EVAL["headline_k"]}),
     shell:
-        "python -m eaglet.eval_summary --eval-dir {params.eval_dir:q} {params.vllm} {params.learning_curve}"
+        "python -m eaglet.eval.summary --eval-dir {params.eval_dir:q} {params.vllm} {params.learning_curve}"
         " --config {params.opts:q} --log {log:q}"
 
 

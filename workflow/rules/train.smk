@@ -1,6 +1,6 @@
-# Training: TTT training of the EAGLE-3 drafter on the target's hidden states (eagle3.md §3):
+# Training: TTT training of the EAGLE-3 drafter on the target's hidden states (docs/eagle3.md §3):
 # read from extract's shards (train.hidden_states offline), or computed by the target inside this
-# job (online, eaglet.online: no extract job in the DAG; see eaglet.storage for the choice).
+# job (online, eaglet.train.online: no extract job in the DAG; see eaglet.planner.storage for the choice).
 # Checkpoints live in train/checkpoints/, which is not an output, so Snakemake does not delete it
 # before a rerun: a killed training job resumes from its latest checkpoint.
 
@@ -27,7 +27,7 @@ TRAIN_PARAMS = dict(
 
 rule train:
     input:
-        code=stage_code("train", launcher=True),
+        code=stage_code("train.train", launcher=True),
         hidden=train_hidden_input,
         vocab=f"{RUN}/vocab_map/vocab.safetensors",
         identity=TARGET_ID,
@@ -53,8 +53,8 @@ rule train:
     params:
         **TRAIN_PARAMS,
     shell:
-        "python -m eaglet.gpu_slots --gpus {resources.gpu} --"
-        " {params.launcher} -m eaglet.train {params.data} --vocab {input.vocab:q}"
+        "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+        " {params.launcher} -m eaglet.train.train {params.data} --vocab {input.vocab:q}"
         " --target-identity {input.identity:q} --out-dir {params.out:q}"
         " --params {params.train:q} --note {params.note:q} --log {log:q}"
 

@@ -1,0 +1,117 @@
+"""The greedy draft chain, counted: pure functions shared by the trainer's validation
+(eaglet.train.train) and the offline evaluation (eaglet.eval.evaluate), so both report the same τ.
+
+At temperature 0 a round drafts k tokens, the target verifies them in one forward, the longest
+matching prefix is accepted plus one bonus token from the target. On the target's own greedy
+continuation the whole chain is fixed by one number per round start: how many of the K drafts
+from there match the continuation (``accepted[g]``). :func:`chain_replay` walks the rounds the
+real loop runs from those numbers; :func:`rounds_tau` is vLLM's τ over them (tokens per target
+forward = 1 + accepted / rounds with drafts).
+
+The trainer gets ``accepted`` from the training-time-test unroll (eaglet.drafter.model.Eagle3Drafter
+.ttt_unroll): on the target's greedy continuation, draft k at index t is accepted iff drafts
+0..k at t all hit (:func:`accepted_runs`), and every assistant span of a sequence is one
+continuation (:func:`sequence_rounds`).
+
+The evaluation's counts over the same numbers: acceptance per draft position from every start
+(:func:`position_rates`, :func:`tau_all_positions`) and vLLM's per-position counters of a chain
+(:func:`chain_counts`, :func:`prompt_chain`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accepted_prefix(drafts: list[int], truth: list[int]) -> int:
+    """Drafts that match the known continuation, from the first; past its end nothing matches."""
+    a = 0
+    while a < len(drafts) and a < len(truth) and drafts[a] == truth[a]:
+        a += 1
+    return a
+
+
+def chain_replay(accepted: list[int], n_tokens: int, max_new: int, k: int) -> list[tuple[int, int, int]]:
+    """The rounds the real loop runs, from the offline counts alone. ``accepted[g]`` = accepted
+    prefix of K >= k drafts from the round start after g emitted tokens (g >= 1; index 0 unused);
+    ``n_tokens`` = length of the greedy continuation. Returns (g, k_eff, accepted) per round."""
+    rounds, g = [], 1
+    while g < n_tokens:
+        k_eff = min(k, max_new - g - 1)
+        a = min(accepted[g], k_eff) if k_eff > 0 else 0
+        rounds.append((g, k_eff, a))
+        g = min(g + a + 1, n_tokens)  # the continuation ends at EOS or at max_new
+    return rounds
+
+
+def rounds_tau(rounds) -> float | None:
+    """Tokens per target forward over rounds with drafts: 1 + accepted / drafts (vLLM's τ)."""
+    drafted = [r for r in rounds if r[1] > 0]
+    return 1 + sum(r[2] for r in drafted) / len(drafted) if drafted else None
+
+
+def accepted_runs(hits_BTK: torch.Tensor) -> torch.Tensor:
+    """hits[b, t, j]: draft j of the chain from index t is right. -> [B, T] accepted prefix length
+    (drafts 0..j all right), the ``accepted`` count of the round that starts there."""
+    return hits_BTK.to(torch.long).cumprod(-1).sum(-1)
+
+
+def spans(mask: list[bool]) -> list[tuple[int, int]]:
+    """Maximal runs of True as (first, last) indices: the assistant turns of one sequence."""
+    out, start = [], None
+    for i, m in enumerate(list(mask) + [False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i - 1))
+            start = None
+    return out
+
+
+def sequence_rounds(accepted_T: list[int], mask_T: list[bool], k: int) -> list[tuple[int, int, int]]:
+    """The chain's rounds over every assistant span of one sequence, at k drafts per round.
+
+    A span x[s..e] is a greedy continuation of N = e - s + 1 tokens whose first token the prefill
+    emits; the round after g emitted tokens drafts x[s+g], x[s+g+1], ... from index t = s + g - 2
+    (the unroll's index t drafts x[t+2+j] at step j), so ``accepted[g] = accepted_T[s + g - 2]``.
+    The continuation ends with the span (no draft reaches past it)."""
+    rounds = []
+    for s, e in spans(mask_T):
+        n = e - s + 1
+        acc = [0] + [accepted_T[s + g - 2] if s + g - 2 >= 0 else 0 for g in range(1, n)]
+        rounds += chain_replay(acc, n, n, k)
+    return rounds
+
+
+# --------------------------------------------------------------------------- the evaluation's counts
+def position_rates(accepted: list[int], valid: list[int], K: int) -> dict:
+    """From every start: P(accepted >= j) and P(accepted >= j | >= j-1), j = 1..K, counting a
+    start for position j only when the continuation extends that far (``valid``: positions left)."""
+    reach, acc = [0] * K, [0] * K
+    for a, v in zip(accepted, valid, strict=True):
+        for j in range(min(K, v)):
+            reach[j] += 1
+            acc[j] += a > j
+    rate = [acc[j] / reach[j] if reach[j] else None for j in range(K)]
+    cond = [None if rate[j] is None or (j and not rate[j - 1]) else rate[j] / (rate[j - 1] if j else 1.0)
+            for j in range(K)]
+    return {"accept_rate_per_pos": rate, "conditional_accept_per_pos": cond, "starts_per_pos": reach}
+
+
+def tau_all_positions(accepted: list[int], valid: list[int], k: int) -> float | None:
+    """1 + mean accepted (capped at k) over starts with k positions of continuation left."""
+    xs = [min(a, k) for a, v in zip(accepted, valid, strict=True) if v >= k]
+    return 1 + sum(xs) / len(xs) if xs else None
+
+
+def chain_counts(rounds) -> dict:
+    """Per draft position j: rounds that drafted it and rounds that accepted it (vLLM's counters)."""
+    k = max((r[1] for r in rounds), default=0)
+    return {"drafts": sum(r[1] > 0 for r in rounds),
+            "drafted_per_pos": [sum(r[1] > j for r in rounds) for j in range(k)],
+            "accepted_per_pos": [sum(r[1] > j and r[2] > j for r in rounds) for j in range(k)]}
+
+
+def prompt_chain(rounds) -> tuple[int, int]:
+    """(accepted drafts, rounds with drafts) of one prompt: what τ over prompts is pooled from."""
+    return sum(r[2] for r in rounds if r[1] > 0), sum(r[1] > 0 for r in rounds)

@@ -1,0 +1,164 @@
+"""What eaglet needs of the separate vLLM environment (``envs/vllm/.venv``, made by
+``envs/vllm/setup.sh``): where its interpreter is, how to run a script in it, and how to read
+vLLM's speculative-decoding counters.
+
+One copy of each, shared by the server (eaglet.engines.vllm_server), the export contract
+(eaglet.export.contract, eaglet.export.known_answer), the vLLM evaluation (eaglet.eval.evaluate_vllm) and the tests:
+three resolvers once disagreed on whether a half-installed venv counts (issue 16), and two counter
+parsers on several engines (one kept the last engine's value, one summed).
+
+Standard library only: the runner scripts (vllm_check_runner.py, vllm_eval_runner.py) import it
+inside vLLM's interpreter, where eaglet's own dependencies are not installed.
+
+    py = vllm_python("envs/vllm/.venv")       # VllmEnvMissing unless setup.sh finished there
+    runner = copy_runner(RUNNER, work_dir)    # the runner and this module, side by side
+    env = process_env(work_dir, py, VLLM_CPU_KVCACHE_SPACE="1")   # a vLLM process's environment
+    counters = spec_decode_counters(metric_samples(llm.get_metrics()))
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+DEFAULT_ENV = "envs/vllm/.venv"
+# envs/vllm/setup.sh writes it last: a venv without it is an interrupted install (setup.sh rebuilds it)
+SETUP_STAMP = ".eaglet-setup-complete"
+# Overrides DEFAULT_ENV (a venv folder or its bin/python) where no environment is given.
+ENV_VAR = "EAGLET_VLLM_PYTHON"
+# Beside the venv's stamp: vLLM's answers about its model classes, shared by every run (process_env)
+MODELINFOS = "eaglet-vllm-modelinfos"
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+PER_POS = "num_accepted_tokens_per_pos"
+
+
+class VllmEnvMissing(RuntimeError):
+    """The vLLM environment is absent or its install never finished."""
+
+
+def vllm_python(env: str | os.PathLike | None = None) -> Path:
+    """The interpreter of the vLLM environment ``env`` (a venv folder or its ``bin/python``;
+    default ``$EAGLET_VLLM_PYTHON`` or ``envs/vllm/.venv``); a relative path that does not exist
+    from here is taken from the repository root. Refuses a venv without setup.sh's stamp: a
+    half-installed vLLM fails minutes later inside the engine, with an error that names no cause."""
+    p = Path(env if env is not None else os.environ.get(ENV_VAR) or DEFAULT_ENV)
+    if not p.is_absolute() and not p.exists():
+        p = Path(__file__).resolve().parents[3] / p
+    p = p.absolute()  # not resolve(): the venv's python is a symlink, and resolving it leaves the venv
+    py = p if p.name.startswith("python") else p / "bin" / "python"
+    venv = py.parent.parent
+    if not py.exists():
+        raise VllmEnvMissing(f"{py}: vLLM environment missing; create it with envs/vllm/setup.sh")
+    if not (venv / SETUP_STAMP).exists():
+        raise VllmEnvMissing(f"{venv}: vLLM environment incomplete (no {SETUP_STAMP}: its install did not "
+                             "finish); rerun envs/vllm/setup.sh")
+    return py
+
+
+def timeout(seconds: float) -> float:
+    """A vLLM process's time limit: ``seconds``, or less where ``EAGLET_VLLM_TIMEOUT_S`` caps it (the
+    test suite sets it, so that one hung engine costs minutes, not the CI run). A limit only: it
+    defines no output, and no stage is keyed by it."""
+    cap = os.environ.get("EAGLET_VLLM_TIMEOUT_S")
+    return min(float(seconds), float(cap)) if cap else float(seconds)
+
+
+def process_env(work: str | os.PathLike, python: str | os.PathLike, **extra: str) -> dict[str, str]:
+    """Environment of a vLLM process that eaglet starts with ``python`` (from vllm_python) for a run
+    in ``work``: eaglet's interpreter settings removed (they must not leak into vLLM's venv), vLLM's
+    caches inside ``work`` (share_modelinfos aside), no hub access, no usage report; ``extra`` on top."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    cache = Path(work).absolute() / "vllm_cache"
+    share_modelinfos(cache, python)
+    env.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CACHE_ROOT=str(cache), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
+
+def share_modelinfos(cache: Path, python: str | os.PathLike) -> Path | None:
+    """Link ``cache``/modelinfos to one folder in the vLLM venv; that folder, or None where it cannot
+    be made (a read-only venv: the run then keeps its own). Before it serves a model class, vLLM asks
+    a fresh interpreter about it (about 15 s on two cores, once for the target and once for the
+    drafter of every run) unless VLLM_CACHE_ROOT/modelinfos has the answer, stored under a digest of
+    the class's source file: a pure function of the installed vLLM, which goes with the venv."""
+    link = cache / "modelinfos"
+    shared = Path(python).absolute().parent.parent / MODELINFOS  # python: VENV/bin/python
+    try:
+        if link.is_symlink() and not link.exists():  # the venv was rebuilt since
+            link.unlink()
+        if link.exists():
+            return shared if link.is_symlink() else None
+        shared.mkdir(exist_ok=True)
+        cache.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(shared, target_is_directory=True)
+    except OSError:
+        return None
+    return shared
+
+
+def copy_runner(runner: Path, work: Path) -> Path:
+    """Copy a runner script, and this module it imports, into ``work``; the copy's path. Run from
+    src/eaglet/, eaglet/data/tokenize.py would head sys.path and shadow the standard library's tokenize
+    inside vLLM's interpreter."""
+    work.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(__file__), work / Path(__file__).name)
+    shutil.copyfile(runner, work / runner.name)
+    return work / runner.name
+
+
+def metric_samples(metrics: Iterable) -> list[tuple[str, dict, float | list[float]]]:
+    """``(name, labels, value)`` of vLLM's ``LLM.get_metrics()`` objects; a Vector's ``values``
+    (the per-position counts) as a list."""
+    out = []
+    for m in metrics:
+        value = list(m.values) if hasattr(m, "values") else getattr(m, "value", None)
+        if value is not None:
+            out.append((m.name, dict(getattr(m, "labels", None) or {}), value))
+    return out
+
+
+def spec_decode_counters(samples: Iterable[tuple[str, dict, float | list[float]]]) -> dict:
+    """vLLM's speculative-decoding counters, summed over engines (data-parallel ranks each report
+    their own, labelled ``engine``): ``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``
+    and ``num_accepted_tokens_per_pos`` as a list. Takes Prometheus samples (``vllm:..._total``,
+    the per-position count labelled ``position``) and :func:`metric_samples` (a list per engine)."""
+    totals = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    per_pos: dict[int, float] = {}
+    for name, labels, value in samples:
+        if "spec_decode_" not in name:
+            continue
+        key = name.split("spec_decode_", 1)[1].removesuffix("_total")
+        if key == PER_POS:
+            pairs = enumerate(value) if isinstance(value, list) else [(int(labels.get("position", 0)), value)]
+            for pos, v in pairs:
+                per_pos[pos] = per_pos.get(pos, 0.0) + v
+        elif key in totals:
+            totals[key] += value
+    res: dict = {k: int(v) for k, v in totals.items()}
+    res[PER_POS] = [int(per_pos.get(p, 0)) for p in range(max(per_pos) + 1)] if per_pos else []
+    return res
+
+
+# --------------------------------------------------------------------------- the runners' engine
+def add_serving_args(p) -> None:
+    """target.vllm / target.trust_remote_code as a runner's flags (defaults: vLLM-CPU's)."""
+    p.add_argument("--dtype", default="float32", help="float32 on CPU builds (bf16 on AVX2 corrupts text)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true")
+
+
+def engine_kwargs(a, drafter: str | None = None, max_num_seqs: int | None = None) -> dict:
+    """``vllm.LLM`` keyword arguments from a runner's parsed flags (a pure function, tested without
+    vLLM); ``max_num_seqs`` defaults to the runner's ``--max-num-seqs``."""
+    kw = dict(model=a.target, dtype=a.dtype, tensor_parallel_size=a.tensor_parallel_size,
+              trust_remote_code=a.trust_remote_code, enforce_eager=True, disable_log_stats=False,
+              max_model_len=a.max_model_len, max_num_seqs=max_num_seqs or a.max_num_seqs, seed=0)
+    if a.enable_expert_parallel:
+        kw["enable_expert_parallel"] = True
+    if drafter:
+        kw["speculative_config"] = {"method": "eagle3", "model": drafter, "num_speculative_tokens": a.k}
+    return kw

@@ -1,0 +1,409 @@
+"""Evaluate a trained drafter on the HF target: an exact offline acceptance simulator and a real
+speculative decoding loop with a lossless check (docs/eagle3.md §7).
+
+    python -m eaglet.eval.evaluate offline --drafter results/RUN/train/drafter.safetensors \
+        --identity resources/targets/NAME/identity.json --sets '["mtbench"]' \
+        --config '{"num_prompts": 10, "max_new_tokens": 128, "k_values": [1, 2, 3, 4, 5]}' \
+        --out-dir results/RUN/eval [--threads 2] [--log LOG]
+    python -m eaglet.eval.evaluate speculative ... (same flags)
+
+offline      greedy continuation of every prompt with the target (KV cache), capturing the aux
+             hidden states at the drafter's layer ids; from every verified position the drafter
+             drafts K = max(k_values) tokens (its own hidden states and tokens after step 0, as
+             serving does) and the accepted prefix is counted. Writes offline.json (τ for every
+             k from every position, per-position acceptance, and the chain replay: exactly what the
+             real loop accepts) and offline_positions.parquet / offline_rounds.parquet.
+speculative  the real loop: draft k, verify k+1 positions in one target forward, accept the longest
+             matching prefix + the bonus token, roll back both KV caches. Per prompt it also runs
+             plain greedy by the same code: tokens/s, speedup, and the lossless check (output ==
+             greedy token for token; a mismatch fails unless the target's top-2 logits were within
+             tie_eps there). Writes speculative.json and speculative_rounds.parquet.
+
+Timing is paired and interleaved: for each prompt and each of ``repeats`` repeats, plain greedy
+and every k run back to back (one block; the order rotates from repeat to repeat and prompt to
+prompt, so no configuration always runs first or last), and a speedup sample is greedy seconds /
+speculative seconds of the same block. A background job that slows a few seconds then slows both
+sides of a pair. Per prompt the median of its samples; the figure is the median over prompts with
+a seeded bootstrap interval over prompts (eaglet.eval.stats), and ``conclusive: false`` with a
+sentence when the interval spans 1.0 or is wider than ``max_relative_width`` times the estimate.
+τ gets the same interval over prompts, per set and per domain (MT-Bench category, HumanEval, ...).
+
+Conventions. The drafter at position t reads g_t = fc(aux_t) and the token x_{t+1} (vLLM's);
+aux id j = HF ``hidden_states[j]`` (residual stream entering layer j). A round starts when the
+target has emitted g tokens after the prompt; with k drafts it may accept at most
+``min(k, max_new - g - 1)`` (never past max_new_tokens), and stops at EOS: both loops use the same
+rule, so their accepted counts agree token for token.
+
+Where the HF target runs: ``dtype`` (``target.dtype``), ``device`` (``target.device``: cuda when the
+job has a GPU) and ``trust_remote_code`` come from the target section, as in extract. The drafter
+stays on the CPU in fp32; the target's logits and aux states come back as fp32 CPU tensors.
+``hf_loop`` false (``evaluate.hf_loop``, decided at parse time by eaglet.planner.plan.hf_loop: a target served
+over several GPUs or bigger than one) runs neither stage: each writes its JSON with ``status: not
+run`` and ``hf_loop_reason``, empty Parquet files, and logs the reason first; eval_summary shows the
+HF-loop figures as not run, never as a pass.
+
+Shape suffixes: T tokens, V target vocab, H target hidden, 3 the three aux layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from eaglet.base import datasets as eval_sets
+from eaglet.base import io
+from eaglet.drafter.chain import chain_counts, chain_replay, position_rates, prompt_chain, rounds_tau, tau_all_positions
+from eaglet.engines.hf_loop import greedy, offline_prompt, setup, speculative
+from eaglet.eval import stats as eval_stats
+
+log = logging.getLogger("eaglet.eval.evaluate")
+
+# Sized for the default run (SmolLM2-135M on 2 CPU cores): a few minutes in all.
+DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[1, 2, 3, 4, 5], tie_eps=1e-5,
+                stop_at_eos=True, max_prompt_tokens=1024, chat_template=None, chat_template_kwargs={}, repeats=3,
+                confidence=0.95,
+                max_relative_width=0.5, hf_loop=True, hf_loop_reason=None, dtype="float32", device="auto",
+                trust_remote_code=False)
+NOT_RUN = "not run"
+
+
+def _options(opts: dict) -> dict:
+    o = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
+    unknown = set(o) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"evaluate: unknown options {sorted(unknown)}")
+    o["k_values"] = sorted({int(k) for k in o["k_values"]})
+    if not o["k_values"] or o["k_values"][0] < 1:
+        raise ValueError(f"evaluate.k_values must be >= 1, got {o['k_values']}")
+    if o["max_new_tokens"] < 2:
+        raise ValueError("evaluate.max_new_tokens must be >= 2 (one round needs a draft)")
+    if int(o["repeats"]) < 1:
+        raise ValueError(f"evaluate.repeats must be >= 1, got {o['repeats']}")
+    if not 0 < o["confidence"] < 1:
+        raise ValueError(f"evaluate.confidence must be in (0, 1), got {o['confidence']}")
+    return o
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def _se(rounds) -> float | None:
+    """Standard error of τ over the rounds with drafts (the noise of a τ estimate)."""
+    xs = [r[2] for r in rounds if r[1] > 0]
+    return statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None
+
+
+# --------------------------------------------------------------------------- offline
+def _tau_ci(per_prompt: list[dict], key: str, ks: list[int], o: dict) -> dict:
+    """τ at each k with its interval over the prompts; ``per_prompt[i][key][k]`` = prompt_chain."""
+    return {k: eval_stats.tau_interval([tuple(p[key][k]) for p in per_prompt], o["confidence"],
+                                       o["max_relative_width"]) for k in ks}
+
+
+def _domains(per_prompt: list[dict], key: str, ks: list[int], o: dict) -> dict:
+    """τ per domain (MT-Bench category, HumanEval, math, held-out) with intervals over prompts."""
+    out = {}
+    for d in dict.fromkeys(p["domain"] for p in per_prompt):
+        rows = [p for p in per_prompt if p["domain"] == d]
+        out[d] = {"set": rows[0]["set"], "prompts": len(rows), "tau": _tau_ci(rows, key, ks, o)}
+    return out
+
+
+def _offline_stats(starts: list[dict], rounds_by_k: dict, K: int) -> dict:
+    acc, valid = [s["accepted"] for s in starts], [s["valid"] for s in starts]
+    return {"starts": len(starts),
+            "tau": {k: tau_all_positions(acc, valid, k) for k in range(1, K + 1)},
+            "tau_chain": {k: rounds_tau(r) for k, r in rounds_by_k.items()},
+            "tau_chain_se": {k: _se(r) for k, r in rounds_by_k.items()},
+            "rounds": {k: len(r) for k, r in rounds_by_k.items()},
+            "chain_per_pos": {k: chain_counts(r) for k, r in rounds_by_k.items()},
+            **position_rates(acc, valid, K)}
+
+
+def _load_opts(o: dict) -> dict:
+    return {k: o[k] for k in ("dtype", "device", "trust_remote_code")}
+
+
+def hf_loop_not_run(stage: str, out_dir: str | Path, o: dict, json_name: str, parquets: tuple[str, ...]) -> dict:
+    """The stage's outputs when the HF loop is off: its JSON says ``status: not run`` with the reason
+    (eval_summary reports it as such), its Parquet files are empty. The target is never loaded."""
+    why = o["hf_loop_reason"] or "evaluate.hf_loop: false"
+    log.warning("HF loop not run (%s): %s", stage, why)
+    res = {"stage": stage, "status": NOT_RUN, "hf_loop_reason": why, "options": o, "per_prompt": []}
+    out = Path(out_dir)
+    for name in parquets:
+        io.write_parquet(out / name, _frame([]))
+    res[io.DIGESTS_KEY] = io.record_digests(out, list(parquets))  # checked by eval_summary
+    io.write_json(out / json_name, res)
+    return res
+
+
+def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path,
+                     threads: int | None = None, **opts) -> dict:
+    o = _options(opts)
+    if not o["hf_loop"]:
+        return hf_loop_not_run("evaluate_offline", out_dir, o, "offline.json",
+                               ("offline_positions.parquet", "offline_rounds.parquet"))
+    ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
+                                               _load_opts(o))
+    K, max_new, eps = max(o["k_values"]), o["max_new_tokens"], o["tie_eps"]
+    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+                                     o["chat_template_kwargs"])
+    t0 = time.time()
+    pos_rows, round_rows, per_set = [], [], defaultdict(lambda: {"starts": [], "rounds": defaultdict(list)})
+    target_ties, per_prompt = 0, []
+    for i, p in enumerate(prompts):
+        r = offline_prompt(target, proposer, p["prompt_ids"], K, max_new)
+        row = {"set": p["set"], "domain": p["domain"], "id": p["id"], "prompt_tokens": len(p["prompt_ids"]),
+               "tokens": r["tokens"], "chain": {}}  # the greedy continuation, for evaluate_vllm
+        per_prompt.append(row)
+        target_ties += sum(m < eps for m in r["target_margins"])
+        for s in r["starts"]:
+            pos_rows.append({"set": p["set"], "id": p["id"], **s})
+        accepted = [0] + [s["accepted"] for s in r["starts"]]
+        for k in o["k_values"]:
+            rr = chain_replay(accepted, len(r["tokens"]), max_new, k)
+            row["chain"][k] = prompt_chain(rr)
+            per_set[p["set"]]["rounds"][k] += rr
+            round_rows += [{"set": p["set"], "id": p["id"], "k": k, "g": g, "k_eff": ke, "accepted": a}
+                           for g, ke, a in rr]
+        per_set[p["set"]]["starts"] += r["starts"]
+        log.info("offline %d/%d %s %s: %d tokens, tau(k=%d) %.2f", i + 1, len(prompts), p["set"], p["id"],
+                 len(r["tokens"]), min(3, K), tau_all_positions([s["accepted"] for s in r["starts"]],
+                                                                [s["valid"] for s in r["starts"]], min(3, K)) or 1)
+    all_starts = [s for v in per_set.values() for s in v["starts"]]
+    all_rounds = {k: [x for v in per_set.values() for x in v["rounds"][k]] for k in o["k_values"]}
+    res = {"stage": "evaluate_offline", "drafter": str(drafter), "target": ident["name"],
+           "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "draft_vocab_size": cfg.draft_vocab_size,
+           "options": o, "sets_requested": sets, "K": K, "prompts": len(prompts),
+           "new_tokens": len(all_starts) + len(prompts),
+           "sets": {name: {"prompts": sum(p["set"] == name for p in prompts),
+                           **_offline_stats(v["starts"], v["rounds"], K),
+                           "tau_chain_ci": _tau_ci([q for q in per_prompt if q["set"] == name], "chain",
+                                                   o["k_values"], o)}
+                    for name, v in per_set.items()},
+           "overall": {**_offline_stats(all_starts, all_rounds, K),
+                       "tau_chain_ci": _tau_ci(per_prompt, "chain", o["k_values"], o)},
+           "domains": _domains(per_prompt, "chain", o["k_values"], o),
+           "ties": {"tie_eps": eps, "target_near_ties": target_ties,
+                    "drafter_near_ties": sum(s["drafter_margin"] < eps for s in all_starts)},
+           "seconds": round(time.time() - t0, 2), "per_prompt": per_prompt}
+    out = Path(out_dir)
+    io.write_parquet(out / "offline_positions.parquet", _frame(pos_rows))
+    io.write_parquet(out / "offline_rounds.parquet", _frame(round_rows))
+    # checked by eval_summary (io.verify_recorded)
+    res[io.DIGESTS_KEY] = io.record_digests(out, ["offline_positions.parquet", "offline_rounds.parquet"])
+    io.write_json(out / "offline.json", res)
+    log.info("offline: tau %s (all positions), chain %s", res["overall"]["tau"], res["overall"]["tau_chain"])
+    return res
+
+
+def _frame(rows):
+    import pandas as pd
+
+    return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------------- speculative
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def timing_order(configs: list, prompt_index: int, repeat: int) -> list:
+    """The order of one timing block: ``configs`` rotated by prompt + repeat, so every
+    configuration takes every slot in turn (none always first, after the cold start, or last)."""
+    r = (prompt_index + repeat) % len(configs)
+    return configs[r:] + configs[:r]
+
+
+def paired_speedups(samples: list[dict], k: int) -> list[float]:
+    """Greedy seconds / speculative seconds of the same timing block, one per repeat."""
+    return [s["greedy_s"] / s["spec_s"][k] for s in samples if s["spec_s"].get(k)]
+
+
+def _timed_blocks(target, proposer, p: dict, i: int, ks: list[int], repeats: int, max_new: int,
+                  mismatches: list[dict]) -> tuple[list[dict], dict]:
+    """One prompt's timing samples: per repeat one block of greedy and every k back to back, the order
+    rotated (timing_order); and each configuration's output of the first repeat (``None`` = greedy).
+    Decoding is deterministic: a repeat that gives another output is recorded in ``mismatches``."""
+    ids = p["prompt_ids"]
+    samples, first = [], {}
+    for r in range(repeats):
+        order = timing_order([None] + ks, i, r)  # None = plain greedy
+        block = {"repeat": r, "order": ["greedy" if c is None else c for c in order], "spec_s": {}}
+        for c in order:
+            res = greedy(target, ids, max_new) if c is None else speculative(target, proposer, ids, c, max_new)
+            if c is None:
+                block["greedy_s"] = res["seconds"]
+            else:
+                block["spec_s"][c] = res["seconds"]
+            if r == 0:
+                first[c] = res
+            elif res["tokens"] != first[c]["tokens"]:  # decoding is deterministic: a repeat must agree
+                mismatches.append({"set": p["set"], "id": p["id"], "k": c, "repeat": r, "index":
+                                   first_mismatch(first[c]["tokens"], res["tokens"]), "explained_by_tie": False,
+                                   "why": "a repeat gave another output"})
+        samples.append(block)
+    return samples, first
+
+
+def _lossless(p: dict, k: int, gr: dict, sp: dict, eps: float, mismatches: list[dict]) -> int | None:
+    """Where the drafter's output at ``k`` first differs from greedy (None: identical), recorded in
+    ``mismatches``, explained when either side's top-2 logits were within ``eps`` there."""
+    j = first_mismatch(gr["tokens"], sp["tokens"])
+    if j is not None:
+        gm = gr["margins"][j] if j < len(gr["margins"]) else None
+        sm = sp["margins"][j] if j < len(sp["margins"]) else None
+        tie = any(m is not None and m < eps for m in (gm, sm))
+        mismatches.append({"set": p["set"], "id": p["id"], "k": k, "index": j,
+                           "greedy_token": gr["tokens"][j] if j < len(gr["tokens"]) else None,
+                           "spec_token": sp["tokens"][j] if j < len(sp["tokens"]) else None,
+                           "greedy_margin": gm, "spec_margin": sm, "explained_by_tie": tie})
+        log.warning("prompt %s k=%d: output differs from greedy at token %d (%s)", p["id"], k, j,
+                    "numerical tie" if tie else "NOT a tie")
+    return j
+
+
+def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path,
+                         threads: int | None = None, **opts) -> dict:
+    """Real speculative decoding vs plain greedy on the same prompts, timed in paired, interleaved
+    repeats; raises LosslessError (after writing speculative.failed.json) when an output differs
+    from greedy without a logged tie."""
+    o = _options(opts)
+    if not o["hf_loop"]:
+        return hf_loop_not_run("evaluate_speculative", out_dir, o, "speculative.json", ("speculative_rounds.parquet",))
+    ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
+                                               _load_opts(o))
+    max_new, eps, ks, repeats = o["max_new_tokens"], o["tie_eps"], o["k_values"], int(o["repeats"])
+    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+                                     o["chat_template_kwargs"])
+    greedy(target, prompts[0]["prompt_ids"], 4)  # warm-up: first calls pay allocator/thread start-up
+    target.times.clear()
+    per_prompt, round_rows, mismatches = [], [], []
+    other = eval_stats.OtherLoad().start()
+    for i, p in enumerate(prompts):
+        ids = p["prompt_ids"]
+        samples, first = _timed_blocks(target, proposer, p, i, ks, repeats, max_new, mismatches)
+        gr = first[None]
+        row = {"set": p["set"], "domain": p["domain"], "id": p["id"], "prompt_tokens": len(ids),
+               "greedy_tokens": len(gr["tokens"]),
+               "greedy_seconds": statistics.median(s["greedy_s"] for s in samples), "samples": samples,
+               "chain": {}, "k": {}}
+        for k in ks:
+            sp = first[k]
+            j = _lossless(p, k, gr, sp, eps, mismatches)
+            pairs = paired_speedups(samples, k)
+            row["chain"][k] = prompt_chain(sp["rounds"])
+            row["k"][k] = {"tau": rounds_tau(sp["rounds"]), "tokens": len(sp["tokens"]),
+                           "seconds": statistics.median(s["spec_s"][k] for s in samples),
+                           "speedup_samples": pairs, "speedup": statistics.median(pairs),
+                           "identical": j is None, "rounds": len(sp["rounds"])}
+            round_rows += [{"set": p["set"], "id": p["id"], "k": k, "g": g, "k_eff": ke, "accepted": a}
+                           for g, ke, a in sp["rounds"]]
+        per_prompt.append(row)
+        log.info("speculative %d/%d %s: greedy %.1f tok/s; %s", i + 1, len(prompts), p["id"],
+                 len(gr["tokens"]) / row["greedy_seconds"],
+                 ", ".join(f"k={k} tau {row['k'][k]['tau'] or 1:.2f} x{row['k'][k]['speedup']:.2f} "
+                           f"(paired {', '.join(f'{x:.2f}' for x in row['k'][k]['speedup_samples'])})" for k in ks))
+    load = other.stop()
+    if load["busy"]:
+        log.warning("speculative: %s; the speedups are reported not conclusive", load["note"])
+    costs = {"target_forward_s": {T: _median(v) for T, v in sorted(target.times.items())},
+             "draft_step_s": _median(proposer.step_times)}
+    costs["target_step_s"] = costs["target_forward_s"].get(1)
+    unexplained = [m for m in mismatches if not m["explained_by_tie"]]
+    res = {"stage": "evaluate_speculative", "drafter": str(drafter), "target": ident["name"],
+           "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "options": o,
+           "threads": torch.get_num_threads(), "prompts": len(prompts),
+           "timing": {"repeats": repeats, "design": "paired, interleaved: per prompt and repeat one block of "
+                      "greedy and every k back to back, order rotated; speedup sample = greedy s / spec s "
+                      "of the same block; per prompt the median; figure = median over prompts with a "
+                      f"{100 * o['confidence']:.0f}% bootstrap interval over prompts "
+                      f"({eval_stats.BOOTSTRAP_SAMPLES} resamples, seed {eval_stats.SEED})",
+                      "load": load},
+           "sets": {s: _spec_stats([r for r in per_prompt if r["set"] == s], round_rows, ks, s, o, load)
+                    for s in dict.fromkeys(p["set"] for p in prompts)},
+           "overall": _spec_stats(per_prompt, round_rows, ks, None, o, load),
+           "domains": _domains(per_prompt, "chain", ks, o),
+           "lossless": {"pass": not unexplained, "compared": len(prompts) * len(ks), "mismatches": mismatches,
+                        "unexplained": len(unexplained), "tie_eps": eps},
+           "step_costs": costs, "per_prompt": per_prompt}
+    out = Path(out_dir)
+    io.write_parquet(out / "speculative_rounds.parquet", _frame(round_rows))
+    if unexplained:
+        io.write_json(out / "speculative.failed.json", res)
+        raise LosslessError(f"speculative decoding is not lossless on {len(unexplained)} prompt/k pairs "
+                            f"(details in {out / 'speculative.failed.json'})")
+    (out / "speculative.failed.json").unlink(missing_ok=True)
+    res[io.DIGESTS_KEY] = io.record_digests(out, ["speculative_rounds.parquet"])  # checked by eval_summary
+    io.write_json(out / "speculative.json", res)
+    log.info("speculative: %s", {k: (v["tau"], v["speedup_ci"]["note"]) for k, v in res["overall"]["k"].items()})
+    return res
+
+
+class LosslessError(RuntimeError):
+    """Speculative output differs from plain greedy where no numerical tie explains it."""
+
+
+def _spec_stats(rows: list[dict], round_rows: list[dict], ks: list[int], set_name: str | None, o: dict,
+                load: dict | None = None) -> dict:
+    """Per k: τ and the speedup (median over prompts of each prompt's median paired speedup), each
+    with its interval over prompts; tokens/s from the median seconds of every prompt. A speedup
+    timed on a busy machine (``load``: eval_stats.OtherLoad) is not conclusive, whatever its interval."""
+    g_tok, g_s = sum(r["greedy_tokens"] for r in rows), sum(r["greedy_seconds"] for r in rows)
+    out = {"prompts": len(rows), "greedy_tokens": g_tok, "greedy_seconds": round(g_s, 3),
+           "greedy_tok_s": g_tok / g_s if g_s else None, "k": {}}
+    for k in ks:
+        rr = [(x["g"], x["k_eff"], x["accepted"]) for x in round_rows
+              if x["k"] == k and (set_name is None or x["set"] == set_name)]
+        s_tok, s_s = sum(r["k"][k]["tokens"] for r in rows), sum(r["k"][k]["seconds"] for r in rows)
+        reach = [sum(1 for r in rr if r[1] > j) for j in range(k)]
+        sp = eval_stats.busy_verdict(eval_stats.speedup_interval([r["k"][k]["speedup"] for r in rows],
+                                                                 o["confidence"], o["max_relative_width"]),
+                                     load or {})
+        out["k"][k] = {"tau": rounds_tau(rr), "tau_se": _se(rr), "rounds": len(rr), "tokens": s_tok,
+                       "tau_ci": eval_stats.tau_interval([tuple(r["chain"][k]) for r in rows], o["confidence"],
+                                                         o["max_relative_width"]),
+                       "seconds": round(s_s, 3), "tok_s": s_tok / s_s if s_s else None,
+                       "speedup": sp["estimate"], "speedup_ci": sp,
+                       "accept_rate_per_pos": [sum(1 for r in rr if r[1] > j and r[2] > j) / reach[j]
+                                               if reach[j] else None for j in range(k)]}
+    return out
+
+
+# --------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["offline", "speculative"])
+    p.add_argument("--drafter", required=True, help="train/drafter.safetensors")
+    p.add_argument("--identity", required=True, help="the target's identity.json")
+    p.add_argument("--sets", default='["mtbench"]', help="JSON list: mtbench, humaneval, *.parquet")
+    p.add_argument("--config", default=None, help="JSON options: " + ", ".join(DEFAULTS))
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--log", default=None)
+    a = p.parse_args(argv)
+    io.setup_logging(a.log)
+    fn = evaluate_offline if a.mode == "offline" else evaluate_speculative
+    io.verify_recorded(a.drafter, Path(a.drafter).with_name("train_summary.json"))  # train's record
+    try:
+        fn(a.drafter, a.identity, io.parse_json_arg(a.sets), a.out_dir, threads=a.threads,
+           **io.parse_json_arg(a.config, {}))
+    except LosslessError as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""Summarise the evaluation: headline figures, offline-vs-real agreement, the draft-length
+recommendation with the table behind it, and the plots for the report.
+
+    python -m eaglet.eval.summary --eval-dir results/RUN/eval [--vllm results/RUN/eval/vllm.json] \
+        [--config '{"tie_eps": 1e-5, "headline_k": 3}'] [--log LOG]
+
+Reads offline.json, speculative.json (+ their rounds/positions Parquet) and, when given, vllm.json
+from the eval folder. Writes summary.json (``headline``, ``agreement``, ``recommendation``) and
+tau_per_position.png, tau_per_k.png, speedup_vs_k.png.
+
+Recommendation: expected speedup(k) = τ(k) · c_target(1) / (c_target(k+1) + k · c_draft), with τ(k)
+the offline acceptance length from every position (measured acceptance per position) and the costs
+the median measured forward times of the HF loop: one target decode step, one verify forward of
+k+1 tokens, one drafter step; so k breaks even at τ_k = (c_target(k+1) + k · c_draft) / c_target(1).
+A k pays when its measured speedup (median of paired timings, eaglet.eval.evaluate) is above 1 (the
+prediction stands in where k was not timed). When no k pays, the recommendation is "do not
+speculate on this hardware", with each k's break-even τ beside the τ the drafter reaches; otherwise
+the paying k with the highest expected speedup, and whether its measured interval is conclusive.
+τ per domain (MT-Bench categories, HumanEval, math, held-out) comes with its interval over prompts.
+Plots are written to a temporary file and renamed: a declared output is never half written.
+
+When the HF loop did not run (offline.json ``status: not run``, ``evaluate.hf_loop``: a target too
+big for one process), the summary says so: ``headline.hf_loop`` is "not run" with the reason, every
+HF-loop figure (offline τ, HF speedup, its lossless check, offline-vs-real agreement) is null, not a
+pass, the recommendation is empty, and the plots show vLLM's figures with the same note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import pandas as pd
+
+from eaglet.base import io
+from eaglet.eval import stats as eval_stats
+
+log = logging.getLogger("eaglet.eval.summary")
+
+DEFAULTS = dict(tie_eps=1e-5, headline_k=3, tau_goal=2.5, speedup_goal=1.5)
+PLOTS = ("tau_per_position.png", "tau_per_k.png", "speedup_vs_k.png")
+
+
+def _k(d: dict, k) -> object:
+    """A value keyed by k in a JSON dict (keys are strings after a round trip)."""
+    return d.get(str(k), d.get(k)) if d else None
+
+
+# --------------------------------------------------------------------------- agreement
+def agreement(eval_dir: Path, eps: float) -> dict:
+    """Offline chain replay vs the real loop, round by round, per prompt and k. A difference is
+    explained only by a logged near-tie (target or drafter top-2 gap < eps) where it starts."""
+    a = io.read_parquet(eval_dir / "offline_rounds.parquet").to_pandas()
+    b = io.read_parquet(eval_dir / "speculative_rounds.parquet").to_pandas()
+    pos = io.read_parquet(eval_dir / "offline_positions.parquet").to_pandas()
+    keys = ["set", "id", "k"]
+    ga, gb = dict(iter(a.groupby(keys))), dict(iter(b.groupby(keys)))
+    diffs = []
+    for key in sorted(set(ga) | set(gb)):
+        ra = [tuple(r) for r in ga[key][["g", "k_eff", "accepted"]].to_numpy().tolist()] if key in ga else []
+        rb = [tuple(r) for r in gb[key][["g", "k_eff", "accepted"]].to_numpy().tolist()] if key in gb else []
+        if ra == rb:
+            continue
+        i = next((j for j, (x, y) in enumerate(zip(ra, rb)) if x != y), min(len(ra), len(rb)))
+        g0 = (ra[i] if i < len(ra) else rb[i])[0]
+        near = pos[(pos["set"] == key[0]) & (pos["id"] == key[1]) & (pos["g"] <= g0 + key[2])]
+        tie = bool(((near["drafter_margin"] < eps) | (near["target_margin"] < eps)).any())
+        diffs.append({"set": key[0], "id": key[1], "k": int(key[2]), "round": i, "g": int(g0),
+                      "offline": list(ra[i]) if i < len(ra) else None, "real": list(rb[i]) if i < len(rb) else None,
+                      "explained_by_tie": tie})
+    return {"compared": len(set(ga) | set(gb)), "differing": diffs,
+            "pass": all(d["explained_by_tie"] for d in diffs)}
+
+
+# --------------------------------------------------------------------------- recommendation
+def verify_cost(costs: dict[int, float], T: int) -> float:
+    """Measured forward time for T tokens; a least-squares line through the measured ones when
+    T itself was not measured."""
+    if T in costs:
+        return costs[T]
+    xs, ys = zip(*sorted(costs.items()))
+    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if n > 1 and var else 0.0
+    return my + b * (T - mx)
+
+
+def recommend(offline: dict, spec: dict) -> dict:
+    c = spec["step_costs"]
+    costs = {int(T): s for T, s in c["target_forward_s"].items() if s is not None}
+    c1, cd = costs.get(1), c["draft_step_s"]
+    rows = []
+    for k in range(1, int(offline["K"]) + 1):
+        tau = _k(offline["overall"]["tau"], k)
+        measured = _k(spec["overall"]["k"], k)
+        ci = (measured or {}).get("speedup_ci") or {}
+        row = {"k": k, "tau_offline": tau, "tau_offline_chain": _k(offline["overall"].get("tau_chain"), k),
+               "accept_rate_pos_k": offline["overall"]["accept_rate_per_pos"][k - 1],
+               "verify_over_step": None, "predicted_speedup": None, "break_even_tau": None,
+               "measured_speedup": measured["speedup"] if measured else None,
+               "measured_speedup_lo": ci.get("lo"), "measured_speedup_hi": ci.get("hi"),
+               "measured_conclusive": ci.get("conclusive"),
+               "measured_tau": measured["tau"] if measured else None}
+        if c1 and cd is not None:
+            cv = verify_cost(costs, k + 1)
+            row["verify_over_step"] = cv / c1
+            row["draft_over_step"] = cd / c1
+            row["break_even_tau"] = eval_stats.break_even_tau(cv, k, cd, c1)
+            if tau is not None:
+                row["predicted_speedup"] = tau * c1 / (cv + k * cd)
+        # measured where timed (a median below 1 never pays, whatever its interval), else predicted
+        ref = row["measured_speedup"] if row["measured_speedup"] is not None else row["predicted_speedup"]
+        row["pays"] = ref is not None and ref > 1.0
+        rows.append(row)
+    paying = [r for r in rows if r["pays"]]
+    best = max(paying, key=lambda r: r["predicted_speedup"] if r["predicted_speedup"] is not None
+               else r["measured_speedup"]) if paying else None
+    meas = [r for r in rows if r["measured_speedup"] is not None]
+    best_meas = max(meas, key=lambda r: r["measured_speedup"]) if meas else None
+    be = {r["k"]: r["break_even_tau"] for r in rows}
+    if best is None:
+        verdict = "do not speculate on this hardware"
+        reached = ", ".join(f"k={r['k']}: needs τ {r['break_even_tau']:.2f}, "
+                            f"has {_fmt(r['measured_tau'] or r['tau_offline'])}"
+                            for r in rows if r["break_even_tau"] is not None)
+        sentence = (f"Do not speculate on this hardware: no draft length pays (best measured speedup "
+                    f"{_fmt(best_meas and best_meas['measured_speedup'])}x). Break-even τ from the measured "
+                    f"step costs: {reached}.")
+        conclusive = all(r["measured_speedup_hi"] is not None and r["measured_speedup_hi"] < 1 for r in meas) \
+            and bool(meas)
+    else:
+        verdict = f"speculate with k={best['k']}"
+        conclusive = bool(best["measured_conclusive"])
+        band = "" if best["measured_speedup_lo"] is None else \
+            f" (CI {best['measured_speedup_lo']:.2f}-{best['measured_speedup_hi']:.2f})"
+        sentence = (f"Speculate with k={best['k']}: measured speedup {_fmt(best['measured_speedup'])}x{band}, "
+                    f"predicted {_fmt(best['predicted_speedup'])}x; break-even τ {_fmt(best['break_even_tau'])}."
+                    + ("" if conclusive else " Not conclusive: the interval does not rule out no gain."))
+    load = (spec.get("timing") or {}).get("load") or {}
+    if load.get("busy"):  # the step costs and the speedups alike were timed under contention
+        conclusive = False
+        sentence += f" Not conclusive: {load['note']}."
+    return {"table": rows, "verdict": verdict, "sentence": sentence, "conclusive": conclusive,
+            "recommended_k": best["k"] if best else None,
+            "predicted_speedup": best["predicted_speedup"] if best else None,
+            "best_measured_k": best_meas["k"] if best_meas else None,
+            "speculation_pays": best is not None, "break_even_tau": be,
+            "costs": {"target_step_s": c1, "draft_step_s": cd, "target_forward_s": costs},
+            "rule": "a k pays when its measured median speedup > 1 (predicted where not timed); "
+                    "recommended: argmax over paying k of tau(k) * c_target(1) / (c_target(k+1) + k * c_draft); "
+                    "none pays: do not speculate; break-even tau_k = (c_target(k+1) + k * c_draft) / c_target(1)"}
+
+
+def _fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+# --------------------------------------------------------------------------- headline
+def headline(offline: dict, spec: dict, vllm: dict | None, agree: dict, rec: dict, o: dict) -> dict:
+    k = o["headline_k"]
+    sp = (_k(spec["overall"]["k"], k) or {}).get("speedup_ci") or {}
+    h = {"k": k,
+         "tau_offline": {s: _k(v["tau"], k) for s, v in offline["sets"].items()},
+         "tau_offline_chain": {s: _k(v["tau_chain"], k) for s, v in offline["sets"].items()},
+         "tau_hf_loop": {s: (_k(v["k"], k) or {}).get("tau") for s, v in spec["sets"].items()},
+         "speedup_hf_loop": (_k(spec["overall"]["k"], k) or {}).get("speedup"),
+         "speedup_hf_loop_ci": [sp.get("lo"), sp.get("hi")], "speedup_hf_loop_conclusive": sp.get("conclusive"),
+         "speedup_hf_loop_note": sp.get("note"),
+         "tau_by_domain": tau_by_domain(offline, k),
+         "greedy_tok_s": spec["overall"]["greedy_tok_s"],
+         "spec_tok_s": (_k(spec["overall"]["k"], k) or {}).get("tok_s"),
+         "best_speedup_hf_loop": max((v["speedup"] for v in spec["overall"]["k"].values() if v["speedup"]),
+                                     default=None),
+         "lossless_hf_loop": spec["lossless"]["pass"],
+         "offline_matches_real_loop": agree["pass"],
+         "recommended_k": rec["recommended_k"], "recommendation": rec["sentence"]}
+    if vllm:
+        run = next((r for r in vllm["runs"] if r["k"] == k and not r["iomp"]), None) or \
+            next((r for r in vllm["runs"] if r["k"] is not None and not r["iomp"]), None)
+        if run:
+            h["vllm_k"] = run["k"]
+            h["tau_vllm"] = {s: v.get("tau") for s, v in run["sets"].items()}
+            h["speedup_vllm"] = {s: v.get("speedup") for s, v in run["sets"].items()}
+        h["lossless_vllm"] = vllm["lossless"]
+        ag = vllm.get("hf_greedy_agreement")
+        h["vllm_plain_equals_hf_greedy"] = f"{ag['identical']}/{ag['prompts']} prompts" if ag else None
+        h["vllm_agrees_with_offline"] = not vllm["disagreements"]
+    mt = h["tau_offline"].get("mtbench")
+    h["goals"] = {f"tau_k{k}_mtbench>={o['tau_goal']}": None if mt is None else mt >= o["tau_goal"],
+                  f"speedup>={o['speedup_goal']}": None if h["best_speedup_hf_loop"] is None
+                  else h["best_speedup_hf_loop"] >= o["speedup_goal"]}
+    return h
+
+
+def tau_by_domain(offline: dict, k: int) -> dict:
+    """Exact chain τ at k per domain, with its interval over prompts and whether it is conclusive."""
+    out = {}
+    for d, v in (offline.get("domains") or {}).items():
+        t = _k(v["tau"], k)
+        if t:
+            out[d] = {"prompts": v["prompts"], "tau": t["estimate"], "ci": [t["lo"], t["hi"]],
+                      "conclusive": t["conclusive"], "note": t["note"]}
+    return out
+
+
+# --------------------------------------------------------------------------- plots
+def _save(fig, path: Path) -> None:
+    """Render to a temporary file beside ``path`` and rename it over ``path``."""
+    with io.atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+
+
+def plots(out: Path, offline: dict, spec: dict, vllm: dict | None, rec: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    K = int(offline["K"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s, v in offline["sets"].items():
+        ax.plot(range(1, K + 1), v["accept_rate_per_pos"], "o-", label=f"offline {s}")
+    kmax = max(int(k) for k in spec["overall"]["k"])
+    hf = _k(spec["overall"]["k"], kmax)["accept_rate_per_pos"]
+    ax.plot(range(1, len(hf) + 1), hf, "s--", label=f"HF loop, k={kmax}")
+    for r in (vllm or {}).get("runs", []):
+        if r["k"] is not None and not r["iomp"]:
+            for s, v in r["sets"].items():
+                if v.get("accept_rate_per_pos"):
+                    ax.plot(range(1, len(v["accept_rate_per_pos"]) + 1), v["accept_rate_per_pos"], "^:",
+                            label=f"vLLM {s}, k={r['k']}")
+    ax.set(xlabel="draft position j", ylabel="P(first j drafts accepted)", ylim=(0, 1.02),
+           title="Acceptance per draft position")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, out / PLOTS[0])
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ks = list(range(1, K + 1))
+    ax.plot(ks, [_k(offline["overall"]["tau"], k) for k in ks], "o-", label="offline, every position")
+    kc = sorted(int(k) for k in offline["overall"]["tau_chain"])
+    ax.plot(kc, [_k(offline["overall"]["tau_chain"], k) for k in kc], "x--", label="offline chain replay")
+    kh = sorted(int(k) for k in spec["overall"]["k"])
+    ax.plot(kh, [_k(spec["overall"]["k"], k)["tau"] for k in kh], "s:", label="HF speculative loop")
+    vk = [(r["k"], r["sets"]) for r in (vllm or {}).get("runs", []) if r["k"] is not None and not r["iomp"]]
+    for s in (vk[0][1] if vk else {}):
+        ax.plot([k for k, _ in vk], [sets[s].get("tau") for _, sets in vk], "^", ms=9, label=f"vLLM {s}")
+    ax.set(xlabel="draft length k", ylabel="acceptance length τ", title="τ per draft length", xticks=ks)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, out / PLOTS[1])
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    t = rec["table"]
+    ax.plot([r["k"] for r in t], [r["predicted_speedup"] for r in t], "o-", label="predicted (τ and step costs)")
+    m = [r for r in t if r["measured_speedup"] is not None]
+    v = [r["measured_speedup"] for r in m]  # an interval edge may sit past the median: clamp at 0
+    err = [[max(0.0, x - (r["measured_speedup_lo"] if r["measured_speedup_lo"] is not None else x))
+            for x, r in zip(v, m)],
+           [max(0.0, (r["measured_speedup_hi"] if r["measured_speedup_hi"] is not None else x) - x)
+            for x, r in zip(v, m)]]
+    ax.errorbar([r["k"] for r in m], v, yerr=err, fmt="s--", capsize=3,
+                label="measured, HF loop (median, paired; CI)")
+    for r in (vllm or {}).get("runs", []):
+        if r["k"] is not None:
+            for s, v in r["sets"].items():
+                if v.get("speedup"):
+                    ax.plot([r["k"]], [v["speedup"]], "^", ms=9,
+                            label=f"vLLM {s}" + (" (iomp)" if r["iomp"] else ""))
+    ax.axhline(1.0, color="grey", lw=0.8)
+    if rec["recommended_k"]:
+        ax.axvline(rec["recommended_k"], color="green", ls=":", label=f"recommended k={rec['recommended_k']}")
+    else:
+        ax.text(0.5, 0.95, rec["verdict"], transform=ax.transAxes, ha="center", va="top", color="tab:red")
+    ax.set(xlabel="draft length k", ylabel="speedup vs plain greedy", title="Speedup per draft length",
+           xticks=[r["k"] for r in t])
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, out / PLOTS[2])
+    plt.close(fig)
+    return [str(out / p) for p in PLOTS]
+
+
+def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: dict, curve: dict | None = None) -> dict:
+    """The summary when the HF loop did not run: vLLM's figures only, every HF-loop figure null
+    and the reason in the headline; placeholder plots carry the same note."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    why = offline.get("hf_loop_reason") or "evaluate.hf_loop"
+    h = {"k": o["headline_k"], "hf_loop": "not run", "hf_loop_reason": why, "tau_offline": None,
+         "tau_offline_chain": None, "tau_hf_loop": None, "speedup_hf_loop": None, "lossless_hf_loop": None,
+         "offline_matches_real_loop": None, "recommended_k": None,
+         "recommendation": f"no recommendation: the HF loop did not run ({why})"}
+    if vllm:
+        run = next((r for r in vllm["runs"] if r["k"] == h["k"] and not r["iomp"]), None) or \
+            next((r for r in vllm["runs"] if r["k"] is not None and not r["iomp"]), None)
+        if run:
+            h.update(vllm_k=run["k"], tau_vllm={s: v.get("tau") for s, v in run["sets"].items()},
+                     speedup_vllm={s: v.get("speedup") for s, v in run["sets"].items()})
+        h["lossless_vllm"] = vllm["lossless"]
+    for name in PLOTS:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.text(0.5, 0.5, f"HF loop not run:\n{why}", ha="center", va="center", wrap=True, fontsize=8)
+        ax.set_axis_off()
+        _save(fig, out / name)
+        plt.close(fig)
+    rec = {"recommended_k": None, "sentence": h["recommendation"], "table": []}
+    res = {"headline": h, "agreement": None, "recommendation": rec, "domains": None,
+           "vllm_disagreements": (vllm or {}).get("disagreements"), "plots": [str(out / p) for p in PLOTS],
+           "learning_curve": curve}
+    io.write_parquet(out / "recommendation.parquet", pd.DataFrame({"k": pd.Series([], dtype="int64")}))
+    io.write_json(out / "summary.json", res)
+    log.warning("HF loop not run (%s); headline: %s", why, h)
+    return res
+
+
+def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_curve: str | Path | None = None,
+              **opts) -> dict:
+    """``learning_curve``: eaglet.learning_curve.learning_curve's JSON (plan.learning_curve), carried
+    into the summary."""
+    o = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
+    out = Path(eval_dir)
+    offline, spec = io.read_json(out / "offline.json"), io.read_json(out / "speculative.json")
+    vl = io.read_json(vllm) if vllm else None
+    curve = io.read_json(learning_curve) if learning_curve else None
+    if offline.get("status") == "not run" or spec.get("status") == "not run":
+        return summarise_without_hf_loop(out, offline if offline.get("status") else spec, vl, o, curve)
+    agree = agreement(out, o["tie_eps"])
+    rec = recommend(offline, spec)
+    res = {"headline": headline(offline, spec, vl, agree, rec, o), "agreement": agree, "recommendation": rec,
+           "domains": {"offline_chain": offline.get("domains"), "hf_loop": spec.get("domains")},
+           "vllm_disagreements": (vl or {}).get("disagreements"), "plots": plots(out, offline, spec, vl, rec),
+           "learning_curve": curve}
+    io.write_parquet(out / "recommendation.parquet", pd.DataFrame(rec["table"]))
+    io.write_json(out / "summary.json", res)
+    log.info("headline: %s", res["headline"])
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--eval-dir", required=True)
+    p.add_argument("--vllm", default=None, help="vllm.json (optional)")
+    p.add_argument("--learning-curve", default=None, help="learning_curve.json (optional: plan.learning_curve)")
+    p.add_argument("--config", default=None, help="JSON options: " + ", ".join(DEFAULTS))
+    p.add_argument("--log", default=None)
+    a = p.parse_args(argv)
+    io.setup_logging(a.log)
+    verify_inputs(a.eval_dir)
+    summarise(a.eval_dir, a.vllm, a.learning_curve, **io.parse_json_arg(a.config, {}))
+
+
+# The evaluate stages' Parquet files, each with the JSON its stage recorded its sha256 in.
+RECORDED = {"offline_positions.parquet": "offline.json", "offline_rounds.parquet": "offline.json",
+            "speculative_rounds.parquet": "speculative.json"}
+
+
+def verify_inputs(eval_dir: str | Path) -> None:
+    """Refuse an evaluate Parquet whose sha256 is not the one its stage recorded (io.verify_recorded)."""
+    for name, record in RECORDED.items():
+        io.verify_recorded(Path(eval_dir) / name, Path(eval_dir) / record)
+
+
+if __name__ == "__main__":
+    main()

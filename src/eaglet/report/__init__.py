@@ -1,0 +1,6 @@
+"""eaglet.report: Stages of workflow/rules/report.smk: the report's plots (plots) and the run's
+provenance (provenance).
+"""
+
+# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+MAY_IMPORT = ('base',)

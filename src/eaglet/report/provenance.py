@@ -1,0 +1,102 @@
+"""Provenance manifest for the HTML report: what Snakemake's report does not hold for
+``python -m`` rules — package versions, the workflow's git describe, the hardware, the target's
+identity digest, the config, and the wall time of every stage of this run.
+
+    python -m eaglet.report.provenance --run-dir results/smollm2 --target resources/targets/x/identity.json \
+        --config-json "$(cat config.json)" --out results/smollm2/provenance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+from eaglet.base import io
+from eaglet.base.job_records import stage_times
+
+PACKAGES = ("eaglet", "torch", "transformers", "safetensors", "tokenizers", "snakemake", "pyarrow",
+            "pandas", "numpy", "openai", "gguf", "accelerate")
+
+
+def versions() -> dict[str, str | None]:
+    out = {}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p)
+        except metadata.PackageNotFoundError:
+            out[p] = None
+    return out
+
+
+def vllm_version(env: Path = Path("envs/vllm/.venv")) -> str | None:
+    """vLLM lives in its own venv: read its dist-info instead of importing it."""
+    for d in sorted(env.glob("lib/python*/site-packages/vllm*.dist-info")):
+        for line in (d / "METADATA").read_text(errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return f"{d.name.split('-')[0]} {line.split(':', 1)[1].strip()}"
+    return None
+
+
+def git_describe(cwd: str | Path = ".") -> str | None:
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--tags"], cwd=cwd, text=True,
+                              capture_output=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def hardware() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gb = None
+    try:
+        mem_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        pass
+    gpus = []
+    try:
+        import torch
+
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # no torch or no CUDA: a CPU machine
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": mem_gb, "gpus": gpus, "gpu_count": len(gpus),
+            "platform": platform.platform(), "python": platform.python_version()}
+
+
+def manifest(run_dir: str | Path, identity: str | Path | None, config: dict) -> dict:
+    run_dir = Path(run_dir)
+    ident = io.read_json(identity) if identity and Path(identity).exists() else None
+    return {
+        "versions": {**versions(), "vllm (envs/vllm)": vllm_version()},
+        "git_describe": git_describe(),
+        "hardware": hardware(),
+        "target": {k: ident[k] for k in ("name", "source", "digest", "architecture", "num_layers",
+                                          "hidden_size", "vocab_size") if k in ident} if ident else None,
+        "config": config,
+        "stage_wall_times": stage_times(run_dir),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--target", default=None, help="the target's identity.json")
+    p.add_argument("--config-json", default="{}", help="the workflow's config: JSON, or @FILE")
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    io.write_json(a.out, manifest(a.run_dir, a.target, io.parse_json_arg(a.config_json, {})))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The workflow's parse-time check of a whole config against the target it names and the engine
+installed (workflow/rules/common.smk): ``snakemake -n`` already refuses a run that cannot succeed,
+naming the config key. Files only: no torch, no transformers, no vLLM import."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eaglet.export.record import VLLM_CHECKS
+from eaglet.target.chat_template import chat_template_text, has_chat_template, no_template_message
+from eaglet.target.check import architecture, read_config, serving, text_config
+
+
+def unaccepted_not_run(export: dict) -> list[str]:
+    """Contract checks the config already says will not run (the real-vLLM ones with
+    ``export.vllm_check: false``; format B's always) that ``export.accept_not_run`` does not list.
+    Each would fail the export at the end of the run, after training."""
+    off = [] if export.get("vllm_check", True) else list(VLLM_CHECKS)
+    if export.get("speculators"):  # format B is never run in real vLLM
+        off += [f"speculators.{n}" for n in VLLM_CHECKS]
+    accepted = set(export.get("accept_not_run") or ())
+    return [n for n in off if n not in accepted]
+
+
+def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
+    """Check a validated workflow config against the target it names; return the lines to log.
+    Raises ValueError naming the config key when the run cannot succeed."""
+    t = config["target"]
+    lines: list[str] = []
+    missing = unaccepted_not_run(config.get("export", {}))
+    if missing:
+        raise ValueError(f"export.accept_not_run: the config turns off contract checks {missing} "
+                         "(export.vllm_check: false / export.speculators: true), and a check that did not run "
+                         "fails the export after training unless it is named here: add them to "
+                         "export.accept_not_run, or turn the check on")
+    template = chat_template_text(t.get("chat_template"), workdir)
+    ev = config.get("evaluate", {}).get("vllm", {})
+    env = Path(workdir) / ev.get("env", "envs/vllm/.venv")
+    if not t.get("path") or t.get("tiny") is not None:
+        # A built or GGUF target is known once the first job (target_model) has made it: that job
+        # checks the template and says whether vLLM serves it; later runs read what it recorded.
+        ident = Path(workdir) / "resources" / "targets" / t["name"] / "identity.json"
+        if ident.is_file():
+            rec = json.loads(ident.read_text())
+            arch = rec.get("architecture", "?")
+            status, line = serving(arch, env, rec.get("attention"))
+            lines.append(line)
+            _refuse_unserved(status, line, config, ev)
+        else:
+            lines.append(f"target {t['name']!r} is built by the first job (target_model), which checks its chat "
+                         "template and whether vLLM can serve an EAGLE-3 drafter for it")
+        return lines
+    conf = read_config(t["path"])
+    text = text_config(conf)
+    if template is None and not has_chat_template(t["path"]):
+        raise ValueError(no_template_message(f"target.path {t['path']!r}"))
+    arch = architecture(conf)
+    status, line = serving(arch, env, "mla" if text.get("kv_lora_rank") else None)
+    lines.append(line)
+    _refuse_unserved(status, line, config, ev)
+    return lines
+
+
+def _refuse_unserved(status: str, line: str, config: dict, ev: dict) -> None:
+    """Refuse a run that would serve the drafter in a vLLM that cannot serve this architecture."""
+    uses = [k for k, on in (("export.vllm_check", config.get("export", {}).get("vllm_check")),
+                            ("evaluate.vllm.enabled", ev.get("enabled"))) if on]
+    if status == "unsupported" and uses:
+        raise ValueError(f"{' and '.join(uses)}: {line}. Set {' and '.join(f'{k}: false' for k in uses)} "
+                         "(and list the real-vLLM checks that then do not run in export.accept_not_run) to train "
+                         "and export without serving it in vLLM")

@@ -1,0 +1,62 @@
+"""eaglet.drafter.chain: the greedy chain counted from per-draft hits, against a step-by-step replay of
+the real loop written out here."""
+
+import random
+
+import torch
+
+from eaglet.drafter import chain
+
+
+def replay_by_hand(hits: list[list[bool]], mask: list[bool], k: int) -> tuple[int, int]:
+    """The real loop on each assistant span x[s..e]: the prefill emits x[s]; a round after g
+    emitted tokens drafts from index t = s + g - 2, at most min(k, N - g - 1) drafts, accepts
+    while draft j hits, then emits the accepted drafts and one bonus token. -> (accepted, rounds)."""
+    acc = rounds = 0
+    i, T = 0, len(mask)
+    while i < T:
+        if not mask[i]:
+            i += 1
+            continue
+        s = i
+        while i < T and mask[i]:
+            i += 1
+        n = i - s
+        g = 1
+        while g < n:
+            k_eff = min(k, n - g - 1)
+            a = 0
+            while a < k_eff and hits[s + g - 2][a]:
+                a += 1
+            if k_eff > 0:
+                acc, rounds = acc + a, rounds + 1
+            g += a + 1
+    return acc, rounds
+
+
+def test_accepted_runs_stop_at_the_first_miss():
+    hits = torch.tensor([[[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]]], dtype=torch.bool)
+    assert chain.accepted_runs(hits).tolist() == [[2, 0, 4]]
+
+
+def test_spans():
+    assert chain.spans([0, 1, 1, 0, 0, 1, 0, 1, 1, 1]) == [(1, 2), (5, 5), (7, 9)]
+    assert chain.spans([]) == [] and chain.spans([1, 1]) == [(0, 1)]
+
+
+def test_sequence_rounds_match_the_loop_replayed_by_hand():
+    rng = random.Random(0)
+    for trial in range(300):
+        T, K = rng.randint(3, 30), rng.randint(1, 5)
+        mask = [False] * rng.randint(1, 3) + [rng.random() < 0.8 for _ in range(T)]
+        hits = [[rng.random() < 0.7 for _ in range(K)] for _ in mask]
+        acc_T = chain.accepted_runs(torch.tensor(hits)[None])[0].tolist()
+        for k in range(1, K + 1):
+            rounds = chain.sequence_rounds(acc_T, mask, k)
+            drafted = [r for r in rounds if r[1] > 0]
+            assert (sum(r[2] for r in drafted), len(drafted)) == replay_by_hand(hits, mask, k), (trial, k)
+
+
+def test_rounds_tau():
+    assert chain.rounds_tau([(1, 3, 3), (5, 3, 0), (6, 0, 0)]) == 1 + 3 / 2
+    assert chain.rounds_tau([(1, 0, 0)]) is None

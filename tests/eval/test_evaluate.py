@@ -1,0 +1,341 @@
+"""The evaluation stages: eval set loaders, the exact offline simulator, the real speculative loop
+(lossless, and token-for-token the same accepted counts as the simulator), hand-computed τ."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from eaglet.base import datasets as eval_sets
+from eaglet.base import io
+from eaglet.drafter import chain
+from eaglet.eval import evaluate as ev
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+
+
+# --------------------------------------------------------------------------- eval sets
+def test_eval_sets_hold_80_mtbench_first_turns_and_164_humaneval_prompts():
+    mt, he = eval_sets.load_set("mtbench"), eval_sets.load_set("humaneval")
+    assert len(mt) == 80 and len(he) == 164
+    assert all(len(r["messages"]) == 1 and r["messages"][0]["role"] == "user" for r in mt + he)
+    assert len({r["id"] for r in mt}) == 80 and mt[0]["id"] == "mtbench/81"
+    assert "def has_close_elements" in he[0]["messages"][0]["content"]
+    # a subset spans the categories instead of taking the first ten (all "writing")
+    cats = {r["source"] for r in eval_sets.load_set("mtbench", 10)}
+    assert len(cats) >= 7
+
+
+def test_parquet_set_is_the_prompt_up_to_the_last_user_turn(tmp_path):
+    rows = [{"id": "a", "source": "s", "messages": [
+        {"role": "system", "content": "sys"}, {"role": "user", "content": "u1"},
+        {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
+        {"role": "assistant", "content": "a2"}]},
+        {"id": "b", "source": "s", "messages": [{"role": "assistant", "content": "orphan"}]}]
+    io.write_conversations(tmp_path / "c.parquet", rows)
+    got = eval_sets.load_set(str(tmp_path / "c.parquet"))
+    assert [r["id"] for r in got] == ["a"]  # no user turn: nothing to answer
+    assert [m["content"] for m in got[0]["messages"]] == ["sys", "u1", "a1", "u2"]
+    with pytest.raises(ValueError, match="unknown set"):
+        eval_sets.load_set("gsm9k")
+
+
+# --------------------------------------------------------------------------- counting (hand-computed)
+def test_chain_replay_and_tau_match_a_hand_computed_example():
+    # accepted prefix of K=3 drafts from each round start g (index 0 unused); 10 tokens, max 10
+    acc = [0, 2, 0, 1, 3, 0, 1, 0, 1, 0]
+    # k=2: g=1 a=2 -> g=4 a=min(3,2)=2 -> g=7 a=0 -> g=8 k_eff=min(2,10-8-1)=1 a=1 -> g=10 stop
+    assert ev.chain_replay(acc, 10, 10, 2) == [(1, 2, 2), (4, 2, 2), (7, 2, 0), (8, 1, 1)]
+    assert ev.rounds_tau(ev.chain_replay(acc, 10, 10, 2)) == pytest.approx(1 + 5 / 4)
+    # k=1: every round drafts 1 (the last possible start g=8 drafts min(1, 1))
+    r1 = ev.chain_replay(acc, 10, 10, 1)
+    assert r1 == [(1, 1, 1), (3, 1, 1), (5, 1, 0), (6, 1, 1), (8, 1, 1)]
+    # a continuation that ended at EOS (6 tokens of max 10): the last round can't pass the end
+    assert ev.chain_replay([0, 4, 0, 0, 0, 1], 6, 10, 4) == [(1, 4, 4)]
+    # rounds without drafts (k_eff 0) do not count in τ
+    assert ev.rounds_tau([(1, 0, 0)]) is None
+
+
+def test_position_rates_and_all_position_tau_by_hand():
+    acc, valid = [3, 0, 1, 2], [5, 5, 2, 1]
+    pr = ev.position_rates(acc, valid, 3)
+    assert pr["starts_per_pos"] == [4, 3, 2]
+    assert pr["accept_rate_per_pos"] == [3 / 4, 1 / 3, 1 / 2]  # pos 2: starts 0, 1, 2 reach it
+    assert pr["conditional_accept_per_pos"][1] == pytest.approx((1 / 3) / (3 / 4))
+    # k=2 uses the starts with >= 2 positions left: accepted 3, 0, 1 capped at 2
+    assert ev.tau_all_positions(acc, valid, 2) == pytest.approx(1 + (2 + 0 + 1) / 3)
+    assert chain.accepted_prefix([5, 6, 7], [5, 6, 8]) == 2 and chain.accepted_prefix([5, 6], [5]) == 1
+
+
+# --------------------------------------------------------------------------- the stages
+# Four domains: MT-Bench (two categories), HumanEval, the math set, a held-out conversation file
+NUM = {"mtbench": 2, "humaneval": 1, "math": 1, "heldout": 2}
+OPTS = dict(num_prompts=NUM, max_new_tokens=16, k_values=[1, 2, 3], repeats=2)
+N_PROMPTS = sum(NUM.values())
+
+
+def heldout_parquet(folder: Path) -> str:
+    rows = [{"id": f"h{i}", "source": "heldout", "messages": [{"role": "user", "content": q}]}
+            for i, q in enumerate(["Name three rivers in Europe.", "Why is the sky blue?"])]
+    io.write_conversations(folder / "heldout.parquet", rows)
+    return str(folder / "heldout.parquet")
+
+
+@pytest.fixture(scope="module")
+def stages(tiny_target, tiny_drafter, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    sets = ["mtbench", "humaneval", "math", heldout_parquet(tmp_path_factory.mktemp("heldout"))]
+    off = ev.evaluate_offline(tiny_drafter, ident, sets, out, threads=1, **OPTS)
+    spec = ev.evaluate_speculative(tiny_drafter, ident, sets, out, threads=1, **OPTS)
+    return out, off, spec, sets
+
+
+def test_stages_write_their_artifacts_and_agree(stages):
+    out, off, spec, _ = stages
+    # τ(k=3) is the mean accepted prefix (capped at 3) over the starts with 3 tokens left, from the
+    # per-position rows it was computed from: a count that drifts from its rows fails here
+    pos_rows = pd.read_parquet(out / "offline_positions.parquet")
+    full = pos_rows[pos_rows["valid"] >= 3]
+    assert len(full) > 0
+    assert json.loads((out / "offline.json").read_text())["overall"]["tau"]["3"] == pytest.approx(
+        1 + full["accepted"].clip(upper=3).mean())
+    assert set(off["sets"]) == set(spec["sets"]) == {"mtbench", "humaneval", "math", "heldout"}
+    assert off["prompts"] == spec["prompts"] == N_PROMPTS
+    assert spec["lossless"]["pass"] and spec["lossless"]["compared"] == 3 * N_PROMPTS
+    a = pd.read_parquet(out / "offline_rounds.parquet").sort_values(["id", "k", "g"]).reset_index(drop=True)
+    b = pd.read_parquet(out / "speculative_rounds.parquet").sort_values(["id", "k", "g"]).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b)
+    pos = pd.read_parquet(out / "offline_positions.parquet")
+    assert {"set", "id", "g", "accepted", "valid", "drafter_margin", "target_margin"} <= set(pos.columns)
+    costs = spec["step_costs"]
+    assert costs["target_step_s"] > 0 and costs["draft_step_s"] > 0 and 4 in costs["target_forward_s"]
+    for k in ("1", "2", "3"):
+        assert spec["overall"]["k"][int(k)]["speedup"] > 0
+        assert off["overall"]["tau_chain"][int(k)] == spec["overall"]["k"][int(k)]["tau"]
+
+
+def test_speculative_stage_records_paired_interleaved_repeats(stages):
+    """The speedup is not one unpaired timing: every prompt has `repeats` blocks, each timing
+    greedy and every k back to back in a rotating order, and the figures are paired ratios."""
+    out, _, spec, _ = stages
+    rows = json.loads((out / "speculative.json").read_text())["per_prompt"]
+    assert len(rows) == N_PROMPTS and spec["timing"]["repeats"] == 2
+    # how busy the machine was meanwhile is recorded; when busy, no speedup claims a conclusion
+    load = spec["timing"]["load"]
+    assert load["cpus"] >= 1 and 0 <= load["other_cpu_share"] <= 1 and isinstance(load["busy"], bool)
+    if load["busy"]:
+        assert not any(v["speedup_ci"]["conclusive"] for v in spec["overall"]["k"].values())
+    for i, row in enumerate(rows):
+        blocks = row["samples"]
+        assert [b["repeat"] for b in blocks] == [0, 1]
+        for b in blocks:
+            assert sorted(map(str, b["order"])) == ["1", "2", "3", "greedy"]  # one block: all of them
+            assert b["greedy_s"] > 0 and set(map(int, b["spec_s"])) == {1, 2, 3}
+        assert blocks[0]["order"] != blocks[1]["order"]  # the order rotates between repeats
+        assert blocks[0]["order"] == ev.timing_order(["greedy", 1, 2, 3], i, 0)
+        for k in ("1", "2", "3"):
+            pairs = [b["greedy_s"] / b["spec_s"][k] for b in blocks]
+            assert row["k"][k]["speedup_samples"] == pytest.approx(pairs)
+            assert row["k"][k]["speedup"] == pytest.approx(sorted(pairs)[0] / 2 + sorted(pairs)[1] / 2)
+    for k, v in json.loads((out / "speculative.json").read_text())["overall"]["k"].items():
+        ci = v["speedup_ci"]
+        assert ci["estimate"] == pytest.approx(float(pd.Series([r["k"][k]["speedup"] for r in rows]).median()))
+        assert ci["n"] == N_PROMPTS and ci["lo"] <= ci["estimate"] <= ci["hi"]
+        assert isinstance(ci["conclusive"], bool) and ci["note"]
+        assert v["tau_ci"]["estimate"] == pytest.approx(v["tau"])
+
+
+def test_timing_order_rotates_every_configuration_through_every_slot():
+    cfgs = ["greedy", 1, 2, 3]
+    orders = [ev.timing_order(cfgs, 0, r) for r in range(4)]
+    assert orders[0] == cfgs and orders[1] == [1, 2, 3, "greedy"]
+    for slot in range(4):
+        assert {o[slot] for o in orders} == set(cfgs)
+    assert ev.timing_order(cfgs, 1, 0) == ev.timing_order(cfgs, 0, 1)  # the next prompt starts one on
+
+
+def test_tau_per_domain_with_intervals_in_the_stages_the_summary_and_the_report(stages, tmp_path):
+    from eaglet.eval.summary import summarise
+    from eaglet.report import plots
+
+    out, off, spec, _ = stages
+    got = json.loads((out / "offline.json").read_text())["domains"]
+    cats = {p["source"] for p in eval_sets.load_set("mtbench", 2)}
+    assert set(got) == cats | {"humaneval", "math", "heldout"} and len(cats) == 2
+    assert got["heldout"]["prompts"] == 2 and got["math"]["set"] == "math"
+    for v in got.values():
+        t = v["tau"]["3"]
+        assert {"estimate", "lo", "hi", "level", "n", "conclusive", "note"} <= set(t)
+        if v["prompts"] == 1:  # one prompt: no interval, and it says so
+            assert t["lo"] is None and t["conclusive"] is False and "no interval" in t["note"]
+        else:
+            assert t["lo"] <= t["estimate"] <= t["hi"]
+    assert set(spec["domains"]) == set(got)
+    summarise(out)
+    h = json.loads((out / "summary.json").read_text())["headline"]
+    assert set(h["tau_by_domain"]) == set(got)
+    assert h["tau_by_domain"]["heldout"]["ci"] == [got["heldout"]["tau"]["3"]["lo"], got["heldout"]["tau"]["3"]["hi"]]
+    plots.tables_html(tmp_path / "tables.html", evaluation=out / "summary.json")
+    page = (tmp_path / "tables.html").read_text()
+    assert "τ per domain" in page and "mtbench/" in page and ">math<" in page and ">heldout<" in page
+
+
+def test_a_lossy_loop_fails_the_stage(tiny_target, tiny_drafter, tmp_path, monkeypatch):
+    real = ev.speculative
+
+    def lossy(target, proposer, prompt, k, max_new):
+        r = real(target, proposer, prompt, k, max_new)
+        r["tokens"][3] = (r["tokens"][3] + 1) % 1000  # a rollback bug would look like this
+        return r
+
+    monkeypatch.setattr(ev, "speculative", lossy)
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    with pytest.raises(ev.LosslessError, match="not lossless"):
+        ev.evaluate_speculative(tiny_drafter, ident, ["mtbench"], tmp_path, threads=1,
+                                num_prompts=1, max_new_tokens=8, k_values=[2])
+    rep = json.loads((tmp_path / "speculative.failed.json").read_text())
+    assert rep["lossless"]["mismatches"][0]["index"] == 3 and not (tmp_path / "speculative.json").exists()
+
+
+def test_cli_help():
+    r = subprocess.run([sys.executable, "-m", "eaglet.eval.evaluate", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "offline" in r.stdout
+
+
+def test_summary_writes_headline_agreement_and_plots(stages):
+    from eaglet.eval.summary import PLOTS, summarise
+
+    out, off, spec, _ = stages
+    res = summarise(out)
+    h = json.loads((out / "summary.json").read_text())["headline"]
+    assert set(h["tau_offline"]) == {"mtbench", "humaneval", "math", "heldout"} and h["k"] == 3
+    assert h["lossless_hf_loop"] is True and h["offline_matches_real_loop"] is True
+    assert h["speedup_hf_loop"] > 0 and h["recommendation"] == res["recommendation"]["sentence"]
+    # the random tiny drafter: a k is recommended only where its measured speedup is above 1
+    rec = res["recommendation"]
+    assert rec["recommended_k"] is None or rec["table"][rec["recommended_k"] - 1]["measured_speedup"] > 1
+    assert res["agreement"]["compared"] == 3 * N_PROMPTS and not res["agreement"]["differing"]
+    for p in PLOTS:
+        assert (out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(pd.read_parquet(out / "recommendation.parquet")) == 3
+
+
+def test_summary_plots_are_never_half_written(stages, tmp_path, monkeypatch):
+    """A crash while a plot is rendered leaves no truncated PNG at the declared output (Snakemake
+    would otherwise see a finished file): plots go to a temporary file that is renamed."""
+    import matplotlib.figure
+
+    from eaglet.eval.summary import PLOTS, summarise
+
+    out, _, _, _ = stages
+    for f in out.iterdir():
+        if f.suffix in (".json", ".parquet"):
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+
+    def crash(self, fname, **kw):  # write part of the file, then die (a full disk, a kill)
+        with open(fname, "wb") as fh:
+            fh.write(b"\x89PNG\r\n\x1a\n half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", crash)
+    with pytest.raises(OSError, match="disk full"):
+        summarise(tmp_path)
+    assert not [p for p in PLOTS if (tmp_path / p).exists()]
+    assert not list(tmp_path.glob(".*.tmp"))  # nor a temporary file left behind
+
+
+def test_summary_reports_a_replay_mismatch(stages, tmp_path):
+    from eaglet.eval.summary import agreement
+
+    out, _, _, _ = stages
+    for f in ("offline_rounds.parquet", "offline_positions.parquet"):
+        (tmp_path / f).write_bytes((out / f).read_bytes())
+    b = pd.read_parquet(out / "speculative_rounds.parquet")
+    b.loc[0, "accepted"] += 1  # the real loop accepted a token the simulator did not
+    io.write_parquet(tmp_path / "speculative_rounds.parquet", b)
+    ag = agreement(tmp_path, 1e-5)
+    assert not ag["pass"] and len(ag["differing"]) == 1 and ag["differing"][0]["round"] == 0
+
+
+# --------------------------------------------------------------------------- vLLM
+@pytest.mark.vllm
+def test_vllm_evaluation_on_the_tiny_target(stages, tiny_target, tiny_drafter, tmp_path):
+    from conftest import vllm_env_or_skip
+    from eaglet.eval.evaluate_vllm import evaluate_vllm
+    from eaglet.export import contract
+    from eaglet.export.export import export
+
+    env = vllm_env_or_skip()
+    out, off, _, sets = stages
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    export(tiny_drafter, tmp_path / "drafter", ident, vllm_check=False, accept_not_run=list(contract.VLLM_CHECKS))
+    res = evaluate_vllm(tmp_path / "drafter", ident, sets, tmp_path,
+                        work_dir=tmp_path / "work", offline=out / "offline.json", env=str(env),
+                        num_prompts=NUM, max_new_tokens=16, k_values=[2], iomp=False)
+    assert json.loads((tmp_path / "vllm.json").read_text())["lossless"] is True
+    plain, spec = res["runs"]
+    assert res["hf_greedy_agreement"]["prompts"] == N_PROMPTS  # vLLM plain beside the HF greedy continuation
+    assert plain["k"] is None and spec["k"] == 2
+    for name in ("mtbench", "humaneval", "math", "heldout"):
+        s = spec["sets"][name]
+        assert s["num_drafts"] > 0 and s["num_draft_tokens"] == 2 * s["num_drafts"]
+        # τ from vLLM's total counter agrees with its per-position counters (each accepted draft
+        # is counted once at its position), and stays inside [1, 1 + k]
+        assert s["tau"] == pytest.approx(1 + sum(s["num_accepted_tokens_per_pos"]) / s["num_drafts"])
+        assert 1 <= s["tau"] <= 1 + 2 and s["tok_s"] > 0 and s["lossless"]
+        assert len(s["accept_rate_per_pos"]) == 2
+        # tested against the offline chain replay at both draft positions
+        assert [t["position"] for t in s["offline"]] == [1, 2]
+    assert res["offline_agreement"]["pass"] and len(res["offline_agreement"]["tests"]) == 8
+
+
+# --------------------------------------------------------------------------- the HF loop, not run
+def test_hf_loop_auto_skips_a_target_too_big_and_the_summary_says_not_run(tmp_path, caplog):
+    """Issue 14: evaluation always loaded the target in fp32 in one process, a 1T target included.
+    With evaluate.hf_loop auto, a target whose weights exceed one GPU (or that vLLM serves over
+    several) is not loaded: both HF stages write their outputs as "not run" with the reason (the
+    first thing they log), and the summary reports the HF-loop figures as not run, not as a pass."""
+    import logging
+
+    from eaglet.eval import summary as eval_summary
+    from eaglet.planner import plan
+    from eaglet.workflow import summary
+
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "model-00001.safetensors").write_bytes(b"\0" * (3 << 20))  # 3 MiB "weights"
+    config = {"target": {"name": "big", "path": str(big)}, "resources": {"gpu_memory_gb": 0.002},
+              "evaluate": {"hf_loop": "auto"}}
+    run, why = plan.hf_loop(config)
+    assert not run and "exceed one GPU" in why and "resources.gpu_memory_gb" in why
+    assert plan.hf_loop({**config, "resources": {"gpu_memory_gb": 1}}) == \
+        (True, "evaluate.hf_loop auto: the target fits one process")
+    tp = {"target": {"name": "t", "vllm": {"tensor_parallel_size": 8}}, "evaluate": {"hf_loop": "auto"}}
+    assert plan.hf_loop(tp)[0] is False and "tensor_parallel_size is 8" in plan.hf_loop(tp)[1]
+
+    out = tmp_path / "eval"
+    out.mkdir()
+    with caplog.at_level(logging.INFO, logger="eaglet.eval.evaluate"):
+        # no drafter or identity is read: the paths do not exist
+        off = ev.evaluate_offline(tmp_path / "none.safetensors", tmp_path / "none.json", ["mtbench"], out,
+                                  hf_loop=run, hf_loop_reason=why)
+        spec = ev.evaluate_speculative(tmp_path / "none.safetensors", tmp_path / "none.json", ["mtbench"], out,
+                                       hf_loop=run, hf_loop_reason=why)
+    assert caplog.records[0].getMessage() == f"HF loop not run (evaluate_offline): {why}"
+    for res, name in ((off, "offline.json"), (spec, "speculative.json")):
+        assert res["status"] == "not run" and io.read_json(out / name)["hf_loop_reason"] == why
+    for name in ("offline_positions.parquet", "offline_rounds.parquet", "speculative_rounds.parquet"):
+        assert io.read_parquet(out / name).num_rows == 0
+    res = eval_summary.summarise(out)
+    h = res["headline"]
+    assert h["hf_loop"] == "not run" and h["hf_loop_reason"] == why
+    assert h["lossless_hf_loop"] is None and h["offline_matches_real_loop"] is None and h["recommended_k"] is None
+    assert all(Path(p).stat().st_size > 0 for p in res["plots"])
+    line = summary._evaluate(io.read_json(out / "summary.json"))
+    assert "HF loop NOT RUN" in line and "lossless: HF loop not run" in line and "yes" not in line

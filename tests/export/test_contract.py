@@ -1,0 +1,294 @@
+"""The contract check catches each fault a drafter export has shipped with in the wild, and passes
+a good export. Faults are injected into a copy of a real export of a random tiny drafter."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglet.export import contract
+from eaglet.export import parity as contract_parity
+from eaglet.export import record as contract_record
+from eaglet.export import vllm_checks as contract_vllm
+from eaglet.export.export import export
+
+# Without the real vLLM run its checks did not run: said by name, as the smoke config does
+NO_VLLM = list(contract.VLLM_CHECKS)
+
+
+@pytest.fixture(scope="module")
+def good(tiny_target, tiny_drafter, tmp_path_factory):
+    out = tmp_path_factory.mktemp("contract") / "drafter"
+    export(tiny_drafter, out, Path(tiny_target["path"]).parent / "identity.json", vllm_check=False,
+           speculators=True, accept_not_run=NO_VLLM + [f"speculators.{n}" for n in NO_VLLM])
+    return out
+
+
+def _faulty(good, tmp_path, tensors=None, config=None):
+    """A copy of the good export with tensors/config edited by the given functions."""
+    d = tmp_path / "faulty"
+    shutil.copytree(good, d)
+    if tensors:
+        t = load_file(d / "model.safetensors")
+        tensors(t)
+        save_file(t, d / "model.safetensors")
+    if config:
+        c = json.loads((d / "config.json").read_text())
+        config(c)
+        (d / "config.json").write_text(json.dumps(c))
+    return d
+
+
+def _check(tiny_target, tiny_drafter, d):
+    rep = contract.check_export(d, tiny_target, trained_path=tiny_drafter, accept_not_run=NO_VLLM)
+    return rep, {c["name"]: c for c in rep["checks"]}
+
+
+def test_good_export_passes_every_check(good, tiny_target, tiny_drafter):
+    rep, by = _check(tiny_target, tiny_drafter, good)
+    assert rep["ok"], rep["failed"]
+    ran = [c for c in rep["checks"] if c["name"] not in NO_VLLM]
+    assert all(c["ok"] is True for c in ran), [(c["name"], c["details"]) for c in ran]
+    assert [(r["name"], r["accepted"]) for r in rep["not_run"]] == [(n, True) for n in NO_VLLM]
+    assert by["parity.step0"]["details"]["max_abs_logits"] <= 1e-4
+    assert by["loader.vllm"]["details"]["ignored"] == ["t2d"]
+    # the contract.json the export wrote says the same
+    written = json.loads((good / "contract.json").read_text())
+    assert written["ok"] and written["speculators"]["ok"]
+
+
+def test_missing_d2t_is_caught(good, tmp_path, tiny_target, tiny_drafter):
+    d = _faulty(good, tmp_path, tensors=lambda t: t.pop("d2t"))
+    rep, by = _check(tiny_target, tiny_drafter, d)
+    assert not rep["ok"]
+    assert by["static.key_set"]["details"]["missing"] == ["d2t"]
+    assert not by["static.vocab_map"]["ok"]
+    # vLLM itself says nothing: the map silently stays zero; the emulation reports it
+    unwritten = by["loader.vllm"]["details"]["unwritten"]
+    assert any("draft_id_to_target_id" in u and "identity" in u for u in unwritten)
+    assert any(u.startswith("hot_token_id") for u in by["loader.sglang"]["details"]["unwritten"])
+
+
+def test_shipped_embed_tokens_is_caught(good, tmp_path, tiny_target, tiny_drafter):
+    emb = contract_parity.target_embedding(tiny_target["path"])
+    d = _faulty(good, tmp_path, tensors=lambda t: t.update({"embed_tokens.weight": emb.clone()}))
+    rep, by = _check(tiny_target, tiny_drafter, d)
+    assert not rep["ok"]
+    assert by["static.key_set"]["details"]["unexpected"] == ["embed_tokens.weight"]
+    assert "embed_tokens" in by["loader.vllm"]["details"]
+    assert not by["loader.vllm"]["ok"] and not by["loader.sglang"]["ok"]
+
+
+@pytest.mark.parametrize("ids, sglang_ids, why", [
+    ([3, 5, 6], [2, 4, 5], "!= trained"),             # off by one, consistently in both places
+    ([2, 4, 9], [1, 3, 8], "outside [1, 7]"),         # past the last layer of an 8-layer target
+    ([2, 4, 8], [1, 3, 7], "outside [1, 7]"),         # id N: vLLM taps only the inputs of layers 0..N-1
+    ([0, 4, 5], [-1, 3, 4], "outside [1, 7]"),        # 0 is the embeddings, not a layer output
+    ([2, 4, 5], [2, 4, 5], "SGLang would tap [3, 5, 6]"),  # vLLM convention inside eagle_config
+    ([5, 4, 2], [4, 3, 1], "not strictly ascending"),
+])
+def test_wrong_layer_ids_are_caught(good, tmp_path, tiny_target, tiny_drafter, ids, sglang_ids, why):
+    def edit(c):
+        c["eagle_aux_hidden_state_layer_ids"] = ids
+        c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = sglang_ids
+
+    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, config=edit))
+    assert not rep["ok"]
+    assert rep["failed"] == ["static.layer_ids"]
+    assert any(why in p for p in by["static.layer_ids"]["details"]["problems"]), by["static.layer_ids"]
+
+
+def test_off_by_one_ids_caught_without_the_trained_file_only_when_out_of_range(good, tmp_path, tiny_target):
+    # Without the trainer's file, only the range is checkable: an in-range shift needs the trained ids.
+    d = _faulty(good, tmp_path, config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 4, 9]))
+    rep = contract.check_export(d, tiny_target)
+    assert "static.layer_ids" in rep["failed"]
+    assert "parity.step0" in rep["not_run_unaccepted"]
+
+
+def test_missing_top_level_ids_are_caught(good, tmp_path, tiny_target, tiny_drafter):
+    rep, by = _check(tiny_target, tiny_drafter,
+                     _faulty(good, tmp_path, config=lambda c: c.pop("eagle_aux_hidden_state_layer_ids")))
+    assert rep["failed"] == ["static.layer_ids"]
+    assert "falls back" in by["static.layer_ids"]["details"]["problems"][0]
+
+
+def test_layers0_names_load_in_vllm_but_old_sglang_drops_them(good, tmp_path, tiny_target, tiny_drafter):
+    def rename(t):
+        for k in [k for k in t if k.startswith("midlayer.")]:
+            t["layers.0." + k[len("midlayer."):]] = t.pop(k)
+
+    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, tensors=rename))
+    assert not rep["ok"]
+    assert by["loader.vllm"]["ok"]  # vLLM reads both spellings
+    sg = by["loader.sglang"]
+    assert not sg["ok"]
+    assert len(sg["details"]["silently_dropped"]) == 10
+    assert any("model.midlayer.self_attn.qkv_proj.weight" in u for u in sg["details"]["unwritten"])
+    assert not by["static.key_set"]["ok"]
+
+
+@pytest.mark.parametrize("name, consequence", [
+    ("fc.weight", "uninitialised memory"),
+    ("lm_head.weight", "borrows the first V_d rows"),
+    ("midlayer.hidden_norm.weight", "left at its initial value"),
+])
+def test_missing_weight_vllm_would_not_report_is_caught(good, tmp_path, tiny_target, tiny_drafter,
+                                                        name, consequence):
+    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, tensors=lambda t: t.pop(name)))
+    assert not rep["ok"]
+    assert by["static.key_set"]["details"]["missing"] == [name]
+    v = by["loader.vllm"]
+    assert not v["ok"] and not v["details"]["errors"]  # no error: vLLM would load it silently
+    assert any(consequence in u for u in v["details"]["unwritten"]), v["details"]
+
+
+def test_misspelled_or_misshapen_weights_are_loader_errors(good, tmp_path, tiny_target, tiny_drafter):
+    def edit(t):
+        t["midlayer.mlp.gate_projj.weight"] = t.pop("midlayer.mlp.gate_proj.weight")
+        t["norm.weight"] = torch.ones(64)
+
+    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, tensors=edit))
+    errs = by["loader.vllm"]["details"]["errors"]
+    assert any("gate_projj" in e and "no parameter" in e for e in errs)
+    assert any(e.startswith("norm.weight: shape [64]") for e in errs)
+    assert "norm.weight" in by["static.shapes_dtypes"]["details"]["shapes"]
+
+
+def test_swapped_tensors_pass_static_but_fail_numeric_parity(good, tmp_path, tiny_target, tiny_drafter):
+    def swap(t):
+        a, b = "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight"
+        t[a], t[b] = t[b], t[a]
+
+    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, tensors=swap))
+    assert rep["failed"] == ["parity.step0"]
+    assert by["parity.step0"]["details"]["max_abs_prenorm_hidden"] > 1e-4
+
+
+def test_bad_vocab_map_is_caught(good, tmp_path, tiny_target, tiny_drafter):
+    def dup(t):
+        t["d2t"][1] = t["d2t"][0] - 1  # draft id 1 maps to the same target id as draft id 0
+
+    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, tensors=dup))
+    probs = by["static.vocab_map"]["details"]["problems"]
+    assert any("not unique" in p for p in probs) and any("nonzero(t2d)" in p for p in probs)
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda c: c.update(tie_word_embeddings=True), "tie_word_embeddings"),
+    (lambda c: c.update(vocab_size=1024), "vocab_size"),
+    (lambda c: c.update(architectures=["LlamaForCausalLM"]), "architectures"),
+    (lambda c: c["eagle_config"].update(use_aux_hidden_state=False), "use_aux_hidden_state"),
+    (lambda c: c.update(norm_before_fc=True), "norm_before_fc"),
+])
+def test_config_faults_are_caught(good, tmp_path, tiny_target, tiny_drafter, edit, why):
+    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, config=edit))
+    assert not rep["ok"]
+    assert any(why in p for p in by["static.config_fields"]["details"]["problems"])
+
+
+def test_speculators_export_and_its_norm_before_residual(good, tmp_path, tiny_target, tiny_drafter):
+    spec = good.parent / "drafter_speculators"
+    rep, by = _check(tiny_target, tiny_drafter, spec)
+    assert rep["ok"] and rep["format"] == "B", rep["failed"]
+    assert by["parity.step0"]["ok"] and by["loader.vllm"]["ok"]
+    assert "loader.sglang" not in by  # SGLang is given format A only: nothing to check here
+    # absent, vLLM's speculators conversion turns norm_before_residual on: a silent mismatch
+    d = _faulty(spec, tmp_path, config=lambda c: c.pop("norm_before_residual"))
+    rep, by = _check(tiny_target, tiny_drafter, d)
+    # the parity reference computes what vLLM would (norm before the residual): it differs too
+    assert rep["failed"] == ["static.config_fields", "parity.step0"]
+    assert any("norm_before_residual" in p for p in by["static.config_fields"]["details"]["problems"])
+
+
+def test_reference_forward_matches_the_trainer_on_a_second_position_batch(tiny_target, tiny_drafter, good):
+    """The reference forward is independent of eaglet.drafter.model; check a different seed/positions too."""
+    rep = contract.parity_check(good, tiny_drafter, tiny_target, seed=7)
+    assert rep["ok"], rep
+
+
+def test_train_tau_is_the_validation_chain_tau_of_the_kept_weights():
+    """vllm.acceptance is gated on the exact chain τ, never on the optimistic teacher-forced one."""
+    row = {"tf_tau": 1.9, "chain_tau": 1.3, "chain_tau_3": 1.4}
+    s = {"final_train": {"tf_tau": 2.2}, "final_val": {**row, "chain_tau": 1.1, "chain_tau_3": 1.2}, "best_val": row}
+    assert contract.train_tau(s, k=3) == 1.4  # best_val (the kept weights), at the k vLLM runs
+    assert contract.train_tau(s, k=5) == 1.3 and contract.train_tau(s) == 1.3  # no such k: chain_tau (k = K)
+    assert contract.train_tau({"final_val": {"chain_tau_3": 1.2}}, k=3) == 1.2
+    # teacher-forced figures alone (or a summary from before the chain τ) gate nothing
+    assert contract.train_tau({"final_train": {"tau": 1.5}, "final_val": {"tau": 1.7, "tf_tau": 1.7}}) is None
+    assert contract.train_tau({"final_val": None, "best_val": None}) is None and contract.train_tau({}) is None
+
+
+# --------------------------------------------------------------------------- a check that did not run
+def test_a_check_that_did_not_run_is_not_a_pass(good, tiny_target, tiny_drafter):
+    """Before, ``ok: None`` ("skipped") counted as a pass: the contract of an export whose numeric
+    parity never ran was ``ok``. Now it is listed as not run with its reason, and fails unless
+    accepted by name."""
+    rep = contract.check_export(good, tiny_target, accept_not_run=NO_VLLM)  # no trained file: no parity
+    by = {c["name"]: c for c in rep["checks"]}
+    assert not rep["ok"] and not rep["failed"]
+    assert rep["not_run_unaccepted"] == ["parity.step0"]
+    p = by["parity.step0"]
+    assert p["ok"] is None and p["status"] == "not run" and not p["accepted"]
+    assert "no trained drafter.safetensors" in p["reason"]
+    rep = contract.check_export(good, tiny_target, accept_not_run=NO_VLLM + ["parity.step0"])
+    assert rep["ok"] and {"name": "parity.step0", "reason": p["reason"], "accepted": True} in rep["not_run"]
+    assert contract.status_line(p).split()[1:3] == ["NOT", "RUN"]
+
+
+def test_vllm_check_off_lists_every_real_vllm_check_as_not_run(good, tiny_target, tiny_drafter):
+    rep = contract.check_export(good, tiny_target, trained_path=tiny_drafter)
+    assert not rep["ok"] and not rep["failed"] and rep["not_run_unaccepted"] == NO_VLLM
+    assert all("vllm_check: false" in r["reason"] for r in rep["not_run"])
+
+
+def test_accepting_never_passes_a_failed_check():
+    checks = [contract_record.check("a.x", False), contract_record.not_run("a.y", "why")]
+    v = contract.verdict(checks, ["a.x", "a.y"])
+    assert not v["ok"] and v["failed"] == ["a.x"] and v["not_run_unaccepted"] == []
+
+
+# A vLLM 0.x failure log as its runner writes it (worker, engine core, runner: three tracebacks).
+VLLM_FAILURE_LOG = """\
+(EngineCore pid=7) INFO 11-30 11:08:50 [core.py:99] starting
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] WorkerProc failed to start.
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] Traceback (most recent call last):
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953]   File "vllm/rotary.py", line 1, in get_rope
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953]     rope = get_rope(x, is_neox_style=True)
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953]            ^^^^^^^^^^^^^^
+(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] TypeError: get_rope() got an unexpected keyword argument 'is_neox_style'
+(EngineCore pid=7) ERROR 11-30 11:08:58 [core.py:1510] Traceback (most recent call last):
+(EngineCore pid=7) ERROR 11-30 11:08:58 [core.py:1510]   File "vllm/core.py", line 2, in run
+(EngineCore pid=7) ERROR 11-30 11:08:58 [core.py:1510]     raise e from None
+(EngineCore pid=7) ERROR 11-30 11:08:58 [core.py:1510] Exception: WorkerProc failed. See stack trace for root cause.
+Traceback (most recent call last):
+  File "vllm_check_runner.py", line 48, in main
+    llm = LLM(**kw)
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_engine_error_puts_the_root_cause_first():
+    assert contract_vllm.engine_error(VLLM_FAILURE_LOG) == [
+        "TypeError: get_rope() got an unexpected keyword argument 'is_neox_style'",
+        "Exception: WorkerProc failed. See stack trace for root cause.",
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]
+    # no traceback: the last lines that name an error
+    assert contract_vllm.engine_error("INFO ok\nValueError: Model does not support EAGLE3 interface\n") == [
+        "ValueError: Model does not support EAGLE3 interface"]
+    assert contract_vllm.engine_error("all fine\n") == []
+    # the engine core in the runner's process (one device): torch.distributed prefixes each line
+    assert contract_vllm.engine_error("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", "
+                                      "line 1, in f\n[rank0]: RuntimeError: start (0) + length (512) exceeds "
+                                      "dimension size (256).\n") == [
+        "RuntimeError: start (0) + length (512) exceeds dimension size (256)."]
+
+
+def test_failure_errors_collects_the_error_of_each_failed_check():
+    checks = [{"name": "a", "ok": False, "details": {"error": "TypeError: x"}},
+              {"name": "b", "ok": True, "details": {"error": "ignored: it passed"}},
+              {"name": "c", "ok": False, "details": {"max_abs_logits": 1.0}}]
+    assert contract.failure_errors(checks) == {"a": "TypeError: x"}

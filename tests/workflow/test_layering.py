@@ -1,0 +1,183 @@
+"""The layering rule, read from the code itself (the rule is written in ``eaglet/__init__.py``; each
+package's ``MAY_IMPORT`` names what it may import):
+
+- imports point only downward: a package imports only what its ``MAY_IMPORT`` names, and the
+  package graph has no circle (nor has the module graph);
+- no stage package imports another (stages meet through artifacts on disk), and no shared package
+  imports a stage package;
+- a rule runs ``python -m eaglet.<its rule file's package>.<module>``, and lists as inputs exactly
+  the code that module runs (eaglet.workflow.code_inputs), so editing a module reruns exactly the
+  stages whose code imports it;
+- no re-export shim, and no private name imported across modules.
+
+Imports are read with ``ast`` from every module, function-level imports included (they run too),
+except those under ``if __name__ == "__main__":``. A vLLM runner script a module copies and runs
+(``Path(...).with_name("vllm_*_runner.py")``) is code that module runs.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+from eaglet.workflow import code_inputs
+
+REPO = Path(__file__).resolve().parents[2]
+SRC = REPO / "src" / "eaglet"
+RULES = sorted((REPO / "workflow" / "rules").glob("*.smk"))
+LAUNCHER = code_inputs.LAUNCHER
+SHARED = {"base", "target", "hidden", "drafter", "engines", "planner"}
+STAGE_PACKAGES = {"data", "generate", "features", "train", "export", "eval", "learning_curve", "report"}
+
+
+def packages() -> dict[str, tuple[str, ...]]:
+    """{package: its MAY_IMPORT}, read from each ``__init__.py`` without importing it."""
+    out = {}
+    for init in sorted(SRC.glob("*/__init__.py")):
+        tree = ast.parse(init.read_text())
+        may = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+               and any(getattr(t, "id", None) == "MAY_IMPORT" for t in n.targets)]
+        assert len(may) == 1, f"{init}: one MAY_IMPORT = (...) tuple"
+        out[init.parent.name] = tuple(may[0])
+    return out
+
+
+def package_of(module: str) -> str:
+    return module.split(".", 1)[0]
+
+
+def rules() -> dict[str, dict]:
+    """{rule: {"file": its rule file's stem, "stage": the module it runs or None, "code": its code
+    inputs, "launcher": bool}}."""
+    out = {}
+    for smk in RULES:
+        parts = re.split(r"^rule (\w+):", smk.read_text(), flags=re.M)
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            ran = re.findall(r"-m eaglet\.([\w.]+)", body)  # python -m, or torchrun -m
+            stages = [m for m in ran if m != LAUNCHER]
+            assert len(stages) <= 1, (smk.name, name, stages)
+            code = re.search(r"code=stage_code\((.*?)\)", body, re.S)
+            out[name] = {"file": smk.stem, "stage": stages[0] if stages else None, "launcher": LAUNCHER in ran,
+                         "code": code.group(1) if code else None}
+    return out
+
+
+STAGES = {r["stage"] for r in rules().values() if r["stage"]}
+
+
+def test_the_packages_are_the_rule_files_and_the_shared_ones():
+    assert set(packages()) == SHARED | STAGE_PACKAGES | {"workflow"}
+    # every module lives in a package: nothing flat beside eaglet/__init__.py
+    assert [p.name for p in SRC.glob("*.py")] == ["__init__.py"]
+    stems = {p.stem for p in (REPO / "workflow" / "rules").glob("*.smk")} - {"common"}
+    assert stems == STAGE_PACKAGES, stems
+
+
+def test_a_rule_runs_a_module_of_its_rule_files_package():
+    """A reader finds a rule's code from its rule file's name in one hop."""
+    for name, r in rules().items():
+        if r["stage"]:
+            assert package_of(r["stage"]) == r["file"], f"rule {name} ({r['file']}.smk) runs eaglet.{r['stage']}"
+    assert {"data.target_model", "data.prompts", "data.tokenize", "data.freq", "data.vocab", "features.extract",
+            "train.train", "export.export", "eval.evaluate", "eval.evaluate_vllm", "eval.summary",
+            "generate.generate", "report.plots", "report.provenance"} <= STAGES, STAGES
+    assert STAGES <= set(code_inputs.modules())
+
+
+def test_imports_point_only_downward():
+    """Each package imports only what its MAY_IMPORT names; no stage package names another, no
+    shared package names a stage package, and the package graph has no circle."""
+    may = packages()
+    bad = {}
+    for m in code_inputs.modules():
+        pkg = package_of(m)
+        above = {package_of(i) for i in code_inputs.imports(m)} - {pkg} - set(may[pkg])
+        if above:
+            bad[m] = sorted(above)
+    assert not bad, f"imports a package its MAY_IMPORT does not name: {bad}"
+    for pkg, allowed in may.items():
+        if pkg in STAGE_PACKAGES:
+            assert not set(allowed) & STAGE_PACKAGES, (pkg, allowed)
+        if pkg in SHARED:
+            assert set(allowed) <= SHARED, (pkg, allowed)
+    # no circle: a topological order exists
+    order, left = [], dict(may)
+    while left:
+        ready = [p for p, a in left.items() if set(a) <= set(order)]
+        assert ready, f"a circle among {sorted(left)}"
+        order += sorted(ready)
+        for p in ready:
+            del left[p]
+
+
+def test_no_circle_among_modules():
+    graph = {m: set(code_inputs.imports(m)) for m in code_inputs.modules()}
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        if state.get(m) == 1:
+            raise AssertionError(f"import circle: {' -> '.join(path + [m])}")
+        if state.get(m) == 2:
+            return
+        state[m] = 1
+        for n in sorted(graph[m]):
+            visit(n, path + [m])
+        state[m] = 2
+
+    for m in graph:
+        visit(m, [])
+
+
+def test_no_reexport_shim_and_no_private_name_across_modules():
+    for p in sorted(SRC.rglob("*.py")):
+        text = p.read_text()
+        assert "noqa: F401" not in text, f"{p}: a re-export (an import only there to be imported again)"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eaglet"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{p}: imports private {private} from {node.module}"
+
+
+def test_the_workflow_reads_no_stage_at_parse_time():
+    used = set()
+    for f in [*RULES, REPO / "Snakefile"]:
+        for mod, _names in re.findall(r"^\s*from eaglet\.(\w+)(?:\.\w+)? import ([\w, ]+)", f.read_text(), re.M):
+            used.add(mod)
+    assert used and not used & STAGE_PACKAGES, used
+
+
+def test_every_rule_lists_the_code_its_stage_runs():
+    """Code inputs are what reruns a stage when its code changes (the cache key never sees code
+    imported by `python -m`): every rule that runs a stage derives them from that stage's whole
+    import closure (eaglet.workflow.code_inputs), with the launcher's when the rule runs one."""
+    for name, r in rules().items():
+        if r["stage"] is None:
+            continue
+        want = f'"{r["stage"]}"' + (", launcher=True" if r["launcher"] else "")
+        assert r["code"] == want, f"rule {name} runs eaglet.{r['stage']}: code=stage_code({want}), not {r['code']}"
+    # what only the parse reads is no stage's code: editing the tiny families' specs (which
+    # eaglet.target.shape reads to resolve the layer ids) reruns target_model, nothing else
+    assert not [s for s in STAGES if "target.shape" in code_inputs.closure(s)]
+    assert [s for s in STAGES if "target.families" in code_inputs.closure(s)] == ["data.target_model"]
+    files = code_inputs.files("train.train", launcher=True)
+    assert {"src/eaglet/train/train.py", "src/eaglet/planner/gpu_slots.py", "src/eaglet/base/io.py",
+            "src/eaglet/train/__init__.py", "src/eaglet/__init__.py"} <= set(files)
+    assert "src/eaglet/export/export.py" not in files and files == sorted(set(files))
+    assert all((REPO / f).is_file() for f in files)
+
+
+def test_the_contract_is_code_of_the_export_and_what_follows_only():
+    """Editing the export's contract (its check names included) is a code change of export and of
+    nothing before it: not target_model (which hashes the target's weights), prompts, tokenize,
+    extraction or training."""
+    users = {s for s in STAGES if "export.record" in code_inputs.closure(s)}
+    assert "export.export" in users
+    assert not users & {"data.target_model", "data.prompts", "data.tokenize", "data.freq", "data.vocab",
+                        "generate.generate", "features.extract", "train.train"}, users
+
+
+def test_imports_are_read_as_written():
+    """The reader itself: a function-level import counts, a `__main__` guard's does not, a copied
+    runner does, and a runner's bare import is its folder's module."""
+    assert "engines.hf_loop" in code_inputs.imports("export.vllm_checks")  # function-level
+    assert {"engines.vllm_check_runner", "engines.vllm_env"} <= code_inputs.closure("export.vllm_checks")
+    assert "engines.vllm_env" in code_inputs.imports("engines.vllm_eval_runner")
