@@ -239,7 +239,7 @@ def test_dry_run_shows_the_storage_choice(tiny_target, tmp_path):
     code, out = _dry_run(tmp_path, tiny_target, {"train": {"hidden_states": "online"}})
     assert code == 0, out[-3000:]
     assert "train" in jobs(out) and "extract_hidden_states" not in jobs(out)
-    assert re.search(r"eaglet\.train --online '\{", out), out[-3000:]  # its settings inline
+    assert re.search(r"eaglet\.train\.train --online '\{", out), out[-3000:]  # its settings inline
     assert "hidden states: none stored (train.hidden_states online" in out  # the memory plan counts the target
 
     code, out = _dry_run(tmp_path, tiny_target, {})

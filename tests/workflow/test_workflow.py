@@ -24,19 +24,34 @@ def test_nothing_to_do_after_a_finished_run(finished_run):
     assert "Nothing to be done" in out
 
 
-def test_editing_a_module_reruns_its_stage_and_nothing_upstream(finished_run):
+def _jobs_after_editing(finished_run, module: str) -> tuple[set[str], str]:
+    """The jobs `snakemake -n` plans on the finished run once ``module`` is edited (then restored)."""
     a, cache = finished_run
-    mod = a / "src/eaglet/data/vocab.py"
+    mod = a / module
     original = mod.read_text()
     try:
         mod.write_text(original + "\n# an edit\n")
         _, out = smk(a, cache, "-n")
-        jobs = planned_jobs(out)
-        assert "vocab_map" in jobs
-        assert not jobs & {"target_model", "prompts", "tokenize", "token_freq"}
-        assert "src/eaglet/data/vocab.py" in out
+        return planned_jobs(out), out
     finally:
         mod.write_text(original)
+
+
+def test_editing_a_module_reruns_its_stage_and_nothing_upstream(finished_run):
+    jobs, out = _jobs_after_editing(finished_run, "src/eaglet/data/vocab.py")
+    assert "vocab_map" in jobs
+    assert not jobs & {"target_model", "prompts", "tokenize", "token_freq"}
+    assert "src/eaglet/data/vocab.py" in out
+
+
+def test_editing_the_contract_reruns_export_and_what_follows_only(finished_run):
+    """The export's contract (its list of check names included) is code of export and of nothing
+    before it: not target_model (which hashes the target's weights), prompts, tokenize, extraction
+    or training."""
+    jobs, out = _jobs_after_editing(finished_run, "src/eaglet/export/record.py")
+    assert "export" in jobs and "src/eaglet/export/record.py" in out, out[-3000:]
+    assert not jobs & {"target_model", "prompts", "generate", "tokenize", "token_freq", "vocab_map",
+                       "extract_hidden_states", "train"}, jobs
 
 
 def test_second_clone_is_served_from_the_cache(finished_run, tmp_path):
