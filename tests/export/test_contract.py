@@ -101,12 +101,57 @@ def test_wrong_layer_ids_are_caught(good, tmp_path, tiny_target, tiny_drafter, i
     assert any(why in p for p in by["static.layer_ids"]["details"]["problems"]), by["static.layer_ids"]
 
 
-def test_off_by_one_ids_caught_without_the_trained_file_only_when_out_of_range(good, tmp_path, tiny_target):
-    # Without the trainer's file, only the range is checkable: an in-range shift needs the trained ids.
+def test_off_by_one_ids_caught_without_the_trained_file(good, tmp_path, tiny_target):
+    # Without the trainer's file the range is checked statically, and an in-range shift is caught by
+    # the directory's own reference.json: its config digest, and drafts that are no longer the recorded ones.
     d = _faulty(good, tmp_path, config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 4, 9]))
     rep = contract.check_export(d, tiny_target)
-    assert "static.layer_ids" in rep["failed"]
-    assert "parity.step0" in rep["not_run_unaccepted"]
+    assert {"static.layer_ids", "reference.weights", "reference.chain"} <= set(rep["failed"]), rep["failed"]
+    shutil.rmtree(d)
+    def shift(c):  # both engines' ids, consistently: nothing static is wrong
+        c["eagle_aux_hidden_state_layer_ids"] = [2, 4, 6]
+        c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]
+
+    d = _faulty(good, tmp_path, config=shift)
+    rep = contract.check_export(d, tiny_target, accept_not_run=NO_VLLM)
+    by = {c["name"]: c for c in rep["checks"]}
+    assert sorted(rep["failed"]) == ["reference.chain", "reference.weights"], rep["failed"]
+    assert by["reference.weights"]["details"]["changed"] == ["config.json"]
+
+
+def _permute_lm_head(t):
+    t["lm_head.weight"] = t["lm_head.weight"].flip(0).contiguous()
+
+
+def _permute_fc(t):
+    a, b, c = t["fc.weight"].chunk(3, dim=1)  # the three aux layers' blocks, in another order
+    t["fc.weight"] = torch.cat([c, a, b], dim=1).contiguous()
+
+
+def test_the_directory_alone_proves_itself_by_its_reference(good, tiny_target):
+    """A user who downloads the directory has no trainer's file: its reference.json (written by the
+    export) lets every non-vLLM check run, and the good export passes them all."""
+    ref = json.loads((good / "reference.json").read_text())
+    assert ref["chain"]["continuation_source"] == "the HF target's greedy output"
+    assert ref["chain"]["rounds"] > 0 and len(ref["chain"]["prompt_token_ids"]) == 4
+    rep = contract.check_export(good, tiny_target, accept_not_run=NO_VLLM)
+    by = {c["name"]: c for c in rep["checks"]}
+    assert rep["ok"], rep["failed"]
+    assert [c["name"] for c in rep["checks"] if c["ok"] is None] == NO_VLLM  # nothing else left unproven
+    assert by["reference.chain"]["details"]["rounds_differing"] == 0
+    assert by["parity.step0"]["details"]["against"] == "the directory's own weights"
+
+
+@pytest.mark.parametrize("edit,tensor", [(_permute_lm_head, "lm_head.weight"), (_permute_fc, "fc.weight")])
+def test_the_directory_alone_fails_permuted_lm_head_rows_and_fc_blocks(good, tmp_path, tiny_target, edit, tensor):
+    """Copies whose lm_head rows or fc blocks were permuted after training load in every engine (same
+    names, shapes, dtypes): the static, loader and parity checks pass them. The directory alone fails
+    them by its reference: the tensor's digest, and drafts that are not the recorded ones."""
+    rep = contract.check_export(_faulty(good, tmp_path, tensors=edit), tiny_target, accept_not_run=NO_VLLM)
+    by = {c["name"]: c for c in rep["checks"]}
+    assert sorted(rep["failed"]) == ["reference.chain", "reference.weights"], rep["failed"]
+    assert by["reference.weights"]["details"]["changed"] == [tensor]
+    assert by["reference.chain"]["details"]["untied_differences"], by["reference.chain"]["details"]
 
 
 def test_missing_top_level_ids_are_caught(good, tmp_path, tiny_target, tiny_drafter):
@@ -223,19 +268,21 @@ def test_train_tau_is_the_validation_chain_tau_of_the_kept_weights():
 
 
 # --------------------------------------------------------------------------- a check that did not run
-def test_a_check_that_did_not_run_is_not_a_pass(good, tiny_target, tiny_drafter):
+def test_a_check_that_did_not_run_is_not_a_pass(good, tiny_target, tmp_path):
     """Before, ``ok: None`` ("skipped") counted as a pass: the contract of an export whose numeric
     parity never ran was ``ok``. Now it is listed as not run with its reason, and fails unless
-    accepted by name."""
-    rep = contract.check_export(good, tiny_target, accept_not_run=NO_VLLM)  # no trained file: no parity
+    accepted by name: here a directory alone with no reference.json (another tool's export)."""
+    d = _faulty(good, tmp_path)
+    (d / "reference.json").unlink()
+    rep = contract.check_export(d, tiny_target, accept_not_run=NO_VLLM)
     by = {c["name"]: c for c in rep["checks"]}
     assert not rep["ok"] and not rep["failed"]
-    assert rep["not_run_unaccepted"] == ["parity.step0"]
-    p = by["parity.step0"]
+    assert rep["not_run_unaccepted"] == ["reference.weights", "reference.chain"]
+    p = by["reference.chain"]
     assert p["ok"] is None and p["status"] == "not run" and not p["accepted"]
-    assert "no trained drafter.safetensors" in p["reason"]
-    rep = contract.check_export(good, tiny_target, accept_not_run=NO_VLLM + ["parity.step0"])
-    assert rep["ok"] and {"name": "parity.step0", "reason": p["reason"], "accepted": True} in rep["not_run"]
+    assert "no reference.json" in p["reason"]
+    rep = contract.check_export(d, tiny_target, accept_not_run=NO_VLLM + list(contract.REFERENCE_CHECKS))
+    assert rep["ok"] and {"name": "reference.chain", "reason": p["reason"], "accepted": True} in rep["not_run"]
     assert contract.status_line(p).split()[1:3] == ["NOT", "RUN"]
 
 

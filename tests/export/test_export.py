@@ -80,7 +80,9 @@ def test_contract_json_records_every_check(exported):
         [(n, True) for n in NO_VLLM] + [(f"speculators.{n}", True) for n in NO_VLLM])
     assert written["train_chain_tau"] == 1.23  # the validation chain τ at the k vLLM runs (4)
     # the digests evaluate_vllm checks the exported files against before vLLM loads them
-    assert written[io.DIGESTS_KEY] == io.record_digests(out, ["config.json", "model.safetensors"])
+    assert written[io.DIGESTS_KEY] == io.record_digests(out, ["config.json", "model.safetensors", "reference.json"])
+    # and what the directory needs to prove itself alone (eaglet.export.reference)
+    assert written["reference"]["chain_not_recorded"] is None and written["reference"]["chain_tau"] >= 1.0
     assert not (out / ".staging").exists() and not (out / "contract.failed.json").exists()
 
 

@@ -178,6 +178,6 @@ def test_the_contract_is_code_of_the_export_and_what_follows_only():
 def test_imports_are_read_as_written():
     """The reader itself: a function-level import counts, a `__main__` guard's does not, a copied
     runner does, and a runner's bare import is its folder's module."""
-    assert "engines.hf_loop" in code_inputs.imports("export.vllm_checks")  # function-level
+    assert "engines.hf_loop" in code_inputs.imports("export.reference")  # function-level
     assert {"engines.vllm_check_runner", "engines.vllm_env"} <= code_inputs.closure("export.vllm_checks")
     assert "engines.vllm_env" in code_inputs.imports("engines.vllm_eval_runner")

@@ -22,6 +22,8 @@ rule export:
         ),
         config=f"{RUN}/drafter/config.json",
         weights=f"{RUN}/drafter/model.safetensors",
+        # what the directory needs to prove itself alone (eaglet.export.reference)
+        reference=f"{RUN}/drafter/reference.json",
         contract=report(
             f"{RUN}/drafter/contract.json",
             caption="../report/export.rst",

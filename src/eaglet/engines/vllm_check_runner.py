@@ -19,7 +19,7 @@ vLLM's own processes, as a deployment runs them.
 The serving flags are ``target.vllm`` and ``target.trust_remote_code`` (eaglet.target.load.vllm_runner_args);
 the defaults are the vLLM-CPU ones.
 
-Output JSON: {"vllm_version", "token_ids": [[...] per prompt], "texts": [...],
+Output JSON: {"vllm_version", "token_ids": [[...] per prompt], "prompt_token_ids": [[...] per prompt], "texts": [...],
               "spec_decode": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
                               "num_accepted_tokens_per_pos"}, "metrics": [every spec_decode metric]}
 """
@@ -92,6 +92,7 @@ def run(a, drafter, out, prompts):
     metrics = [_metric_json(m) for m in got if "spec_decode" in m.name]
     sd = spec_decode_counters(metric_samples(got))  # summed over engines
     res = {"vllm_version": vllm.__version__, "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+           "prompt_token_ids": [list(o.prompt_token_ids) for o in outs],
            "texts": [o.outputs[0].text for o in outs], "spec_decode": sd, "metrics": metrics}
     tmp = out + ".tmp"
     with open(tmp, "w") as fh:

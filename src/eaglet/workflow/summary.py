@@ -149,8 +149,11 @@ def _export(c: dict) -> str:
     acc = checks.get("vllm.acceptance", {})
     if acc.get("status") in ("pass", "FAIL"):
         d = acc["details"]
-        parts.append(f"vLLM {d['mean_accepted_vllm']:.3f} vs eaglet's chain {d['mean_accepted_offline']:.3f} "
-                     f"accepted per round on the same prompts ({acc['status']})")
+        if d.get("served_tau") is not None and d.get("simulated_tau") is not None:
+            parts.append(f"vLLM τ {d['served_tau']:.3f} vs eaglet's chain {d['simulated_tau']:.3f} pooled over "
+                         f"{d['served']['rounds']} rounds on the same text ({acc['status']})")
+        else:
+            parts.append(f"vLLM τ {d.get('vllm_tau')} ({acc['status']}: {d.get('rule')})")
     return "; ".join(parts)
 
 
