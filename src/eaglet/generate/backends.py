@@ -50,20 +50,23 @@ class OpenAIBackend:
                                "generate.model")
         return self.model
 
-    async def complete(self, messages: list[dict], seed: int) -> dict:
+    async def complete(self, messages: list[dict], seed: int, temperature: float | None = None) -> dict:
+        """One chat completion; ``temperature``: the row's own (the evaluation's regenerated sets ask
+        for one per row), else the config's."""
         import openai
 
         cfg, kind, reason = self.cfg, "", ""
+        temperature = cfg["temperature"] if temperature is None else float(temperature)
         extra = {**self.extra_body, **({"chat_template_kwargs": cfg["chat_template_kwargs"]}
                                        if cfg["chat_template_kwargs"] else {})} or None
         for attempt in range(cfg["max_retries"] + 1):
             client = self.clients[next(self.rr)]  # a retry goes to the next server
             try:
                 r = await client.chat.completions.create(
-                    model=self.model, messages=messages, temperature=cfg["temperature"], top_p=cfg["top_p"],
+                    model=self.model, messages=messages, temperature=temperature, top_p=cfg["top_p"],
                     max_tokens=cfg["max_tokens"], extra_body=extra,
                     # A seed means nothing to greedy decoding; left out, the request is plain.
-                    seed=seed if cfg["temperature"] > 0 else openai.NOT_GIVEN)
+                    seed=seed if temperature > 0 else openai.NOT_GIVEN)
                 msg, usage = r.choices[0].message, r.usage
                 extra_fields = msg.model_extra or {}
                 # vLLM's reasoning parser fills `reasoning_content` (newer versions: `reasoning`).
@@ -101,7 +104,7 @@ async def _run_openai(rows: list[dict], cfg: dict, backend: OpenAIBackend, sink:
             conv = Conversation(row, cfg)
             while (history := conv.next_prompt()) is not None:
                 try:
-                    r = await backend.complete(history, conv.request_seed())
+                    r = await backend.complete(history, conv.request_seed(), row.get("temperature"))
                 except GenError as e:
                     conv.fail(e)
                     break
@@ -143,7 +146,20 @@ def run_openai(rows, cfg, base_urls, sink, model=None, extra_body=None) -> None:
 def run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat_template: str | None = None) -> None:
     """Batched transformers ``generate``: greedy at temperature 0, else sampled with top_p. A reply
     ends at the template's turn-end marker as well as at EOS (a base model's generation_config
-    knows only EOS); the marker itself is cut, every other token the model produced is kept."""
+    knows only EOS); the marker itself is cut, every other token the model produced is kept.
+    Rows with their own ``temperature`` are batched with their equals."""
+    temps = sorted({r.get("temperature") for r in rows if r.get("temperature") is not None})
+    if temps:
+        for t in [None, *temps]:
+            group = [r for r in rows if r.get("temperature") == t]
+            if group:
+                _run_local(group, cfg if t is None else {**cfg, "temperature": float(t)}, model_dir, sink,
+                           chat_template)
+        return
+    _run_local(rows, cfg, model_dir, sink, chat_template)
+
+
+def _run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat_template: str | None = None) -> None:
     import torch
 
     from eaglet.target.load import job_device, load_model, load_tokenizer, stop_ids
