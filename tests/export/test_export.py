@@ -285,8 +285,9 @@ def test_permuted_lm_head_fails_vllm_acceptance_and_the_directory_alone(vllm_exp
     assert acc["ok"] is False and acc["details"]["allowed_difference"] == 0, acc["details"]
     assert acc["details"]["served"]["accepted"] < acc["details"]["simulated"]["accepted"]
     report = tmp_path / "alone.json"
-    p = subprocess.run([sys.executable, "-m", "eaglet.export.contract", str(bad), "--identity", str(_ident(tiny_target)),
-                        "--vllm", "--out", str(report)], capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, "-m", "eaglet.export.contract", str(bad),
+                        "--identity", str(_ident(tiny_target)), "--vllm", "--out", str(report)],
+                       capture_output=True, text=True, timeout=900)
     assert p.returncode == 1, p.stderr[-3000:]
     rep = json.loads(report.read_text())
     by = {c["name"]: c for c in rep["checks"]}

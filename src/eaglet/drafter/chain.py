@@ -115,3 +115,46 @@ def chain_counts(rounds) -> dict:
 def prompt_chain(rounds) -> tuple[int, int]:
     """(accepted drafts, rounds with drafts) of one prompt: what τ over prompts is pooled from."""
     return sum(r[2] for r in rounds if r[1] > 0), sum(r[1] > 0 for r in rounds)
+
+
+def served_rounds(accepted_at: dict[int, int], max_tokens: int) -> list[int]:
+    """The rounds vLLM runs over one prompt, from the accepted count at every start g (tokens
+    emitted so far; the prefill emits the first): a round at g accepts ``accepted_at[g]`` and emits
+    that + 1, until ``max_tokens`` are out. Returns the starts visited, in order."""
+    g, starts = 1, []
+    while g < max_tokens:
+        starts.append(g)
+        g += accepted_at[g] + 1
+    return starts
+
+
+def chain_along(target, proposer, prompt: list[int], continuation: list[int], k: int, max_tokens: int,
+                tie: float = 1e-3) -> dict:
+    """eaglet's drafting along a fixed continuation (teacher-forced: one target forward over prompt +
+    continuation gives every aux state), k drafts from every start, counted by ``served_rounds``.
+    ``continuation`` must hold max_tokens + k - 1 tokens (the last round's drafts are judged in full).
+    Per visited round: start g, the draft ids, accepted, and whether a near tie decided it (the
+    deciding drafts' or verified positions' top-2 logits within ``tie``). ``target``/``proposer``:
+    eaglet.engines.hf_loop's Target and EagleProposer."""
+    need = max_tokens + k - 1
+    if len(continuation) < need:
+        raise ValueError(f"continuation of {len(continuation)} tokens: the chain at k={k} over "
+                         f"{max_tokens} tokens needs {need}")
+    x, P = list(prompt) + list(continuation[:need]), len(prompt)
+    logits_TV, aux_T3H = target.forward(x[:-1], target.new_cache())
+    top2 = logits_TV.topk(2, dim=-1).values
+    target_gap = (top2[:, 0] - top2[:, 1]).tolist()  # row i predicts x[i + 1]
+    proposer.reset()
+    proposer.extend(aux_T3H[:P], x[1:P + 1])
+    at, drafts, tied = {}, {}, {}
+    for g in range(1, max_tokens):  # the drafter knows x_0 .. x_{P+g-1}; it drafts x_{P+g} ...
+        if g > 1:
+            proposer.extend(aux_T3H[P + g - 2:P + g - 1], x[P + g - 1:P + g])
+        m0 = len(proposer.margins)
+        d = proposer.draft(k)
+        a = accepted_prefix(d, x[P + g:P + g + k])
+        deciding = min(a + 1, k)
+        gaps = proposer.margins[m0:m0 + deciding] + target_gap[P + g - 1:P + g - 1 + deciding]
+        at[g], drafts[g], tied[g] = a, d, bool(min(gaps) < tie)
+    starts = served_rounds(at, max_tokens)
+    return {"rounds": [{"g": g, "drafts": drafts[g], "accepted": at[g], "tie": tied[g]} for g in starts]}

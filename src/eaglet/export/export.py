@@ -112,6 +112,8 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
     # what the directory needs to prove itself without the trainer's file (eaglet.export.reference)
     chain = report.pop("reference_chain", None)
     why = chain.get("error") if chain else "the contract recorded no chain"
+    if why:
+        log.warning("reference.json records no chain (%s): the directory alone will prove only its digests", why)
     reference.write(stage_a, stage_a / "model.safetensors", None if why else chain, why)
     report["reference"] = {"file": reference.FILE, "chain_tau": None if why else chain.get("tau"),
                            "chain_not_recorded": why}

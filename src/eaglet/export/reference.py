@@ -37,6 +37,7 @@ import json
 from pathlib import Path
 
 from eaglet.base import io
+from eaglet.drafter.chain import chain_along
 
 FILE = "reference.json"
 VERSION = 1
@@ -125,48 +126,6 @@ def load_exported(drafter_dir: str | Path, identity: dict):
 
 
 # --------------------------------------------------------------------------- the chain
-def served_rounds(accepted_at: dict[int, int], max_tokens: int) -> list[int]:
-    """The rounds vLLM runs over one prompt, from the accepted count at every start g (tokens
-    emitted so far; the prefill emits the first): a round at g accepts ``accepted_at[g]`` and emits
-    that + 1, until ``max_tokens`` are out. Returns the starts visited, in order."""
-    g, starts = 1, []
-    while g < max_tokens:
-        starts.append(g)
-        g += accepted_at[g] + 1
-    return starts
-
-
-def chain_along(target, proposer, prompt: list[int], continuation: list[int], k: int, max_tokens: int) -> dict:
-    """eaglet's drafting along a fixed continuation (teacher-forced: one target forward over prompt +
-    continuation gives every aux state), k drafts from every start, counted by ``served_rounds``.
-    ``continuation`` must hold max_tokens + k - 1 tokens (the last round's drafts are judged in full).
-    Per visited round: start g, the draft ids, accepted, and whether a near tie decided it."""
-    from eaglet.drafter.chain import accepted_prefix
-
-    need = max_tokens + k - 1
-    if len(continuation) < need:
-        raise ValueError(f"continuation of {len(continuation)} tokens: the chain at k={k} over "
-                         f"{max_tokens} tokens needs {need}")
-    x, P = list(prompt) + list(continuation[:need]), len(prompt)
-    logits_TV, aux_T3H = target.forward(x[:-1], target.new_cache())
-    top2 = logits_TV.topk(2, dim=-1).values
-    target_gap = (top2[:, 0] - top2[:, 1]).tolist()  # row i predicts x[i + 1]
-    proposer.reset()
-    proposer.extend(aux_T3H[:P], x[1:P + 1])
-    at, drafts, tie = {}, {}, {}
-    for g in range(1, max_tokens):  # the drafter knows x_0 .. x_{P+g-1}; it drafts x_{P+g} ...
-        if g > 1:
-            proposer.extend(aux_T3H[P + g - 2:P + g - 1], x[P + g - 1:P + g])
-        m0 = len(proposer.margins)
-        d = proposer.draft(k)
-        a = accepted_prefix(d, x[P + g:P + g + k])
-        deciding = min(a + 1, k)
-        gaps = proposer.margins[m0:m0 + deciding] + target_gap[P + g - 1:P + g - 1 + deciding]
-        at[g], drafts[g], tie[g] = a, d, bool(min(gaps) < TIE)
-    starts = served_rounds(at, max_tokens)
-    return {"rounds": [{"g": g, "drafts": drafts[g], "accepted": at[g], "tie": tie[g]} for g in starts]}
-
-
 def reference_chain(drafter, identity: dict, prompt_ids: list[list[int]] | None,
                     continuations: list[list[int]] | None, *, k: int, max_tokens: int, load: dict | None = None,
                     threads: int | None = None, prompts: list[str] | None = None) -> dict:
@@ -200,7 +159,7 @@ def reference_chain(drafter, identity: dict, prompt_ids: list[list[int]] | None,
     if continuations is None:
         continuations = [hf_loop.greedy(tgt, p, max_tokens + k - 1)["tokens"] for p in prompt_ids]
         source = "the HF target's greedy output"
-    per = [chain_along(tgt, prop, p, c, k, max_tokens)["rounds"] for p, c in zip(prompt_ids, continuations,
+    per = [chain_along(tgt, prop, p, c, k, max_tokens, TIE)["rounds"] for p, c in zip(prompt_ids, continuations,
                                                                                     strict=True)]
     return summarise(per, k) | {"k": k, "max_tokens": max_tokens, "prompts": prompts,
                                 "prompt_token_ids": prompt_ids, "continuations": continuations,
