@@ -6,15 +6,19 @@ target, which is enumerated here from the target's own probabilities (12³ seque
 reject, with the same runs' seeds, rules that are wrong in the ways that go unnoticed in a demo:
 accepting every draft, forgetting the target's mass outside the draft vocabulary in the residual,
 and resampling a rejection from p instead of max(0, p − q). Those rules run through the loop's
-documented ``verify`` parameter, built from the loop's own pieces (``residual``, ``draw``)."""
+documented ``verify`` parameter, built from the loop's own pieces (``residual``, ``draw``).
+
+The offline expected acceptance (``expected_prompt``) on the same pair: exact for a round's first
+draft (against the loop's measured acceptance), and equal to the greedy chain's count as T -> 0."""
 
 import itertools
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 
 import pytest
 import torch
 
+from eaglet.drafter import chain
 from eaglet.drafter import model as em
 from eaglet.engines import hf_loop
 
@@ -188,3 +192,51 @@ def test_temperature_zero_is_refused_by_the_sampling_path(pair):
     target, _ = pair
     with pytest.raises(ValueError, match="T > 0"):
         hf_loop.sample(target, PROMPT, 4, 0.0, hf_loop.generator(0))
+
+
+# --------------------------------------------------------------------------- expected acceptance offline
+def test_expected_first_draft_acceptance_is_the_loop_s_acceptance_rate(pair):
+    """At a round's first draft the offline estimate is exact: α after the text x1 is the
+    probability that the loop accepts its first draft given x1. Checked against seeded runs of the
+    loop at k = 1, grouped by x1, within 4 binomial standard errors."""
+    target, proposer = pair
+    by_x1 = defaultdict(list)
+    for s in range(600):
+        r = hf_loop.speculative_sampling(target, proposer, PROMPT, 1, 3, T, hf_loop.generator(s))
+        by_x1[r["tokens"][0]].append(r["rounds"][0][2])
+    checked = 0
+    for x1, acc in by_x1.items():
+        if len(acc) < 60:
+            continue
+        e = hf_loop.expected_prompt(target, proposer, PROMPT, 1, T, tokens=[x1, 0])
+        assert e["tokens"] == [x1, 0] and [s["g"] for s in e["starts"]] == [1]
+        alpha = e["starts"][0]["alpha"][0]
+        se = math.sqrt(max(alpha * (1 - alpha), 1e-4) / len(acc))
+        assert abs(sum(acc) / len(acc) - alpha) < 4 * se, (x1, len(acc), sum(acc) / len(acc), alpha)
+        checked += 1
+    assert checked >= 2
+
+
+def test_expected_acceptance_at_a_cold_temperature_is_the_greedy_count(pair):
+    """As T -> 0, p and q become one-hot and α ∈ {0, 1}: along the greedy continuation the expected
+    count from every start must equal the exact accepted prefix of offline_prompt (which feeds the
+    drafter its own drafts; the text's tokens are the same up to the first rejection)."""
+    target, proposer = pair
+    K, n = 3, 40
+    off = hf_loop.offline_prompt(target, proposer, PROMPT, K, n)
+    e = hf_loop.expected_prompt(target, proposer, PROMPT, K, 1e-3, tokens=off["tokens"])
+    assert [s["g"] for s in e["starts"]] == [s["g"] for s in off["starts"]]
+    got = [chain.expected_accepted(s["alpha"], K) for s in e["starts"]]
+    want = [min(s["accepted"], s["valid"]) for s in off["starts"]]
+    assert got == pytest.approx(want, abs=1e-3)
+    assert sum(want) > 0  # some drafts are accepted, so the alignment of later steps is tested too
+
+
+def test_expected_prompt_samples_its_own_text_reproducibly(pair):
+    target, proposer = pair
+    a = hf_loop.expected_prompt(target, proposer, PROMPT, 2, T, max_new=12, gen=hf_loop.generator(5))
+    b = hf_loop.expected_prompt(target, proposer, PROMPT, 2, T, max_new=12, gen=hf_loop.generator(5))
+    assert a == b and len(a["tokens"]) == 12 and len(a["starts"]) == 11
+    assert a["tokens"] == hf_loop.sample(target, PROMPT, 12, T, hf_loop.generator(5))["tokens"]
+    assert all(0 <= x <= 1 + 1e-6 for s in a["starts"] for x in s["alpha"])
+    assert [len(s["alpha"]) for s in a["starts"]][-2:] == [2, 1]  # no draft past the text's end
