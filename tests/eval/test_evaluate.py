@@ -230,6 +230,31 @@ def test_both_temperatures_in_the_matrix_the_sampling_figures_and_the_summary(st
     assert summary["matrix"] == rows and json.loads((out / "summary.json").read_text())["matrix"] == rows
 
 
+def test_expected_acceptance_of_a_given_text_is_that_of_the_stage_s_own_sample(stages, tiny_target, tiny_drafter):
+    """The offline T > 0 figures depend on the text only: handed the texts the stage sampled (as a
+    caller hands vLLM's), offline_sampling gives the same per-prompt counts; handed other texts, others."""
+    from eaglet.engines.hf_loop import setup
+
+    out, off, _, sets = stages
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    o = ev._options(OPTS)
+    _, target, proposer, _, tok = setup(tiny_drafter, ident, 1)
+    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"], {})[:2]
+    mine = [p["sampling"]["1.0"] for p in off["per_prompt"][:2]]
+    rows = [{} for _ in prompts]
+    got = ev.offline_sampling(target, proposer, prompts, rows, 3, 16, 1.0, o, texts=[m["tokens"] for m in mine])
+    for r, m in zip(rows, mine):
+        assert r["sampling"]["1.0"]["tokens"] == m["tokens"]
+        for k in (1, 2, 3):
+            (a, n), (a0, n0) = r["sampling"]["1.0"]["expected"][k], m["expected"][k]
+            assert n == n0 and a == pytest.approx(a0, rel=1e-4)
+    assert got["temperature"] == 1.0 and got["overall"]["prompts"] == 2
+    other = [m["tokens"][::-1] for m in mine]
+    ev.offline_sampling(target, proposer, prompts, rows, 3, 16, 1.0, o, texts=other)
+    assert rows[0]["sampling"]["1.0"]["tokens"] == other[0]
+    assert rows[0]["sampling"]["1.0"]["expected"][1][0] != pytest.approx(mine[0]["expected"][1][0], rel=1e-4)
+
+
 def test_a_lossy_loop_fails_the_stage(tiny_target, tiny_drafter, tmp_path, monkeypatch):
     real = ev.speculative
 

@@ -253,7 +253,7 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
     io.write_parquet(out / "offline_rounds.parquet", _frame(round_rows))
     # checked by eval_summary (io.verify_recorded)
     res[io.DIGESTS_KEY] = io.record_digests(out, ["offline_positions.parquet", "offline_rounds.parquet"])
-    res["sampling"] = [_offline_sampling(target, proposer, prompts, per_prompt, K, max_new, t, o)
+    res["sampling"] = [offline_sampling(target, proposer, prompts, per_prompt, K, max_new, t, o)
                        for t in sampled_temperatures(o)]
     res["matrix"] = offline_matrix(res, o)
     io.write_json(out / "offline.json", res)
@@ -269,15 +269,17 @@ def _expected_stats(starts: list[dict], K: int) -> dict:
             **expected_position_rates(alphas, valid, K)}
 
 
-def _offline_sampling(target, proposer, prompts: list[dict], per_prompt: list[dict], K: int, max_new: int,
-                      temp: float, o: dict) -> dict:
+def offline_sampling(target, proposer, prompts: list[dict], per_prompt: list[dict], K: int, max_new: int,
+                     temp: float, o: dict, texts: list[list[int]] | None = None) -> dict:
     """Expected acceptance at ``temp`` along each prompt's sampled text; the text and the per-prompt
-    (Σ expected accepted, starts) go into ``per_prompt[i]["sampling"][str(temp)]``."""
+    (Σ expected accepted, starts) go into ``per_prompt[i]["sampling"][str(temp)]``. ``texts``: one
+    continuation (token ids) per prompt produced elsewhere (e.g. vLLM's at ``temp``) instead of the
+    target's own seeded samples."""
     rows, starts = [], defaultdict(list)
     t0 = time.time()
     for i, p in enumerate(prompts):
         e = expected_prompt(target, proposer, p["prompt_ids"], K, temp, max_new,
-                            run_generator(o["seed"], "offline", temp, i))
+                            run_generator(o["seed"], "offline", temp, i), tokens=texts[i] if texts else None)
         alphas, valid = [s["alpha"] for s in e["starts"]], [s["valid"] for s in e["starts"]]
         exp = {k: list(expected_counts(alphas, valid, k)) for k in range(1, K + 1)}
         per_prompt[i].setdefault("sampling", {})[str(temp)] = {"tokens": e["tokens"], "expected": exp}
