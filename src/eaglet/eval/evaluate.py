@@ -286,8 +286,8 @@ def offline_sampling(target, proposer, prompts: list[dict], per_prompt: list[dic
         rows.append({"set": p["set"], "domain": p["domain"], "expected": exp})
         starts[p["set"]] += e["starts"]
     ks = o["k_values"]
-    return {"temperature": temp, "seed": o["seed"],
-            "estimate": "expected acceptance along the target's sampled text: alpha = sum_x min(p(x), q(x)), "
+    return {"temperature": temp, "seed": o["seed"], "text": "given" if texts else "sampled by the target, seeded",
+            "estimate": "expected acceptance along the text: alpha = sum_x min(p(x), q(x)), "
                         "expected accepted at k = sum_{j<k} prod_{i<=j} alpha_i, tau = 1 + mean over starts",
             "sets": {s: {"prompts": sum(r["set"] == s for r in rows), **_expected_stats(v, K),
                          "tau_ci": _tau_ci([r for r in rows if r["set"] == s], "expected", ks, o)}
