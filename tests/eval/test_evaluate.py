@@ -228,6 +228,11 @@ def test_both_temperatures_in_the_matrix_the_sampling_figures_and_the_summary(st
     assert len(off["per_prompt"][0]["sampling"]["1.0"]["tokens"]) >= 2
     summary = summarise(out)
     assert summary["matrix"] == rows and json.loads((out / "summary.json").read_text())["matrix"] == rows
+    from eaglet.report import plots
+
+    plots.tables_html(out / "tables.html", evaluation=out / "summary.json")
+    page = (out / "tables.html").read_text()
+    assert "Results matrix" in page and page.count("<td>hf_loop</td>") == sum(r["engine"] == "hf_loop" for r in rows)
 
 
 def test_expected_acceptance_of_a_given_text_is_that_of_the_stage_s_own_sample(stages, tiny_target, tiny_drafter):
