@@ -1,8 +1,9 @@
 """eaglet.drafter.chain: the greedy chain counted from per-draft hits, against a step-by-step replay of
-the real loop written out here."""
+the real loop written out here; the expected acceptance of speculative sampling (T > 0) by hand."""
 
 import random
 
+import pytest
 import torch
 
 from eaglet.drafter import chain
@@ -60,3 +61,37 @@ def test_sequence_rounds_match_the_loop_replayed_by_hand():
 def test_rounds_tau():
     assert chain.rounds_tau([(1, 3, 3), (5, 3, 0), (6, 0, 0)]) == 1 + 3 / 2
     assert chain.rounds_tau([(1, 0, 0)]) is None
+
+
+# --------------------------------------------------------------------------- sampling (T > 0)
+def test_overlap_is_the_acceptance_probability_by_hand():
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.6, 0.0, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    assert chain.overlap(p, q).tolist() == pytest.approx([0.1 + 0.3, 1.0])
+
+
+def test_expected_acceptance_by_hand():
+    alphas, valid = [[0.5, 0.4, 1.0], [0.9, 0.0], [0.2]], [3, 2, 1]
+    assert chain.expected_accepted([0.5, 0.4, 1.0], 3) == pytest.approx(0.5 + 0.2 + 0.2)
+    assert chain.expected_accepted([0.5, 0.4, 1.0], 1) == pytest.approx(0.5)
+    # k = 1: every start; k = 2: the two with 2 positions left; k = 3: the first only
+    assert chain.expected_tau(alphas, valid, 1) == pytest.approx(1 + (0.5 + 0.9 + 0.2) / 3)
+    assert chain.expected_counts(alphas, valid, 2) == (pytest.approx(0.7 + 0.9), 2)
+    assert chain.expected_tau(alphas, valid, 2) == pytest.approx(1.8)
+    assert chain.expected_tau(alphas, valid, 3) == pytest.approx(1.9)
+    assert chain.expected_tau(alphas, valid, 4) is None
+    r = chain.expected_position_rates(alphas, valid, 3)
+    assert r["starts_per_pos"] == [3, 2, 1]
+    assert r["alpha_per_pos"] == pytest.approx([1.6 / 3, 0.2, 1.0])
+    assert r["accept_rate_per_pos"] == pytest.approx([1.6 / 3, 0.1, 0.2])
+    assert r["conditional_accept_per_pos"] == pytest.approx([1.6 / 3, 0.1 / (1.6 / 3), 2.0])
+
+
+def test_expected_acceptance_of_certain_drafts_is_the_greedy_count():
+    """α ∈ {0, 1} is the greedy case: the expected count equals the exact accepted prefix."""
+    accepted, valid, K = [2, 0, 3, 1], [4, 4, 3, 1], 3
+    alphas = [[1.0 if j < a else 0.0 for j in range(K)] for a in accepted]
+    for k in (1, 2, 3):
+        assert chain.expected_tau(alphas, valid, k) == pytest.approx(chain.tau_all_positions(accepted, valid, k))
+    assert chain.expected_position_rates(alphas, valid, K)["accept_rate_per_pos"] == \
+        pytest.approx(chain.position_rates(accepted, valid, K)["accept_rate_per_pos"])

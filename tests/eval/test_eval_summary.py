@@ -138,3 +138,29 @@ def test_timings_on_a_busy_machine_are_not_conclusive():
     spec["timing"] = {"load": busy}
     rec = recommend(offline, spec)
     assert rec["conclusive"] is False and rec["sentence"].endswith(f"Not conclusive: {busy['note']}.")
+
+
+def test_results_matrix_concatenates_every_stage_and_prints_one_table():
+    from eaglet.eval import stats as eval_stats
+    from eaglet.eval.summary import results_matrix
+
+    iv = {"estimate": 1.5, "lo": 1.3, "hi": 1.7}
+    offline = {"matrix": eval_stats.matrix_rows(
+        "chain", 0.0, [1, 3], {"prompts": 3, "tau": {"1": iv, "3": iv}}, {"mtbench": {"prompts": 3, "tau": {1: iv}}},
+        {"mtbench/writing": {"set": "mtbench", "prompts": 1, "tau": {3: {"estimate": 1.2, "lo": None, "hi": None}}}})}
+    spec = {"matrix": [eval_stats.matrix_row("hf_loop", 1.0, 3, "all", "all", iv, 3)]}
+    vllm = {"matrix": [{"engine": "vllm", "temperature": 1.0, "k": 3, "set": "all", "domain": "all", "tau": 1.45,
+                        "ci": [1.2, 1.6], "prompts": 3}]}
+    rows = results_matrix(offline, spec, vllm)
+    assert [r["engine"] for r in rows] == ["chain"] * 6 + ["hf_loop", "vllm"]
+    # a set without k = 3, a domain with one prompt: null tau / null interval, never a made-up one
+    assert {(r["set"], r["domain"], r["k"]): (r["tau"], r["ci"]) for r in rows if r["engine"] == "chain"} == {
+        ("all", "all", 1): (1.5, [1.3, 1.7]), ("all", "all", 3): (1.5, [1.3, 1.7]),
+        ("mtbench", "all", 1): (1.5, [1.3, 1.7]), ("mtbench", "all", 3): (None, None),
+        ("mtbench", "mtbench/writing", 1): (None, None), ("mtbench", "mtbench/writing", 3): (1.2, None)}
+    assert results_matrix(offline, None) == offline["matrix"] and results_matrix({"status": "not run"}) == []
+    table = eval_stats.matrix_table(rows).splitlines()
+    assert table[0].split()[:6] == ["set", "domain", "k", "T", "engine", "tau"] and len(table) == 1 + len(rows)
+    # domain x k x T x engine: the whole-run rows last, their k = 3 block ordered by T, then engine
+    assert [line.split()[4] for line in table[-3:]] == ["chain", "hf_loop", "vllm"]
+    assert "1.20-1.60" in table[-1] and "1.450" in table[-1]

@@ -186,6 +186,80 @@ def test_tau_per_domain_with_intervals_in_the_stages_the_summary_and_the_report(
     assert "τ per domain" in page and "mtbench/" in page and ">math<" in page and ">heldout<" in page
 
 
+def test_both_temperatures_in_the_matrix_the_sampling_figures_and_the_summary(stages):
+    """T = 0 keeps today's figures; T = 1 adds the expected chain offline and the measured sampling
+    loop, and every stage's matrix rows reach summary.json, per set, per domain, per k."""
+    from eaglet.eval import stats as eval_stats
+    from eaglet.eval.summary import summarise
+
+    out, off, spec, _ = stages
+    assert off["options"]["temperatures"] == [0.0, 1.0] and [s["temperature"] for s in off["sampling"]] == [1.0]
+    rows = json.loads((out / "offline.json").read_text())["matrix"] + \
+        json.loads((out / "speculative.json").read_text())["matrix"]
+    assert all(tuple(r) == eval_stats.MATRIX_KEYS for r in rows)
+    cells = {(r["engine"], r["temperature"]) for r in rows}
+    assert cells == {("chain", 0.0), ("expected", 1.0), ("hf_loop", 0.0), ("hf_loop", 1.0)}
+    domains = set(off["domains"]) | {"all"}
+    for cell in cells:
+        mine = [r for r in rows if (r["engine"], r["temperature"]) == cell]
+        assert {r["domain"] for r in mine} == domains and {r["k"] for r in mine} == {1, 2, 3}
+        assert {r["set"] for r in mine if r["domain"] == "all"} == set(off["sets"]) | {"all"}
+    by = {(r["engine"], r["temperature"], r["set"], r["domain"], r["k"]): r for r in rows}
+    smp_off, smp_spec = off["sampling"][0], spec["sampling"][0]
+    for k in (1, 2, 3):
+        # the T = 0 rows are today's figures, where they always were
+        assert by["chain", 0.0, "all", "all", k]["tau"] == pytest.approx(off["overall"]["tau_chain"][k])
+        assert by["hf_loop", 0.0, "all", "all", k]["tau"] == pytest.approx(spec["overall"]["k"][k]["tau"])
+        # expected τ pooled from the per-prompt (Σ expected accepted, starts) written beside the texts
+        pairs = [p["sampling"]["1.0"]["expected"][k] for p in off["per_prompt"]]
+        pooled = 1 + sum(a for a, _ in pairs) / sum(n for _, n in pairs)
+        assert by["expected", 1.0, "all", "all", k]["tau"] == pytest.approx(pooled)
+        assert smp_off["overall"]["tau"][k] == pytest.approx(pooled)
+        assert 1 <= pooled <= 1 + k
+        # measured: τ = 1 + accepted / rounds of the sampling runs, with its interval over prompts
+        chains = [p["sampling"]["1.0"]["chain"][k] for p in spec["per_prompt"]]
+        measured = by["hf_loop", 1.0, "all", "all", k]
+        assert measured["tau"] == pytest.approx(1 + sum(a for a, _ in chains) / sum(n for _, n in chains))
+        assert measured["ci"][0] <= measured["tau"] <= measured["ci"][1] and measured["prompts"] == N_PROMPTS
+        assert smp_spec["overall"]["k"][k]["speedup"] > 0
+    # the sampled runs were timed in the greedy design: per prompt `repeats` rotated blocks
+    view = spec["per_prompt"][1]["sampling"]["1.0"]
+    assert [b["order"] for b in view["samples"]] == [["plain", 1, 2, 3][1:] + ["plain"], [2, 3, "plain", 1]]
+    assert len(off["per_prompt"][0]["sampling"]["1.0"]["tokens"]) >= 2
+    summary = summarise(out)
+    assert summary["matrix"] == rows and json.loads((out / "summary.json").read_text())["matrix"] == rows
+    from eaglet.report import plots
+
+    plots.tables_html(out / "tables.html", evaluation=out / "summary.json")
+    page = (out / "tables.html").read_text()
+    assert "Results matrix" in page and page.count("<td>hf_loop</td>") == sum(r["engine"] == "hf_loop" for r in rows)
+
+
+def test_expected_acceptance_of_a_given_text_is_that_of_the_stage_s_own_sample(stages, tiny_target, tiny_drafter):
+    """The offline T > 0 figures depend on the text only: handed the texts the stage sampled (as a
+    caller hands vLLM's), offline_sampling gives the same per-prompt counts; handed other texts, others."""
+    from eaglet.engines.hf_loop import setup
+
+    out, off, _, sets = stages
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    o = ev._options(OPTS)
+    _, target, proposer, _, tok = setup(tiny_drafter, ident, 1)
+    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"], {})[:2]
+    mine = [p["sampling"]["1.0"] for p in off["per_prompt"][:2]]
+    rows = [{} for _ in prompts]
+    got = ev.offline_sampling(target, proposer, prompts, rows, 3, 16, 1.0, o, texts=[m["tokens"] for m in mine])
+    for r, m in zip(rows, mine):
+        assert r["sampling"]["1.0"]["tokens"] == m["tokens"]
+        for k in (1, 2, 3):
+            (a, n), (a0, n0) = r["sampling"]["1.0"]["expected"][k], m["expected"][k]
+            assert n == n0 and a == pytest.approx(a0, rel=1e-4)
+    assert got["temperature"] == 1.0 and got["overall"]["prompts"] == 2
+    other = [m["tokens"][::-1] for m in mine]
+    ev.offline_sampling(target, proposer, prompts, rows, 3, 16, 1.0, o, texts=other)
+    assert rows[0]["sampling"]["1.0"]["tokens"] == other[0]
+    assert rows[0]["sampling"]["1.0"]["expected"][1][0] != pytest.approx(mine[0]["expected"][1][0], rel=1e-4)
+
+
 def test_a_lossy_loop_fails_the_stage(tiny_target, tiny_drafter, tmp_path, monkeypatch):
     real = ev.speculative
 

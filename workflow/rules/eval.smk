@@ -20,6 +20,8 @@ EVAL_OPTS = {
         "repeats",
         "confidence",
         "max_relative_width",
+        "temperatures",
+        "seed",
     )
 } | {
     "chat_template": CHAT_TEMPLATE or None,

@@ -16,6 +16,12 @@ continuation (:func:`sequence_rounds`).
 The evaluation's counts over the same numbers: acceptance per draft position from every start
 (:func:`position_rates`, :func:`tau_all_positions`) and vLLM's per-position counters of a chain
 (:func:`chain_counts`, :func:`prompt_chain`).
+
+At temperature T > 0 nothing is fixed by the text: a draft is accepted with probability
+α = Σ_x min(p(x), q(x)) (:func:`overlap`; docs/eagle3.md §13). Along a continuation, a round of k
+drafts from a start whose drafts have α_0, α_1, ... accepts Σ_{j<k} Π_{i≤j} α_i drafts in
+expectation (:func:`expected_accepted`); :func:`expected_tau` and :func:`expected_position_rates`
+are the T > 0 counterparts of :func:`tau_all_positions` and :func:`position_rates`.
 """
 
 from __future__ import annotations
@@ -158,3 +164,54 @@ def chain_along(target, proposer, prompt: list[int], continuation: list[int], k:
         at[g], drafts[g], tied[g] = a, d, bool(min(gaps) < tie)
     starts = served_rounds(at, max_tokens)
     return {"rounds": [{"g": g, "drafts": drafts[g], "accepted": at[g], "tie": tied[g]} for g in starts]}
+
+
+# --------------------------------------------------------------------------- sampling (T > 0)
+def overlap(p_JV: torch.Tensor, q_JV: torch.Tensor) -> torch.Tensor:
+    """α_j = Σ_x min(p_j(x), q_j(x)): the probability that speculative sampling accepts a draft
+    drawn from q_j when the target's distribution is p_j (Leviathan et al., 2023). Both over the
+    same support; a q that lives on the draft vocabulary only is compared on those ids (the
+    target's mass outside them is never accepted, so it adds nothing to the sum)."""
+    return torch.minimum(p_JV, q_JV).sum(-1)
+
+
+def expected_accepted(alpha: list[float], k: int) -> float:
+    """Expected accepted drafts of a round of k drafts whose acceptance probabilities along the
+    text are α_0, α_1, ...: Σ_{j<k} Π_{i≤j} α_i (draft j counts only when 0..j are all accepted)."""
+    out, run = 0.0, 1.0
+    for a in alpha[:k]:
+        run *= a
+        out += run
+    return out
+
+
+def expected_counts(alphas: list[list[float]], valid: list[int], k: int) -> tuple[float, int]:
+    """(Σ expected accepted at k, starts counted) over the starts with k positions of text left:
+    the pair τ over prompts is pooled from (eaglet.eval.stats.pooled_tau)."""
+    xs = [expected_accepted(a, k) for a, v in zip(alphas, valid, strict=True) if v >= k]
+    return sum(xs), len(xs)
+
+
+def expected_tau(alphas: list[list[float]], valid: list[int], k: int) -> float | None:
+    """Expected τ at k: 1 + mean expected accepted over the starts with k positions left."""
+    s, n = expected_counts(alphas, valid, k)
+    return 1 + s / n if n else None
+
+
+def expected_position_rates(alphas: list[list[float]], valid: list[int], K: int) -> dict:
+    """Per draft position j = 1..K over the starts that reach it: the mean α (acceptance of draft
+    j given the text so far), the mean probability that drafts 1..j are all accepted, and that
+    probability's ratio to the one before (as :func:`position_rates` counts it at T = 0)."""
+    reach, alpha, run = [0] * K, [0.0] * K, [0.0] * K
+    for al, v in zip(alphas, valid, strict=True):
+        prod = 1.0
+        for j in range(min(K, v, len(al))):
+            prod *= al[j]
+            reach[j] += 1
+            alpha[j] += al[j]
+            run[j] += prod
+    rate = [run[j] / reach[j] if reach[j] else None for j in range(K)]
+    cond = [None if rate[j] is None or (j and not rate[j - 1]) else rate[j] / (rate[j - 1] if j else 1.0)
+            for j in range(K)]
+    return {"alpha_per_pos": [alpha[j] / reach[j] if reach[j] else None for j in range(K)],
+            "accept_rate_per_pos": rate, "conditional_accept_per_pos": cond, "starts_per_pos": reach}

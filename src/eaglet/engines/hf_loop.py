@@ -7,6 +7,9 @@ check (eaglet.export.known_answer).
     greedy(target, prompt_ids, max_new)                      # plain greedy, optionally the aux states
     speculative(target, proposer, prompt_ids, k, max_new)    # the real loop: draft, verify, roll back
     offline_prompt(target, proposer, prompt_ids, K, max_new) # K drafts from every verified position
+    sample(target, prompt_ids, max_new, T, gen)              # plain sampling at temperature T > 0
+    speculative_sampling(target, proposer, prompt_ids, k, max_new, T, gen)  # the real loop at T > 0
+    expected_prompt(target, proposer, prompt_ids, K, T, ...) # Σ min(p, q) from every verified position
 
 Conventions. The drafter at position t reads g_t = fc(aux_t) and the token x_{t+1} (vLLM's);
 aux id j = HF ``hidden_states[j]`` (residual stream entering layer j). A round starts when the
@@ -14,7 +17,21 @@ target has emitted g tokens after the prompt; with k drafts it may accept at mos
 ``min(k, max_new - g - 1)`` (never past max_new_tokens), and stops at EOS. The drafter stays on the
 CPU in fp32; the target's logits and aux states come back as fp32 CPU tensors.
 
-Shape suffixes: T tokens, V target vocab, H target hidden, 3 the three aux layers.
+Sampling (T > 0; docs/eagle3.md §13). The target's distribution is p = softmax(logits / T) over
+the whole vocabulary V; the drafter's is q = softmax(draft logits / T) over the draft vocabulary
+(draft id i is target id i + d2t[i]), and q is 0 for every target id outside it. A draft x drawn
+from q is accepted with probability min(1, p(x) / q(x)); at the first rejection the emitted token
+is drawn from normalize(max(0, p − q)) (:func:`residual`), and when all k drafts are accepted the
+bonus token is drawn from p. The emitted text then has exactly the distribution of plain sampling
+(:func:`sample`) from the target; tests/engines/test_speculative_sampling.py checks that with a
+goodness-of-fit test. Every random draw takes a ``torch.Generator`` (:func:`generator`), so a
+seeded run is reproducible. The verification rule is a parameter (``verify``, default
+:func:`verify_exact`) only so that the tests can run deliberately wrong rules through the same loop
+and show that the statistical test rejects them. T = 0 never reaches this code: greedy,
+speculative and offline_prompt are the exact greedy paths.
+
+Shape suffixes: T tokens, V target vocab, Vd draft vocab, H target hidden, 3 the three aux layers,
+K draft positions.
 """
 
 from __future__ import annotations
@@ -28,7 +45,7 @@ from collections import defaultdict
 import torch
 
 from eaglet.base import io
-from eaglet.drafter.chain import accepted_prefix
+from eaglet.drafter.chain import accepted_prefix, overlap
 from eaglet.drafter.model import KVCache, load_drafter
 from eaglet.target.load import job_device, load_identity, load_model, load_tokenizer, stop_ids
 
@@ -152,6 +169,7 @@ class EagleProposer:
 
     def __init__(self, drafter, d2t: torch.Tensor):
         self.m, self.d2t = drafter, d2t.long()
+        self.ids = torch.arange(len(self.d2t)) + self.d2t  # draft index -> target id (docs/eagle3.md §4)
         self.step_times: list[float] = []
         self.reset()
 
@@ -187,6 +205,43 @@ class EagleProposer:
             logits = lg[0, -1]
             self.step_times.append(time.perf_counter() - t0)
         return out
+
+    def target_probs(self, q_JVd: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary probabilities as target-vocabulary ones: 0 outside the draft vocabulary."""
+        out = torch.zeros(q_JVd.shape[0], self.m.cfg.vocab_size, dtype=q_JVd.dtype)
+        out[:, self.ids] = q_JVd
+        return out
+
+    @torch.inference_mode()
+    def draft_sampled(self, k: int, temperature: float, gen: torch.Generator) -> tuple[list[int], torch.Tensor]:
+        """k drafts, each drawn from q = softmax(logits / T) over the draft vocabulary and fed to
+        the next step; returns the target ids and q over the target vocabulary [k, V]."""
+        logits, h = self.last
+        out, qs = [], []
+        for j in range(k):
+            q = probs(logits, temperature)
+            i = draw(q, gen)
+            qs.append(q)
+            out.append(int(self.ids[i]))
+            if j == k - 1:
+                break
+            t0 = time.perf_counter()
+            lg, h = self.m.forward_step(torch.tensor([[out[-1]]]), h, torch.tensor([[self.n + j]]), self.cache)
+            logits = lg[0, -1]
+            self.step_times.append(time.perf_counter() - t0)
+        return out, self.target_probs(torch.stack(qs))
+
+    @torch.inference_mode()
+    def unroll(self, tokens: list[int], temperature: float) -> torch.Tensor:
+        """q over the draft vocabulary of 1 + len(tokens) draft steps from the verified position,
+        step j ≥ 1 fed ``tokens[j-1]`` (the text's token, as training-time test feeds it) and the
+        drafter's own hidden state: [1 + len(tokens), Vd]. Not timed: this is no serving step."""
+        logits, h = self.last
+        qs = [probs(logits, temperature)]
+        for j, t in enumerate(tokens):
+            lg, h = self.m.forward_step(torch.tensor([[t]]), h, torch.tensor([[self.n + j]]), self.cache)
+            qs.append(probs(lg[0, -1], temperature))
+        return torch.stack(qs)
 
 
 def speculative(target: Target, proposer, prompt: list[int], k: int, max_new: int) -> dict:
@@ -247,6 +302,122 @@ def offline_prompt(target: Target, proposer: EagleProposer, prompt: list[int], K
         starts.append({"g": g, "accepted": a, "valid": N - g, "drafter_margin": dm,
                        "target_margin": min(gr["margins"][g:g + a + 1])})
     return {"tokens": gr["tokens"], "starts": starts, "target_margins": gr["margins"]}
+
+
+# --------------------------------------------------------------------------- sampling (T > 0)
+def generator(seed: int) -> torch.Generator:
+    """A seeded CPU generator: every draw of a sampling run takes it, so a seed fixes the run."""
+    return torch.Generator().manual_seed(int(seed))
+
+
+def probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T) in fp32 over the last axis."""
+    if not temperature > 0:
+        raise ValueError(f"temperature {temperature}: sampling needs T > 0 (T = 0 is greedy)")
+    return torch.softmax(logits.float() / temperature, -1)
+
+
+def draw(p_V: torch.Tensor, gen: torch.Generator) -> int:
+    """One index drawn from the distribution p."""
+    return int(torch.multinomial(p_V, 1, generator=gen))
+
+
+def residual(p_V: torch.Tensor, q_V: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p − q)): what a rejected draft is replaced with. ``q`` over the target
+    vocabulary (0 outside the draft vocabulary, so the target's mass there stays whole). A
+    rejection implies p(x) < q(x) somewhere, hence mass elsewhere; should rounding leave none, p."""
+    r = (p_V - q_V).clamp_min(0)
+    s = r.sum()
+    return r / s if s > 0 else p_V
+
+
+def verify_exact(p_JV: torch.Tensor, q_JV: torch.Tensor | None, drafts: list[int],
+                 gen: torch.Generator) -> tuple[int, int]:
+    """Speculative sampling's verification. ``p_JV``: the target's distributions at the k draft
+    positions and the bonus position [k+1, V]; ``q_JV``: the drafter's at the k positions [k, V]
+    (0 outside the draft vocabulary). Returns (accepted drafts a, the token emitted after them):
+    draft x_j is accepted with probability min(1, p_j(x_j) / q_j(x_j)); the first rejection emits a
+    token from residual(p_j, q_j); all accepted, the bonus token comes from p_k."""
+    for j, x in enumerate(drafts):
+        px, qx = float(p_JV[j, x]), float(q_JV[j, x])
+        if float(torch.rand((), generator=gen)) * qx >= px:  # u ≥ p/q: rejected
+            return j, draw(residual(p_JV[j], q_JV[j]), gen)
+    return len(drafts), draw(p_JV[len(drafts)], gen)
+
+
+def sample(target: Target, prompt: list[int], max_new: int, temperature: float, gen: torch.Generator) -> dict:
+    """Plain sampling from softmax(logits / T), the reference speculative sampling must match in
+    distribution; the same EOS and max_new rules as :func:`greedy`."""
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    logits, _ = target.forward(prompt, cache, aux=False)
+    tokens = [draw(probs(logits[-1], temperature), gen)]
+    while len(tokens) < max_new and tokens[-1] not in target.eos_ids:
+        logits, _ = target.forward(tokens[-1:], cache, aux=False)
+        tokens.append(draw(probs(logits[-1], temperature), gen))
+    return {"tokens": tokens, "seconds": time.perf_counter() - t0}
+
+
+def speculative_sampling(target: Target, proposer: EagleProposer, prompt: list[int], k: int, max_new: int,
+                         temperature: float, gen: torch.Generator, verify=verify_exact) -> dict:
+    """The real loop at temperature T > 0: drafts drawn from q, verified by ``verify`` (the module
+    docstring; the default is the only correct rule), caches rolled back as in :func:`speculative`,
+    the same EOS and max_new rules. ``rounds``: (emitted so far g, drafts k_eff, accepted)."""
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    logits, aux = target.forward(prompt, cache)
+    by_crop = target.arm_rollback(cache)
+    tokens, rounds = [draw(probs(logits[-1], temperature), gen)], []
+    proposer.reset()
+    proposer.extend(aux, prompt[1:] + tokens)
+    while len(tokens) < max_new and tokens[-1] not in target.eos_ids:
+        k_eff = min(k, max_new - len(tokens) - 1)
+        drafts, q = proposer.draft_sampled(k_eff, temperature, gen) if k_eff else ([], None)
+        fed = tokens[-1:] + drafts
+        snapshot = None if by_crop else copy.deepcopy(cache)
+        logits, aux = target.forward(fed, cache)
+        a, nxt = verify(probs(logits, temperature), q, drafts, gen)
+        emitted = drafts[:a] + [nxt]
+        eos = next((i for i, t in enumerate(emitted) if t in target.eos_ids), None)
+        if eos is not None:  # nothing after EOS counts, accepted or not
+            emitted, a = emitted[:eos + 1], min(a, eos + 1)
+        rounds.append((len(tokens), k_eff, a))
+        tokens += emitted
+        if by_crop:
+            Target.crop(cache, len(prompt) + len(tokens) - 1)
+        elif len(emitted) < len(fed):
+            cache = snapshot
+            target.refeed(fed[:len(emitted)], cache)
+        proposer.extend(aux[:len(emitted)], emitted)
+    return {"tokens": tokens, "rounds": rounds, "seconds": time.perf_counter() - t0}
+
+
+def expected_prompt(target: Target, proposer: EagleProposer, prompt: list[int], K: int, temperature: float,
+                    max_new: int | None = None, gen: torch.Generator | None = None,
+                    tokens: list[int] | None = None) -> dict:
+    """Expected acceptance at T > 0 along one continuation of ``prompt``: ``tokens`` when given
+    (text the target produced elsewhere, e.g. through vLLM), else the target's own sample of up to
+    ``max_new`` tokens drawn with ``gen``. One target forward over prompt + continuation gives p at
+    every position and the aux states; from every verified start (after g emitted tokens, as
+    :func:`offline_prompt`) the drafter is unrolled K steps on its own hidden states, fed the
+    text's tokens (training-time test's alignment), and α_j = Σ_x min(p(x), q_j(x)) is the
+    probability that draft j is accepted given the text before it (eaglet.drafter.chain.overlap).
+    It is an estimate: the real loop conditions draft j on the accepted drafts, not on the text."""
+    if tokens is None:
+        tokens = sample(target, prompt, max_new, temperature, gen)["tokens"]
+    x, P, N = prompt + list(tokens), len(prompt), len(tokens)
+    logits, aux = target.forward(x[:-1], target.new_cache())  # row r: p of x[r + 1]
+    proposer.reset()
+    proposer.extend(aux[:P], x[1:P + 1])
+    starts = []
+    for g in range(1, N):  # the drafter knows x_0 .. x_{P+g-1}; draft j proposes x_{P+g+j}
+        if g > 1:
+            proposer.extend(aux[P + g - 2:P + g - 1], x[P + g - 1:P + g])
+        n = min(K, N - g)  # draft positions the text covers
+        q = proposer.unroll(x[P + g:P + g + n - 1], temperature)
+        p = probs(logits[P + g - 1:P + g - 1 + n], temperature)
+        starts.append({"g": g, "valid": N - g, "alpha": overlap(p[:, proposer.ids], q).tolist()})
+    return {"tokens": list(tokens), "starts": starts}
 
 
 # --------------------------------------------------------------------------- setup

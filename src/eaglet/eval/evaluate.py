@@ -28,6 +28,22 @@ a seeded bootstrap interval over prompts (eaglet.eval.stats), and ``conclusive: 
 sentence when the interval spans 1.0 or is wider than ``max_relative_width`` times the estimate.
 τ gets the same interval over prompts, per set and per domain (MT-Bench category, HumanEval, ...).
 
+Temperatures (``temperatures``, default [0.0, 1.0]; docs/eagle3.md §13). T = 0 is always evaluated
+as above: the exact greedy chain and the token-for-token lossless check; those figures keep their
+places in both JSON files. Each T > 0 adds an entry to the list ``sampling``:
+offline      along the target's own sampled text at T (seeded, eaglet.engines.hf_loop.expected_prompt),
+             from every verified position the expected acceptance α = Σ min(p, q) of each draft
+             position; expected τ per k, per draft position, per set and domain with intervals.
+speculative  plain sampling and speculative sampling at every k, timed in the same paired,
+             interleaved, rotated blocks as greedy (the same repeats, one OtherLoad over all of
+             them); τ measured = 1 + accepted / rounds; a speedup sample is the ratio of the two
+             sides' tokens/s in one block (sampled texts differ in length). Losslessness at T > 0 is
+             a property of the distribution, proven by tests/engines/test_speculative_sampling.py,
+             not by one run. Every random draw is seeded from ``seed``, the stage, T, the prompt and
+             the configuration, so a rerun gives the same texts.
+Both stages also write ``matrix``: one row per engine, T, k, set and domain (eaglet.eval.stats.matrix_rows)
+that eval_summary concatenates with vLLM's.
+
 Conventions. The drafter at position t reads g_t = fc(aux_t) and the token x_{t+1} (vLLM's);
 aux id j = HF ``hidden_states[j]`` (residual stream entering layer j). A round starts when the
 target has emitted g tokens after the prompt; with k drafts it may accept at most
@@ -48,6 +64,8 @@ Shape suffixes: T tokens, V target vocab, H target hidden, 3 the three aux layer
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
 import statistics
 import time
@@ -58,8 +76,27 @@ import torch
 
 from eaglet.base import datasets as eval_sets
 from eaglet.base import io
-from eaglet.drafter.chain import chain_counts, chain_replay, position_rates, prompt_chain, rounds_tau, tau_all_positions
-from eaglet.engines.hf_loop import greedy, offline_prompt, setup, speculative
+from eaglet.drafter.chain import (
+    chain_counts,
+    chain_replay,
+    expected_counts,
+    expected_position_rates,
+    expected_tau,
+    position_rates,
+    prompt_chain,
+    rounds_tau,
+    tau_all_positions,
+)
+from eaglet.engines.hf_loop import (
+    expected_prompt,
+    generator,
+    greedy,
+    offline_prompt,
+    sample,
+    setup,
+    speculative,
+    speculative_sampling,
+)
 from eaglet.eval import stats as eval_stats
 
 log = logging.getLogger("eaglet.eval.evaluate")
@@ -69,7 +106,7 @@ DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[1, 2, 3, 4, 5], ti
                 stop_at_eos=True, max_prompt_tokens=1024, chat_template=None, chat_template_kwargs={}, repeats=3,
                 confidence=0.95,
                 max_relative_width=0.5, hf_loop=True, hf_loop_reason=None, dtype="float32", device="auto",
-                trust_remote_code=False)
+                trust_remote_code=False, temperatures=[0.0, 1.0], seed=0)
 NOT_RUN = "not run"
 
 
@@ -87,7 +124,22 @@ def _options(opts: dict) -> dict:
         raise ValueError(f"evaluate.repeats must be >= 1, got {o['repeats']}")
     if not 0 < o["confidence"] < 1:
         raise ValueError(f"evaluate.confidence must be in (0, 1), got {o['confidence']}")
+    o["temperatures"] = sorted({float(t) for t in o["temperatures"]})
+    if any(t < 0 for t in o["temperatures"]):
+        raise ValueError(f"evaluate.temperatures must be >= 0, got {o['temperatures']}")
     return o
+
+
+def sampled_temperatures(o: dict) -> list[float]:
+    """The temperatures that add sampling figures; T = 0 (greedy) is always evaluated."""
+    return [t for t in o["temperatures"] if t > 0]
+
+
+def run_generator(seed: int, *parts):
+    """A generator for one sampling run, seeded from the run's seed and what identifies the run
+    (stage, T, prompt, configuration): independent streams, the same ones on every rerun."""
+    digest = hashlib.sha256(json.dumps([seed, *parts]).encode()).digest()
+    return generator(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def _median(xs):
@@ -136,7 +188,8 @@ def hf_loop_not_run(stage: str, out_dir: str | Path, o: dict, json_name: str, pa
     (eval_summary reports it as such), its Parquet files are empty. The target is never loaded."""
     why = o["hf_loop_reason"] or "evaluate.hf_loop: false"
     log.warning("HF loop not run (%s): %s", stage, why)
-    res = {"stage": stage, "status": NOT_RUN, "hf_loop_reason": why, "options": o, "per_prompt": []}
+    res = {"stage": stage, "status": NOT_RUN, "hf_loop_reason": why, "options": o, "per_prompt": [],
+           "sampling": [], "matrix": []}
     out = Path(out_dir)
     for name in parquets:
         io.write_parquet(out / name, _frame([]))
@@ -200,9 +253,61 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
     io.write_parquet(out / "offline_rounds.parquet", _frame(round_rows))
     # checked by eval_summary (io.verify_recorded)
     res[io.DIGESTS_KEY] = io.record_digests(out, ["offline_positions.parquet", "offline_rounds.parquet"])
+    res["sampling"] = [offline_sampling(target, proposer, prompts, per_prompt, K, max_new, t, o)
+                       for t in sampled_temperatures(o)]
+    res["matrix"] = offline_matrix(res, o)
     io.write_json(out / "offline.json", res)
     log.info("offline: tau %s (all positions), chain %s", res["overall"]["tau"], res["overall"]["tau_chain"])
+    for smp in res["sampling"]:
+        log.info("offline T=%g: expected tau %s", smp["temperature"], smp["overall"]["tau"])
     return res
+
+
+def _expected_stats(starts: list[dict], K: int) -> dict:
+    alphas, valid = [s["alpha"] for s in starts], [s["valid"] for s in starts]
+    return {"starts": len(starts), "tau": {k: expected_tau(alphas, valid, k) for k in range(1, K + 1)},
+            **expected_position_rates(alphas, valid, K)}
+
+
+def offline_sampling(target, proposer, prompts: list[dict], per_prompt: list[dict], K: int, max_new: int,
+                     temp: float, o: dict, texts: list[list[int]] | None = None) -> dict:
+    """Expected acceptance at ``temp`` along each prompt's sampled text; the text and the per-prompt
+    (Σ expected accepted, starts) go into ``per_prompt[i]["sampling"][str(temp)]``. ``texts``: one
+    continuation (token ids) per prompt produced elsewhere (e.g. vLLM's at ``temp``) instead of the
+    target's own seeded samples."""
+    rows, starts = [], defaultdict(list)
+    t0 = time.time()
+    for i, p in enumerate(prompts):
+        e = expected_prompt(target, proposer, p["prompt_ids"], K, temp, max_new,
+                            run_generator(o["seed"], "offline", temp, i), tokens=texts[i] if texts else None)
+        alphas, valid = [s["alpha"] for s in e["starts"]], [s["valid"] for s in e["starts"]]
+        exp = {k: list(expected_counts(alphas, valid, k)) for k in range(1, K + 1)}
+        per_prompt[i].setdefault("sampling", {})[str(temp)] = {"tokens": e["tokens"], "expected": exp}
+        rows.append({"set": p["set"], "domain": p["domain"], "expected": exp})
+        starts[p["set"]] += e["starts"]
+    ks = o["k_values"]
+    return {"temperature": temp, "seed": o["seed"], "text": "given" if texts else "sampled by the target, seeded",
+            "estimate": "expected acceptance along the text: alpha = sum_x min(p(x), q(x)), "
+                        "expected accepted at k = sum_{j<k} prod_{i<=j} alpha_i, tau = 1 + mean over starts",
+            "sets": {s: {"prompts": sum(r["set"] == s for r in rows), **_expected_stats(v, K),
+                         "tau_ci": _tau_ci([r for r in rows if r["set"] == s], "expected", ks, o)}
+                     for s, v in starts.items()},
+            "overall": {"prompts": len(rows), **_expected_stats([x for v in starts.values() for x in v], K),
+                        "tau_ci": _tau_ci(rows, "expected", ks, o)},
+            "domains": _domains(rows, "expected", ks, o), "seconds": round(time.time() - t0, 2)}
+
+
+def offline_matrix(res: dict, o: dict) -> list[dict]:
+    """Matrix rows of the offline stage: the exact chain at T = 0, the expected chain at each T > 0."""
+    ks = o["k_values"]
+    rows = eval_stats.matrix_rows(
+        "chain", 0.0, ks, {"prompts": res["prompts"], "tau": res["overall"]["tau_chain_ci"]},
+        {s: {"prompts": v["prompts"], "tau": v["tau_chain_ci"]} for s, v in res["sets"].items()}, res["domains"])
+    for smp in res["sampling"]:
+        rows += eval_stats.matrix_rows(
+            "expected", smp["temperature"], ks, {"prompts": smp["overall"]["prompts"], "tau": smp["overall"]["tau_ci"]},
+            {s: {"prompts": v["prompts"], "tau": v["tau_ci"]} for s, v in smp["sets"].items()}, smp["domains"])
+    return rows
 
 
 def _frame(rows):
@@ -289,7 +394,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
                                      o["chat_template_kwargs"])
     greedy(target, prompts[0]["prompt_ids"], 4)  # warm-up: first calls pay allocator/thread start-up
     target.times.clear()
-    per_prompt, round_rows, mismatches = [], [], []
+    per_prompt, round_rows, mismatches, sampled_rounds = [], [], [], defaultdict(list)
     other = eval_stats.OtherLoad().start()
     for i, p in enumerate(prompts):
         ids = p["prompt_ids"]
@@ -315,6 +420,13 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
                  len(gr["tokens"]) / row["greedy_seconds"],
                  ", ".join(f"k={k} tau {row['k'][k]['tau'] or 1:.2f} x{row['k'][k]['speedup']:.2f} "
                            f"(paired {', '.join(f'{x:.2f}' for x in row['k'][k]['speedup_samples'])})" for k in ks))
+        for temp in sampled_temperatures(o):
+            view = _sampling_prompt(target, proposer, p, i, ks, repeats, max_new, temp, o["seed"], sampled_rounds)
+            row.setdefault("sampling", {})[str(temp)] = view
+            log.info("speculative %d/%d %s T=%g: plain %.1f tok/s; %s", i + 1, len(prompts), p["id"], temp,
+                     view["greedy_tokens"] / view["greedy_seconds"],
+                     ", ".join(f"k={k} tau {view['k'][k]['tau'] or 1:.2f} x{view['k'][k]['speedup']:.2f}"
+                               for k in ks))
     load = other.stop()
     if load["busy"]:
         log.warning("speculative: %s; the speedups are reported not conclusive", load["note"])
@@ -338,6 +450,8 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
            "lossless": {"pass": not unexplained, "compared": len(prompts) * len(ks), "mismatches": mismatches,
                         "unexplained": len(unexplained), "tie_eps": eps},
            "step_costs": costs, "per_prompt": per_prompt}
+    res["sampling"] = [_sampling_result(per_prompt, sampled_rounds[t], ks, t, o, load) for t in sampled_temperatures(o)]
+    res["matrix"] = speculative_matrix(res, o)
     out = Path(out_dir)
     io.write_parquet(out / "speculative_rounds.parquet", _frame(round_rows))
     if unexplained:
@@ -349,6 +463,76 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     io.write_json(out / "speculative.json", res)
     log.info("speculative: %s", {k: (v["tau"], v["speedup_ci"]["note"]) for k, v in res["overall"]["k"].items()})
     return res
+
+
+def _sampling_prompt(target, proposer, p: dict, i: int, ks: list[int], repeats: int, max_new: int, temp: float,
+                     seed: int, round_rows: dict) -> dict:
+    """One prompt at ``temp``: per repeat one block of plain sampling and speculative sampling at
+    every k, the order rotated as greedy's (timing_order); each run seeded from (seed, T, prompt,
+    configuration), the same in every repeat, so the repeats time the same texts. Returns the
+    prompt's figures under the keys _spec_stats reads ("greedy" = the plain-sampling baseline);
+    the first repeat's rounds go to ``round_rows[temp]``."""
+    ids, samples, first = p["prompt_ids"], [], {}
+    for r in range(repeats):
+        order = timing_order([None] + ks, i, r)  # None = plain sampling
+        block = {"repeat": r, "order": ["plain" if c is None else c for c in order], "spec_s": {}, "spec_tokens": {}}
+        for c in order:
+            gen = run_generator(seed, "speculative", temp, i, "plain" if c is None else c)
+            res = sample(target, ids, max_new, temp, gen) if c is None else \
+                speculative_sampling(target, proposer, ids, c, max_new, temp, gen)
+            if c is None:
+                block["plain_s"], block["plain_tokens"] = res["seconds"], len(res["tokens"])
+            else:
+                block["spec_s"][c], block["spec_tokens"][c] = res["seconds"], len(res["tokens"])
+            if r == 0:
+                first[c] = res
+        samples.append(block)
+    view = {"set": p["set"], "domain": p["domain"], "id": p["id"], "greedy_tokens": len(first[None]["tokens"]),
+            "greedy_seconds": statistics.median(s["plain_s"] for s in samples), "samples": samples,
+            "chain": {}, "k": {}}
+    for k in ks:
+        sp = first[k]
+        # tokens/s of speculative over plain sampling in the same block: the texts differ in length
+        pairs = [(s["spec_tokens"][k] / s["spec_s"][k]) / (s["plain_tokens"] / s["plain_s"]) for s in samples]
+        view["chain"][k] = prompt_chain(sp["rounds"])
+        view["k"][k] = {"tau": rounds_tau(sp["rounds"]), "tokens": len(sp["tokens"]),
+                        "seconds": statistics.median(s["spec_s"][k] for s in samples),
+                        "speedup_samples": pairs, "speedup": statistics.median(pairs), "rounds": len(sp["rounds"])}
+        round_rows[temp] += [{"set": p["set"], "id": p["id"], "k": k, "g": g, "k_eff": ke, "accepted": a}
+                             for g, ke, a in sp["rounds"]]
+    return view
+
+
+def _plain(stats: dict) -> dict:
+    """_spec_stats' figures at T > 0: its greedy baseline is plain sampling, so named."""
+    return {k.replace("greedy_", "plain_"): v for k, v in stats.items()}
+
+
+def _sampling_result(per_prompt: list[dict], round_rows: list[dict], ks: list[int], temp: float, o: dict,
+                     load: dict) -> dict:
+    views = [r["sampling"][str(temp)] for r in per_prompt]
+    return {"temperature": temp, "seed": o["seed"],
+            "design": "plain sampling and speculative sampling at every k, seeded, in the greedy timing blocks' "
+                      "design; speedup sample = speculative tokens/s / plain tokens/s of the same block; "
+                      "tau = 1 + accepted / rounds of the first repeat",
+            "lossless": "in distribution, by tests/engines/test_speculative_sampling.py (not checkable per run)",
+            "sets": {s: _plain(_spec_stats([v for v in views if v["set"] == s], round_rows, ks, s, o, load))
+                     for s in dict.fromkeys(v["set"] for v in views)},
+            "overall": _plain(_spec_stats(views, round_rows, ks, None, o, load)),
+            "domains": _domains(views, "chain", ks, o)}
+
+
+def speculative_matrix(res: dict, o: dict) -> list[dict]:
+    """Matrix rows of the HF loop: τ measured at T = 0 and at each T > 0."""
+    def block(r):
+        return ({"prompts": r["overall"]["prompts"], "tau": {k: v["tau_ci"] for k, v in r["overall"]["k"].items()}},
+                {s: {"prompts": v["prompts"], "tau": {k: x["tau_ci"] for k, x in v["k"].items()}}
+                 for s, v in r["sets"].items()}, r["domains"])
+
+    rows = eval_stats.matrix_rows("hf_loop", 0.0, o["k_values"], *block(res))
+    for smp in res["sampling"]:
+        rows += eval_stats.matrix_rows("hf_loop", smp["temperature"], o["k_values"], *block(smp))
+    return rows
 
 
 class LosslessError(RuntimeError):

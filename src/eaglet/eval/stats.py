@@ -1,6 +1,8 @@
 """Statistics of the evaluation figures: bootstrap intervals over prompts, an honest verdict on
 whether an interval allows a conclusion, the break-even acceptance length of a draft length, and the
 two-proportion test that compares vLLM's acceptance counts with the offline simulator's.
+Also the results matrix every evaluation stage writes (one row per engine, temperature, k, set and
+domain) and its table.
 
 Why prompts are the unit: rounds and repeated timings of one prompt are not independent (a prompt
 the drafter knows well gives long accepted runs all along; a background job slows every repeat
@@ -175,3 +177,53 @@ def two_proportion_z(a1: int, n1: int, a2: int, n2: int) -> float | None:
 def z_critical(alpha: float, m: int) -> float:
     """Two-sided critical |z| at family-wise level ``alpha`` over ``m`` tests (Bonferroni)."""
     return NormalDist().inv_cdf(1 - alpha / (2 * max(m, 1)))
+
+
+# --------------------------------------------------------------------------- the results matrix
+# One row per engine x temperature x k x set x domain, written by every evaluation stage (offline.json,
+# speculative.json, vllm.json: a list ``matrix``) and concatenated by eaglet.eval.summary. engine:
+# "chain" (the exact greedy chain offline, T = 0), "expected" (Σ min(p, q) offline, T > 0),
+# "hf_loop" (measured in the HF loop), "vllm" (measured in vLLM). ``set``/``domain`` are ALL for
+# the rows over a whole set or over every prompt; ``ci`` is [lo, hi] over prompts or null.
+MATRIX_KEYS = ("engine", "temperature", "k", "set", "domain", "tau", "ci", "prompts")
+ALL = "all"
+
+
+def matrix_row(engine: str, temperature: float, k: int, set_name: str, domain: str, interval: dict | None,
+               prompts: int) -> dict:
+    """One matrix row from a τ interval (:func:`tau_interval`'s dict, or None when nothing was measured)."""
+    iv = interval or {}
+    lo, hi = iv.get("lo"), iv.get("hi")
+    return {"engine": engine, "temperature": float(temperature), "k": int(k), "set": set_name, "domain": domain,
+            "tau": iv.get("estimate"), "ci": [lo, hi] if lo is not None and hi is not None else None,
+            "prompts": int(prompts)}
+
+
+def matrix_rows(engine: str, temperature: float, ks: list[int], overall: dict, sets: dict, domains: dict) -> list[dict]:
+    """The rows of one engine at one temperature: every prompt, each set, each domain. Each of
+    ``overall``, ``sets[name]``, ``domains[name]`` is {"prompts": n, "tau": {k: interval}} (a domain
+    also names its "set"); intervals keyed by int or str k."""
+    def iv(d, k):
+        t = d.get("tau") or {}
+        return t.get(k, t.get(str(k)))
+
+    rows = [matrix_row(engine, temperature, k, ALL, ALL, iv(overall, k), overall["prompts"]) for k in ks]
+    rows += [matrix_row(engine, temperature, k, s, ALL, iv(v, k), v["prompts"]) for s, v in sets.items() for k in ks]
+    rows += [matrix_row(engine, temperature, k, v["set"], d, iv(v, k), v["prompts"])
+             for d, v in domains.items() for k in ks]
+    return rows
+
+
+def matrix_table(rows: list[dict]) -> str:
+    """The matrix as a text table, one line per domain x k x T x engine, sorted in that order."""
+    head = f"{'set':<12} {'domain':<22} {'k':>2} {'T':>4} {'engine':<9} {'tau':>6}  {'interval':<13} prompts"
+    order = {"chain": 0, "expected": 1, "hf_loop": 2, "vllm": 3}
+    lines = [head]
+    for r in sorted(rows, key=lambda r: (str(r["set"]) == ALL, str(r["set"]), str(r["domain"]) != ALL,
+                                         str(r["domain"]), r["k"], r["temperature"], order.get(r["engine"], 9),
+                                         str(r["engine"]))):
+        tau = "n/a" if r.get("tau") is None else f"{r['tau']:.3f}"
+        ci = "-" if not r.get("ci") else f"{r['ci'][0]:.2f}-{r['ci'][1]:.2f}"
+        lines.append(f"{str(r['set'])[:12]:<12} {str(r['domain'])[:22]:<22} {r['k']:>2} {r['temperature']:>4g} "
+                     f"{r['engine']:<9} {tau:>6}  {ci:<13} {r.get('prompts')}")
+    return "\n".join(lines)

@@ -5,8 +5,14 @@ recommendation with the table behind it, and the plots for the report.
         [--config '{"tie_eps": 1e-5, "headline_k": 3}'] [--log LOG]
 
 Reads offline.json, speculative.json (+ their rounds/positions Parquet) and, when given, vllm.json
-from the eval folder. Writes summary.json (``headline``, ``agreement``, ``recommendation``) and
-tau_per_position.png, tau_per_k.png, speedup_vs_k.png.
+from the eval folder. Writes summary.json (``headline``, ``agreement``, ``recommendation``,
+``matrix``) and tau_per_position.png, tau_per_k.png, speedup_vs_k.png.
+
+The results matrix: every stage writes a list ``matrix`` of rows {engine, temperature, k, set,
+domain, tau, ci, prompts} (eaglet.eval.stats.matrix_rows): the exact greedy chain offline ("chain",
+T = 0), the expected chain offline at each T > 0 ("expected"), the HF loop ("hf_loop") and vLLM
+("vllm"). The summary concatenates those of offline.json, speculative.json and vllm.json into
+summary.json's ``matrix`` and logs it as a table (domain × k × T × engine, intervals over prompts).
 
 Recommendation: expected speedup(k) = τ(k) · c_target(1) / (c_target(k+1) + k · c_draft), with τ(k)
 the offline acceptance length from every position (measured acceptance per position) and the costs
@@ -154,6 +160,19 @@ def recommend(offline: dict, spec: dict) -> dict:
 
 def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
+
+
+# --------------------------------------------------------------------------- the results matrix
+def results_matrix(*stages: dict | None) -> list[dict]:
+    """The ``matrix`` rows of every stage given (None and stages without one add nothing), in order."""
+    return [dict(r) for st in stages if st for r in st.get("matrix") or []]
+
+
+def _log_matrix(rows: list[dict]) -> None:
+    if rows:
+        table = eval_stats.matrix_table(rows)
+        log.info("results matrix (tau; interval over prompts):\n%s", table)
+        print(table)
 
 
 # --------------------------------------------------------------------------- headline
@@ -311,7 +330,9 @@ def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: di
         _save(fig, out / name)
         plt.close(fig)
     rec = {"recommended_k": None, "sentence": h["recommendation"], "table": []}
-    res = {"headline": h, "agreement": None, "recommendation": rec, "domains": None,
+    matrix = results_matrix(offline, vllm)
+    _log_matrix(matrix)
+    res = {"headline": h, "agreement": None, "recommendation": rec, "domains": None, "matrix": matrix,
            "vllm_disagreements": (vllm or {}).get("disagreements"), "plots": [str(out / p) for p in PLOTS],
            "learning_curve": curve}
     io.write_parquet(out / "recommendation.parquet", pd.DataFrame({"k": pd.Series([], dtype="int64")}))
@@ -333,7 +354,10 @@ def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_cur
         return summarise_without_hf_loop(out, offline if offline.get("status") else spec, vl, o, curve)
     agree = agreement(out, o["tie_eps"])
     rec = recommend(offline, spec)
+    matrix = results_matrix(offline, spec, vl)
+    _log_matrix(matrix)
     res = {"headline": headline(offline, spec, vl, agree, rec, o), "agreement": agree, "recommendation": rec,
+           "matrix": matrix,
            "domains": {"offline_chain": offline.get("domains"), "hf_loop": spec.get("domains")},
            "vllm_disagreements": (vl or {}).get("disagreements"), "plots": plots(out, offline, spec, vl, rec),
            "learning_curve": curve}

@@ -139,6 +139,28 @@ def domain_table(summary: dict) -> str:
             f"<th>note</th></tr>{rows}</table>")
 
 
+def matrix_table(summary: dict) -> str:
+    """summary.json's results matrix: τ per domain × k × T × engine with its interval over prompts
+    (eaglet.eval.summary gathers the rows; "all" = a whole set or every prompt)."""
+    import html
+
+    rows = summary.get("matrix") or []
+    if not rows:
+        return ""
+    order = {"chain": 0, "expected": 1, "hf_loop": 2, "vllm": 3}
+    rows = sorted(rows, key=lambda r: (r["set"] == "all", str(r["set"]), r["domain"] != "all", str(r["domain"]),
+                                       r["k"], r["temperature"], order.get(r["engine"], 9), str(r["engine"])))
+    num = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+    body = "".join(f"<tr><td>{html.escape(str(r['set']))}</td><td>{html.escape(str(r['domain']))}</td>"
+                   f"<td>{r['k']}</td><td>{r['temperature']:g}</td><td>{html.escape(str(r['engine']))}</td>"
+                   f"<td>{num(r['tau'])}</td>"
+                   f"<td>{'-' if not r.get('ci') else num(r['ci'][0]) + ' - ' + num(r['ci'][1])}</td>"
+                   f"<td>{r.get('prompts')}</td></tr>" for r in rows)
+    return ("<h3 id='matrix'>Results matrix (τ; chain: exact greedy offline, expected: Σ min(p, q) offline, "
+            "hf_loop / vllm: measured)</h3><table><tr><th>set</th><th>domain</th><th>k</th><th>T</th>"
+            f"<th>engine</th><th>τ</th><th>interval</th><th>prompts</th></tr>{body}</table>")
+
+
 def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str | Path | None = None,
                 evaluation: str | Path | None = None, contract: str | Path | None = None) -> None:
     """One self-contained HTML page with the run's tables, for the report."""
@@ -168,9 +190,9 @@ def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str 
         parts += ["<h2 id='evaluation'>Evaluation summary</h2>"]
         if (e.get("recommendation") or {}).get("sentence"):
             parts.append(f"<p><b>{html.escape(e['recommendation']['sentence'])}</b></p>")
-        parts += [domain_table(e), _kv_table(e.get("headline", e))]
+        parts += [domain_table(e), matrix_table(e), _kv_table(e.get("headline", e))]
         if e.get("headline") is not None:
-            parts += [_kv_table({k: v for k, v in e.items() if k != "headline"})]
+            parts += [_kv_table({k: v for k, v in e.items() if k not in ("headline", "matrix")})]
     parts.append("</body></html>")
     io.write_text(out, "\n".join(parts))
 

@@ -157,6 +157,22 @@ def _export(c: dict) -> str:
     return "; ".join(parts)
 
 
+ENGINES = {"expected": "expected offline", "hf_loop": "HF loop", "vllm": "vLLM", "chain": "exact chain"}
+
+
+def sampled_parts(matrix: list[dict], k) -> list[str]:
+    """One phrase per temperature T > 0 of summary.json's results matrix: τ at k over every prompt,
+    per engine, with its interval."""
+    out = []
+    for temp in sorted({r["temperature"] for r in matrix if r["temperature"] > 0}):
+        at = [r for r in matrix if r["temperature"] == temp and r["k"] == k and r["set"] == "all"
+              and r["domain"] == "all"]
+        if at:
+            out.append(f"at T={temp:g} τ(k={k}) with 95% CI: "
+                       + ", ".join(f"{ENGINES.get(r['engine'], r['engine'])} {_ci(r)}" for r in at))
+    return out
+
+
 def _evaluate(e: dict) -> str:
     h = e.get("headline") or {}
     k = h.get("k")
@@ -170,6 +186,7 @@ def _evaluate(e: dict) -> str:
         same = h.get("offline_matches_real_loop")
         parts.append(f"HF loop τ {'equals' if same else 'DIFFERS from'} the offline chain "
                      f"({', '.join(f'{s} {v:.2f}' for s, v in loop.items() if v is not None)})")
+    parts += sampled_parts(e.get("matrix") or [], k)
     if h.get("hf_loop") == "not run":  # never a pass: said, with the reason
         parts.append(f"HF loop NOT RUN ({h.get('hf_loop_reason')})")
     if "lossless_hf_loop" in h:
