@@ -158,6 +158,7 @@ TABLE = {
         "sets": ["mtbench", "heldout"], "num_prompts": 2, "repeats": 3, "confidence": 0.9,
         "max_relative_width": 0.3, "max_new_tokens": 16, "max_prompt_tokens": 512, "stop_at_eos": False,
         "k_values": [1, 2], "tie_eps": 1.0e-4, "hf_loop": False}.items()},
+    "evaluate.temperatures": ([0.0], OFF),  # read by evaluate_vllm only, off in the smoke run
     "evaluate.headline_k": (2, {"eval_summary"}),
     "evaluate.vllm.enabled": (True, {"evaluate_vllm"}),
     **{f"evaluate.vllm.{k}": (v, OFF) for k, v in {  # vLLM evaluation is off in the smoke run
