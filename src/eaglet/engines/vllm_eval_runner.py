@@ -16,8 +16,8 @@ the CPUs. An idle engine is not quite idle: after each step vLLM's worker keeps 
 shared-memory queue for ``busy_loop_s`` (1 s, vllm/distributed/device_communicators/shm_broadcast.py,
 SpinCondition), yielding the CPU in a loop. So before a timed call on another engine than the previous
 call's, the runner waits ``settle_s`` (input; eaglet gives 1.2 s) for the other engine's worker to go
-to sleep. Without that wait, measured on the tiny test target with 2 cores, a call after the other
-engine's took ~1.6x as long as one after its own (docs/eagle3.md §9).
+to sleep. Without that wait, measured on the tiny test target on 2 quiet cores, a call after the
+other engine's took 1.6-1.7x as long as one after its own (docs/eagle3.md §9).
 
 Each engine is warmed up (a short call at every temperature of the schedule) before timing.
 Temperature 0 is greedy; above 0 the call is seeded (``SamplingParams(seed=...)``, seed from the

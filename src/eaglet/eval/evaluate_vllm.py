@@ -1,7 +1,8 @@
 """Serve the evaluation prompts with vLLM (the CPU build here), with and without the exported
-drafter, the way people serve it: at temperature 0 and above (``temperatures``), one request at a
-time, timed in pairs. vLLM's own acceptance length per prompt, set and domain, the paired speedup,
-and whether the outputs match plain decoding at temperature 0 (docs/eagle3.md §9).
+drafter, the way people serve it: at temperature 0 and above (``temperatures``; 0 is always
+measured), one request at a time, timed in pairs. vLLM's own acceptance length per prompt, set and
+domain, the paired speedup, and whether the outputs match plain decoding at temperature 0
+(docs/eagle3.md §9).
 
     python -m eaglet.eval.evaluate_vllm --drafter-dir results/RUN/drafter \
         --identity resources/targets/NAME/identity.json --sets '["mtbench"]' \
@@ -19,7 +20,12 @@ in eagle.py subclasses it) takes ``_greedy_sample``, the argmax of the drafter's
 p(x) >= u, i.e. with probability p(x), the target's tempered probability of x, and on a rejection
 draws the recovered token from p with x removed (``sample_recovered_tokens_kernel``); the output is
 distributed as the target's. So τ at T > 0 measures p(argmax q), not how close q is to p: at T = 1
-it falls below τ at T = 0 wherever the target is unsure.
+it falls below τ at T = 0 wherever the target is unsure. On the CPU build both kernels are replaced
+by compiled ops with the same arguments, ``NO_DRAFT_PROBS`` included (vllm/platforms/cpu.py ->
+vllm/utils/cpu_triton_utils.py, ``_rejection_random_sample_kernel_impl`` ->
+``torch.ops._C.rejection_random_sample_kernel_impl``; their C++ source is not in the wheel). Seen in
+two probes: at T = 1 the speculative output for one seed differed from call to call (plain's did
+not), so a seed makes plain sampling reproducible, not speculative sampling.
 
 Timing: plain and speculative decoding in pairs. One vLLM process holds one ``LLM`` without the
 drafter and one per k (eaglet.engines.vllm_eval_runner: two engines coexist on the CPU build, each
@@ -300,7 +306,8 @@ def drafting(methods: dict) -> dict:
                    "drafter's logits and passes draft_probs None; at T > 0 the rejection sampler "
                    "(vllm/v1/sample/rejection_sampler.py, rejection_random_sample_kernel with NO_DRAFT_PROBS, "
                    "draft_prob = 1) accepts draft x with probability p(x), the target's tempered probability, "
-                   "and on rejection draws from p without x (sample_recovered_tokens_kernel): lossless in "
+                   "and on rejection draws from p without x (sample_recovered_tokens_kernel; on the CPU build "
+                   "compiled ops with the same arguments, vllm/utils/cpu_triton_utils.py): lossless in "
                    "distribution, and τ at T > 0 measures p(argmax q)")
     elif dm is None:
         finding = ("the engine did not report its draft_sample_method (another vLLM version than the "
@@ -342,7 +349,7 @@ def summarise(run: dict, prompts: list[dict], offline: dict | None, o: dict, ks:
         spd += speedups(iomp_rows, ks[:1], [0.0], o, load, True)
     lossless = all(s["lossless"] for r in runs if r["k"] is not None for s in r["sets"].values())
     agreement = offline_agreement(runs, offline, o["agreement_alpha"])
-    plain0 = [r["first"][tag(PLAIN, 0.0)]["token_ids"] for r in rows] if 0.0 in temps else None
+    plain0 = [r["first"][tag(PLAIN, 0.0)]["token_ids"] for r in rows]
     return {"runs": runs, "lossless": lossless, "offline_agreement": agreement,
             "disagreements": [t["message"] for t in (agreement or {}).get("tests", []) if not t["ok"]],
             "hf_greedy_agreement": _hf_agreement(plain0, [p["set"] for p in prompts], offline),
@@ -421,9 +428,10 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     if unknown:
         raise ValueError(f"evaluate.vllm: unknown options {sorted(unknown)}")
     ks = sorted({int(k) for k in o["k_values"]})
-    temps = sorted({float(t) for t in o["temperatures"]})
+    # temperature 0 always: the lossless check and the agreement test with the offline chain need it
+    temps = sorted({0.0, *(float(t) for t in o["temperatures"])})
     repeats = int(o["repeats"])
-    if not ks or ks[0] < 1 or not temps or temps[0] < 0 or repeats < 1:
+    if not ks or ks[0] < 1 or temps[0] < 0 or repeats < 1:
         raise ValueError(f"evaluate.vllm: k_values >= 1, temperatures >= 0 and repeats >= 1, got {ks}, {temps}, "
                          f"{repeats}")
     try:
