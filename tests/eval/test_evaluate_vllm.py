@@ -96,6 +96,27 @@ def test_vllm_schedule_rotates_like_the_hf_loop_and_pairs_within_blocks():
     assert all(set(b["order"]) == {"plain@T0", "k2@T0", "plain@T1", "k2@T1"} for b in row["blocks"])
 
 
+def test_other_processes_cpu_share_comes_from_the_runners_readings_and_guards_the_speedup():
+    """vLLM computes in processes eaglet does not wait for, so the runner reads the CPUs' busy time
+    and its own process tree's; other processes' share is the difference. Over the threshold, no
+    speedup claims a conclusion, however narrow its interval."""
+    from eaglet.eval import evaluate_vllm as evv
+
+    def reading(t, busy, tree):
+        return {"t": t, "cpus": 2, "busy_s": busy, "tree_s": tree}
+
+    busy = evv.other_load({"start": reading(0, 0, 0), "end": reading(10, 15, 8)})  # (15 - 8) / (10 x 2)
+    assert busy["other_cpu_share"] == 0.35 and busy["busy"] and "too busy" in busy["note"]
+    quiet = evv.other_load({"start": reading(0, 0, 0), "end": reading(10, 19, 18)})
+    assert quiet["other_cpu_share"] == 0.05 and not quiet["busy"]
+    assert evv.other_load({})["other_cpu_share"] is None
+    rows = [{"speedup": {"k2@T0": x}, "speedup_samples": {"k2@T0": [x]}} for x in (1.50, 1.52, 1.49, 1.51)]
+    ok, = evv.speedups(rows, [2], [0.0], OPTS, quiet, False)
+    assert ok["conclusive"] and ok["samples"] == 4
+    not_ok, = evv.speedups(rows, [2], [0.0], OPTS, busy, False)
+    assert not not_ok["conclusive"] and "too busy" in not_ok["note"]
+
+
 # --------------------------------------------------------------------------- the real engine
 NUM = {"mtbench": 2, "humaneval": 1, "math": 1, "heldout": 2}  # test_evaluate.py's four domains
 N_PROMPTS = sum(NUM.values())
