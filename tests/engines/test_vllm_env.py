@@ -97,14 +97,25 @@ def test_check_runner_sums_the_counters_of_every_engine(tmp_path, fake_vllm):
     assert len(res["metrics"]) == 8  # every spec_decode metric of both engines is still recorded
 
 
-def test_eval_runner_sums_engines_and_counts_each_set_once(tmp_path, fake_vllm):
+def test_eval_runner_sums_engines_and_counts_each_call_once(tmp_path, fake_vllm):
+    """The runner holds a plain engine and one per k, runs the schedule's blocks in order, and gives
+    each speculative call the counter delta of that call alone (plain calls have none)."""
     work = tmp_path / "work"
-    (tmp_path / "in.json").write_text(json.dumps({"sets": {"a": [[1, 2]], "b": [[3]]}, "max_tokens": 4}))
+    blocks = [{"prompt": i, "repeat": 0, "seed": i, "order": [{"engine": e, "temperature": t}
+                                                              for e in ("k2", "plain") for t in (0.0, 1.0)]}
+              for i in range(2)]
+    (tmp_path / "in.json").write_text(json.dumps({"prompts": [[1, 2], [3]], "ks": [2], "max_tokens": 4,
+                                                  "settle_s": 0, "blocks": blocks}))
     _run_copied(evaluate_vllm.RUNNER, work, fake_vllm, "--target", "t", "--input", str(tmp_path / "in.json"),
                 "--out", str(work / "out.json"), "--drafter", "d")
     res = json.loads((work / "out.json").read_text())
-    # each generate call adds one SUMMED to the totals: a set's delta is exactly one of them
-    assert res["sets"]["a"]["spec_decode"] == res["sets"]["b"]["spec_decode"] == SUMMED
+    assert set(res["startup_s"]) == {"plain", "k2"} and [b["prompt"] for b in res["blocks"]] == [0, 1]
+    for b in res["blocks"]:
+        assert [(c["engine"], c["temperature"]) for c in b["calls"]] == [(o["engine"], o["temperature"])
+                                                                         for o in blocks[b["prompt"]]["order"]]
+        # each generate call adds one SUMMED to the totals: a call's delta is exactly one of them
+        assert [c["spec_decode"] for c in b["calls"]] == [SUMMED, SUMMED, None, None]
+    assert {"busy_s", "tree_s", "t", "cpus"} <= set(res["cpu"]["end"])
 
 
 def test_prometheus_and_get_metrics_samples_read_the_same():

@@ -337,38 +337,6 @@ def test_summary_reports_a_replay_mismatch(stages, tmp_path):
     assert not ag["pass"] and len(ag["differing"]) == 1 and ag["differing"][0]["round"] == 0
 
 
-# --------------------------------------------------------------------------- vLLM
-@pytest.mark.vllm
-def test_vllm_evaluation_on_the_tiny_target(stages, tiny_target, tiny_drafter, tmp_path):
-    from conftest import vllm_env_or_skip
-    from eaglet.eval.evaluate_vllm import evaluate_vllm
-    from eaglet.export import contract
-    from eaglet.export.export import export
-
-    env = vllm_env_or_skip()
-    out, off, _, sets = stages
-    ident = Path(tiny_target["path"]).parent / "identity.json"
-    export(tiny_drafter, tmp_path / "drafter", ident, vllm_check=False, accept_not_run=list(contract.VLLM_CHECKS))
-    res = evaluate_vllm(tmp_path / "drafter", ident, sets, tmp_path,
-                        work_dir=tmp_path / "work", offline=out / "offline.json", env=str(env),
-                        num_prompts=NUM, max_new_tokens=16, k_values=[2], iomp=False)
-    assert json.loads((tmp_path / "vllm.json").read_text())["lossless"] is True
-    plain, spec = res["runs"]
-    assert res["hf_greedy_agreement"]["prompts"] == N_PROMPTS  # vLLM plain beside the HF greedy continuation
-    assert plain["k"] is None and spec["k"] == 2
-    for name in ("mtbench", "humaneval", "math", "heldout"):
-        s = spec["sets"][name]
-        assert s["num_drafts"] > 0 and s["num_draft_tokens"] == 2 * s["num_drafts"]
-        # τ from vLLM's total counter agrees with its per-position counters (each accepted draft
-        # is counted once at its position), and stays inside [1, 1 + k]
-        assert s["tau"] == pytest.approx(1 + sum(s["num_accepted_tokens_per_pos"]) / s["num_drafts"])
-        assert 1 <= s["tau"] <= 1 + 2 and s["tok_s"] > 0 and s["lossless"]
-        assert len(s["accept_rate_per_pos"]) == 2
-        # tested against the offline chain replay at both draft positions
-        assert [t["position"] for t in s["offline"]] == [1, 2]
-    assert res["offline_agreement"]["pass"] and len(res["offline_agreement"]["tests"]) == 8
-
-
 # --------------------------------------------------------------------------- the HF loop, not run
 def test_hf_loop_auto_skips_a_target_too_big_and_the_summary_says_not_run(tmp_path, caplog):
     """Issue 14: evaluation always loaded the target in fp32 in one process, a 1T target included.

@@ -1,22 +1,34 @@
-"""The vLLM evaluation stage (eaglet.eval.evaluate_vllm) on synthetic counts: vLLM's acceptance against the
-offline chain's; an offline.json of other prompts is refused. (Its real-vLLM run: test_evaluate.py.)"""
+"""The vLLM evaluation stage (eaglet.eval.evaluate_vllm): vLLM's acceptance against the offline chain's on
+synthetic counts; an offline.json of other prompts is refused; the timing schedule pairs plain with every
+configuration; and the real engine on the tiny target, at temperatures 0 and 1."""
+
+import json
+from pathlib import Path
 
 import pytest
 
-
-# --------------------------------------------------------------------------- vLLM vs offline (synthetic counts)
-def _vllm_runs(accepted_per_pos: list[int], drafts: int) -> list[dict]:
-    """The runner's output for a plain run and one at k=2 on one set (what summarise reads)."""
-    toks = [[1, 2, 3]]
-    plain = {"tag": "plain", "k": None, "iomp": False, "startup_s": 1.0,
-             "sets": {"mtbench": {"seconds": 2.0, "output_tokens": 3, "token_ids": toks}}}
-    spec = {"tag": "k2", "k": 2, "iomp": False, "startup_s": 1.0,
-            "sets": {"mtbench": {"seconds": 1.0, "output_tokens": 3, "token_ids": toks, "spec_decode": {
-                "num_drafts": drafts, "num_draft_tokens": 2 * drafts, "num_accepted_tokens": sum(accepted_per_pos),
-                "num_accepted_tokens_per_pos": accepted_per_pos}}}}
-    return [plain, spec]
+from eaglet.base import io
 
 
+# --------------------------------------------------------------------------- the runner's output, synthetic
+def _call(engine: str, temperature: float, seconds: float, tokens: list[int], accepted_per_pos=None, drafts=0):
+    sd = None if accepted_per_pos is None else {
+        "num_drafts": drafts, "num_draft_tokens": len(accepted_per_pos) * drafts,
+        "num_accepted_tokens": sum(accepted_per_pos), "num_accepted_tokens_per_pos": accepted_per_pos}
+    return {"engine": engine, "temperature": temperature, "seconds": seconds, "token_ids": tokens, "spec_decode": sd}
+
+
+def _vllm_run(accepted_per_pos: list[int], drafts: int) -> dict:
+    """The runner's output for one prompt, one repeat, plain and k=2 at T=0 (what summarise reads)."""
+    toks = [1, 2, 3]
+    return {"vllm_version": "x", "startup_s": {"plain": 1.0, "k2": 1.0}, "iomp": False, "speculative_config": {},
+            "blocks": [{"prompt": 0, "repeat": 0, "calls": [
+                _call("plain", 0.0, 2.0, toks), _call("k2", 0.0, 1.0, toks, accepted_per_pos, drafts)]}]}
+
+
+PROMPTS = [{"set": "mtbench", "domain": "writing", "id": "mtbench/81"}]
+OPTS = {"agreement_alpha": 0.001, "confidence": 0.95, "max_relative_width": 0.5}
+QUIET = {"busy": False}
 OFFLINE_K2 = {"sets": {"mtbench": {"tau_chain": {"2": 1.9},
                                    "chain_per_pos": {"2": {"drafts": 100, "drafted_per_pos": [100, 98],
                                                            "accepted_per_pos": [60, 30]}}}},
@@ -27,14 +39,14 @@ def test_vllm_acceptance_beyond_sampling_error_fails_the_stage(tmp_path):
     """It used to log a warning and write vllm.json; now the stage fails with both numbers."""
     from eaglet.eval.evaluate_vllm import AgreementError, finish, summarise
 
-    o = {"agreement_alpha": 0.001}
     # within sampling error: 55/100 vs 60/100 and 27/100 vs 30/98 pass
-    ok = summarise(_vllm_runs([55, 27], 100), OFFLINE_K2, o)
+    ok = summarise(_vllm_run([55, 27], 100), PROMPTS, OFFLINE_K2, OPTS, [2], [0.0], QUIET)
     assert ok["offline_agreement"]["pass"] and len(ok["offline_agreement"]["tests"]) == 2
+    assert ok["lossless"] and ok["hf_greedy_agreement"]["identical"] == 1
     finish(ok, tmp_path)
     assert (tmp_path / "vllm.json").exists()
     # a shifted d2t or a wrong layer: ~nothing accepted where the offline simulator accepts 60 %
-    bad = summarise(_vllm_runs([2, 0], 100), OFFLINE_K2, o)
+    bad = summarise(_vllm_run([2, 0], 100), PROMPTS, OFFLINE_K2, OPTS, [2], [0.0], QUIET)
     assert not bad["offline_agreement"]["pass"]
     with pytest.raises(AgreementError, match=r"vLLM accepted 2/100 \(0.020\), offline chain 60/100 \(0.600\)") as e:
         finish(bad, tmp_path)
@@ -48,3 +60,152 @@ def test_vllm_stage_refuses_an_offline_json_of_other_prompts():
     same_prompts([{"set": "mtbench", "id": "mtbench/81"}], OFFLINE_K2)
     with pytest.raises(VllmError, match="other prompts"):
         same_prompts([{"set": "mtbench", "id": "mtbench/91"}], OFFLINE_K2)
+
+
+# --------------------------------------------------------------------------- the timing design
+def test_vllm_schedule_rotates_like_the_hf_loop_and_pairs_within_blocks():
+    """Every block holds plain and every (k, T), rotated as the HF loop rotates its blocks; a speedup
+    sample is plain s/token over spec s/token of one block at one temperature (at T > 0 the two
+    outputs may differ in length), and per prompt the median of its samples."""
+    from eaglet.eval import evaluate as ev
+    from eaglet.eval import evaluate_vllm as evv
+
+    for n in range(1, 6):
+        for i in range(7):
+            for r in range(3):
+                assert evv.timing_order(list(range(n)), i, r) == ev.timing_order(list(range(n)), i, r)
+    blocks = evv.schedule(3, [2, 3], [0.0, 1.0], 2)
+    assert [(b["prompt"], b["repeat"]) for b in blocks] == [(i, r) for i in range(3) for r in range(2)]
+    want = {("plain", 0.0), ("plain", 1.0), ("k2", 0.0), ("k2", 1.0), ("k3", 0.0), ("k3", 1.0)}
+    firsts = set()
+    for b in blocks:
+        order = [(c["engine"], c["temperature"]) for c in b["order"]]
+        assert sorted(order) == sorted(want)
+        firsts.add(order[0])
+    assert len(firsts) == 4  # no configuration always first
+    assert len({b["seed"] for b in blocks}) == len(blocks)
+
+    run = {"iomp": False, "startup_s": {}, "blocks": [
+        {"prompt": 0, "repeat": r, "calls": [
+            _call("plain", 0.0, 2.0, [1] * 10), _call("k2", 0.0, 1.0 + r, [1] * 10, [5, 3], 6),
+            _call("plain", 1.0, 2.0, [1] * 10), _call("k2", 1.0, 1.0, [2] * 5, [2, 0], 4)]} for r in range(3)]}
+    row, = evv.per_prompt_rows(run, PROMPTS)
+    assert row["speedup_samples"]["k2@T0"] == pytest.approx([2.0, 1.0, 2 / 3]) and row["speedup"]["k2@T0"] == 1.0
+    assert row["speedup_samples"]["k2@T1"] == [1.0] * 3  # 0.2 s/token both sides
+    assert row["counts"]["k2@T0"] == (24, 18) and row["counts"]["k2@T1"] == (6, 12)  # summed over repeats
+    assert all(set(b["order"]) == {"plain@T0", "k2@T0", "plain@T1", "k2@T1"} for b in row["blocks"])
+
+
+def test_other_processes_cpu_share_comes_from_the_runners_readings_and_guards_the_speedup():
+    """vLLM computes in processes eaglet does not wait for, so the runner reads the CPUs' busy time
+    and its own process tree's; other processes' share is the difference. Over the threshold, no
+    speedup claims a conclusion, however narrow its interval."""
+    from eaglet.eval import evaluate_vllm as evv
+
+    def reading(t, busy, tree):
+        return {"t": t, "cpus": 2, "busy_s": busy, "tree_s": tree}
+
+    busy = evv.other_load({"start": reading(0, 0, 0), "end": reading(10, 15, 8)})  # (15 - 8) / (10 x 2)
+    assert busy["other_cpu_share"] == 0.35 and busy["busy"] and "too busy" in busy["note"]
+    quiet = evv.other_load({"start": reading(0, 0, 0), "end": reading(10, 19, 18)})
+    assert quiet["other_cpu_share"] == 0.05 and not quiet["busy"]
+    assert evv.other_load({})["other_cpu_share"] is None
+    rows = [{"speedup": {"k2@T0": x}, "speedup_samples": {"k2@T0": [x]}} for x in (1.50, 1.52, 1.49, 1.51)]
+    ok, = evv.speedups(rows, [2], [0.0], OPTS, quiet, False)
+    assert ok["conclusive"] and ok["samples"] == 4
+    not_ok, = evv.speedups(rows, [2], [0.0], OPTS, busy, False)
+    assert not not_ok["conclusive"] and "too busy" in not_ok["note"]
+
+
+# --------------------------------------------------------------------------- the real engine
+NUM = {"mtbench": 2, "humaneval": 1, "math": 1, "heldout": 2}  # test_evaluate.py's four domains
+N_PROMPTS = sum(NUM.values())
+
+
+@pytest.fixture(scope="module")
+def offline_json(tiny_target, tiny_drafter, tmp_path_factory):
+    """offline.json on the tiny target (the chain replay the vLLM stage is tested against)."""
+    import torch
+
+    from eaglet.eval import evaluate as ev
+
+    held = tmp_path_factory.mktemp("heldout") / "heldout.parquet"
+    io.write_conversations(held, [{"id": f"h{i}", "source": "heldout", "messages": [{"role": "user", "content": q}]}
+                                  for i, q in enumerate(["Name three rivers in Europe.", "Why is the sky blue?"])])
+    out = tmp_path_factory.mktemp("eval")
+    sets = ["mtbench", "humaneval", "math", str(held)]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads spin-wait each other on a busy 2-core machine
+    try:
+        ev.evaluate_offline(tiny_drafter, Path(tiny_target["path"]).parent / "identity.json", sets, out, threads=1,
+                            num_prompts=NUM, max_new_tokens=16, k_values=[1, 2, 3])
+    finally:
+        torch.set_num_threads(n)
+    return out / "offline.json", sets
+
+
+@pytest.mark.vllm
+def test_vllm_evaluation_on_the_tiny_target(offline_json, tiny_target, tiny_drafter, tmp_path):
+    """The real engine at T = 0 and T = 1, plain and the drafter held side by side and timed in pairs:
+    lossless and agreeing with the offline chain at T = 0, τ per domain with intervals at both, and
+    how vLLM drafts at temperature, from the engine's own config. settle_s is shortened: the test
+    checks the design, not the speed."""
+    from conftest import vllm_env_or_skip
+    from eaglet.eval.evaluate_vllm import evaluate_vllm
+    from eaglet.export import contract
+    from eaglet.export.export import export
+
+    env = vllm_env_or_skip()
+    off, sets = offline_json
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    export(tiny_drafter, tmp_path / "drafter", ident, vllm_check=False, accept_not_run=list(contract.VLLM_CHECKS))
+    res = evaluate_vllm(tmp_path / "drafter", ident, sets, tmp_path, work_dir=tmp_path / "work", offline=off,
+                        env=str(env), num_prompts=NUM, max_new_tokens=16, k_values=[2], temperatures=[0, 1],
+                        repeats=2, iomp=False, settle_s=0.2)
+    assert json.loads((tmp_path / "vllm.json").read_text())["lossless"] is True
+    plain, spec = res["runs"]  # temperature 0, as eval_summary reads it
+    assert res["hf_greedy_agreement"]["prompts"] == N_PROMPTS  # vLLM plain beside the HF greedy continuation
+    assert plain["k"] is None and spec["k"] == 2 and spec["temperature"] == 0
+    for name in ("mtbench", "humaneval", "math", "heldout"):
+        s = spec["sets"][name]
+        assert s["num_drafts"] > 0 and s["num_draft_tokens"] == 2 * s["num_drafts"]
+        # τ from vLLM's total counter agrees with its per-position counters (each accepted draft
+        # is counted once at its position), and stays inside [1, 1 + k]
+        assert s["tau"] == pytest.approx(1 + sum(s["num_accepted_tokens_per_pos"]) / s["num_drafts"])
+        assert 1 <= s["tau"] <= 1 + 2 and s["tok_s"] > 0 and s["lossless"] and s["speedup"] > 0
+        assert len(s["accept_rate_per_pos"]) == 2
+        # tested against the offline chain replay at both draft positions
+        assert [t["position"] for t in s["offline"]] == [1, 2]
+    assert res["offline_agreement"]["pass"] and len(res["offline_agreement"]["tests"]) == 8
+    assert res["repeat_mismatches"] == []  # greedy repeats reproduce
+
+    # paired: every block of every prompt holds plain and the drafter at both temperatures
+    assert len(res["per_prompt"]) == N_PROMPTS
+    configs = {"plain@T0", "plain@T1", "k2@T0", "k2@T1"}
+    for p in res["per_prompt"]:
+        assert len(p["blocks"]) == 2 and all(set(b["order"]) == configs for b in p["blocks"])
+        assert len({tuple(b["order"]) for b in p["blocks"]}) == 2  # the order rotates
+        assert {t: len(v) for t, v in p["speedup_samples"].items()} == {"k2@T0": 2, "k2@T1": 2}
+    # the speedup per (k, T): a median over prompts with its interval and a verdict
+    assert [(s["k"], s["temperature"]) for s in res["speedup"]] == [(2, 0.0), (2, 1.0)]
+    for s in res["speedup"]:
+        assert s["estimate"] > 0 and s["lo"] <= s["estimate"] <= s["hi"] and s["n"] == N_PROMPTS
+        assert isinstance(s["conclusive"], bool) and s["note"]
+    assert res["timing"]["load"]["other_cpu_share"] is not None
+
+    # the results matrix: per temperature, k and domain, τ with its interval over the domain's prompts
+    rows = res["matrix"]
+    assert {(r["temperature"], r["k"]) for r in rows} == {(0.0, 2), (1.0, 2)}
+    assert {r["engine"] for r in rows} == {"vllm"}
+    for T in (0.0, 1.0):
+        mine = [r for r in rows if r["temperature"] == T]
+        assert sum(r["prompts"] for r in mine) == N_PROMPTS
+        assert {r["set"] for r in mine} == {"mtbench", "humaneval", "math", "heldout"}
+        for r in mine:
+            assert 1 <= r["tau"] <= 3
+            # an interval where the domain has two prompts, none from one prompt
+            assert (r["ci"] is None) == (r["prompts"] < 2) and (r["ci"] is None or r["ci"][0] <= r["tau"] <= r["ci"][1])
+
+    # how vLLM drafts at temperature, as the engine says and the source reads
+    d = res["drafting"]
+    assert d["draft_sample_method"] == "greedy" and "argmax" in d["finding"] and "p(x)" in d["finding"]

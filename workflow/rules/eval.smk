@@ -114,6 +114,11 @@ EVAL_VLLM_OPTS = {
             "max_new_tokens",
             "stop_at_eos",
             "max_prompt_tokens",
+            # paired timing as the HF loop's, at every temperature (eaglet.eval.evaluate_vllm)
+            "temperatures",
+            "repeats",
+            "confidence",
+            "max_relative_width",
         )
     },
     **{k: v for k, v in EVAL["vllm"].items() if k != "enabled"},

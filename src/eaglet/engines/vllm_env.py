@@ -14,6 +14,7 @@ inside vLLM's interpreter, where eaglet's own dependencies are not installed.
     runner = copy_runner(RUNNER, work_dir)    # the runner and this module, side by side
     env = process_env(work_dir, py, VLLM_CPU_KVCACHE_SPACE="1")   # a vLLM process's environment
     counters = spec_decode_counters(metric_samples(llm.get_metrics()))
+    reading = cpu_times()                     # two of them: how busy others kept the CPUs
 """
 
 from __future__ import annotations
@@ -140,6 +141,46 @@ def spec_decode_counters(samples: Iterable[tuple[str, dict, float | list[float]]
     res: dict = {k: int(v) for k, v in totals.items()}
     res[PER_POS] = [int(per_pos.get(p, 0)) for p in range(max(per_pos) + 1)] if per_pos else []
     return res
+
+
+# --------------------------------------------------------------------------- how busy the CPUs were
+def cpu_times(pid: int | None = None) -> dict:
+    """A reading for "how much of the CPUs did others use": the seconds this process's CPUs (its
+    affinity) spent busy since boot (/proc/stat), the CPU seconds of process ``pid`` (default this
+    one) and all its live descendants (/proc/PID/stat: user + system, and their reaped children's),
+    and a monotonic clock. Two readings give other processes' share (eaglet.eval.evaluate_vllm):
+    vLLM computes in engine-core and worker processes that eaglet does not wait for, so the runner
+    takes both readings while its engines are alive. Empty where /proc is missing."""
+    import time
+
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+        lines = Path("/proc/stat").read_text().splitlines()
+    except (AttributeError, OSError):
+        return {}
+    want, busy = {f"cpu{c}" for c in cpus}, 0
+    for line in lines:
+        f = line.split()
+        if f and f[0] in want:
+            v = [int(x) for x in f[1:9]]  # user nice system idle iowait irq softirq steal
+            busy += sum(v) - v[3] - v[4]
+    stats = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(d.name)] = (int(f[1]), sum(int(x) for x in f[11:15]))  # ppid; utime stime cutime cstime
+    root = pid or os.getpid()
+    tree, todo = set(), [root]
+    while todo:
+        p = todo.pop()
+        tree.add(p)
+        todo += [c for c, (pp, _) in stats.items() if pp == p and c not in tree]
+    tick = os.sysconf("SC_CLK_TCK")
+    return {"t": time.monotonic(), "cpus": len(cpus), "busy_s": busy / tick,
+            "tree_s": sum(stats[p][1] for p in tree if p in stats) / tick}
 
 
 # --------------------------------------------------------------------------- the runners' engine

