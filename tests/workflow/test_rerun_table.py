@@ -26,17 +26,21 @@ SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
 # train_fraction appear when a key turns them on).
 AFTER = {
     "target_model": {"generate", "tokenize", "token_freq", "vocab_map", "extract_hidden_states", "train",
-                     "export", "evaluate_offline", "evaluate_speculative", "evaluate_vllm"},
-    "prompts": {"generate", "evaluate_offline", "evaluate_speculative", "evaluate_vllm"},
+                     "export", "evaluate_offline", "evaluate_speculative", "evaluate_vllm", "generate_eval",
+                     "evaluate_regenerated"},
+    "prompts": {"generate", "evaluate_offline", "evaluate_speculative", "evaluate_vllm", "eval_prompts"},
     "generate": {"tokenize"},
+    "eval_prompts": {"generate_eval"},
+    "generate_eval": {"evaluate_regenerated"},
+    "evaluate_regenerated": {"eval_summary"},
     "tokenize": {"token_freq", "extract_hidden_states", "plots"},
     "token_freq": {"vocab_map"},
     "vocab_map": {"train", "plots"},
     "extract_hidden_states": {"train"},
-    "train": {"export", "evaluate_offline", "evaluate_speculative", "evaluate_vllm", "plots"},
+    "train": {"export", "evaluate_offline", "evaluate_speculative", "evaluate_vllm", "evaluate_regenerated", "plots"},
     "export": {"plots", "evaluate_vllm"},
     "evaluate_offline": {"evaluate_speculative", "eval_summary"},
-    "evaluate_speculative": {"eval_summary"},
+    "evaluate_speculative": {"eval_summary", "evaluate_regenerated"},
     "evaluate_vllm": {"eval_summary"},
     "train_fraction": {"learning_curve"},
     "learning_curve": {"eval_summary"},
@@ -46,8 +50,11 @@ AFTER = {
 }
 SMOKE = set(AFTER) - {"evaluate_vllm", "train_fraction", "learning_curve"}  # the smoke run's stages
 RESULTS = SMOKE - {"target_model"}
-TARGET_LOAD = {"generate", "extract_hidden_states", "export", "evaluate_offline", "evaluate_speculative"}
+TARGET_LOAD = {"generate", "extract_hidden_states", "export", "evaluate_offline", "evaluate_speculative",
+               "generate_eval", "evaluate_regenerated"}
 EVAL = {"evaluate_offline", "evaluate_speculative"}
+REGEN = EVAL | {"evaluate_regenerated"}  # the evaluation settings the regenerated sets' scoring shares
+GEN = {"generate", "generate_eval"}  # what defines generate's data defines the regenerated sets' too
 OFF = set()  # the key changes nothing the smoke run computes (provenance only)
 ALL_CHECKS_OFF = ["vllm.load_run", "vllm.lossless", "vllm.aux_layers", "vllm.shared_weights", "vllm.acceptance",
                   "vllm.known_answer"]
@@ -63,7 +70,7 @@ TABLE = {
     "target.gguf_file": ("SmolLM2-other.gguf", {"target_model"}),
     "target.path": ("/not/read/for/a/tiny/target", OFF),
     "target.chat_template": (TEMPLATE, {"generate", "tokenize", "vocab_map", "evaluate_offline",
-                                        "evaluate_speculative"}),
+                                        "evaluate_speculative", "generate_eval", "evaluate_regenerated"}),
     "target.tiny.family": ("llama3", {"target_model"}),
     "target.tiny.seed": (1, {"target_model"}),
     "target.dtype": ("bfloat16", {"target_model"}),
@@ -71,7 +78,8 @@ TABLE = {
     "target.trust_remote_code": (True, TARGET_LOAD),
     # vLLM serving: the export's real-vLLM checks (off here, but their settings are the export's);
     # tensor parallelism 2 also turns the HF loop off (evaluate.hf_loop auto)
-    "target.vllm.tensor_parallel_size": (2, {"export", "evaluate_offline", "evaluate_speculative"}),
+    "target.vllm.tensor_parallel_size": (2, {"export", "evaluate_offline", "evaluate_speculative",
+                                             "evaluate_regenerated"}),
     "target.vllm.enable_expert_parallel": (True, {"export"}),
     "target.vllm.dtype": ("bfloat16", {"export"}),
     "plan.learning_curve": (True, {"train_fraction", "learning_curve", "eval_summary"}),
@@ -89,7 +97,7 @@ TABLE = {
     "prompts.seed": (1, {"prompts"}),
     "prompts.max_turns": (4, {"prompts"}),
     "data.mix": (0.5, {"generate"}),
-    "tokenize.max_length": (200, {"generate", "tokenize"}),  # generate drops prompts over the limit
+    "tokenize.max_length": (200, GEN | {"tokenize"}),  # generate drops prompts over the limit
     "tokenize.overlong": ("skip", {"tokenize"}),
     "tokenize.batch_size": (16, {"tokenize"}),
     "vocab.draft_vocab_size": (512, {"vocab_map"}),
@@ -104,24 +112,25 @@ TABLE = {
     "extract.token_budget": (4096, {"extract_hidden_states"}),
     "extract.chunk_mb": (64, {"extract_hidden_states"}),
     "generate.enabled": (False, {"tokenize"}, {"data.mix": 1.0}),
-    "generate.backend": ("openai", {"generate"}, {"generate.base_urls": ["http://127.0.0.1:9/v1"]}),
+    "generate.backend": ("openai", GEN, {"generate.base_urls": ["http://127.0.0.1:9/v1"]}),
     "generate.base_urls": (["http://127.0.0.1:9/v1"], OFF),  # where generate.model is served, not what
     "generate.model": ("m", OFF),  # the smoke run generates with the local backend: its engine keys
-    "generate.concurrency": (2, {"generate"}),  # the local backend's batch size
+    "generate.concurrency": (2, GEN),  # the local backend's batch size
     "generate.timeout_s": (60, OFF),
     "generate.max_retries": (2, OFF),
     "generate.backoff_s": (2.0, OFF),
-    "generate.temperature": (0.7, {"generate"}),
-    "generate.top_p": (0.9, {"generate"}),
-    "generate.max_tokens": (16, {"generate"}),
-    "generate.seed": (1, {"generate"}),
+    "generate.temperature": (0.7, {"generate"}),  # the regenerated sets: each row its own temperature
+    "generate.top_p": (0.9, GEN),
+    "generate.max_tokens": (16, {"generate"}),  # the regenerated sets: evaluate.regenerate.max_tokens
+    "generate.seed": (1, GEN),
     "generate.turns": ("all", {"generate"}),
-    "generate.chat_template_kwargs": ({"enable_thinking": False}, {"generate", "tokenize", "evaluate_offline",
-                                                                    "evaluate_speculative"}),
+    "generate.chat_template_kwargs": ({"enable_thinking": False}, GEN | {"tokenize", "evaluate_offline",
+                                                                          "evaluate_speculative",
+                                                                          "evaluate_regenerated"}),
     "generate.chunk_size": (8, OFF),
     "generate.flush_s": (5, OFF),
-    "generate.reject_markers": ([], {"generate"}),
-    "generate.min_answer_tokens": (4, {"generate"}),
+    "generate.reject_markers": ([], GEN),
+    "generate.min_answer_tokens": (4, GEN),
     "generate.max_error_fraction": (0.25, OFF),
     "generate.vllm.package": ("vllm", OFF),
     "generate.vllm.env": ("envs/vllm/.venv-other", OFF),
@@ -155,10 +164,15 @@ TABLE = {
     "export.accept_not_run": (ALL_CHECKS_OFF[:-1] + ["vllm.known_answer", "speculators.vllm.load_run"],
                               {"export"}),
     **{f"evaluate.{k}": (v, EVAL) for k, v in {
-        "sets": ["mtbench", "heldout"], "num_prompts": 2, "repeats": 3, "confidence": 0.9,
-        "max_relative_width": 0.3, "max_new_tokens": 16, "max_prompt_tokens": 512, "stop_at_eos": False,
-        "k_values": [1, 2], "tie_eps": 1.0e-4, "hf_loop": False, "temperatures": [0.0, 0.7],
-        "seed": 1}.items()},
+        "sets": ["mtbench", "heldout"], "num_prompts": 2, "repeats": 3, "max_new_tokens": 16,
+        "max_prompt_tokens": 512, "stop_at_eos": False, "tie_eps": 1.0e-4}.items()},
+    **{f"evaluate.{k}": (v, REGEN) for k, v in {
+        "confidence": 0.9, "max_relative_width": 0.3, "k_values": [1, 2], "hf_loop": False, "seed": 1}.items()},
+    "evaluate.temperatures": ([0.0, 0.7], EVAL | {"eval_prompts"}),  # the regenerated sets at each T
+    "evaluate.regenerate.enabled": (False, {"eval_summary"}),
+    "evaluate.regenerate.sets": (["mtbench"], {"eval_prompts"}),
+    "evaluate.regenerate.num_prompts": ({"mtbench": 1, "heldout": 2}, {"eval_prompts"}),
+    "evaluate.regenerate.max_tokens": (8, {"generate_eval"}),
     "evaluate.headline_k": (2, {"eval_summary"}),
     "evaluate.vllm.enabled": (True, {"evaluate_vllm"}),
     **{f"evaluate.vllm.{k}": (v, OFF) for k, v in {  # vLLM evaluation is off in the smoke run

@@ -165,9 +165,63 @@ rule evaluate_vllm:
         " --work-dir {params.work:q} --offline {input.offline:q} --log {log:q}"
 
 
+# The drafter along the target's own regenerated answers (rule generate_eval): the exact chain at
+# T = 0, the expected chain at T > 0 (eaglet.eval.regenerated). After the timed stages: never beside them.
+REGEN_OPTS = {
+    k: EVAL_OPTS[k]
+    for k in (
+        "k_values",
+        "seed",
+        "confidence",
+        "max_relative_width",
+        "chat_template",
+        "chat_template_kwargs",
+        "hf_loop",
+        "hf_loop_reason",
+        "dtype",
+        "device",
+        "trust_remote_code",
+    )
+}
+
+
+rule evaluate_regenerated:
+    input:
+        code=stage_code("eval.regenerated", launcher=True),
+        drafter=f"{RUN}/train/drafter.safetensors",
+        identity=TARGET_ID,
+        answers=rules.generate_eval.output.conversations,
+        generation=rules.generate_eval.output.summary,
+        after=rules.evaluate_speculative.output.speculative,
+    output:
+        regenerated=f"{EVAL_DIR}/regenerated.json",
+    log:
+        f"{LOGS}/evaluate_regenerated.log",
+    conda:
+        "../../envs/eaglet.yaml"
+    threads: workflow.cores
+    resources:
+        gpu=HF_LOOP_GPUS,
+    params:
+        **key_params(
+            "evaluate", REGEN_OPTS, [k for k in REGEN_OPTS if k != "hf_loop_reason"]
+        ),
+        opts=settings(REGEN_OPTS),
+    shell:
+        "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.eval.regenerated --drafter {input.drafter:q} --identity {input.identity:q}"
+        " --answers {input.answers:q} --generation {input.generation:q} --config {params.opts:q}"
+        " --out {output.regenerated:q} --threads {threads} --log {log:q}"
+
+
 rule eval_summary:
     input:
         **({"vllm": rules.evaluate_vllm.output.vllm} if EVAL["vllm"]["enabled"] else {}),
+        **(
+            {"regenerated": rules.evaluate_regenerated.output.regenerated}
+            if EVAL["regenerate"]["enabled"]
+            else {}
+        ),
         **(
             {"learning_curve": rules.learning_curve.output.curve}
             if config["plan"]["learning_curve"]
@@ -219,9 +273,15 @@ rule eval_summary:
             if "learning_curve" in input.keys()
             else ""
         ),
+        regenerated=lambda wildcards, input: (
+            f"--regenerated {input.regenerated}"
+            if "regenerated" in input.keys()
+            else ""
+        ),
         opts=as_json({"tie_eps": EVAL["tie_eps"], "headline_k": EVAL["headline_k"]}),
     shell:
         "python -m eaglet.eval.summary --eval-dir {params.eval_dir:q} {params.vllm} {params.learning_curve}"
+        " {params.regenerated}"
         " --config {params.opts:q} --log {log:q}"
 
 

@@ -95,3 +95,85 @@ rule generate:
         " python -m eaglet.generate.generate --conversations {input.conversations:q}"
         " --target {input.identity:q} --out-dir {params.out:q} --config @{params.config:q}"
         " --server-log {log.server:q} --chat-template={params.chat_template:q} --log {log.main:q}"
+
+
+# The evaluation's own regeneration (evaluate.regenerate): the target answers the evaluation and
+# validation sets (MT-Bench's questions, the held-out prompts) through the same backend and server
+# settings as generate, once per evaluation temperature, so that the drafter is scored along the
+# target's own text at each (eaglet.eval.regenerated). Runs in every default run: data.mix 0.0
+# regenerates no training answer, this always starts the server.
+REGEN = config["evaluate"]["regenerate"]
+REGEN_SETS = [
+    f"{RUN}/prompts/heldout.parquet" if s == "heldout" else s for s in REGEN["sets"]
+]
+# generate's settings but every row regenerated, each at its own temperature (the row's), up to
+# the evaluation's length
+GENERATE_EVAL = GENERATE | {
+    "mix": 1.0,
+    "turns": "last",
+    "max_tokens": REGEN["max_tokens"],
+    "temperature": 0.0,
+}
+
+
+rule eval_prompts:
+    input:
+        code=stage_code("generate.eval_prompts"),
+        sets=[s for s in REGEN_SETS if s.endswith(".parquet")],
+    output:
+        prompts=f"{RUN}/generate_eval/prompts.parquet",
+    log:
+        f"{LOGS}/eval_prompts.log",
+    conda:
+        "../../envs/eaglet.yaml"
+    params:
+        # the packaged sets by content (version + recorded sha256); a .parquet set is an input file
+        **key_params(
+            "set",
+            {
+                s: packaged_file_identity(*PACKAGED_SETS[s])
+                for s in REGEN_SETS
+                if s in PACKAGED_SETS
+            },
+        ),
+        sets=as_json(REGEN_SETS),
+        num_prompts=as_json(REGEN["num_prompts"]),
+        temperatures=as_json(config["evaluate"]["temperatures"]),
+    shell:
+        "python -m eaglet.generate.eval_prompts --sets {params.sets:q} --num-prompts {params.num_prompts:q}"
+        " --temperatures {params.temperatures:q} --out {output.prompts:q} --log {log:q}"
+
+
+rule generate_eval:
+    input:
+        code=stage_code("generate.generate", launcher=True),
+        conversations=rules.eval_prompts.output.prompts,
+        identity=TARGET_ID,
+    output:
+        conversations=f"{RUN}/generate_eval/conversations.parquet",
+        errors=f"{RUN}/generate_eval/errors.parquet",
+        summary=report(
+            f"{RUN}/generate_eval/generate_summary.json",
+            caption="../report/generate.rst",
+            category="4. Evaluation",
+            labels={"artifact": "regenerated evaluation sets"},
+        ),
+    log:
+        main=f"{LOGS}/generate_eval.log",
+        server=f"{LOGS}/generate_eval_vllm_server.log",
+    conda:
+        "../../envs/eaglet.yaml"
+    threads: workflow.cores
+    resources:
+        gpu=GENERATE_GPUS,
+    params:
+        **key_params("generate_eval", GENERATE_EVAL, GENERATE_DATA_KEYS),
+        digest=target_digest,
+        config=settings_file(f"{LOGS}/config/generate_eval.json", GENERATE_EVAL),
+        chat_template=verbatim(CHAT_TEMPLATE),
+        out=out_dir,
+    shell:
+        "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.generate.generate --conversations {input.conversations:q}"
+        " --target {input.identity:q} --out-dir {params.out:q} --config @{params.config:q}"
+        " --server-log {log.server:q} --chat-template={params.chat_template:q} --log {log.main:q}"

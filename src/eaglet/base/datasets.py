@@ -186,3 +186,18 @@ def load_prompts(sets: list[str], tok, n: int | dict | None, max_prompt_tokens: 
     if not rows:
         raise ValueError(f"evaluate: no prompts from sets {sets}")
     return rows
+
+
+# The evaluation's regenerated sets (eaglet.generate.eval_prompts writes, eaglet.eval.regenerated reads):
+# one row per prompt and temperature, its id naming both.
+ROW_SEP = "|"
+
+
+def row_id(set_name_: str, temperature: float, rid: str) -> str:
+    return f"{set_name_}{ROW_SEP}{float(temperature):g}{ROW_SEP}{rid}"
+
+
+def row_key(row_id_: str) -> tuple[str, float, str]:
+    """(set, temperature, the set's own id) of a row id written by :func:`row_id`."""
+    s, t, rid = row_id_.split(ROW_SEP, 2)
+    return s, float(t), rid

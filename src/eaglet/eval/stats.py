@@ -217,7 +217,7 @@ def matrix_rows(engine: str, temperature: float, ks: list[int], overall: dict, s
 def matrix_table(rows: list[dict]) -> str:
     """The matrix as a text table, one line per domain x k x T x engine, sorted in that order."""
     head = f"{'set':<12} {'domain':<22} {'k':>2} {'T':>4} {'engine':<9} {'tau':>6}  {'interval':<13} prompts"
-    order = {"chain": 0, "expected": 1, "hf_loop": 2, "vllm": 3}
+    order = {"chain": 0, "expected": 1, "regen": 2, "hf_loop": 3, "vllm": 4}
     lines = [head]
     for r in sorted(rows, key=lambda r: (str(r["set"]) == ALL, str(r["set"]), str(r["domain"]) != ALL,
                                          str(r["domain"]), r["k"], r["temperature"], order.get(r["engine"], 9),

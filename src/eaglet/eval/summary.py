@@ -342,16 +342,20 @@ def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: di
 
 
 def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_curve: str | Path | None = None,
-              **opts) -> dict:
+              regenerated: str | Path | None = None, **opts) -> dict:
     """``learning_curve``: eaglet.learning_curve.learning_curve's JSON (plan.learning_curve), carried
-    into the summary."""
+    into the summary. ``regenerated``: eaglet.eval.regenerated's JSON: its matrix rows (engine
+    ``regen``) join the matrix, and what was regenerated (answers, tokens, tok/s) goes to
+    ``regenerated``."""
     o = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
     out = Path(eval_dir)
     offline, spec = io.read_json(out / "offline.json"), io.read_json(out / "speculative.json")
     vl = io.read_json(vllm) if vllm else None
     curve = io.read_json(learning_curve) if learning_curve else None
+    regen = io.read_json(regenerated) if regenerated else None
     if offline.get("status") == "not run" or spec.get("status") == "not run":
-        return summarise_without_hf_loop(out, offline if offline.get("status") else spec, vl, o, curve)
+        res = summarise_without_hf_loop(out, offline if offline.get("status") else spec, vl, o, curve)
+        return _with_regenerated(out, res, regen)
     agree = agreement(out, o["tie_eps"])
     rec = recommend(offline, spec)
     matrix = results_matrix(offline, spec, vl)
@@ -364,6 +368,19 @@ def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_cur
     io.write_parquet(out / "recommendation.parquet", pd.DataFrame(rec["table"]))
     io.write_json(out / "summary.json", res)
     log.info("headline: %s", res["headline"])
+    return _with_regenerated(out, res, regen)
+
+
+def _with_regenerated(out: Path, res: dict, regen: dict | None) -> dict:
+    """The regenerated sets' rows added to the matrix, and what was regenerated (summary.json)."""
+    if regen is None:
+        return res
+    res["matrix"] = res["matrix"] + results_matrix(regen)
+    res["regenerated"] = {"texts": regen.get("texts"), "status": regen.get("status", "ran"),
+                          "temperatures": [{"temperature": t["temperature"], "answers": t.get("answers"),
+                                            "tokens": t.get("tokens")} for t in regen.get("temperatures", [])]}
+    io.write_json(out / "summary.json", res)
+    _log_matrix(results_matrix(regen))
     return res
 
 
@@ -373,12 +390,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-dir", required=True)
     p.add_argument("--vllm", default=None, help="vllm.json (optional)")
     p.add_argument("--learning-curve", default=None, help="learning_curve.json (optional: plan.learning_curve)")
+    p.add_argument("--regenerated", default=None,
+                   help="regenerated.json (optional: the drafter along the target's regenerated answers)")
     p.add_argument("--config", default=None, help="JSON options: " + ", ".join(DEFAULTS))
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
     verify_inputs(a.eval_dir)
-    summarise(a.eval_dir, a.vllm, a.learning_curve, **io.parse_json_arg(a.config, {}))
+    summarise(a.eval_dir, a.vllm, a.learning_curve, regenerated=a.regenerated, **io.parse_json_arg(a.config, {}))
 
 
 # The evaluate stages' Parquet files, each with the JSON its stage recorded its sha256 in.
