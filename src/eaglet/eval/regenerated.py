@@ -108,7 +108,7 @@ def score(drafter: str | Path, identity: str | Path, answers: str | Path, out: s
         raise ValueError(f"regenerated: unknown options {sorted(unknown)}")
     ks = sorted({int(k) for k in o["k_values"]})
     gen = io.read_json(generation) if generation else None
-    texts_from = {"answers": str(answers), **({k: gen.get(k) for k in ("ok", "errors", "completion_tokens",
+    texts_from = {"answers": str(answers), **({k: gen.get(k) for k in ("regenerated", "errors", "completion_tokens",
                                                                         "tokens_per_s", "backend")} if gen else {})}
     if not o["hf_loop"]:
         why = o["hf_loop_reason"] or "evaluate.hf_loop: false"

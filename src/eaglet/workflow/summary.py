@@ -157,7 +157,22 @@ def _export(c: dict) -> str:
     return "; ".join(parts)
 
 
-ENGINES = {"expected": "expected offline", "hf_loop": "HF loop", "vllm": "vLLM", "chain": "exact chain"}
+ENGINES = {"expected": "expected offline", "hf_loop": "HF loop", "vllm": "vLLM", "chain": "exact chain",
+           "regen": "along its regenerated answers"}
+
+
+def regenerated_part(rg: dict, matrix: list[dict], k) -> str:
+    """What the target regenerated for the evaluation (answers per temperature, the backend, tok/s)
+    and the drafter's τ at k along them at T = 0 (the exact chain; T > 0 is in sampled_parts)."""
+    t = rg.get("texts") or {}
+    per_t = ", ".join(f"{x['answers']} at T={x['temperature']:g}" for x in rg.get("temperatures") or [])
+    head = (f"the target regenerated {per_t or 'nothing scored'} ({t.get('completion_tokens')} tokens through "
+            f"{t.get('backend')} at {t.get('tokens_per_s')} tok/s)")
+    at0 = [r for r in matrix if r["engine"] == "regen" and r["temperature"] == 0 and r["k"] == k
+           and r["set"] == "all" and r["domain"] == "all"]
+    if rg.get("status") == "not run":
+        return head + "; not scored (the HF target does not run here)"
+    return head + (f"; τ(k={k}) along its greedy answers {_ci(at0[0])}" if at0 else "")
 
 
 def sampled_parts(matrix: list[dict], k) -> list[str]:
@@ -186,6 +201,8 @@ def _evaluate(e: dict) -> str:
         same = h.get("offline_matches_real_loop")
         parts.append(f"HF loop τ {'equals' if same else 'DIFFERS from'} the offline chain "
                      f"({', '.join(f'{s} {v:.2f}' for s, v in loop.items() if v is not None)})")
+    if e.get("regenerated"):
+        parts.append(regenerated_part(e["regenerated"], e.get("matrix") or [], k))
     parts += sampled_parts(e.get("matrix") or [], k)
     if h.get("hf_loop") == "not run":  # never a pass: said, with the reason
         parts.append(f"HF loop NOT RUN ({h.get('hf_loop_reason')})")
