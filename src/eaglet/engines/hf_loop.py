@@ -200,11 +200,15 @@ class EagleProposer:
             out.append(i + int(self.d2t[i]))  # draft id -> target id (offset map)
             if j == k - 1:
                 break
-            t0 = time.perf_counter()
-            lg, h = self.m.forward_step(torch.tensor([[out[-1]]]), h, torch.tensor([[self.n + j]]), self.cache)
-            logits = lg[0, -1]
-            self.step_times.append(time.perf_counter() - t0)
+            logits, h = self._step(out[-1], h, j)
         return out
+
+    def _step(self, token: int, h, j: int):
+        """Draft step j + 1 (timed): the drafter fed its own last draft and hidden state."""
+        t0 = time.perf_counter()
+        lg, h = self.m.forward_step(torch.tensor([[token]]), h, torch.tensor([[self.n + j]]), self.cache)
+        self.step_times.append(time.perf_counter() - t0)
+        return lg[0, -1], h
 
     def target_probs(self, q_JVd: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary probabilities as target-vocabulary ones: 0 outside the draft vocabulary."""
@@ -225,10 +229,7 @@ class EagleProposer:
             out.append(int(self.ids[i]))
             if j == k - 1:
                 break
-            t0 = time.perf_counter()
-            lg, h = self.m.forward_step(torch.tensor([[out[-1]]]), h, torch.tensor([[self.n + j]]), self.cache)
-            logits = lg[0, -1]
-            self.step_times.append(time.perf_counter() - t0)
+            logits, h = self._step(out[-1], h, j)
         return out, self.target_probs(torch.stack(qs))
 
     @torch.inference_mode()
