@@ -50,7 +50,7 @@ class LLM:
     def generate(self, prompts, sp, use_tqdm=False):
         CALLS[0] += 1
         out = SimpleNamespace(token_ids=[1, 2, 3], text="abc")
-        return [SimpleNamespace(outputs=[out]) for _ in prompts]
+        return [SimpleNamespace(outputs=[out], prompt_token_ids=[7, 8]) for _ in prompts]
 
     def get_metrics(self):
         n = CALLS[0]
