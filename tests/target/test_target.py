@@ -167,7 +167,8 @@ def test_vllm_runner_arguments_come_from_the_config():
     assert vllm_runner_args(serving({})) == ["--dtype", "float32", "--tensor-parallel-size", "1"]
     base = ["--target", "/m", "--out", "o.json"]
     a = vllm_eval_runner.parse_args(base + ["--input", "i.json"] + flags)
-    kw = vllm_eval_runner.engine_kwargs(a, "/d")
+    # the runner holds one engine per configuration: the drafter's k is added per engine, as main() does
+    kw = vllm_eval_runner.engine_kwargs(argparse.Namespace(**{**vars(a), "k": 3}), "/d")
     assert (kw["dtype"], kw["tensor_parallel_size"], kw["enable_expert_parallel"], kw["trust_remote_code"]) == \
         ("bfloat16", 8, True, True)
     assert kw["speculative_config"] == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 3}
