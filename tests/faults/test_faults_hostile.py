@@ -169,6 +169,7 @@ UNQUOTED_OK = {
     ("train", "params.data"): ("run-path", "--hidden + shlex-quoted results/<run>/extract/shard_<i>, "
                                            "or --online + shlex-quoted JSON (the online settings)"),
     ("plots", "params.evaluation"): ("run-path", "'' or --evaluation results/<run>/eval/summary.json"),
+    ("drafter_card", "params.evaluation"): ("run-path", "'' or --evaluation results/<run>/eval/summary.json"),
 }
 SAFE_NAME = "^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 

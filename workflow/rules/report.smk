@@ -48,6 +48,49 @@ rule plots:
 FINAL_OUTPUTS.extend(rules.plots.output)
 
 
+# The drafter's model card (eaglet.report.card): drafter/README.md from the run's artifacts, in the
+# format the model hubs read; base_model is target.hub_id (else the target's name).
+CARD = {
+    "base_model": config["target"]["hub_id"],
+    "serving": SERVING,
+    "shown_dir": f"{RUN}/drafter",
+}
+
+
+rule drafter_card:
+    input:
+        code=stage_code("report.card"),
+        config=rules.export.output.config,
+        contract=rules.export.output.contract,
+        reference=rules.export.output.reference,
+        identity=TARGET_ID,
+        evaluation=EVAL_SUMMARY,
+        train=f"{RUN}/train/train_summary.json",
+        tokenize=rules.tokenize.output.metadata,
+        vocab=rules.vocab_map.output.summary,
+        prompts=rules.prompts.output.summary,
+    output:
+        card=f"{RUN}/drafter/README.md",
+    log:
+        f"{LOGS}/drafter_card.log",
+    conda:
+        "../../envs/eaglet.yaml"
+    params:
+        **key_params("card", CARD),
+        drafter=lambda wildcards, input: str(Path(input.config).parent),
+        evaluation=lambda wildcards, input: (
+            f"--evaluation {input.evaluation[0]}" if input.evaluation else ""
+        ),
+        opts=settings(CARD),
+    shell:
+        "python -m eaglet.report.card --drafter-dir {params.drafter:q} --identity {input.identity:q}"
+        " --train {input.train:q} --tokenize {input.tokenize:q} --vocab {input.vocab:q}"
+        " --prompts {input.prompts:q} {params.evaluation} --config {params.opts:q} --log {log:q}"
+
+
+FINAL_OUTPUTS.append(rules.drafter_card.output.card)
+
+
 rule provenance:
     input:
         code=stage_code("report.provenance"),

@@ -1,5 +1,5 @@
 """eaglet.report: Stages of workflow/rules/report.smk: the report's plots (plots) and the run's
-provenance (provenance).
+provenance (provenance), and the drafter's model card (card).
 """
 
 # The packages this one may import (tests/test_layering.py reads it): nothing above it.

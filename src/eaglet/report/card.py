@@ -1,0 +1,197 @@
+"""The drafter's model card, ``drafter/README.md``, generated from the run's artifacts: what a person
+who picks the drafter up needs, in the format the model hubs read (YAML front matter: base model,
+library, tags, datasets, metrics; then Markdown).
+
+    python -m eaglet.report.card --drafter-dir results/RUN/drafter \
+        --identity resources/targets/NAME/identity.json --evaluation results/RUN/eval/summary.json \
+        --train results/RUN/train/train_summary.json --tokenize results/RUN/tokenize/metadata.json \
+        --vocab results/RUN/vocab_map/vocab.json --prompts results/RUN/prompts/summary.json \
+        --config '{"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "serving": {...}}' [--log LOG]
+
+The card says what the drafter is for (target, k, layer ids, draft vocabulary), the data it saw,
+how it trained, the results matrix of the evaluation (τ per domain × temperature × engine at the
+headline k, and over every prompt per k), the export contract's verdict, the files' digests, and
+how to serve it: vLLM's Python API (the block marked ``# eaglet: vllm-snippet``, which
+tests/report/test_card.py runs on the CPU build), ``vllm serve`` and SGLang's launch command, and
+how to check a downloaded copy (``python -m eaglet.export.contract``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+from eaglet.base import io
+
+log = logging.getLogger("eaglet.report.card")
+
+SNIPPET_MARK = "# eaglet: vllm-snippet"
+# The prompt data sets eaglet reads, by their names on the model hubs
+DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
+EVAL_DATASETS = {"mtbench": "HuggingFaceH4/mt_bench_prompts", "humaneval": "openai/openai_humaneval"}
+ENGINES = {"chain": "exact chain (offline)", "expected": "expected Σmin(p,q) (offline)",
+           "regen": "along the target's regenerated answers", "hf_loop": "HF loop (measured)",
+           "vllm": "vLLM (measured)"}
+
+
+def _fmt(r: dict | None) -> str:
+    if not r or r.get("tau") is None:
+        return "—"
+    ci = r.get("ci")
+    return f"{r['tau']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+
+
+def matrix_tables(matrix: list[dict], k: int) -> str:
+    """Two Markdown tables from summary.json's results matrix: τ per domain (rows) by engine and
+    temperature (columns) at the headline k; and over every prompt, per k."""
+    if not matrix:
+        return "No evaluation results were recorded.\n"
+    cols = sorted({(r["engine"], r["temperature"]) for r in matrix},
+                  key=lambda c: (c[1], list(ENGINES).index(c[0]) if c[0] in ENGINES else 9, c[0]))
+    head = "| domain | " + " | ".join(f"{ENGINES.get(e, e)}, T={t:g}" for e, t in cols) + " |\n"
+    sep = "|---" * (len(cols) + 1) + "|\n"
+    rows = sorted({(r["set"], r["domain"]) for r in matrix if r["k"] == k and r["domain"] != "all"})
+    by = {(r["engine"], r["temperature"], r["k"], r["set"], r["domain"]): r for r in matrix}
+    out = [f"τ (accepted tokens per target forward, 95% bootstrap interval over prompts) at k = {k}:\n\n",
+           head, sep]
+    for s, d in rows + [("all", "all")]:
+        out.append(f"| {'**every prompt**' if d == 'all' else d} | "
+                   + " | ".join(_fmt(by.get((e, t, k, s, d))) for e, t in cols) + " |\n")
+    ks = sorted({r["k"] for r in matrix})
+    out += ["\nOver every prompt, per draft length k:\n\n", "| k | " + " | ".join(
+        f"{ENGINES.get(e, e)}, T={t:g}" for e, t in cols) + " |\n", sep]
+    for kk in ks:
+        out.append(f"| {kk} | " + " | ".join(_fmt(by.get((e, t, kk, "all", "all"))) for e, t in cols) + " |\n")
+    return "".join(out)
+
+
+def _num(x) -> str:
+    return f"{x:.3f}" if isinstance(x, (int, float)) else "—"
+
+
+def front_matter(base_model: str, datasets: list[str], tags: list[str]) -> str:
+    import yaml
+
+    meta = {"base_model": base_model, "library_name": "vllm", "pipeline_tag": "text-generation",
+            "tags": tags, "datasets": datasets, "metrics": ["acceptance_length"]}
+    return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
+
+
+def vllm_snippet(base_model: str, drafter_dir: str, k: int, serving: dict) -> str:
+    s = serving or {}
+    return f'''```python
+{SNIPPET_MARK}: the drafter served by vLLM's Python API
+from vllm import LLM, SamplingParams
+
+TARGET = "{base_model}"  # the target: its hub name or a local folder of the same checkpoint
+DRAFTER = "{drafter_dir}"  # this folder
+
+if __name__ == "__main__":  # vLLM starts worker processes that import this file again
+    llm = LLM(model=TARGET, dtype="{s.get("dtype", "auto")}", max_model_len=2048,
+              tensor_parallel_size={int(s.get("tensor_parallel_size", 1))},
+              enforce_eager=True,  # CPU: no graph capture; drop it on GPUs
+              speculative_config={{"method": "eagle3", "model": DRAFTER, "num_speculative_tokens": {k}}})
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=32))
+    print(out[0].outputs[0].text)
+```
+'''
+
+
+def card(drafter_dir: str | Path, identity: dict, evaluation: dict | None, train: dict, tokenize: dict,
+         vocab: dict, prompts: dict, base_model: str | None = None, serving: dict | None = None,
+         shown_dir: str | None = None) -> str:
+    d = Path(drafter_dir)
+    conf = io.read_json(d / "config.json")
+    contract = io.read_json(d / "contract.json")
+    ref = io.read_json(d / "reference.json") if (d / "reference.json").exists() else {}
+    base = base_model or identity.get("name")
+    shown = shown_dir or str(d)
+    ev = evaluation or {}
+    h = ev.get("headline") or {}
+    k = int(h.get("k") or conf.get("eaglet", {}).get("num_speculative_tokens") or 3)
+    source = prompts.get("source")
+    datasets = [DATASETS[source]] if source in DATASETS else []
+    datasets += [EVAL_DATASETS[s] for s in ("mtbench", "humaneval") if any(
+        str(r.get("set")) == s for r in ev.get("matrix") or [])]
+    ids = conf.get("eagle_aux_hidden_state_layer_ids")
+    best = train.get("best_val") or train.get("final_val") or {}
+    checks = contract.get("checks") or []
+    passed = sum(c.get("ok") is True for c in checks)
+    acc = next((c for c in checks if c["name"] == "vllm.acceptance"), None)
+    digests = contract.get(io.DIGESTS_KEY) or {}
+    parts = [front_matter(base, datasets, ["speculative-decoding", "eagle3", "draft-model", "eaglet"]),
+             f"\n# EAGLE-3 drafter for {base}\n\n",
+             f"A one-layer EAGLE-3 draft model that proposes tokens for `{base}` to verify, k = {k} at a time "
+             f"(speculative decoding in vLLM or SGLang: the output is the target's own, faster when enough "
+             f"drafts are accepted). It reads the target's hidden states entering layers {ids} (vLLM's "
+             f"convention), shares the target's token embedding, and drafts over a vocabulary of "
+             f"{conf.get('draft_vocab_size')} of the target's {conf.get('vocab_size')} tokens "
+             f"(`d2t` maps them back). Trained for the target whose weights digest is "
+             f"`{identity.get('digest')}`; made by eaglet.\n\n",
+             "## The data it saw\n\n",
+             f"- prompts: {source} ({prompts.get('train')} training conversations, {prompts.get('heldout')} held out); "
+             f"answers: {tokenize.get('samples_processed')} samples, {tokenize.get('total_tokens'):,} tokens, "
+             f"{tokenize.get('total_assistant_tokens'):,} of them the assistant's (the loss is on these)\n",
+             f"- draft vocabulary: {vocab.get('draft_vocab_size')} tokens covering "
+             f"{100 * float(vocab.get('coverage') or 0):.2f} % of the assistant tokens\n",
+             f"- training: {train.get('steps')} steps on {train.get('train_samples')} samples, kept step "
+             f"{best.get('step')}; validation chain τ {_num(best.get(f'chain_tau_{k}', best.get('chain_tau')))} "
+             f"at k = {k}\n\n",
+             "## Results\n\n", matrix_tables(ev.get("matrix") or [], k),
+             "\nEngines: the exact chain replays greedy drafting along the target's greedy text; the "
+             "expected chain is Σ min(p, q) per draft position along its sampled text; the HF loop and "
+             "vLLM are measured runs (vLLM drafts greedily at every temperature and accepts a draft x "
+             "with probability p(x)).\n",
+             f"\n{h.get('recommendation') or ''}\n\n",
+             "## The export contract\n\n",
+             f"{'Passed' if contract.get('ok') else 'FAILED'}: {passed} of {len(checks)} checks pass"
+             + (f"; not run: {[r['name'] for r in contract.get('not_run') or []]}" if contract.get("not_run") else "")
+             + ".",
+             (f" vLLM's acceptance: τ {acc['details'].get('served_tau')} served vs "
+              f"{acc['details'].get('simulated_tau')} simulated on the same text ({acc['status']})."
+              if acc and acc["details"].get("served_tau") is not None else ""),
+             "\n\n## Files\n\n| file | sha256 |\n|---|---|\n",
+             "".join(f"| `{n}` | `{v}` |\n" for n, v in sorted(digests.items())),
+             "\n`reference.json` holds every tensor's digest and eaglet's drafting on fixed prompts, so "
+             "that the folder proves itself (below).\n\n",
+             "## Serve it\n\nvLLM, Python:\n\n", vllm_snippet(base, shown, k, serving or {}),
+             "\nvLLM, server:\n\n```bash\n"
+             f"vllm serve {base} --speculative-config "
+             f"'{json.dumps({'method': 'eagle3', 'model': shown, 'num_speculative_tokens': k})}'\n```\n",
+             "\nSGLang:\n\n```bash\n"
+             f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 \\\n"
+             f"    --speculative-draft-model-path {shown} --speculative-num-steps {k} \\\n"
+             f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}\n```\n",
+             "\n## Check a copy\n\n```bash\n"
+             f"python -m eaglet.export.contract {shown} --identity <the target's identity.json> --vllm\n```\n\n"
+             "Without the trainer's file it checks the tensors' digests and reruns the recorded drafting"
+             + (f" ({ref['chain']['rounds']} rounds on {len(ref['chain']['prompt_token_ids'])} prompts)"
+                if ref.get("chain") else "") + "; with `--vllm`, vLLM's acceptance against it.\n"]
+    return "".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name in ("drafter-dir", "identity", "train", "tokenize", "vocab", "prompts"):
+        p.add_argument(f"--{name}", required=True)
+    p.add_argument("--evaluation", default=None, help="eval/summary.json (optional)")
+    p.add_argument("--config", default=None, help="JSON: base_model, serving, shown_dir")
+    p.add_argument("--log", default=None)
+    a = p.parse_args(argv)
+    io.setup_logging(a.log)
+    o = io.parse_json_arg(a.config, {})
+    text = card(a.drafter_dir, io.read_json(a.identity), io.read_json(a.evaluation) if a.evaluation else None,
+                io.read_json(a.train), io.read_json(a.tokenize), io.read_json(a.vocab), io.read_json(a.prompts),
+                base_model=o.get("base_model"), serving=o.get("serving"), shown_dir=o.get("shown_dir"))
+    out = Path(a.drafter_dir) / "README.md"
+    tmp = out.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+    log.info("model card: %s (%d lines)", out, text.count("\n"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The drafter's model card (eaglet.report.card): drafter/README.md from the run's artifacts, front
+matter a model hub reads, the evaluation's results matrix, digests that are the files', and a vLLM
+snippet that runs as written on the CPU build (marker ``vllm``)."""
+
+import hashlib
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglet.engines import vllm_env
+from eaglet.report.card import SNIPPET_MARK
+
+RUN = "smoke"
+
+
+def _card(finished_run) -> tuple[Path, str]:
+    a, _ = finished_run
+    run = a / "results" / RUN
+    return run, (run / "drafter" / "README.md").read_text()
+
+
+def test_card_front_matter_matrix_and_digests_are_the_runs(finished_run):
+    run, text = _card(finished_run)
+    assert text.startswith("---\n")
+    meta = yaml.safe_load(text.split("---\n")[1])
+    # smoke.yaml's target.hub_id is null: the card names the target itself
+    assert meta["base_model"] == "tiny-llama" and meta["library_name"] == "vllm", meta
+    assert {"eagle3", "speculative-decoding"} <= set(meta["tags"]) and meta["metrics"]
+    assert "anon8231489123/ShareGPT_Vicuna_unfiltered" in meta["datasets"]
+    # the matrix's every-prompt exact chain τ at the headline k, as summary.json has it
+    summary = json.loads((run / "eval" / "summary.json").read_text())
+    k = summary["headline"]["k"]
+    row = next(r for r in summary["matrix"] if (r["engine"], r["temperature"], r["k"], r["set"], r["domain"])
+               == ("chain", 0.0, k, "all", "all"))
+    line = next(ln for ln in text.splitlines() if ln.startswith("| **every prompt** |"))
+    assert f"{row['tau']:.2f} [{row['ci'][0]:.2f}, {row['ci'][1]:.2f}]" == line.split("|")[2].strip(), line
+    assert any("T=1" in ln for ln in text.splitlines() if ln.startswith("| domain |"))  # both temperatures
+    for name in ("config.json", "model.safetensors"):
+        digest = hashlib.sha256((run / "drafter" / name).read_bytes()).hexdigest()
+        assert f"| `{name}` | `{digest}` |" in text
+    assert "python -m sglang.launch_server" in text and "--speculative-algorithm EAGLE3" in text
+
+
+@pytest.mark.vllm
+def test_the_cards_vllm_snippet_runs_on_the_cpu_build(finished_run, tmp_path):
+    """The card's Python block, as written, with TARGET and DRAFTER pointed at this run's folders."""
+    a, _ = finished_run
+    run, text = _card(finished_run)
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if SNIPPET_MARK in b)
+    ident = json.loads(next((a / "resources" / "targets").glob("*/identity.json")).read_text())
+    target = (next((a / "resources" / "targets").glob("*/identity.json")).parent / ident["path"]).resolve()
+    script = re.sub(r'^TARGET = ".*?"', f'TARGET = "{target}"', block, flags=re.M)
+    script = re.sub(r'^DRAFTER = ".*?"', f'DRAFTER = "{(run / "drafter").resolve()}"', script, flags=re.M)
+    assert script.count(str(target)) == 1 and script != block
+    (tmp_path / "snippet.py").write_text(script)
+    py = vllm_env.vllm_python()
+    env = vllm_env.process_env(tmp_path, py, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO")
+    p = subprocess.run([str(py), "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=vllm_env.timeout(600))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert p.stdout.strip(), p.stderr[-2000:]  # the generated text
+    assert "eagle3" in (p.stdout + p.stderr).lower()  # served with the drafter
