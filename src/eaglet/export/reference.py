@@ -47,20 +47,16 @@ TIE = 1e-3
 # --------------------------------------------------------------------------- weights
 def tensor_digests(path: str | Path) -> dict[str, str]:
     """sha256 of every tensor in a safetensors file: its dtype, shape and bytes."""
+    import torch
+
     tensors = io.load_tensors(path)
     out = {}
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}:".encode())
-        h.update(t.view(-1).view(dtype=_byte_dtype()).numpy().tobytes() if t.numel() else b"")
+        h.update(t.view(-1).view(dtype=torch.uint8).numpy().tobytes() if t.numel() else b"")
         out[name] = h.hexdigest()
     return out
-
-
-def _byte_dtype():
-    import torch
-
-    return torch.uint8
 
 
 def weights_check(drafter_dir: str | Path, ref: dict) -> dict:
@@ -128,7 +124,7 @@ def load_exported(drafter_dir: str | Path, identity: dict):
 # --------------------------------------------------------------------------- the chain
 def reference_chain(drafter, identity: dict, prompt_ids: list[list[int]] | None,
                     continuations: list[list[int]] | None, *, k: int, max_tokens: int, load: dict | None = None,
-                    threads: int | None = None, prompts: list[str] | None = None) -> dict:
+                    prompts: list[str] | None = None) -> dict:
     """The chain of ``drafter`` (a trainer's drafter.safetensors, or an exported format-A directory)
     along the given continuations, on the HF target in-process (eaglet.engines.hf_loop). Without
     continuations, along the HF target's own greedy ones (max_tokens + k - 1 tokens); without
@@ -143,10 +139,6 @@ def reference_chain(drafter, identity: dict, prompt_ids: list[list[int]] | None,
         from eaglet.drafter.model import load_drafter
 
         model, cfg, d2t, _ = load_drafter(drafter, identity)
-    if threads:
-        import torch
-
-        torch.set_num_threads(int(threads))
     tgt = hf_loop.Target(load_model(identity["path"], dtype=ld["dtype"], trust_remote_code=ld["trust_remote_code"],
                                     device=job_device(ld["device"])), cfg.layer_ids, set())
     prop = hf_loop.EagleProposer(model, d2t)

@@ -202,14 +202,16 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
     return out
 
 
-def simulated_chain(drafter, identity: dict, prompt_ids: list[list[int]], continuations: list[list[int]], k: int,
-                    max_tokens: int, load: dict | None = None) -> dict:
+def simulated_chain(drafter, identity: dict, prompt_ids: list[list[int]] | None,
+                    continuations: list[list[int]] | None, k: int, max_tokens: int, load: dict | None = None,
+                    prompts: list[str] | None = None) -> dict:
     """eaglet's exact chain (eaglet.export.reference.reference_chain, HF target in-process) of ``drafter``
-    along the given continuations; a target too big for this process reports why instead."""
+    along the given continuations (None: the HF target's greedy ones, from ``prompts`` when no ids are
+    given); a target too big for this process, or a failure, reports why instead."""
     if int(identity.get("num_layers", 0)) * int(identity.get("hidden_size", 0)) ** 2 * 12 > 4e9:
         return {"error": "target too big to run in the export process (> ~4B parameters)"}
     try:
         return reference_chain(drafter, identity, prompt_ids, continuations, k=k, max_tokens=max_tokens,
-                               load=load)
+                               load=load, prompts=prompts)
     except Exception as e:  # noqa: BLE001 - the reference is best effort; the check says it is missing
         return {"error": f"{type(e).__name__}: {e}"}
