@@ -381,3 +381,31 @@ def test_hf_loop_auto_skips_a_target_too_big_and_the_summary_says_not_run(tmp_pa
     assert all(Path(p).stat().st_size > 0 for p in res["plots"])
     line = summary._evaluate(io.read_json(out / "summary.json"))
     assert "HF loop NOT RUN" in line and "lossless: HF loop not run" in line and "yes" not in line
+
+
+# --------------------------------------------------------------------------- chat-template modes
+def test_each_mode_is_the_offline_stage_rendered_its_way_and_a_switch_the_template_ignores_is_refused(
+        tiny_target, tiny_drafter, tmp_path):
+    from eaglet.target.family_templates import QWEN3_TEMPLATE
+
+    ident = Path(tiny_target["path"]).parent / "identity.json"
+    sets = [heldout_parquet(tmp_path)]
+    opts = {**OPTS, "chat_template": QWEN3_TEMPLATE, "k_values": [1, 2], "temperatures": [0.0, 1.0]}
+    modes = {"thinking": {"enable_thinking": True}, "no_thinking": {"enable_thinking": False}}
+    res = ev.evaluate_modes(tiny_drafter, ident, sets, tmp_path / "m", modes=modes, threads=1, **opts)
+    assert json.loads((tmp_path / "m" / "modes.json").read_text())["modes"].keys() == modes.keys()
+    on, off = res["modes"]["thinking"], res["modes"]["no_thinking"]
+    assert off["prompt_tail"].endswith("<think>\n\n</think>\n\n") and "</think>" not in on["prompt_tail"]
+    assert off["chat_template_kwargs"] == {"enable_thinking": False}
+    assert {(r["mode"], r["engine"], r["temperature"]) for r in res["matrix"] if r["k"] == 2 and r["set"] == "all"} \
+        == {(m, e, t) for m in modes for e, t in (("chain", 0.0), ("expected", 1.0))}
+    # a mode is exactly the offline stage with that mode's keyword arguments
+    alone = ev.evaluate_offline(tiny_drafter, ident, sets, tmp_path / "o", threads=1,
+                                **{**opts, "chat_template_kwargs": {"enable_thinking": False}})
+    assert off["tau_chain"] == alone["overall"]["tau_chain"]
+    assert off["expected"]["1.0"] == alone["sampling"][0]["overall"]["tau"]
+    # the default tiny template has no thinking switch: two modes rendering alike are refused
+    with pytest.raises(ValueError, match="render every prompt identically.*enable_thinking"):
+        ev.evaluate_modes(tiny_drafter, ident, sets, tmp_path / "x", modes=modes, threads=1,
+                          **{**opts, "chat_template": None})
+    assert not (tmp_path / "x" / "modes.json").exists()

@@ -36,6 +36,8 @@ VLLM_CHECKS = ["vllm.load_run", "vllm.lossless", "vllm.aux_layers", "vllm.shared
                "vllm.known_answer"]
 # Families eaglet.export.known_answer builds a twin for (the others' vllm.known_answer is not run, by name)
 TWIN = {"llama", "llama3", "qwen2", "qwen3"}
+# Families whose template has a thinking switch: evaluated in both modes (evaluate.modes)
+MODES = {"qwen3": {"thinking": {"enable_thinking": True}, "no_thinking": {"enable_thinking": False}}}
 # The module's fixture runs every family before the first test (~10 min here)
 pytestmark = pytest.mark.timeout(2400)
 
@@ -50,6 +52,9 @@ def _config(family: str, **export) -> dict:
     # (19 of 24 for gemma3_text): those are counted as empty_response errors, not a failed run.
     conf["generate"]["max_error_fraction"] = 0.9
     conf["export"].update(export)
+    if family in MODES:  # the template's thinking switch, each way, through to the drafter card
+        conf["evaluate"].update(modes=MODES[family], repeats=1, headline_k=2)
+        conf["evaluate"]["regenerate"].update(num_prompts={"mtbench": 1, "heldout": 1})
     return conf
 
 
@@ -106,8 +111,10 @@ def runs(tmp_path_factory):
     def dag(family):
         rel = f"results/fam-{family}"
         with slots:
+            card = [f"{rel}/drafter/README.md"] if family in MODES else []
             done[family] = _finish(_snakemake(repos[family], cache, [f"{rel}/drafter/contract.json",
-                                                                     f"{rel}/eval/offline.json"], "config/dag.yaml", 1))
+                                                                     f"{rel}/eval/offline.json", *card],
+                                              "config/dag.yaml", 1))
 
     def engine(family):
         while family not in done:
@@ -162,6 +169,29 @@ def test_family_runs_the_dag_with_proven_labels_and_parity(runs, family):
         assert s["prompts"] >= 1 and sorted(map(int, s["tau_chain"])) == list(range(1, offline["K"] + 1)), name
         for k, tau in s["tau_chain"].items():
             assert math.isfinite(tau) and 1.0 <= tau <= int(k) + 1, (name, k, tau)
+
+
+@pytest.mark.parametrize("family", sorted(MODES))
+def test_a_thinking_switch_is_evaluated_each_way_and_the_card_says_so(runs, family):
+    run = _run(runs, family)
+    modes = json.loads((run / "eval" / "modes.json").read_text())["modes"]
+    assert modes.keys() == MODES[family].keys()
+    on, off = modes["thinking"], modes["no_thinking"]
+    # the same prompts, rendered each way: thinking off pre-fills an empty think block
+    assert on["prompts"] == off["prompts"] >= 1
+    assert off["prompt_tail"].endswith("<think>\n\n</think>\n\n") and "</think>" not in on["prompt_tail"]
+    for m in (on, off):
+        for k, tau in m["tau_chain"].items():
+            assert math.isfinite(tau) and 1.0 <= tau <= int(k) + 1, (k, tau)
+        assert set(m["expected"]) == {"1.0"}
+    summary = json.loads((run / "eval" / "summary.json").read_text())
+    assert summary["modes"]["modes"]["no_thinking"]["tau_chain"] == off["tau_chain"]
+    card = (run / "drafter" / "README.md").read_text()
+    section = card.split("## By chat-template mode", 1)[1].split("\n## ", 1)[0]
+    k = summary["headline"]["k"]
+    for name, m in modes.items():
+        line = next(x for x in section.splitlines() if x.startswith(f"| {name} |"))
+        assert f"{m['tau_chain'][str(k)]:.2f}" in line and "enable_thinking" in line, line
 
 
 @pytest.mark.vllm

@@ -22,8 +22,8 @@ from dag_preview import own_reasons, preview
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
 
-# The smoke DAG: each stage -> the stages that read its outputs (evaluate_vllm, learning_curve and
-# train_fraction appear when a key turns them on).
+# The smoke DAG: each stage -> the stages that read its outputs (evaluate_vllm, evaluate_modes,
+# learning_curve and train_fraction appear when a key turns them on).
 AFTER = {
     "target_model": {"generate", "tokenize", "token_freq", "vocab_map", "extract_hidden_states", "train",
                      "export", "evaluate_offline", "evaluate_speculative", "evaluate_vllm", "generate_eval",
@@ -45,13 +45,14 @@ AFTER = {
     "evaluate_offline": {"evaluate_speculative", "eval_summary"},
     "evaluate_speculative": {"eval_summary", "evaluate_regenerated"},
     "evaluate_vllm": {"eval_summary"},
+    "evaluate_modes": {"eval_summary"},
     "train_fraction": {"learning_curve"},
     "learning_curve": {"eval_summary"},
     "eval_summary": {"plots", "drafter_card"},
     "plots": {"provenance"},
     "provenance": set(),
 }
-SMOKE = set(AFTER) - {"evaluate_vllm", "train_fraction", "learning_curve"}  # the smoke run's stages
+SMOKE = set(AFTER) - {"evaluate_vllm", "evaluate_modes", "train_fraction", "learning_curve"}  # the smoke run's stages
 RESULTS = SMOKE - {"target_model"}
 TARGET_LOAD = {"generate", "extract_hidden_states", "export", "evaluate_offline", "evaluate_speculative",
                "generate_eval", "evaluate_regenerated"}
@@ -178,6 +179,8 @@ TABLE = {
     "evaluate.regenerate.num_prompts": ({"mtbench": 1, "heldout": 2}, {"eval_prompts"}),
     "evaluate.regenerate.max_tokens": (8, {"generate_eval"}),
     "evaluate.headline_k": (2, {"eval_summary"}),
+    # a new stage (not run until previewed): the smoke target's template has no switch, so a real run refuses
+    "evaluate.modes": ({"a": {"enable_thinking": True}, "b": {"enable_thinking": False}}, {"evaluate_modes"}),
     "evaluate.vllm.enabled": (True, {"evaluate_vllm"}),
     **{f"evaluate.vllm.{k}": (v, OFF) for k, v in {  # vLLM evaluation is off in the smoke run
         "k_values": [2], "iomp": True, "max_num_seqs": 2, "kv_cache_gb": 1, "timeout_s": 600,

@@ -214,6 +214,42 @@ rule evaluate_regenerated:
         " --out {output.regenerated:q} --threads {threads} --log {log:q}"
 
 
+# Each chat-template mode (evaluate.modes, e.g. Qwen3's enable_thinking on and off) measured offline
+# on the evaluation sets rendered its way (eaglet.eval.evaluate modes). After the timed stages.
+MODES = EVAL["modes"]
+
+
+rule evaluate_modes:
+    input:
+        code=stage_code("eval.evaluate", launcher=True),
+        drafter=f"{RUN}/train/drafter.safetensors",
+        identity=TARGET_ID,
+        sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
+        after=rules.evaluate_speculative.output.speculative,
+    output:
+        modes=f"{EVAL_DIR}/modes.json",
+    log:
+        f"{LOGS}/evaluate_modes.log",
+    conda:
+        "../../envs/eaglet.yaml"
+    threads: workflow.cores
+    resources:
+        gpu=HF_LOOP_GPUS,
+    params:
+        **key_params("evaluate", EVAL_OPTS, EVAL_KEYS),
+        **key_params("evaluate_modes", {"modes": MODES}),
+        **key_params("set", EVAL_DATA),
+        sets=as_json(EVAL_SETS),
+        modes=as_json(MODES),
+        opts=settings(EVAL_OPTS),
+        out=out_dir,
+    shell:
+        "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.eval.evaluate modes --drafter {input.drafter:q} --identity {input.identity:q}"
+        " --sets {params.sets:q} --modes {params.modes:q} --config {params.opts:q} --out-dir {params.out:q}"
+        " --threads {threads} --log {log:q}"
+
+
 rule eval_summary:
     input:
         **({"vllm": rules.evaluate_vllm.output.vllm} if EVAL["vllm"]["enabled"] else {}),
@@ -227,6 +263,7 @@ rule eval_summary:
             if config["plan"]["learning_curve"]
             else {}
         ),
+        **({"modes": rules.evaluate_modes.output.modes} if MODES else {}),
         code=stage_code("eval.summary"),
         offline=rules.evaluate_offline.output.offline,
         positions=rules.evaluate_offline.output.positions,
@@ -278,10 +315,13 @@ rule eval_summary:
             if "regenerated" in input.keys()
             else ""
         ),
+        modes=lambda wildcards, input: (
+            f"--modes {input.modes}" if "modes" in input.keys() else ""
+        ),
         opts=as_json({"tie_eps": EVAL["tie_eps"], "headline_k": EVAL["headline_k"]}),
     shell:
         "python -m eaglet.eval.summary --eval-dir {params.eval_dir:q} {params.vllm} {params.learning_curve}"
-        " {params.regenerated}"
+        " {params.regenerated} {params.modes}"
         " --config {params.opts:q} --log {log:q}"
 
 

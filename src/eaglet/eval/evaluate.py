@@ -6,6 +6,7 @@ speculative decoding loop with a lossless check (docs/eagle3.md §7).
         --config '{"num_prompts": 10, "max_new_tokens": 128, "k_values": [1, 2, 3, 4, 5]}' \
         --out-dir results/RUN/eval [--threads 2] [--log LOG]
     python -m eaglet.eval.evaluate speculative ... (same flags)
+    python -m eaglet.eval.evaluate modes ... --modes '{"thinking": {"enable_thinking": true}, ...}'
 
 offline      greedy continuation of every prompt with the target (KV cache), capturing the aux
              hidden states at the drafter's layer ids; from every verified position the drafter
@@ -41,6 +42,8 @@ speculative  plain sampling and speculative sampling at every k, timed in the sa
              a property of the distribution, proven by tests/engines/test_speculative_sampling.py,
              not by one run. Every random draw is seeded from ``seed``, the stage, T, the prompt and
              the configuration, so a rerun gives the same texts.
+modes        the offline figures once per chat-template mode (``evaluate.modes``: keyword arguments
+             over the served ones, e.g. Qwen3's enable_thinking on and off); writes modes.json.
 Both stages also write ``matrix``: one row per engine, T, k, set and domain (eaglet.eval.stats.matrix_rows)
 that eval_summary concatenates with vLLM's.
 
@@ -206,9 +209,29 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
                                ("offline_positions.parquet", "offline_rounds.parquet"))
     ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
                                                _load_opts(o))
-    K, max_new, eps = max(o["k_values"]), o["max_new_tokens"], o["tie_eps"]
     prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
                                      o["chat_template_kwargs"])
+    res, pos_rows, round_rows = offline_results(target, proposer, prompts, o)
+    res = {"stage": "evaluate_offline", "drafter": str(drafter), "target": ident["name"],
+           "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "draft_vocab_size": cfg.draft_vocab_size,
+           "options": o, "sets_requested": sets, **res}
+    out = Path(out_dir)
+    io.write_parquet(out / "offline_positions.parquet", _frame(pos_rows))
+    io.write_parquet(out / "offline_rounds.parquet", _frame(round_rows))
+    # checked by eval_summary (io.verify_recorded)
+    res[io.DIGESTS_KEY] = io.record_digests(out, ["offline_positions.parquet", "offline_rounds.parquet"])
+    io.write_json(out / "offline.json", res)
+    log.info("offline: tau %s (all positions), chain %s", res["overall"]["tau"], res["overall"]["tau_chain"])
+    for smp in res["sampling"]:
+        log.info("offline T=%g: expected tau %s", smp["temperature"], smp["overall"]["tau"])
+    return res
+
+
+def offline_results(target, proposer, prompts: list[dict], o: dict) -> tuple[dict, list[dict], list[dict]]:
+    """The offline figures of ``prompts`` (tokenised as ``o`` renders them): the exact greedy chain
+    at T = 0, the expected chain at each T > 0, and their matrix rows; with the per-position and
+    per-round rows (offline_positions / offline_rounds.parquet)."""
+    K, max_new, eps = max(o["k_values"]), o["max_new_tokens"], o["tie_eps"]
     t0 = time.time()
     pos_rows, round_rows, per_set = [], [], defaultdict(lambda: {"starts": [], "rounds": defaultdict(list)})
     target_ties, per_prompt = 0, []
@@ -233,10 +256,7 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
                                                                 [s["valid"] for s in r["starts"]], min(3, K)) or 1)
     all_starts = [s for v in per_set.values() for s in v["starts"]]
     all_rounds = {k: [x for v in per_set.values() for x in v["rounds"][k]] for k in o["k_values"]}
-    res = {"stage": "evaluate_offline", "drafter": str(drafter), "target": ident["name"],
-           "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "draft_vocab_size": cfg.draft_vocab_size,
-           "options": o, "sets_requested": sets, "K": K, "prompts": len(prompts),
-           "new_tokens": len(all_starts) + len(prompts),
+    res = {"K": K, "prompts": len(prompts), "new_tokens": len(all_starts) + len(prompts),
            "sets": {name: {"prompts": sum(p["set"] == name for p in prompts),
                            **_offline_stats(v["starts"], v["rounds"], K),
                            "tau_chain_ci": _tau_ci([q for q in per_prompt if q["set"] == name], "chain",
@@ -248,18 +268,60 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
            "ties": {"tie_eps": eps, "target_near_ties": target_ties,
                     "drafter_near_ties": sum(s["drafter_margin"] < eps for s in all_starts)},
            "seconds": round(time.time() - t0, 2), "per_prompt": per_prompt}
-    out = Path(out_dir)
-    io.write_parquet(out / "offline_positions.parquet", _frame(pos_rows))
-    io.write_parquet(out / "offline_rounds.parquet", _frame(round_rows))
-    # checked by eval_summary (io.verify_recorded)
-    res[io.DIGESTS_KEY] = io.record_digests(out, ["offline_positions.parquet", "offline_rounds.parquet"])
     res["sampling"] = [offline_sampling(target, proposer, prompts, per_prompt, K, max_new, t, o)
                        for t in sampled_temperatures(o)]
     res["matrix"] = offline_matrix(res, o)
-    io.write_json(out / "offline.json", res)
-    log.info("offline: tau %s (all positions), chain %s", res["overall"]["tau"], res["overall"]["tau_chain"])
-    for smp in res["sampling"]:
-        log.info("offline T=%g: expected tau %s", smp["temperature"], smp["overall"]["tau"])
+    return res, pos_rows, round_rows
+
+
+def evaluate_modes(drafter: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path,
+                   modes: dict[str, dict], threads: int | None = None, **opts) -> dict:
+    """The offline figures (exact chain at T = 0, expected chain at T > 0) once per chat-template
+    mode: each mode's keyword arguments over the served ones (``chat_template_kwargs``), e.g.
+    Qwen3's ``enable_thinking`` true and false. A drafter trained in one mode can collapse in the
+    other, so each mode is measured on the same prompts rendered its way. Two modes whose renders
+    of every prompt are identical are refused: the template ignores the switch. Writes modes.json."""
+    o = _options(opts)
+    out = Path(out_dir) / "modes.json"
+    if not modes or any(not isinstance(v, dict) for v in modes.values()):
+        raise ValueError(f"evaluate.modes: a mapping mode name -> chat template keyword arguments, got {modes!r}")
+    if not o["hf_loop"]:
+        why = o["hf_loop_reason"] or "evaluate.hf_loop: false"
+        log.warning("HF loop not run (evaluate_modes): %s", why)
+        res = {"stage": "evaluate_modes", "status": NOT_RUN, "hf_loop_reason": why, "options": o,
+               "modes": {m: {"chat_template_kwargs": {**o["chat_template_kwargs"], **kw}} for m, kw in modes.items()},
+               "matrix": []}
+        io.write_json(out, res)
+        return res
+    ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
+                                               _load_opts(o))
+    rendered, per_mode, matrix = {}, {}, []
+    for name, kw in modes.items():
+        mo = {**o, "chat_template_kwargs": {**o["chat_template_kwargs"], **kw}}
+        prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+                                         mo["chat_template_kwargs"])
+        ids = [tuple(p["prompt_ids"]) for p in prompts]
+        same = [m for m, other in rendered.items() if other == ids]
+        if same:
+            raise ValueError(f"evaluate.modes: modes {same[0]!r} and {name!r} render every prompt identically: "
+                             f"the chat template ignores {kw}")
+        rendered[name] = ids
+        log.info("mode %s (%s): %d prompts", name, mo["chat_template_kwargs"], len(prompts))
+        res, _, _ = offline_results(target, proposer, prompts, mo)
+        per_mode[name] = {
+            "chat_template_kwargs": mo["chat_template_kwargs"], "prompts": res["prompts"],
+            "new_tokens": res["new_tokens"],
+            # what the generation prompt ends with in this mode (e.g. Qwen3's pre-filled empty think block)
+            "prompt_tail": tok.decode(list(ids[0][-16:])),
+            "tau_chain": res["overall"]["tau_chain"],
+            "expected": {str(smp["temperature"]): smp["overall"]["tau"] for smp in res["sampling"]},
+            "seconds": res["seconds"] + sum(smp["seconds"] for smp in res["sampling"])}
+        matrix += [{**r, "mode": name} for r in res["matrix"]]
+        log.info("mode %s: chain tau %s; expected %s", name, per_mode[name]["tau_chain"], per_mode[name]["expected"])
+    res = {"stage": "evaluate_modes", "drafter": str(drafter), "target": ident["name"],
+           "target_digest": ident["digest"], "options": o, "sets_requested": sets, "modes": per_mode,
+           "matrix": matrix}
+    io.write_json(out, res)
     return res
 
 
@@ -569,20 +631,25 @@ def _spec_stats(rows: list[dict], round_rows: list[dict], ks: list[int], set_nam
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["offline", "speculative"])
+    p.add_argument("mode", choices=["offline", "speculative", "modes"])
     p.add_argument("--drafter", required=True, help="train/drafter.safetensors")
     p.add_argument("--identity", required=True, help="the target's identity.json")
     p.add_argument("--sets", default='["mtbench"]', help="JSON list: mtbench, humaneval, *.parquet")
     p.add_argument("--config", default=None, help="JSON options: " + ", ".join(DEFAULTS))
     p.add_argument("--out-dir", required=True)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--modes", default=None,
+                   help="modes: JSON object, mode name -> chat template keyword arguments (evaluate.modes)")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
+    if a.mode == "modes" and not a.modes:
+        p.error("modes needs --modes")
     io.setup_logging(a.log)
-    fn = evaluate_offline if a.mode == "offline" else evaluate_speculative
+    fn = {"offline": evaluate_offline, "speculative": evaluate_speculative, "modes": evaluate_modes}[a.mode]
+    modes = {"modes": io.parse_json_arg(a.modes)} if a.mode == "modes" else {}
     io.verify_recorded(a.drafter, Path(a.drafter).with_name("train_summary.json"))  # train's record
     try:
-        fn(a.drafter, a.identity, io.parse_json_arg(a.sets), a.out_dir, threads=a.threads,
+        fn(a.drafter, a.identity, io.parse_json_arg(a.sets), a.out_dir, threads=a.threads, **modes,
            **io.parse_json_arg(a.config, {}))
     except LosslessError as e:
         log.error("%s", e)

@@ -342,20 +342,22 @@ def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: di
 
 
 def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_curve: str | Path | None = None,
-              regenerated: str | Path | None = None, **opts) -> dict:
+              regenerated: str | Path | None = None, modes: str | Path | None = None, **opts) -> dict:
     """``learning_curve``: eaglet.learning_curve.learning_curve's JSON (plan.learning_curve), carried
     into the summary. ``regenerated``: eaglet.eval.regenerated's JSON: its matrix rows (engine
     ``regen``) join the matrix, and what was regenerated (answers, tokens, tok/s) goes to
-    ``regenerated``."""
+    ``regenerated``. ``modes``: eaglet.eval.evaluate modes' JSON: each chat-template mode's figures
+    go to ``modes``, its matrix rows (with their ``mode``) to ``modes_matrix``."""
     o = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
     out = Path(eval_dir)
     offline, spec = io.read_json(out / "offline.json"), io.read_json(out / "speculative.json")
     vl = io.read_json(vllm) if vllm else None
     curve = io.read_json(learning_curve) if learning_curve else None
-    regen = io.read_json(regenerated) if regenerated else None
+    extras = {"regen": io.read_json(regenerated) if regenerated else None,
+              "modes": io.read_json(modes) if modes else None}
     if offline.get("status") == "not run" or spec.get("status") == "not run":
         res = summarise_without_hf_loop(out, offline if offline.get("status") else spec, vl, o, curve)
-        return _with_regenerated(out, res, regen)
+        return _with_extras(out, res, **extras)
     agree = agreement(out, o["tie_eps"])
     rec = recommend(offline, spec)
     matrix = results_matrix(offline, spec, vl)
@@ -368,19 +370,30 @@ def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_cur
     io.write_parquet(out / "recommendation.parquet", pd.DataFrame(rec["table"]))
     io.write_json(out / "summary.json", res)
     log.info("headline: %s", res["headline"])
-    return _with_regenerated(out, res, regen)
+    return _with_extras(out, res, **extras)
 
 
-def _with_regenerated(out: Path, res: dict, regen: dict | None) -> dict:
-    """The regenerated sets' rows added to the matrix, and what was regenerated (summary.json)."""
-    if regen is None:
+def _with_extras(out: Path, res: dict, regen: dict | None, modes: dict | None) -> dict:
+    """The regenerated sets' rows added to the matrix and what was regenerated; each chat-template
+    mode's figures and rows (summary.json)."""
+    if regen is None and modes is None:
         return res
-    res["matrix"] = res["matrix"] + results_matrix(regen)
-    res["regenerated"] = {"texts": regen.get("texts"), "status": regen.get("status", "ran"),
-                          "temperatures": [{"temperature": t["temperature"], "answers": t.get("answers"),
-                                            "tokens": t.get("tokens")} for t in regen.get("temperatures", [])]}
+    if regen is not None:
+        res["matrix"] = res["matrix"] + results_matrix(regen)
+        res["regenerated"] = {"texts": regen.get("texts"), "status": regen.get("status", "ran"),
+                              "temperatures": [{"temperature": t["temperature"], "answers": t.get("answers"),
+                                                "tokens": t.get("tokens")} for t in regen.get("temperatures", [])]}
+        _log_matrix(results_matrix(regen))
+    if modes is not None:
+        res["modes"] = {"status": modes.get("status", "ran"), "hf_loop_reason": modes.get("hf_loop_reason"),
+                        "modes": {m: {k: v.get(k) for k in ("chat_template_kwargs", "prompt_tail", "prompts",
+                                                            "tau_chain", "expected")}
+                                  for m, v in modes["modes"].items()}}
+        res["modes_matrix"] = results_matrix(modes)
+        for m in modes["modes"]:
+            log.info("mode %s:", m)
+            _log_matrix([r for r in res["modes_matrix"] if r["mode"] == m])
     io.write_json(out / "summary.json", res)
-    _log_matrix(results_matrix(regen))
     return res
 
 
@@ -392,12 +405,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--learning-curve", default=None, help="learning_curve.json (optional: plan.learning_curve)")
     p.add_argument("--regenerated", default=None,
                    help="regenerated.json (optional: the drafter along the target's regenerated answers)")
+    p.add_argument("--modes", default=None, help="modes.json (optional: evaluate.modes, per chat-template mode)")
     p.add_argument("--config", default=None, help="JSON options: " + ", ".join(DEFAULTS))
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
     verify_inputs(a.eval_dir)
-    summarise(a.eval_dir, a.vllm, a.learning_curve, regenerated=a.regenerated, **io.parse_json_arg(a.config, {}))
+    summarise(a.eval_dir, a.vllm, a.learning_curve, regenerated=a.regenerated, modes=a.modes,
+              **io.parse_json_arg(a.config, {}))
 
 
 # The evaluate stages' Parquet files, each with the JSON its stage recorded its sha256 in.

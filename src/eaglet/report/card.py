@@ -10,7 +10,7 @@ library, tags, datasets, metrics; then Markdown).
 
 The card says what the drafter is for (target, k, layer ids, draft vocabulary), the data it saw,
 how it trained, the results matrix of the evaluation (τ per domain × temperature × engine at the
-headline k, and over every prompt per k), the export contract's verdict, the files' digests, and
+headline k, and over every prompt per k; per chat-template mode when evaluate.modes lists them), the export contract's verdict, the files' digests, and
 how to serve it: vLLM's Python API (the block marked ``# eaglet: vllm-snippet``, which
 tests/report/test_card.py runs on the CPU build), ``vllm serve`` and SGLang's launch command, and
 how to check a downloaded copy (``python -m eaglet.export.contract``).
@@ -64,6 +64,28 @@ def matrix_tables(matrix: list[dict], k: int) -> str:
         f"{ENGINES.get(e, e)}, T={t:g}" for e, t in cols) + " |\n", sep]
     for kk in ks:
         out.append(f"| {kk} | " + " | ".join(_fmt(by.get((e, t, kk, "all", "all"))) for e, t in cols) + " |\n")
+    return "".join(out)
+
+
+def modes_section(modes: dict | None, rows: list[dict], k: int) -> str:
+    """τ per chat-template mode (summary.json's ``modes``, evaluate.modes): one line per mode over
+    every prompt, then each mode's own tables. Empty when the run evaluated one mode only."""
+    if not modes:
+        return ""
+    if modes.get("status") == "not run":
+        return f"\n## By chat-template mode\n\nNot run: {modes.get('hf_loop_reason')}.\n"
+    cols = sorted({(r["engine"], r["temperature"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    by = {(r["mode"], r["engine"], r["temperature"], r["k"], r["set"], r["domain"]): r for r in rows}
+    out = ["\n## By chat-template mode\n\n",
+           "A drafter trained in one mode of the template (thinking on, say) can collapse in another, so "
+           f"each mode was evaluated on the same prompts rendered its way. τ at k = {k} over every prompt:\n\n",
+           "| mode | template arguments | " + " | ".join(f"{ENGINES.get(e, e)}, T={t:g}" for e, t in cols) + " |\n",
+           "|---" * (len(cols) + 2) + "|\n"]
+    for m, v in modes["modes"].items():
+        out.append(f"| {m} | `{json.dumps(v.get('chat_template_kwargs'))}` | "
+                   + " | ".join(_fmt(by.get((m, e, t, k, "all", "all"))) for e, t in cols) + " |\n")
+    for m in modes["modes"]:
+        out += [f"\n### {m}\n\n", matrix_tables([r for r in rows if r["mode"] == m], k)]
     return "".join(out)
 
 
@@ -144,8 +166,9 @@ def card(drafter_dir: str | Path, identity: dict, evaluation: dict | None, train
              "expected chain is Σ min(p, q) per draft position along its sampled text; the HF loop and "
              "vLLM are measured runs (vLLM drafts greedily at every temperature and accepts a draft x "
              "with probability p(x)).\n",
-             f"\n{h.get('recommendation') or ''}\n\n",
-             "## The export contract\n\n",
+             f"\n{h.get('recommendation') or ''}\n",
+             modes_section(ev.get("modes"), ev.get("modes_matrix") or [], k),
+             "\n## The export contract\n\n",
              f"{'Passed' if contract.get('ok') else 'FAILED'}: {passed} of {len(checks)} checks pass"
              + (f"; not run: {[r['name'] for r in contract.get('not_run') or []]}" if contract.get("not_run") else "")
              + ".",
