@@ -10,10 +10,10 @@ library, tags, datasets, metrics; then Markdown).
 
 The card says what the drafter is for (target, k, layer ids, draft vocabulary), the data it saw,
 how it trained, the results matrix of the evaluation (τ per domain × temperature × engine at the
-headline k, and over every prompt per k; per chat-template mode when evaluate.modes lists them), the export contract's verdict, the files' digests, and
-how to serve it: vLLM's Python API (the block marked ``# eaglet: vllm-snippet``, which
-tests/report/test_card.py runs on the CPU build), ``vllm serve`` and SGLang's launch command, and
-how to check a downloaded copy (``python -m eaglet.export.contract``).
+headline k, and over every prompt per k; per chat-template mode when evaluate.modes lists them),
+the export contract's verdict, the files' digests, and how to serve it: vLLM's Python API (the
+block marked ``# eaglet: vllm-snippet``, which tests/report/test_card.py runs on the CPU build),
+``vllm serve`` and SGLang's launch command, and how to check a downloaded copy (``python -m eaglet.export.contract``).
 """
 
 from __future__ import annotations
