@@ -293,7 +293,7 @@ def main() -> None:
 
         taus = scorer.tau(anchor_drafts)
         if is_better({"chain_tau": taus[-1]}, a_best):
-            a_best = {"chain_tau": taus[-1], "step": s, "taus": taus}
+            a_best = {"tau": taus[-1], "step": s, "taus": taus}
     a_tau = a_best["taus"]
     same = res["same_init_max_abs_diff"]
     print(f"anchor (speculators {res['versions']['speculators']}, transformers {res['versions']['transformers']}, "

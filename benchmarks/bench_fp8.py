@@ -95,8 +95,8 @@ def compare_stores(bf16: Path, fp8: Path, head: train_setup.TargetHead) -> dict:
         ys = torch.cat([y["aux"], y["final"][:, None]], 1)
         err += (ys - xs).double().pow(2).sum((0, 2))
         ref += xs.double().pow(2).sum((0, 2))
-        px, _ = head(x["final"][None])
-        py, _ = head(y["final"][None])
+        px, _, _ = head(x["final"][None])
+        py, _, _ = head(y["final"][None])
         same += int((px.argmax(-1) == py.argmax(-1)).sum())
         kl += float((px * (px.clamp_min(1e-30).log() - py.clamp_min(1e-30).log())).sum())
         total += px.shape[1]

@@ -81,7 +81,7 @@ def measured_peak(s: dict, Vd: int, B: int, T: int, steps: int, bf16: bool) -> i
             p_BTVd = torch.softmax(torch.randn(B, T, Vd), -1)
             valid = mask.clone()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss, _, _ = objective(x, aux, p_BTVd, valid)
+                loss, _, _, _ = objective(x, aux, p_BTVd, valid)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
             opt.step()

@@ -127,7 +127,7 @@ def test_kl_and_soft_ce_have_the_same_gradient(tiny_target):
     out = {}
     for loss in ("soft_ce", "kl"):
         base.zero_grad()
-        val, _, _ = TTTObjective(base, 3, 0.8, loss)(ids, aux, p, valid)
+        val, _, _, _ = TTTObjective(base, 3, 0.8, loss)(ids, aux, p, valid)
         val.backward()
         out[loss] = val.item(), {n: q.grad.clone() for n, q in base.named_parameters() if q.grad is not None}
     assert out["kl"][0] < out["soft_ce"][0] - 1.0  # minus the (positive) target entropy

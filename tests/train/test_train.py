@@ -29,7 +29,7 @@ def test_target_head_matches_the_target(tiny_target, data):
     ds = HiddenStateDataset(data["index"])
     s = ds.sample(3)
     head = TargetHead(tiny_target, data["t2d"], True, True, "cpu")
-    p, inv = head(s["final"][None])
+    p, inv, _ = head(s["final"][None])
     with torch.no_grad():
         full = data["model"](s["input_ids"][None]).logits[0]
     assert torch.allclose(p[0], torch.softmax(full[:, data["t2d"]], -1), atol=1e-5)
@@ -45,19 +45,19 @@ def test_loss_alignment_by_hand(tiny_target, data):
     samples = [ds.sample(i) for i in (0, 7)]
     b = collate(samples, "cpu")
     head = TargetHead(tiny_target, data["t2d"], True, True, "cpu")
-    p, inv = head(b["final"])
+    p, inv, _ = head(b["final"])
     from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_target_embedding
 
     torch.manual_seed(0)
     m = Eagle3Drafter(DrafterConfig.from_identity(tiny_target, VD, LAYERS), load_target_embedding(tiny_target["path"]))
     obj = TTTObjective(m, steps=2, gamma=0.8)
     with torch.no_grad():
-        loss, st, hits = obj(b["x"], b["aux"], p, valid_positions(b, data["t2d"], inv))
+        loss, st, hits, _ = obj(b["x"], b["aux"], p, valid_positions(b, data["t2d"], inv))
         num = den = 0.0
         for s in samples:
             x, T = s["input_ids"], len(s["input_ids"])
             lg, _ = m.forward_step(x[None, 1:], m.project(s["aux"][None, :-1]), torch.arange(T - 1)[None])
-            ps, invs = head(s["final"][None])
+            ps, invs, _ = head(s["final"][None])
             for t in range(T - 2):
                 if s["loss_mask"][t + 2] and invs[0, t + 1]:
                     num += float(-(ps[0, t + 1] * F.log_softmax(lg[0, t], -1)).sum())
@@ -164,10 +164,13 @@ def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_
 
 def test_checkpoint_selection_rule():
     assert is_better({"chain_tau": 1.1}, None)
-    assert is_better({"chain_tau": 1.3}, {"chain_tau": 1.3})  # a tie goes to the later pass
-    assert not is_better({"chain_tau": 1.2}, {"chain_tau": 1.3})
-    assert not is_better({"chain_tau": None}, {"chain_tau": 1.0})
-    assert is_better({"chain_tau": 1.0}, {"chain_tau": None})
+    assert is_better({"chain_tau": 1.3}, {"tau": 1.3})  # a tie goes to the later pass
+    assert not is_better({"chain_tau": 1.2}, {"tau": 1.3})
+    assert not is_better({"chain_tau": None}, {"tau": 1.0})
+    assert is_better({"chain_tau": 1.0}, {"tau": None})
+    # by the expected τ at T = 1 (train.select_temperature: 1): the other τ does not count
+    assert not is_better({"chain_tau": 2.0, "exp_tau": 1.2}, {"tau": 1.3}, "exp_tau")
+    assert is_better({"chain_tau": 1.0, "exp_tau": 1.4}, {"tau": 1.3}, "exp_tau")
 
 
 @pytest.mark.faults

@@ -14,7 +14,8 @@ from eaglet.drafter.model import Eagle3Drafter
 
 # The recipe's options (train params; eaglet.train.train DEFAULTS holds their defaults).
 DRAFTER_OPTIONS = ("norm_before_fc", "norm_before_residual", "norm_output")  # DrafterConfig fields
-LOSSES = ("soft_ce", "kl")
+LOSSES = ("soft_ce", "kl", "lk_lambda", "lk_alpha")
+LK = ("lk_lambda", "lk_alpha")  # the acceptance-targeted losses (arXiv 2602.23881): need the target's mass
 
 
 def check_recipe(p: dict) -> None:
@@ -24,6 +25,12 @@ def check_recipe(p: dict) -> None:
             raise ValueError(f"train.{key}: {p[key]!r} is not true or false")
     if p["loss"] not in LOSSES:
         raise ValueError(f"train.loss: {p['loss']!r} not one of {LOSSES}")
+    if not 0 <= float(p["kl_scale"]) <= 1 or float(p["kl_decay"]) < 0:
+        raise ValueError(f"train.kl_scale must be in [0, 1] and train.kl_decay >= 0, got {p['kl_scale']}, "
+                         f"{p['kl_decay']}")
+    if float(p["select_temperature"]) not in (0.0, 1.0):
+        raise ValueError(f"train.select_temperature: {p['select_temperature']!r} not 0 (exact greedy chain) "
+                         "or 1 (expected acceptance)")
     if p["freeze_lm_head"] and p["lm_head_init"] != "target":
         raise ValueError("train.freeze_lm_head needs lm_head_init: target (a frozen random head "
                          "cannot learn anything)")
@@ -41,33 +48,75 @@ def freeze_head(drafter: Eagle3Drafter, p: dict) -> None:
         drafter.lm_head.weight.requires_grad_(False)
 
 
+def acceptance(q_BNV: torch.Tensor, p_BNV: torch.Tensor, mass_BN: torch.Tensor | None) -> torch.Tensor:
+    """α = Σ_x min(p(x), q(x)) over the draft vocab, as vLLM's rejection sampler sees it: p is the
+    target's distribution over its whole vocab (``p_BNV`` renormalised over the draft vocab times
+    ``mass_BN``, the target's probability of the draft vocab; None = 1) and a target token outside
+    the draft vocab has draft probability 0 (it adds min(p, 0) = 0)."""
+    if mass_BN is not None:
+        p_BNV = p_BNV * mass_BN[..., None]
+    return torch.minimum(p_BNV, q_BNV).sum(-1)
+
+
+def step_loss(lp_BNV: torch.Tensor, p_BNV: torch.Tensor, valid_BN: torch.Tensor, loss: str,
+              mass_BN: torch.Tensor | None = None, kl_scale: float = 1.0, kl_decay: float = 3.0):
+    """One TTT step's loss over its counted positions -> (L, α_BN or None).
+
+    soft_ce    mean over positions of -Σ p log q (p renormalised over the draft vocab)
+    kl         the same plus Σ p log p (no gradient): the same gradient, the loss value is KL(p || q)
+    lk_alpha   -mean log α: the negative log-acceptance; its gradient is TV's rescaled by 1/α, so it
+               does not vanish where acceptance is low (LK losses, arXiv 2602.23881)
+    lk_lambda  w KL + (1 - w)(1 - mean α), w = kl_scale exp(-kl_decay mean α) with mean α detached:
+               KL leads while acceptance is low, the acceptance (1 - TV) term takes over as it rises
+    α (the acceptance-targeted losses only) is returned for the caller's figures."""
+    cnt = valid_BN.sum().clamp(min=1)
+    ce_BN = -(p_BNV * lp_BNV).sum(-1)
+    if loss in ("kl", "lk_lambda"):
+        with torch.no_grad():
+            neg_entropy_BN = torch.xlogy(p_BNV, p_BNV).sum(-1)  # - H(p): no gradient
+        ce_BN = ce_BN + neg_entropy_BN
+    L = (ce_BN * valid_BN).sum() / cnt
+    if loss not in LK:
+        return L, None
+    a_BN = acceptance(lp_BNV.exp(), p_BNV, mass_BN)
+    if loss == "lk_alpha":
+        return -(torch.log(a_BN.clamp(min=1e-12)) * valid_BN).sum() / cnt, a_BN
+    a = (a_BN * valid_BN).sum() / cnt
+    w = kl_scale * torch.exp(-kl_decay * a.detach())
+    return w * L + (1 - w) * (1 - a), a_BN
+
+
 class TTTObjective(nn.Module):
-    """Drafter + TTT loss in one module, so DDP sees one forward per micro-batch.
+    """Drafter + TTT loss in one module, so DDP sees one forward per micro-batch (``loss``: see
+    :func:`step_loss`; ``kl_scale``/``kl_decay``: lk_lambda's weight)."""
 
-    ``loss``: "soft_ce" = -sum p log q; "kl" = sum p (log p - log q) = soft_ce - H(p). The target
-    entropy H(p) does not depend on the drafter, so both have the same gradient (bit-equal here:
-    the entropy is computed without grad); only the reported loss value differs."""
-
-    def __init__(self, drafter: Eagle3Drafter, steps: int, gamma: float, loss: str = "soft_ce"):
+    def __init__(self, drafter: Eagle3Drafter, steps: int, gamma: float, loss: str = "soft_ce",
+                 kl_scale: float = 1.0, kl_decay: float = 3.0):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss {loss!r} not one of {LOSSES}")
         self.drafter, self.steps, self.gamma, self.loss = drafter, steps, gamma, loss
+        self.kl_scale, self.kl_decay = kl_scale, kl_decay
 
-    def forward(self, x_BT, aux_BT3H, p_BTVd, valid_BT, noise=None, chain_BT=None):
+    def forward(self, x_BT, aux_BT3H, p_BTVd, valid_BT, noise=None, chain_BT=None, mass_BT=None):
         """valid_BT[s] = target position s counts (its next token x_{s+1} is an assistant token
-        whose greedy target prediction is in the draft vocab). -> (loss, stats [3, K], hits).
+        whose greedy target prediction is in the draft vocab). -> (loss, stats [3, K], hits, alpha).
         ``chain_BT`` (validation): chain_BT[s] = x_{s+1} is the target's greedy pick at s; then
         hits [B, T, K] bool: step k at index t drafts the target's greedy token x_{t+2+k}
-        (None without chain_BT)."""
+        (None without chain_BT). ``mass_BT``: the target's probability of the draft vocab at each
+        position (TargetHead with mass): then alpha [B, T, K] = step k's acceptance α at index t
+        (0 past the sequence), else None. The LK losses need it."""
         if noise is not None:
             aux_BT3H = aux_BT3H + noise
+        if self.loss in LK and mass_BT is None:
+            raise ValueError(f"loss {self.loss}: the target's mass on the draft vocab (mass_BT) is needed")
         g = self.drafter.project(aux_BT3H)
         T = x_BT.shape[1]
         loss = g.new_zeros((), dtype=torch.float32)
         stats = torch.zeros(3, self.steps, device=x_BT.device)  # L_k, correct_k, count_k
         hits = None if chain_BT is None else torch.zeros(*x_BT.shape, self.steps, dtype=torch.bool,
                                                          device=x_BT.device)
+        alpha = None if mass_BT is None else torch.zeros(*x_BT.shape, self.steps, device=x_BT.device)
         for k, logits, _ in self.drafter.ttt_unroll(x_BT, g, self.steps):
             n = T - 2 - k  # indices t whose drafted token x_{t+2+k} exists
             if n <= 0:
@@ -76,22 +125,40 @@ class TTTObjective(nn.Module):
             lp = F.log_softmax(logits[:, :n].float(), -1)
             tgt = p_BTVd[:, 1 + k:1 + k + n]
             valid = valid_BT[:, 1 + k:1 + k + n]
-            cnt = valid.sum()
-            ce = -(tgt * lp).sum(-1)
-            if self.loss == "kl":
-                with torch.no_grad():
-                    neg_entropy = torch.xlogy(tgt, tgt).sum(-1)  # - H(p): no gradient
-                ce = ce + neg_entropy
-            L = (ce * valid).sum() / cnt.clamp(min=1)
+            mass = None if mass_BT is None else mass_BT[:, 1 + k:1 + k + n]
+            L, a = step_loss(lp, tgt, valid, self.loss, mass, self.kl_scale, self.kl_decay)
             loss = loss + self.gamma ** k * L
             with torch.no_grad():
+                if alpha is not None:
+                    alpha[:, :n, k] = a.detach() if a is not None else acceptance(lp.exp(), tgt, mass)
                 agree = lp.argmax(-1) == tgt.argmax(-1)
                 stats[0, k] = L.detach()
                 stats[1, k] = (agree & valid).sum()
-                stats[2, k] = cnt
+                stats[2, k] = valid.sum()
                 if hits is not None:
                     hits[:, :n, k] = agree & chain_BT[:, 1 + k:1 + k + n]
-        return loss, stats, hits
+        return loss, stats, hits, alpha
+
+
+def expected_counts_BT(alpha_BTK: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """[K, 2]: for k = 1..K, Σ expected accepted drafts and the starts counted, at T = 1 along the
+    validation sequences' unroll, the standard way: from every start t whose k drafted tokens
+    x_{t+2..t+1+k} are assistant tokens, expected accepted = Σ_{j<k} Π_{i<=j} α_{t,i}
+    (eaglet.drafter.chain.expected_counts over the same starts; τ = 1 + Σ / starts)."""
+    B, T, K = alpha_BTK.shape
+    run = torch.cumprod(alpha_BTK.double(), -1)  # drafts 1..j all accepted
+    out = torch.zeros(K, 2, dtype=torch.float64, device=alpha_BTK.device)
+    m = mask_BT.bool()
+    for k in range(1, K + 1):
+        n = T - 1 - k  # starts t with x_{t+1+k} inside the sequence
+        if n <= 0:
+            continue
+        ok = torch.ones(B, n, dtype=torch.bool, device=m.device)
+        for i in range(k):
+            ok &= m[:, 2 + i:2 + i + n]
+        out[k - 1, 0] = (run[:, :n, :k].sum(-1) * ok).sum()
+        out[k - 1, 1] = ok.sum()
+    return out
 
 
 def valid_positions(batch: dict, t2d: torch.Tensor, inv_BT) -> torch.Tensor:
@@ -135,15 +202,16 @@ def chain_counts(hits_BTK: torch.Tensor, mask_BT: torch.Tensor,
     return out
 
 
-def is_better(val_row: dict, best: dict | None) -> bool:
-    """Checkpoint selection on the validation chain τ; a tie goes to the later pass (more training
-    at the same acceptance), and a pass without a chain τ (no rounds) never replaces one."""
-    tau = val_row.get("chain_tau")
+def is_better(val_row: dict, best: dict | None, key: str = "chain_tau") -> bool:
+    """Checkpoint selection on the validation τ named ``key`` (``chain_tau``: the exact greedy chain,
+    T = 0; ``exp_tau``: the expected chain at T = 1); a tie goes to the later pass (more training at
+    the same acceptance), and a pass without that τ (no rounds) never replaces one."""
+    tau = val_row.get(key)
     if best is None:
         return True
     if tau is None:
-        return best["chain_tau"] is None
-    return best["chain_tau"] is None or tau >= best["chain_tau"]
+        return best["tau"] is None
+    return best["tau"] is None or tau >= best["tau"]
 
 
 def tf_tau(acc: list[float]) -> float:

@@ -187,11 +187,21 @@ class TargetHead:
     @torch.no_grad()
     def max_over(self, final_BTH: torch.Tensor, chunks: list[nn.Linear], normed: bool = False) -> torch.Tensor:
         """Largest target logit over the rows of ``chunks`` (see row_chunks) at every position."""
+        return self.max_lse_over(final_BTH, chunks, normed)[0]
+
+    @torch.no_grad()
+    def max_lse_over(self, final_BTH: torch.Tensor, chunks: list[nn.Linear],
+                     normed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(largest logit, logsumexp of the logits) over the rows of ``chunks`` at every position:
+        with the draft rows' logsumexp, the target's probability mass on the draft vocabulary."""
         best = torch.full(final_BTH.shape[:-1], float("-inf"), device=self.device)
+        lse = best.clone()
         for lin in chunks:
             x = final_BTH.to(self.device, lin.weight.dtype)
-            best = torch.maximum(best, self._forward(x, lin, normed).amax(-1))
-        return best
+            lg = self._forward(x, lin, normed)
+            best = torch.maximum(best, lg.amax(-1))
+            lse = torch.logaddexp(lse, torch.logsumexp(lg, -1))
+        return best, lse
 
     @torch.no_grad()
     def full_top1(self, final_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from eaglet.drafter.ttt import chain_counts, chain_positions, is_better, tf_tau, valid_positions
+from eaglet.drafter.ttt import (
+    LK,
+    chain_counts,
+    chain_positions,
+    expected_counts_BT,
+    is_better,
+    tf_tau,
+    valid_positions,
+)
 from eaglet.planner.plan import bf16_autocast
 from eaglet.train.data import collate
 from eaglet.train.setup import TrainRun
@@ -34,19 +42,21 @@ class Batches:
             return self.pool.submit(ds.collate, batch_idx)
         return self.pool.submit(lambda: collate([ds.sample(i) for i in batch_idx], "cpu"))
 
-    def prepare(self, batch_idx: list[int], gen_seed: int | None, ahead: list[int] | None = None):
-        """-> (batch, p_BTVd, valid_BT, noise or None); starts reading ``ahead``."""
+    def prepare(self, batch_idx: list[int], gen_seed: int | None, ahead: list[int] | None = None,
+                mass: bool = False):
+        """-> (batch, p_BTVd, valid_BT, noise or None, mass_BT or None); starts reading ``ahead``.
+        ``mass``: also the target's probability of the draft vocab (the acceptance figures)."""
         r = self.r
         fut = self.pending.pop(tuple(batch_idx), None) or self._fetch(batch_idx)
         if ahead is not None:
             self.pending[tuple(ahead)] = self._fetch(ahead)
         b = {k: v.to(r.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in fut.result().items()}
-        p_BTVd, inv = r.head(b["final"])
+        p_BTVd, inv, mass_BT = r.head(b["final"], mass)
         noise = None
         if gen_seed is not None and r.p["noise_std"] > 0:
             gen = torch.Generator(device=r.device).manual_seed(gen_seed)
             noise = torch.randn(b["aux"].shape, generator=gen, device=r.device) * r.p["noise_std"]
-        return b, p_BTVd, valid_positions(b, self.t2d, inv), noise
+        return b, p_BTVd, valid_positions(b, self.t2d, inv), noise, mass_BT
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -58,9 +68,13 @@ def autocast_on(setting: str, device: torch.device) -> bool:
     return bf16_autocast(setting, device.type == "cuda")
 
 
-def _forward(r: TrainRun, m, b, p_BTVd, valid, noise, chain_BT=None):
+def _forward(r: TrainRun, m, b, p_BTVd, valid, noise, chain_BT=None, mass_BT=None):
     with torch.autocast(r.device.type, dtype=torch.bfloat16, enabled=autocast_on(r.p["autocast"], r.device)):
-        return m(b["x"], b["aux"], p_BTVd, valid, noise, chain_BT)
+        return m(b["x"], b["aux"], p_BTVd, valid, noise, chain_BT, mass_BT)
+
+
+# The validation τ that selects the kept weights, by train.select_temperature
+SELECT_KEY = {0.0: "chain_tau", 1.0: "exp_tau"}
 
 
 def validate(r: TrainRun, batches: Batches, step: int) -> dict:
@@ -73,28 +87,39 @@ def validate(r: TrainRun, batches: Batches, step: int) -> dict:
     for vb in r.val_batches:
         first.append(first[-1] + len(vb))
     seq = torch.zeros(first[-1], 2, dtype=torch.float64)
+    ex = torch.zeros(K, 2, dtype=torch.float64, device=r.device)  # T = 1: Σ expected accepted, starts per k
+    al = torch.zeros(K, 2, dtype=torch.float64, device=r.device)  # Σ α, positions per draft step
     d2t_dev = r.d2t.to(r.device)
     with torch.no_grad():
         for bi in range(r.rank, len(r.val_batches), r.ws):
-            b, p_BTVd, valid, _ = batches.prepare(r.val_batches[bi], None)
-            _, st, hits = _forward(r, r.objective, b, p_BTVd, valid, None,
-                                   chain_positions(b, valid, p_BTVd, d2t_dev))
+            b, p_BTVd, valid, _, mass = batches.prepare(r.val_batches[bi], None, mass=True)
+            _, st, hits, alpha = _forward(r, r.objective, b, p_BTVd, valid, None,
+                                          chain_positions(b, valid, p_BTVd, d2t_dev), mass)
             acc[0] += st[0] * st[2]  # token-weighted over the whole held-out set
             acc[1:] += st[1:]
             per: list = []
             ch += chain_counts(hits.cpu(), b["mask"].cpu(), per)
             seq[first[bi]:first[bi + 1]] = torch.tensor(per, dtype=torch.float64)
+            ex += expected_counts_BT(alpha, b["mask"])
+            for k in range(K):  # α of draft step k+1 where its drafted token is an assistant token
+                m = b["mask"][:, 2 + k:].bool()
+                al[k, 0] += alpha[:, :m.shape[1], k][m].double().sum()
+                al[k, 1] += m.sum()
     acc = all_sum(acc, r.ws)
     ch = all_sum(ch.to(r.device), r.ws).cpu()
+    ex, al = all_sum(ex, r.ws).cpu(), all_sum(al, r.ws).cpu()
     r.val_seq[step] = all_sum(seq.to(r.device), r.ws).cpu().tolist()
     r.objective.train()
     cnt = acc[2].clamp(min=1)
     lk, ak = (acc[0] / cnt).tolist(), (acc[1] / cnt).tolist()
     ctau = [1 + float(a / n) if n > 0 else None for a, n in ch.tolist()]
+    etau = [1 + float(a / n) if n > 0 else None for a, n in ex.tolist()]
     row = {"split": "val", "step": step, "loss": sum(r.p["gamma"] ** k * v for k, v in enumerate(lk)),
-           "chain_tau": ctau[-1], "tf_tau": tf_tau(ak), "positions": int(acc[2, 0]),
+           "chain_tau": ctau[-1], "exp_tau": etau[-1], "tf_tau": tf_tau(ak), "positions": int(acc[2, 0]),
            "chain_rounds": int(ch[-1, 1])}
     row.update({f"chain_tau_{k + 1}": v for k, v in enumerate(ctau)})
+    row.update({f"exp_tau_{k + 1}": v for k, v in enumerate(etau)})
+    row.update({f"alpha_{k}": float(a / n) if n > 0 else None for k, (a, n) in enumerate(al.tolist())})
     row.update({f"loss_{k}": v for k, v in enumerate(lk)})
     row.update({f"tf_acc_{k}": v for k, v in enumerate(ak)})
     return row
@@ -111,11 +136,12 @@ def train_step(r: TrainRun, batches: Batches, step: int) -> dict:
     for a in range(A):
         j = step * M + r.rank * A + a  # global micro-batch index: same union for any (ws, A)
         nxt = j + 1 if a < A - 1 else (step + 1) * M + r.rank * A
-        b, p_BTVd, valid, noise = batches.prepare(r.micro[j], p["seed"] * 1_000_003 + j,
-                                                  r.micro[nxt] if step + 1 < r.total or a < A - 1 else None)
+        b, p_BTVd, valid, noise, mass = batches.prepare(
+            r.micro[j], p["seed"] * 1_000_003 + j, r.micro[nxt] if step + 1 < r.total or a < A - 1 else None,
+            mass=p["loss"] in LK)
         ctx = r.model.no_sync() if r.ws > 1 and a < A - 1 else contextlib.nullcontext()
         with ctx:
-            loss, st, _ = _forward(r, r.model, b, p_BTVd, valid, noise)
+            loss, st, _, _ = _forward(r, r.model, b, p_BTVd, valid, noise, mass_BT=mass)
             (loss / A).backward()
         stats[0] += st[0]
         stats[1:] += st[1:]
@@ -144,8 +170,10 @@ def after_step(r: TrainRun, batches: Batches, done: int) -> None:
     p = r.p
     if r.val_batches and (done % p["val_every"] == 0 or done == r.total):
         r.rows.append(validate(r, batches, done))
-        if is_better(r.rows[-1], r.best):
-            r.best = {"step": done, "chain_tau": r.rows[-1]["chain_tau"], "chain_by_sequence": r.val_seq[done],
+        key = SELECT_KEY[float(p["select_temperature"])]
+        if is_better(r.rows[-1], r.best, key):
+            r.best = {"step": done, "by": key, "tau": r.rows[-1][key], "chain_tau": r.rows[-1]["chain_tau"],
+                      "chain_by_sequence": r.val_seq[done],
                       "model": {k: v.detach().cpu().clone() for k, v in r.drafter.trainable_state_dict().items()}}
     if r.main and (done % p["checkpoint_every"] == 0) and done < r.total:
         save_checkpoint(r.ckpt_dir, done, {

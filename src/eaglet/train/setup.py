@@ -32,30 +32,44 @@ log = logging.getLogger("eaglet.train.train")
 # --------------------------------------------------------------------------- target logits
 class TargetHead:
     """The target's next-token distribution over the draft vocab, from stored pre-norm final
-    states, computed by the target's own modules (eaglet.train.labels)."""
+    states, computed by the target's own modules (eaglet.train.labels). ``greedy_rows``: also
+    whether the target's greedy token is in the draft vocab (oov_rule greedy); ``mass_rows``: also
+    the target's probability mass on the draft vocab (the acceptance figures: vLLM's rejection
+    sampler sees the unrenormalised target probabilities). Either reads the other head rows."""
 
     def __init__(self, identity: dict, t2d: torch.Tensor, final_is_prenorm: bool, greedy_rows: bool,
-                 device):
+                 device, mass_rows: bool = False):
         if not final_is_prenorm:
             raise io.ArtifactError("hidden states store the final state after the norm; eaglet.features.extract "
                                    "stores it before (re-extract)")
         self.head = labels.TargetHead(identity["path"], rows=t2d.nonzero().squeeze(1), device=device,
                                       trust_remote_code=bool(identity.get("trust_remote_code", False)))
         self.w_VdH = self.head.row_linear.weight.detach()
+        self.greedy_rows, self.mass_rows, self.full = greedy_rows, mass_rows, bool(t2d.all())
         self.rest = []
-        if greedy_rows and not bool(t2d.all()):
+        if (greedy_rows or mass_rows) and not bool(t2d.all()):
             dt = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
             self.rest = self.head.row_chunks((~t2d).nonzero().squeeze(1), dt)
 
     @torch.no_grad()
-    def __call__(self, final_BTH: torch.Tensor):
-        """-> (p_BTVd float32, greedy_in_draft_vocab_BT bool or None)."""
+    def __call__(self, final_BTH: torch.Tensor, mass: bool = False):
+        """-> (p_BTVd float32, greedy_in_draft_vocab_BT bool or None, mass_BT float32 or None).
+        mass_BT (with ``mass``): the target's probability of the draft vocab, 1 when it is the whole vocab."""
         x = self.head.normed(final_BTH)
         logits = self.head.logits(x, normed=True)
-        inv = None
-        if self.rest:
-            inv = logits.amax(-1) >= self.head.max_over(x, self.rest, normed=True)
-        return torch.softmax(logits, -1), inv
+        inv = mass_BT = None
+        if self.rest and (self.greedy_rows or mass):
+            top, lse = self.head.max_lse_over(x, self.rest, normed=True)
+            if self.greedy_rows:
+                inv = logits.amax(-1) >= top
+            if mass:
+                lse_d = torch.logsumexp(logits, -1)
+                mass_BT = torch.exp(lse_d - torch.logaddexp(lse_d, lse))
+        elif mass:
+            if not self.full:
+                raise ValueError("TargetHead: the draft vocab's mass needs the other head rows (mass_rows)")
+            mass_BT = torch.ones(logits.shape[:-1], device=logits.device)
+        return torch.softmax(logits, -1), inv, mass_BT
 
 
 def prove_labels(head: TargetHead, ds: HiddenStateDataset, p: dict) -> dict:
@@ -181,7 +195,8 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
     d2t, t2d = check_vocab(vocab, identity)
     cfg = DrafterConfig.from_identity(identity, len(d2t), meta["layer_ids"], ttt_steps=int(p["ttt_steps"]),
                                       **drafter_options(p))
-    head = TargetHead(identity, t2d, bool(meta["final_is_prenorm"]), p["oov_rule"] == "greedy", device)
+    head = TargetHead(identity, t2d, bool(meta["final_is_prenorm"]), p["oov_rule"] == "greedy", device,
+                      mass_rows=True)  # the validation's expected acceptance; the LK losses' at every step
     label_check = prove_labels(head, ds, p)
     if rank == 0:
         log.info("labels: top-1 agreement with the real model %s on %d of %d recorded positions (norm %s)",
@@ -193,7 +208,8 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
             drafter.lm_head.weight.copy_(head.w_VdH.cpu())
     freeze_head(drafter, p)
     drafter.to(device)
-    objective = TTTObjective(drafter, cfg.ttt_steps, float(p["gamma"]), p["loss"])
+    objective = TTTObjective(drafter, cfg.ttt_steps, float(p["gamma"]), p["loss"], float(p["kl_scale"]),
+                             float(p["kl_decay"]))
     model = objective
     if ws > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
