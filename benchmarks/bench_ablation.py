@@ -5,6 +5,15 @@ each trained on identical data and batches with two seeds, scored by the exact c
     python benchmarks/bench_ablation.py [--quick] [--run-dir results/<run>] [--identity ID.json]
         [--epochs E] [--seeds 0 1] [--only baseline,norm_before_fc,lr=3e-3] [--val results/mix-mtval]
         [--out results/ablation.json]
+    python benchmarks/bench_ablation.py --losses [--val results/mix-mtval] ...   # the objectives (issue 32)
+
+``--losses``: the training objectives on identical data and batches, three seeds each (``--seeds``
+overrides): today's soft cross-entropy (the baseline), KL, and the LK losses (``lk_lambda``, the
+KL/acceptance hybrid, and ``lk_alpha``, the negative log-acceptance; eaglet.drafter.ttt.step_loss),
+each scored at T = 0 (the exact greedy chain τ) and T = 1 (the expected chain τ, Σ min(p, q) chained
+along the validation unroll: ``exp_tau``), one table per temperature with the seed spread. The
+verdict line names an objective that beats soft CE beyond the spread at T = 1 without falling
+beyond it at T = 0, or says none does.
 
 Data: a run's stored hidden states (``<run-dir>/extract/shard_*/index.json`` and
 ``vocab_map/vocab.safetensors``; the first ``results/*`` that has both, e.g. the SmolLM2 default run)
@@ -55,7 +64,11 @@ OPTIONS = {
     "weight_decay=0.01": {"weight_decay": 0.01},
     "all speculators": {"norm_before_fc": True, "norm_before_residual": True, "norm_output": True,
                         "freeze_lm_head": True, "loss": "kl", "gamma": 1.0, "weight_decay": 0.01},
+    "loss=lk_lambda": {"loss": "lk_lambda"},
+    "loss=lk_alpha": {"loss": "lk_alpha"},
 }
+# --losses: the objectives compared (the baseline is soft CE)
+LOSSES = ["baseline", "loss=kl", "loss=lk_lambda", "loss=lk_alpha"]
 # The learning-curve run's settings on SmolLM2 (k = 3 as vLLM serves it), validation at the end only.
 BASE = {"ttt_steps": 3, "gamma": 0.8, "lr": 1e-3, "warmup_ratio": 0.05, "token_budget": 2048,
         "oov_rule": "label", "val_fraction": 0.2, "val_every": 10**9, "checkpoint_every": 10**9,
@@ -134,20 +147,22 @@ def run_one(hidden, vocab, ident, out: Path, params: dict, val_hidden: list[str]
     t0 = time.time()
     s = tr.train(hidden, vocab, ident, out, params, val_hidden=val_hidden)
     bv = s["best_val"] or {}
-    return {"chain_tau": bv.get("chain_tau"), "tf_tau": bv.get("tf_tau"), "loss": bv.get("loss"),
+    return {"chain_tau": bv.get("chain_tau"), "exp_tau": bv.get("exp_tau"), "tf_tau": bv.get("tf_tau"),
+            "loss": bv.get("loss"),
             "rounds": bv.get("chain_rounds"), "steps": s["steps"], "seconds": round(time.time() - t0, 1),
             "acc": [bv.get(f"tf_acc_{k}") for k in range(params["ttt_steps"])]}
 
 
-def table(res: dict, seeds: list[int]) -> tuple[list[str], dict]:
+def table(res: dict, seeds: list[int], key: str = "chain_tau") -> tuple[list[str], dict]:
     base = res["baseline"]
-    b_taus = [base[s]["chain_tau"] for s in seeds]
+    b_taus = [base[s][key] for s in seeds]
     b_mean, b_range = statistics.mean(b_taus), max(b_taus) - min(b_taus)
+    pw = 8 * len(seeds) + 2  # the paired deltas' column
     head = f"{'option':<22}" + "".join(f"{'tau s' + str(s):>9}" for s in seeds) + \
-        f"{'mean':>8}{'delta':>9}{'paired delta':>20}{'spread':>8}  beyond noise"
+        f"{'mean':>8}{'delta':>9}{'paired delta':>{pw}}{'spread':>8}  beyond noise"
     lines, verdict = [head, "-" * len(head)], {}
     for name, by_seed in res.items():
-        taus = [by_seed[s]["chain_tau"] for s in seeds]
+        taus = [by_seed[s][key] for s in seeds]
         mean = statistics.mean(taus)
         spread = max(b_range, max(taus) - min(taus))
         delta = mean - b_mean
@@ -162,8 +177,20 @@ def table(res: dict, seeds: list[int]) -> tuple[list[str], dict]:
                          "beyond_noise": beyond}
         lines.append(f"{name:<22}" + "".join(f"{t:>9.4f}" for t in taus) + f"{mean:>8.4f}"
                      + (f"{delta:>+9.4f}" if name != "baseline" else f"{'':>9}")
-                     + f"{' '.join(f'{p:+.4f}' for p in paired):>20}" + f"{spread:>8.4f}  {beyond}")
+                     + f"{' '.join(f'{p:+.4f}' for p in paired):>{pw}}" + f"{spread:>8.4f}  {beyond}")
     return lines, verdict
+
+
+def loss_verdict(t0: dict, t1: dict) -> str:
+    """The objective that beats soft CE beyond the seed spread at T = 1 without falling beyond it at
+    T = 0 (the best such by its T = 1 mean), or a sentence saying none does."""
+    wins = [n for n in t1 if n != "baseline" and t1[n]["delta"] > t1[n]["spread"]
+            and t0[n]["delta"] >= -t0[n]["spread"]]
+    if not wins:
+        return "winner: none (no objective beats soft CE beyond the seed spread at T = 1 without losing at T = 0)"
+    best = max(wins, key=lambda n: t1[n]["mean"])
+    return (f"winner: {best} (T = 1 delta {t1[best]['delta']:+.4f} > spread {t1[best]['spread']:.4f}; "
+            f"T = 0 delta {t0[best]['delta']:+.4f})")
 
 
 def main() -> None:
@@ -174,7 +201,9 @@ def main() -> None:
                     "first under results/ that has both)")
     ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
     ap.add_argument("--epochs", type=float, default=None, help="default 1 (real data), 3 (tiny), 1 (--quick)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 (0 1 2 with --losses)")
+    ap.add_argument("--losses", action="store_true", help="the training objectives (soft CE, KL, the LK losses) "
+                    "scored at T = 0 and T = 1")
     ap.add_argument("--only", default=None, help="comma-separated option names (baseline is always run), or "
                     "ad-hoc train params such as lr=3e-3 or lr=3e-3+norm_output")
     ap.add_argument("--params", default="{}", help="JSON overriding the base train params")
@@ -185,7 +214,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
-    names = list(OPTIONS) if not a.only else ["baseline"] + [n for n in a.only.split(",") if n != "baseline"]
+    a.seeds = a.seeds or ([0, 1, 2] if a.losses else [0, 1])
+    names = LOSSES if a.losses else list(OPTIONS) if not a.only else \
+        ["baseline"] + [n for n in a.only.split(",") if n != "baseline"]
     chosen = {n: option_params(n) for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         run = None if a.quick else (Path(a.run_dir) if a.run_dir else find_run(ROOT / "results"))
@@ -221,12 +252,19 @@ def main() -> None:
                 params = {**base, **chosen[name], "seed": seed}
                 r = run_one(hidden, vocab, ident, Path(tmp) / "runs" / f"{name}_{seed}", params, val)
                 res[name][seed] = r
-                print(f"  {name:<22} seed {seed}: chain tau {r['chain_tau']:.4f} (teacher-forced {r['tf_tau']:.4f}, "
-                      f"{r['rounds']} rounds, {r['steps']} steps, {r['seconds']:.0f} s)", flush=True)
+                print(f"  {name:<22} seed {seed}: chain tau {r['chain_tau']:.4f}, expected tau (T = 1) "
+                      f"{r['exp_tau']:.4f} (teacher-forced {r['tf_tau']:.4f}, {r['rounds']} rounds, {r['steps']} "
+                      f"steps, {r['seconds']:.0f} s)", flush=True)
         lines, verdict = table(res, a.seeds)
-    print(f"\nchain tau at k = {base['ttt_steps']} on the same validation positions; delta = mean - baseline "
+        lines1, verdict1 = table(res, a.seeds, "exp_tau")
+    print(f"\nT = 0: chain tau at k = {base['ttt_steps']} on the same validation positions; delta = mean - baseline "
           f"mean; beyond noise = |delta| > the larger seed-to-seed range of the two ({time.time() - t0:.0f} s)")
     print("\n".join(lines))
+    print(f"\nT = 1: expected tau at k = {base['ttt_steps']} (sum min(p, q) chained along the validation unroll), "
+          "same positions and rule")
+    print("\n".join(lines1))
+    if a.losses:
+        print(loss_verdict(verdict, verdict1))
     others = {n: v for n, v in verdict.items() if n != "baseline"}
     if others:
         best = max(others, key=lambda n: others[n]["mean"])
@@ -236,7 +274,7 @@ def main() -> None:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"data": source, "base": base, "seeds": a.seeds, "runs": res,
-                                           "table": verdict}, indent=2) + "\n")
+                                           "table": verdict, "table_t1": verdict1}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

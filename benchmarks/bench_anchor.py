@@ -122,7 +122,7 @@ class Scorer:
         with torch.no_grad():
             for vb in val_batches:
                 b = train_data.collate([ds.sample(i) for i in vb], "cpu")
-                p_BTVd, inv = head(b["final"])
+                p_BTVd, inv, _ = head(b["final"])
                 valid = ttt.valid_positions(b, t2d, inv)
                 self.batches.append((vb, b, p_BTVd.argmax(-1), ttt.chain_positions(b, valid, p_BTVd, d2t)))
 
@@ -175,6 +175,7 @@ def main() -> None:
     from eaglet.train import data as train_data
     from eaglet.train import setup as train_setup
     from eaglet.train import train as tr
+    from eaglet.train.loop import autocast_on
 
     tmp_ctx = tempfile.TemporaryDirectory(prefix="bench_anchor_") if a.keep is None else None
     tmp = Path(a.keep or tmp_ctx.name)
@@ -267,8 +268,12 @@ def main() -> None:
     scorer = Scorer(ds, ident, d2t, t2d, p, val_batches, K)
     model, _, _, _ = load_drafter(tmp / "eaglet/drafter.safetensors", ident)
 
+    # the drafts as the trainer's validation computed them: under its autocast (bf16 on a CPU with
+    # bf16 units with train.autocast auto), else the re-score differs in the last digits
+    bf16 = autocast_on(p["autocast"], torch.device("cpu"))
+
     def eaglet_drafts(vb, b):
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             return torch.stack([lg.argmax(-1) for _, lg, _ in model.ttt_unroll(b["x"], model.project(b["aux"]), K)], -1)
 
     e_tau = scorer.tau(eaglet_drafts)
@@ -306,7 +311,8 @@ def main() -> None:
           f"{len(val_idx)} validation samples, {total} steps")
     print(f"ratio speed: {(e_tok / e_sec) / (a_tok / a_sec):.4f}")
     print(f"note speed: train tok/s eaglet {e_tok / e_sec:.0f} / anchor {a_tok / a_sec:.0f}, {threads} threads, "
-          f"load {os.getloadavg()[0]:.1f}")
+          f"load {os.getloadavg()[0]:.1f}; dtypes: eaglet {'bf16 autocast' if bf16 else 'fp32'} "
+          f"(train.autocast {p['autocast']}), anchor fp32 (its CPU loop)")
     if tmp_ctx is not None:
         tmp_ctx.cleanup()
 
