@@ -1,0 +1,29 @@
+"""benchmarks/bench_ablation.py --losses on the tiny in-process target (--quick): the one command of
+issue 32's ablation prints both tables (T = 0 and T = 1) with every objective and seed, and the
+verdict, from real training runs (a few seconds each)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_losses_ablation_prints_both_temperatures_and_a_verdict(tmp_path):
+    out = tmp_path / "ablation.json"
+    p = subprocess.run([sys.executable, "benchmarks/bench_ablation.py", "--quick", "--losses", "--seeds", "0", "1",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    t0, t1 = p.stdout.split("\nT = 0:", 1)[1].split("\nT = 1:", 1)
+    for table in (t0, t1):
+        rows = {line.split()[0] for line in table.splitlines()[3:] if line.startswith(("baseline", "loss="))}
+        assert rows == {"baseline", "loss=kl", "loss=lk_lambda", "loss=lk_alpha"}, table
+    assert "\nwinner: " in p.stdout
+    res = json.loads(out.read_text())
+    runs = res["runs"]
+    # each run was scored at both temperatures; lk_alpha trains another drafter than soft CE
+    assert all(0 < r["exp_tau"] and r["chain_tau"] >= 1 for by_seed in runs.values() for r in by_seed.values())
+    assert runs["loss=lk_alpha"]["0"]["exp_tau"] != runs["baseline"]["0"]["exp_tau"]
+    assert runs["loss=kl"]["0"]["exp_tau"] == runs["baseline"]["0"]["exp_tau"]  # the same gradient
+    assert res["table_t1"]["loss=lk_alpha"]["spread"] >= 0
