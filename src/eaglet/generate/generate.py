@@ -11,8 +11,9 @@ Backends (``config.backend``):
 
 Turns: ``last`` regenerates only the last assistant turn; ``all`` regenerates every assistant turn,
 each against the model's own earlier turns. Reasoning from the server's reasoning parser is kept
-in ``reasoning_content``, apart from ``content``; a reply whose content still holds raw thinking
-markers (``<think>``) is rejected and counted.
+in ``reasoning_content``, apart from ``content`` (the local backend splits it off where the
+template's format marks it: eaglet.target.reasoning); a reply whose content still holds raw
+thinking markers (``<think>``) is rejected and counted.
 
 Resumable: finished conversations (and failures) go to ``OUT/parts/part_NNNNNN.parquet`` in chunks,
 each written atomically. A rerun skips ids already done (transient failures such as connection
