@@ -20,8 +20,8 @@ Reasoning (``reasoning_content`` in the rows) is rendered the way the target rea
 ``reasoning_content``; gpt-oss: ``thinking``, on its analysis channel), found by rendering a probe;
 only a template that reads none gets it wrapped in think markers before the content
 (``tokenize.think_markers``, else the tokenizer's ``<think>``/``</think>``). The latest turn's
-reasoning is a loss token; where the template drops an earlier turn's reasoning (both do), it is
-not in the sequence at all. ``metadata.json``'s ``reasoning`` says which way it went and counts
+reasoning is a loss token; where the template drops an earlier turn's reasoning (Qwen3's and
+gpt-oss's do), it is not in the sequence at all. ``metadata.json``'s ``reasoning`` says which way it went and counts
 the turns rendered with it.
 
     python -m eaglet.data.tokenize --conversations results/smollm2/prompts/train.parquet \

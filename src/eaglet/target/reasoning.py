@@ -104,7 +104,8 @@ def detect(render: Callable[..., str], vocab: Container[str],
     probe = {"role": "assistant", "content": _ANSWER, FIELDS[0]: _REASONING}
     fmt = Format(field, pair, source, (f"{pair[0]}\n", f"\n{pair[1]}\n\n"), f"{pair[0]}\n", "")
     try:
-        prior, gen = render(user), render(user, add_generation_prompt=True)[len(render(user)):]
+        prior = render(user)
+        gen = render(user, add_generation_prompt=True)[len(prior):]
         turn = render(user + [fmt.message(probe)])[len(prior):]
         bare = render(user + [{"role": "assistant", "content": _ANSWER}])[len(prior):]
     except Exception:  # noqa: BLE001 - the markers' own text is the frame then
