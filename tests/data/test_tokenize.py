@@ -247,6 +247,26 @@ def test_qwen3_history_turns_are_found_in_the_full_rendering(tok, served):
     assert runs == ["Blue.<|im_end|>\n", "Green.<|im_end|>\n", last], runs
 
 
+def test_gpt_oss_earlier_turns_are_trained_as_the_conversation_goes_on():
+    """gpt-oss ends a finished conversation's last answer with <|return|> after its analysis, and
+    every earlier one with <|end|> and no analysis: those conversations were all skipped
+    (template_not_prefix). An earlier turn is now its rendering with the conversation going on:
+    its final channel and <|end|> are loss tokens, its reasoning is not in the sequence, the last
+    turn's reasoning is."""
+    from eaglet.target.families import build_tokenizer
+
+    g = build_tokenizer("gpt_oss")
+    msgs = [U("Name a colour."), A("Blue.", reasoning_content="Pick one."), U("Another?"),
+            A("Green.", reasoning_content="A different one.")]
+    kept, skipped, _ = tokenize.tokenize_rows(g, [row(0, msgs)])
+    assert not skipped, skipped
+    assert "Pick one." not in g.decode(kept[0]["input_ids"].tolist())
+    assert kept[0]["reasoning_turns"] == 2 and kept[0]["reasoning_shown"] == 1
+    assert _runs(g, kept[0]) == ["<|channel|>final<|message|>Blue.<|end|>",
+                                 "<|channel|>analysis<|message|>A different one.<|end|><|start|>assistant"
+                                 "<|channel|>final<|message|>Green.<|return|>"]
+
+
 def test_history_span_refuses_a_turn_it_cannot_place(tok):
     """A template that rewrites an earlier answer in history (here: upper-cased) leaves nothing to
     locate: refused by name, not trained on a guessed span."""

@@ -85,9 +85,11 @@ def render(tokenizer, messages: list[dict], renderer: Renderer | None = None) ->
     """The conversation text and the character spans the assistant produced.
 
     A turn is found by the prefix renders (module docstring) where the template renders it the
-    same as the latest turn and as history. Where it does not (Qwen3 gives only the latest answer
-    a think block; Kimi gives history an empty one), the turn is located in the full rendering
-    instead: :func:`history_span`."""
+    same as the latest turn and as history. Where it does not, it is rendered as the conversation
+    going on (a generation prompt after it: gpt-oss ends only a finished conversation's last turn
+    with ``<|return|>`` and its analysis, earlier ones with ``<|end|>`` and none), else located in
+    the full rendering (Qwen3 gives only the latest answer a think block; Kimi gives history an
+    empty one): :func:`history_span`."""
     r = renderer or Renderer(tokenizer)
     full = r(messages)
     spans: list[tuple[int, int]] = []
@@ -100,8 +102,15 @@ def render(tokenizer, messages: list[dict], renderer: Renderer | None = None) ->
         if upto.startswith(before) and full.startswith(upto):
             span = (len(before), len(upto))
         else:
-            span = history_span(full, r(messages[:i]), before, upto, m["content"],
-                                [x["content"] for x in messages[i + 1:]])
+            prior = r(messages[:i])
+            gen = before[len(prior):]
+            going_on = r(messages[: i + 1], add_generation_prompt=True)
+            going_on = going_on[:len(going_on) - len(gen)] if gen and going_on.endswith(gen) else ""
+            if going_on.startswith(before) and full.startswith(going_on):
+                span = (len(before), len(going_on))
+            else:
+                span = history_span(full, prior, before, upto, m["content"],
+                                    [x["content"] for x in messages[i + 1:]])
         if spans and span[0] < spans[-1][1]:
             raise ValueError("template_not_prefix")
         spans.append(span)
