@@ -9,6 +9,7 @@ import pytest
 
 from eaglet.base import io
 from eaglet.data import tokenize
+from eaglet.target import reasoning
 from eaglet.target.load import load_identity, load_tokenizer
 
 
@@ -50,6 +51,13 @@ def test_reasoning_is_wrapped_in_thinking_tokens_where_the_template_reads_none(t
     masked = tok.decode(kept[0]["input_ids"][kept[0]["loss_mask"].astype(bool)].tolist())
     assert masked.startswith("<think>\ntwo plus two is four\n</think>\n\n4")
     assert kept[0]["reasoning_turns"] == kept[0]["reasoning_shown"] == 1
+    # tokenize.think_markers: the configured pair instead, recorded as such
+    fmt = reasoning.detect(tokenize.Renderer(tok), tok.get_vocab(), ["<reasoning>", "</reasoning>"])
+    assert fmt.record() | {"frame": None} == {"rendered_as": "markers", "field": None, "frame": None,
+                                               "markers": ["<reasoning>", "</reasoning>"], "markers_from": "config"}
+    kept, _, _ = tokenize.tokenize_rows(tok, [row(0, msgs)], fmt=fmt)
+    masked = tok.decode(kept[0]["input_ids"][kept[0]["loss_mask"].astype(bool)].tolist())
+    assert masked.startswith("<reasoning>\ntwo plus two is four\n</reasoning>\n\n4") and "think" not in masked
 
 
 # The field each family's template reads reasoning from, and its latest turn as the target writes
