@@ -64,7 +64,8 @@ class Format:
         text = reply.lstrip()
         if self.field and head and text.startswith(head):
             reasoning, sep, content = text[len(head):].partition(mid)
-            return reasoning, content if sep else ""  # no separator: cut before the answer
+            # no separator: cut before the answer; an empty think block is no reasoning
+            return reasoning if reasoning.strip() else None, content if sep else ""
         if self.field and answer and text.startswith(answer):
             return None, text[len(answer):]
         return None, reply
