@@ -6,9 +6,9 @@ tokens, the chat template's own scaffolding (role and turn markers, found by ren
 conversation with empty messages), the frame the template writes around reasoning (Qwen3's
 ``<think>``/``</think>``, gpt-oss's ``<|channel|>analysis<|message|>`` …
 ``<|end|><|start|>assistant<|channel|>final<|message|>``: eaglet.target.reasoning, rendered as
-served), and configured extras. A pinned token that would
-have missed the cut on frequency alone is reported with its rank, because a drafter that cannot
-propose ``<|im_end|>`` or ``</think>`` loses a token at every turn boundary.
+served), and configured extras. A pinned token that would have missed the cut on frequency alone
+is reported with its rank, because a drafter that cannot propose ``<|im_end|>`` or ``</think>``
+loses a token at every turn boundary.
 
     d2t[i] = used[i] - i        (int64 offset: target_id = i + d2t[i])
     t2d[j] = j in used          (bool [V]);  check: nonzero(t2d) == arange(V_d) + d2t

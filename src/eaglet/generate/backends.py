@@ -184,6 +184,7 @@ def _run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat
                   eos_token_id=sorted(eos_ids))
     if sample:
         gen_kw.update(temperature=cfg["temperature"], top_p=cfg["top_p"])
+
     def render(messages, add_generation_prompt=False):
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                        **cfg["chat_template_kwargs"])
