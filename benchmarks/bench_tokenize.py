@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.paired import spread_note  # noqa: E402
 from eaglet.base import io  # noqa: E402
 from eaglet.data import prompts, tokenize  # noqa: E402
+from eaglet.target import reasoning  # noqa: E402
 from eaglet.target.load import load_identity, load_tokenizer  # noqa: E402
 
 
@@ -47,8 +48,8 @@ def main() -> None:
     io.quiet_third_party()
     tok = load_tokenizer(load_identity(a.identity)["path"])
     rows = prompts.build_prompts("sharegpt", n=a.n, heldout=0, seed=0)["train"]
-    texts = [tok.apply_chat_template(tokenize.with_reasoning(r["messages"], tok.chat_template), tokenize=False)
-             for r in rows]
+    fmt = reasoning.detect(tokenize.Renderer(tok), tok.get_vocab())
+    texts = [tok.apply_chat_template([fmt.message(m) for m in r["messages"]], tokenize=False) for r in rows]
     batch = 256  # the stage's batch_size (tokenize.tokenize_rows)
     chunks = [(rows[i:i + batch], texts[i:i + batch]) for i in range(0, len(rows), batch)]
     n_tokens = sum(len(x) for x in tok(texts, add_special_tokens=False)["input_ids"])

@@ -42,6 +42,8 @@ class Canned(BaseHTTPRequestHandler):
     """Answers chat completions by keyword in the last user message (see `reply`)."""
 
     calls: dict = {}
+    # Every reply's reasoning when set: a reasoning model behind the server's reasoning parser.
+    reasoning: str | None = None
     # The kill tests' gate: once ``slow_budget`` SLOW requests have been answered, the next ones
     # wait until ``slow_gate`` is set, so a job is surely mid-flight when it is killed, on any CPU.
     slow_budget: int | None = None
@@ -78,6 +80,8 @@ class Canned(BaseHTTPRequestHandler):
         if "LONG" in last:
             return self._send(400, {"error": {"message": "This model's maximum context length is 8 tokens",
                                               "type": "BadRequestError", "code": 400}})
+        if Canned.reasoning:
+            msg["reasoning_content"] = Canned.reasoning
         if "REASON" in last:  # older vLLM field name
             msg["reasoning_content"] = "First, think about it."
         if "THINK" in last:  # vLLM >= 0.11 field name
@@ -92,9 +96,10 @@ class Canned(BaseHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def serve_canned():
-    """The canned server on a free port, for the block; its base URL."""
-    Canned.calls = {}
+def serve_canned(reasoning: str | None = None):
+    """The canned server on a free port, for the block; its base URL. ``reasoning``: given with
+    every reply."""
+    Canned.calls, Canned.reasoning = {}, reasoning
     Canned.slow_budget, Canned.slow_answered = None, 0
     Canned.slow_gate.clear()
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Canned)

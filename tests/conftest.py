@@ -130,6 +130,24 @@ def tiny_target(tmp_path_factory):
     return load_identity(out / "identity.json")
 
 
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """``tiny_family(family)``: the identity.json of a tiny random target of that family
+    (eaglet.target.families, 2 layers), built once per session."""
+    from eaglet.data.target_model import materialise
+
+    built = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            out = tmp_path_factory.mktemp(f"tiny_{family}")
+            materialise({"name": f"tiny-{family}", "tiny": {"family": family, "num_hidden_layers": 2}}, out)
+            built[family] = out / "identity.json"
+        return built[family]
+
+    return get
+
+
 # --------------------------------------------------------------------------- vLLM (envs/vllm)
 VLLM_ENV = REPO / "envs" / "vllm" / ".venv"
 

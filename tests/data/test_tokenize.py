@@ -1,5 +1,6 @@
 """tokenize: the template's own rendering, an assistant-only mask that decodes to assistant text,
-reasoning wrapped in thinking tokens, over-long handling, malformed rows counted."""
+reasoning in the target's own format (the field its template reads, else think markers),
+over-long handling, malformed rows counted."""
 
 import copy
 
@@ -8,7 +9,8 @@ import pytest
 
 from eaglet.base import io
 from eaglet.data import tokenize
-from eaglet.target.load import load_tokenizer
+from eaglet.target import reasoning
+from eaglet.target.load import load_identity, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +45,61 @@ def test_mask_covers_exactly_the_assistant_turns(tok):
     assert r["num_assistant_tokens"] == mask.sum()
 
 
-def test_reasoning_is_wrapped_in_thinking_tokens(tok):
+def test_reasoning_is_wrapped_in_thinking_tokens_where_the_template_reads_none(tok):
     msgs = [U("2+2?"), A("4", reasoning_content="two plus two is four")]
     kept, _, _ = tokenize.tokenize_rows(tok, [row(0, msgs)])
     masked = tok.decode(kept[0]["input_ids"][kept[0]["loss_mask"].astype(bool)].tolist())
     assert masked.startswith("<think>\ntwo plus two is four\n</think>\n\n4")
+    assert kept[0]["reasoning_turns"] == kept[0]["reasoning_shown"] == 1
+    # tokenize.think_markers: the configured pair instead, recorded as such
+    fmt = reasoning.detect(tokenize.Renderer(tok), tok.get_vocab(), ["<reasoning>", "</reasoning>"])
+    assert fmt.record() | {"frame": None} == {"rendered_as": "markers", "field": None, "frame": None,
+                                               "markers": ["<reasoning>", "</reasoning>"], "markers_from": "config"}
+    kept, _, _ = tokenize.tokenize_rows(tok, [row(0, msgs)], fmt=fmt)
+    masked = tok.decode(kept[0]["input_ids"][kept[0]["loss_mask"].astype(bool)].tolist())
+    assert masked.startswith("<reasoning>\ntwo plus two is four\n</reasoning>\n\n4") and "think" not in masked
+
+
+# The field each family's template reads reasoning from, and its latest turn as the target writes
+# it after the generation prompt, with reasoning and without (written out here, not derived: the
+# format under test).
+FIELD = {"qwen3": "reasoning_content", "gpt_oss": "thinking"}
+WRITTEN = {"qwen3": ("<think>\n{r}\n</think>\n\n{c}<|im_end|>\n", "<think>\n\n</think>\n\n{c}<|im_end|>\n"),
+           "gpt_oss": ("<|channel|>analysis<|message|>{r}<|end|>"
+                       "<|start|>assistant<|channel|>final<|message|>{c}<|return|>",
+                       "<|channel|>final<|message|>{c}<|return|>")}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_server_reasoning_is_rendered_in_the_targets_own_format(family, tiny_family, canned, tmp_path):
+    """Reasoning from a server's reasoning parser (the canned server's ``reasoning_content`` and
+    ``reasoning`` fields) is rendered by the target's own template from the field it reads: the
+    sequence is exactly the template's rendering, the reasoning and its frame are loss tokens, and
+    no ``<think>`` text appears where the target writes none (gpt-oss)."""
+    from eaglet.generate.generate import generate
+
+    ident = tiny_family(family)
+    qs = ["REASON 2+2?", "THINK name a colour", "plain question"]
+    io.write_conversations(tmp_path / "in.parquet", [row(i, [U(q)]) for i, q in enumerate(qs)])
+    generate(tmp_path / "in.parquet", ident, tmp_path / "gen", {"backend": "openai", "base_urls": [canned]})
+    meta = tokenize.run(tmp_path / "gen" / "conversations.parquet", ident, tmp_path / "tok")
+    assert meta["samples_processed"] == 3 and meta["reasoning"]["field"] == FIELD[family]
+    assert meta["reasoning"]["rendered_as"] == f"field {FIELD[family]}"
+    assert meta["reasoning"]["turns"] == meta["reasoning"]["in_sequence"] == 2
+    tok = load_tokenizer(load_identity(ident)["path"])
+    convs = io.read_conversations(tmp_path / "gen" / "conversations.parquet")
+    rows = io.read_parquet(tmp_path / "tok" / "tokens.parquet").to_pylist()
+    for conv, r in zip(convs, rows, strict=True):
+        *prompt, last = conv["messages"]
+        reasoning = last.get("reasoning_content")
+        as_read = {"role": "assistant", "content": last["content"], **({FIELD[family]: reasoning} if reasoning else {})}
+        expected = tok.apply_chat_template([*prompt, as_read], tokenize=False)
+        assert r["input_ids"] == tok(expected, add_special_tokens=False)["input_ids"]
+        ids, mask = np.asarray(r["input_ids"]), np.asarray(r["loss_mask"], bool)
+        masked, text = tok.decode(ids[mask].tolist()), tok.decode(ids.tolist())
+        assert masked == WRITTEN[family][not reasoning].format(r=reasoning, c=last["content"])
+        if family == "gpt_oss":
+            assert "think>" not in text
 
 
 @pytest.mark.faults
@@ -201,6 +253,26 @@ def test_qwen3_history_turns_are_found_in_the_full_rendering(tok, served):
     runs = _runs(q, kept[0])
     last = "Red, of course.<|im_end|>\n" if served else "<think>\n\n</think>\n\nRed, of course.<|im_end|>\n"
     assert runs == ["Blue.<|im_end|>\n", "Green.<|im_end|>\n", last], runs
+
+
+def test_gpt_oss_earlier_turns_are_trained_as_the_conversation_goes_on():
+    """gpt-oss ends a finished conversation's last answer with <|return|> after its analysis, and
+    every earlier one with <|end|> and no analysis: those conversations were all skipped
+    (template_not_prefix). An earlier turn is now its rendering with the conversation going on:
+    its final channel and <|end|> are loss tokens, its reasoning is not in the sequence, the last
+    turn's reasoning is."""
+    from eaglet.target.families import build_tokenizer
+
+    g = build_tokenizer("gpt_oss")
+    msgs = [U("Name a colour."), A("Blue.", reasoning_content="Pick one."), U("Another?"),
+            A("Green.", reasoning_content="A different one.")]
+    kept, skipped, _ = tokenize.tokenize_rows(g, [row(0, msgs)])
+    assert not skipped, skipped
+    assert "Pick one." not in g.decode(kept[0]["input_ids"].tolist())
+    assert kept[0]["reasoning_turns"] == 2 and kept[0]["reasoning_shown"] == 1
+    assert _runs(g, kept[0]) == ["<|channel|>final<|message|>Blue.<|end|>",
+                                 "<|channel|>analysis<|message|>A different one.<|end|><|start|>assistant"
+                                 "<|channel|>final<|message|>Green.<|return|>"]
 
 
 def test_history_span_refuses_a_turn_it_cannot_place(tok):

@@ -4,10 +4,11 @@ pinned tokens, padding, coverage."""
 import numpy as np
 import pyarrow as pa
 import pytest
+import torch
 
 from eaglet.base import io
 from eaglet.data import freq, vocab
-from eaglet.target.load import load_tokenizer
+from eaglet.target.load import load_identity, load_tokenizer
 
 
 def tokens_table(rows):
@@ -60,6 +61,37 @@ def test_pinned_ids_cover_special_and_template_markers(tiny_target):
     assert "Zebra" in tok.decode([i for i, why in pins.items() if why == "config:Zebra"])
     # The default system prompt's words are content, not scaffolding.
     assert "Hugging" not in tok.decode(list(pins))
+    # SmolLM2's template reads no reasoning and has no think tokens: no reasoning frame is pinned.
+    assert "reasoning" not in pins.values()
+
+
+# The tokens each family's template frames the latest turn's reasoning with.
+FRAME = {"qwen3": ["<think>", "</think>"],
+         "gpt_oss": ["<|start|>", "<|channel|>", "analysis", "<|message|>", "<|end|>", "final"],
+         "deepseek_v3": ["<think>", "</think>"]}  # reads no field: its own think tokens wrap it
+
+
+@pytest.mark.parametrize("family", sorted(FRAME))
+def test_the_reasoning_frame_is_pinned_even_unseen(family, tiny_family, tmp_path):
+    """The frame the template writes around reasoning is in the draft vocabulary though the data
+    never has it: every other id is more frequent, and the frame's own count is zero."""
+    ident = tiny_family(family)
+    tok = load_tokenizer(load_identity(ident)["path"])
+    frame = tok.convert_tokens_to_ids(FRAME[family])
+    V = len(tok)
+    counts = np.arange(V, 0, -1, dtype=np.int64)
+    counts[frame] = 0
+    io.save_tensors(tmp_path / "freq.safetensors", {"counts": torch.from_numpy(counts)})
+    s = vocab.run(tmp_path / "freq.safetensors", ident, tmp_path / "vocab", draft_vocab_size=256)
+    pinned = {p["token"]: p for p in s["pinned"]}
+    for t in FRAME[family]:
+        assert t in pinned and pinned[t]["count"] == 0 and not pinned[t]["would_be_in_without_pin"], t
+    # Qwen3's last turn always has a think block: its markers are template scaffolding already.
+    assert pinned["analysis" if family == "gpt_oss" else "</think>"]["why"] == ("template" if family == "qwen3"
+                                                                                else "reasoning")
+    assert s["reasoning"]["field"] == {"qwen3": "reasoning_content", "gpt_oss": "thinking"}.get(family)
+    d2t = io.load_tensors(tmp_path / "vocab" / "vocab.safetensors")["d2t"].numpy()
+    assert set(frame) <= set((np.arange(256) + d2t).tolist())
 
 
 def test_run_end_to_end_reports_coverage(tiny_target, tmp_path):

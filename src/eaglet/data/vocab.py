@@ -3,9 +3,12 @@ tokens that are always in it, mapped to ``d2t`` / ``t2d`` exactly as docs/eagle3
 
 Pinned tokens (no public trainer has them; hand-built Kimi drafters do): the tokenizer's special
 tokens, the chat template's own scaffolding (role and turn markers, found by rendering a
-conversation with empty messages), thinking tokens, and configured extras. A pinned token that
-would have missed the cut on frequency alone is reported with its rank, because a drafter that
-cannot propose ``<|im_end|>`` or ``</think>`` loses a token at every turn boundary.
+conversation with empty messages), the frame the template writes around reasoning (Qwen3's
+``<think>``/``</think>``, gpt-oss's ``<|channel|>analysis<|message|>`` …
+``<|end|><|start|>assistant<|channel|>final<|message|>``: eaglet.target.reasoning, rendered as
+served), and configured extras. A pinned token that would have missed the cut on frequency alone
+is reported with its rank, because a drafter that cannot propose ``<|im_end|>`` or ``</think>``
+loses a token at every turn boundary.
 
     d2t[i] = used[i] - i        (int64 offset: target_id = i + d2t[i])
     t2d[j] = j in used          (bool [V]);  check: nonzero(t2d) == arange(V_d) + d2t
@@ -25,10 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from eaglet.base import io
+from eaglet.target import reasoning
 
 log = logging.getLogger("eaglet.data.vocab")
-
-THINKING_TOKENS = ("<think>", "</think>")
 
 
 def template_token_ids(tokenizer) -> set[int]:
@@ -50,18 +52,32 @@ def template_token_ids(tokenizer) -> set[int]:
     return ids
 
 
-def pinned_ids(tokenizer, pin_special: bool, extra: list[str]) -> dict[int, str]:
-    """{token id: why pinned}. Strings that are not one token pin each of their tokens."""
+def reasoning_format(tokenizer, template_kwargs: dict | None = None,
+                     think_markers: list[str] | None = None) -> reasoning.Format:
+    """The template's reasoning format, rendered with the keyword arguments as served."""
+    def render(messages, add_generation_prompt=False):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **(template_kwargs or {}))
+
+    return reasoning.detect(render, tokenizer.get_vocab(), think_markers)
+
+
+def pinned_ids(tokenizer, pin_special: bool, extra: list[str], fmt: reasoning.Format | None = None) -> dict[int, str]:
+    """{token id: why pinned}. Strings that are not one token pin each of their tokens. ``fmt``:
+    the reasoning format (else detected with no template kwargs); its frame is pinned when it is
+    the template's own or its markers are tokens or configured (default markers spelled in
+    plain text pieces are not the target's)."""
     pins: dict[int, str] = {}
     if pin_special:
         for i in tokenizer.all_special_ids:
             pins.setdefault(int(i), "special")
         for i in sorted(template_token_ids(tokenizer)):
             pins.setdefault(int(i), "template")
-        vocab = tokenizer.get_vocab()
-        for t in THINKING_TOKENS:
-            if t in vocab:
-                pins.setdefault(int(vocab[t]), "thinking")
+        fmt = fmt or reasoning_format(tokenizer)
+        if fmt.field or fmt.markers_from != "default":
+            for piece in fmt.frame:
+                for i in tokenizer(piece, add_special_tokens=False)["input_ids"]:
+                    pins.setdefault(int(i), "reasoning")
     for s in extra:
         for i in tokenizer(s, add_special_tokens=False)["input_ids"]:
             pins.setdefault(int(i), f"config:{s}")
@@ -112,8 +128,10 @@ def coverage_curve(counts: np.ndarray, points: int) -> list[dict]:
 
 def run(counts_path: str | Path, target: str | Path, out_dir: str | Path, draft_vocab_size: int,
         pin_special: bool = True, pinned: list[str] | None = None, curve_points: int = 64,
-        chat_template: str | None = None) -> dict:
-    """``chat_template``: ``target.chat_template``, whose marker tokens are pinned like the checkpoint's."""
+        chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+        think_markers: list[str] | None = None) -> dict:
+    """``chat_template``: ``target.chat_template``, whose marker tokens are pinned like the checkpoint's;
+    ``chat_template_kwargs`` and ``think_markers``: as tokenize renders reasoning (its frame is pinned)."""
     from eaglet.target.load import load_identity, load_tokenizer
 
     tok = load_tokenizer(load_identity(target)["path"], chat_template)
@@ -121,7 +139,8 @@ def run(counts_path: str | Path, target: str | Path, out_dir: str | Path, draft_
     if "counts" not in tensors:
         raise io.ArtifactError(f"{counts_path}: no 'counts' tensor")
     counts = tensors["counts"].numpy().astype(np.int64)
-    pins = pinned_ids(tok, pin_special, pinned or [])
+    fmt = reasoning_format(tok, chat_template_kwargs, think_markers)
+    pins = pinned_ids(tok, pin_special, pinned or [], fmt)
     used = build_mapping(counts, draft_vocab_size, pins)
     d2t, t2d = mapping_tensors(used, counts.size)
 
@@ -145,6 +164,7 @@ def run(counts_path: str | Path, target: str | Path, out_dir: str | Path, draft_
                     "would_be_in_without_pin": bool(freq_rank[i] <= draft_vocab_size and counts[i] > 0)}
                    for i, why in sorted(pins.items())],
         "coverage_curve": coverage_curve(counts, curve_points),
+        "reasoning": fmt.record(),  # the frame pinned (why "reasoning"), as tokenize renders it
     }
     out_dir = Path(out_dir)
     io.save_tensors(out_dir / "vocab.safetensors", {"d2t": d2t, "t2d": t2d},
@@ -164,13 +184,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pinned", default="[]", help="JSON list of extra strings to pin")
     p.add_argument("--curve-points", type=int, default=64)
     p.add_argument("--chat-template", default="", help="target.chat_template: Jinja text or a file ('' = the target's)")
+    p.add_argument("--chat-template-kwargs", default="{}",
+                   help="JSON object: the chat template's keyword arguments as served (generate.chat_template_kwargs)")
+    p.add_argument("--think-markers", default="null", help="JSON [open, close] (tokenize.think_markers)")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
     io.verify_recorded(a.counts, Path(a.counts).with_name("summary.json"))  # token_freq's record
     s = run(a.counts, a.target, a.out_dir, a.draft_vocab_size, a.pin_special, json.loads(a.pinned),
-            a.curve_points, a.chat_template or None)
+            a.curve_points, a.chat_template or None, json.loads(a.chat_template_kwargs), json.loads(a.think_markers))
     missed = [p["token"] for p in s["pinned"] if not p["would_be_in_without_pin"]]
     msg = (f"vocab_map: draft vocab {s['draft_vocab_size']} of {s['vocab_size']}: coverage "
            f"{100 * s['coverage']:.2f}% of {s['assistant_tokens']} assistant tokens; "

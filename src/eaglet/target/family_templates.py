@@ -143,6 +143,8 @@ DEEPSEEK_V3_TEMPLATE = r"""{%- if not add_generation_prompt is defined %}
 # GPT-OSS harmony format, shortened (no tools, no date line): a system message always, the
 # system/developer prompt as a developer message, assistant answers on the "final" channel, the
 # last assistant turn of a finished conversation ends with <|return|>, earlier ones with <|end|>.
+# Reasoning is read from `thinking` and rendered on the "analysis" channel of the last turn only
+# (earlier turns drop it); channel tags inside content or thinking are refused, as the real one does.
 GPT_OSS_TEMPLATE = r"""{{- "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n" }}
 {{- "Knowledge cutoff: 2024-06\n\nReasoning: " + (reasoning_effort if reasoning_effort is defined else "medium") }}
 {{- "\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>" }}
@@ -156,8 +158,15 @@ GPT_OSS_TEMPLATE = r"""{{- "<|start|>system<|message|>You are ChatGPT, a large l
     {%- if message.role == "user" %}
         {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
     {%- elif message.role == "assistant" %}
+        {%- for field in ("content", "thinking") %}
+            {%- if field in message and ("<|channel|>analysis<|message|>" in message[field]
+                                         or "<|channel|>final<|message|>" in message[field]) %}
+                {{- raise_exception("channel tags in the " + field + " field: "
+                                    + "pass analysis in 'thinking', the final message in 'content'") }}
+            {%- endif %}
+        {%- endfor %}
         {%- if loop.last and not add_generation_prompt %}
-            {%- if message.thinking %}
+            {%- if "thinking" in message %}
                 {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
             {%- endif %}
             {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>" }}
