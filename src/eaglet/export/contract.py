@@ -49,6 +49,7 @@ import json
 import logging
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eaglet.base import io
@@ -86,17 +87,22 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     trained = trained_config(trained_path) if trained_path else None
     conf, header = read_export(drafter_dir)
     fmt, _ = effective_config(conf)
-    checks = _guarded("static", lambda: static_checks(drafter_dir, identity, trained))
-    checks += _guarded("loader.vllm", lambda: [emulate_vllm(conf, header)])
-    if fmt == "A":  # SGLang is given format A only: format B has no SGLang check to run
-        checks += _guarded("loader.sglang", lambda: [sglang_check(drafter_dir, conf)])
-    checks += _guarded("parity.step0", lambda: [parity_check(drafter_dir, trained_path, identity)])
+    with ThreadPoolExecutor(1) as pool:
+        # SGLang's loader runs in its own process (about 8 s, most of it importing SGLang): beside the
+        # in-process checks below, not before them. SGLang is given format A only: format B has no SGLang check.
+        sglang = pool.submit(sglang_check, drafter_dir, conf) if fmt == "A" else None
+        checks = _guarded("static", lambda: static_checks(drafter_dir, identity, trained))
+        checks += _guarded("loader.vllm", lambda: [emulate_vllm(conf, header)])
+        at = len(checks)
+        checks += _guarded("parity.step0", lambda: [parity_check(drafter_dir, trained_path, identity)])
+        recorded = None
+        if trained_path is None and fmt == "A":  # the directory alone: it proves itself by its reference.json
+            ref_checks, recorded = reference_checks(drafter_dir, identity, target_load)
+            checks += ref_checks
+        if sglang:
+            checks[at:at] = _guarded("loader.sglang", lambda: [sglang.result()])
     k = k or (vllm or {}).get("k", 3)
     tau = train_tau(train_summary, k=k)
-    recorded = None
-    if trained_path is None and fmt == "A":  # the directory alone: it proves itself by its reference.json
-        ref_checks, recorded = reference_checks(drafter_dir, identity, target_load)
-        checks += ref_checks
     if vllm is not None:
         want = (trained or {}).get("layer_ids") or conf.get("eagle_aux_hidden_state_layer_ids")
         checks += _guarded(KNOWN_ANSWER, lambda: [known_answer_check(identity, want, vllm)])
