@@ -55,7 +55,9 @@ def run_sglang_loader(drafter_dir, python, timeout: float = 600) -> dict:
         runner = Path(shutil.copy(RUNNER, work))
         out = Path(work) / "sglang.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        # on the CPU whatever GPUs the machine has: SGLang's CUDA code paths need kernels this venv lacks
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   CUDA_VISIBLE_DEVICES="")
         try:
             p = subprocess.run([str(python), str(runner), "--drafter", str(Path(drafter_dir).absolute()),
                                 "--out", str(out)], capture_output=True, text=True, env=env, cwd=work,
