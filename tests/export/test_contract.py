@@ -208,6 +208,8 @@ def test_misspelled_or_misshapen_weights_are_loader_errors(good, tmp_path, tiny_
     errs = by["loader.vllm"]["details"]["errors"]
     assert any("gate_projj" in e and "no parameter" in e for e in errs)
     assert any(e.startswith("norm.weight: shape [64]") for e in errs)
+    # SGLang's own loader stops on the shape, and its error is the record's
+    assert "Attempted to load weight (torch.Size([64]))" in by["loader.sglang"]["details"]["error"]
     assert "norm.weight" in by["static.shapes_dtypes"]["details"]["shapes"]
 
 
