@@ -34,7 +34,7 @@ ENV_VAR = "EAGLET_SGLANG_PYTHON"
 SETUP = "`make sglang-env` (envs/sglang/setup.sh)"
 EMBED = "model.embed_tokens.weight"
 # What SGLang does with a parameter nobody set: it does not say so.
-SILENT = {"model.fc.weight": "fc runs on uninitialised memory", "lm_head.weight": "the head stays at its init",
+SILENT = {"model.fc.weight": "fc stays at its random init", "lm_head.weight": "the head is uninitialised memory",
           "hot_token_id": "no hot-token map: SGLang drafts over the wrong ids"}
 
 
