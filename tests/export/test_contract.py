@@ -302,8 +302,13 @@ def test_sglangs_own_loader_sets_every_parameter_of_the_honest_export(sglang_pyt
         assert p["equal"] is True and p["unset"] == 0 and p["rewritten"] == 0, (name, p)
     assert list(res["skipped_by_sglang"]) == ["t2d"]  # on purpose: SGLang reads d2t only
     assert all(set_ for n, set_ in res["names"].items() if n != "t2d")
-    ch = sglang_check.judge(res, json.loads((good / "config.json").read_text()))
+    conf = json.loads((good / "config.json").read_text())
+    ch = sglang_check.judge(res, conf)
     assert ch["ok"] and not ch["details"]["silently_dropped"], ch["details"]
+    # an SGLang whose drafter read a variant the export does not turn on would run another drafter
+    res["reads"]["norm_output"] = True
+    assert sglang_check.judge(res, conf)["details"]["problems"] == [
+        "SGLang 0.5.23 reads ['norm_output'] as on, which the drafter was not trained with"]
 
 
 def test_a_weight_sglang_drops_silently_fails_loader_sglang_naming_it(sglang_python, good, tmp_path):

@@ -111,11 +111,14 @@ def judge(res: dict, conf: dict) -> dict:
     dropped = [n for n, set_ in res["names"].items() if not set_ and n not in res["skipped_by_sglang"]]
     if reads.get("load_lm_head_from_target"):
         problems.append("draft_vocab_size missing: SGLang loads the target's full lm_head instead")
-    on = [f for f, v in variants(conf, c).items() if v]
-    unread = [f for f in on if reads.get(f) is not True]
+    flags = variants(conf, c)
+    unread = [f for f, v in flags.items() if v and reads.get(f) is not True]
     if unread:
         problems.append(f"{ver}'s LlamaForCausalLMEagle3 does not read {unread} (no such setting on its model, or "
                         "False): it would load this drafter and silently run a different one")
+    extra = [f for f, v in flags.items() if not v and reads.get(f) is True]
+    if extra:
+        problems.append(f"{ver} reads {extra} as on, which the drafter was not trained with")
     det = {"engine": ver, "seconds": res.get("seconds"), "dtype": res.get("dtype"),
            "parameters": sorted(n for n, p in params.items() if p["kind"] != "buffer"),
            "unset": unset, "not_equal": differ, "written_twice": twice, "silently_dropped": dropped,
