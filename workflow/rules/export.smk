@@ -1,5 +1,5 @@
 # Export: the trained drafter in the directory format vLLM and SGLang load (docs/eagle3.md §6), checked
-# by the contract (static, emulated loaders, numeric parity, a real vLLM-CPU load + run) before it
+# by the contract (static, vLLM's loader emulated and SGLang's own run, numeric parity, a real vLLM-CPU load + run) before it
 # appears. A failing contract fails the rule; the report lands in drafter/contract.failed.json.
 
 EXPORT_SPECULATORS = config["export"]["speculators"]

@@ -44,17 +44,24 @@ def vllm_python(env: str | os.PathLike | None = None) -> Path:
     default ``$EAGLET_VLLM_PYTHON`` or ``envs/vllm/.venv``); a relative path that does not exist
     from here is taken from the repository root. Refuses a venv without setup.sh's stamp: a
     half-installed vLLM fails minutes later inside the engine, with an error that names no cause."""
-    p = Path(env if env is not None else os.environ.get(ENV_VAR) or DEFAULT_ENV)
+    return venv_python(env, ENV_VAR, DEFAULT_ENV, "vLLM", "envs/vllm/setup.sh", VllmEnvMissing)
+
+
+def venv_python(env, env_var: str, default: str, what: str, setup: str, missing: type[Exception]) -> Path:
+    """The interpreter of one of eaglet's separate environments (vLLM here, SGLang in
+    eaglet.export.sglang_check): ``env``, else ``$env_var``, else ``default``, as :func:`vllm_python`
+    says; ``missing`` raised, naming ``setup``, when it is absent or its install never finished."""
+    p = Path(env if env is not None else os.environ.get(env_var) or default)
     if not p.is_absolute() and not p.exists():
         p = Path(__file__).resolve().parents[3] / p
     p = p.absolute()  # not resolve(): the venv's python is a symlink, and resolving it leaves the venv
     py = p if p.name.startswith("python") else p / "bin" / "python"
     venv = py.parent.parent
     if not py.exists():
-        raise VllmEnvMissing(f"{py}: vLLM environment missing; create it with envs/vllm/setup.sh")
+        raise missing(f"{py}: {what} environment missing; create it with {setup}")
     if not (venv / SETUP_STAMP).exists():
-        raise VllmEnvMissing(f"{venv}: vLLM environment incomplete (no {SETUP_STAMP}: its install did not "
-                             "finish); rerun envs/vllm/setup.sh")
+        raise missing(f"{venv}: {what} environment incomplete (no {SETUP_STAMP}: its install did not "
+                      f"finish); rerun {setup}")
     return py
 
 

