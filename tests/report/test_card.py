@@ -64,3 +64,30 @@ def test_the_cards_vllm_snippet_runs_on_the_cpu_build(finished_run, tmp_path):
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert p.stdout.strip(), p.stderr[-2000:]  # the generated text
     assert "eagle3" in (p.stdout + p.stderr).lower()  # served with the drafter
+
+
+def test_the_readme_serving_commands_are_the_cards_and_the_launchers_for_the_default_run():
+    """README.md's serving lines, as written, for the default run: the vLLM and SGLang lines are the
+    ones the card writes for its drafter, and the CPU build's line is one eaglet.engines.vllm_server parses
+    (the launcher the workflow's own servers start through) pointing at the default run's folders."""
+    import shlex
+
+    from eaglet.engines import vllm_server
+    from eaglet.report.card import sglang_command, speculative_config, vllm_serve_command
+
+    root = Path(__file__).resolve().parents[2]
+    conf = yaml.safe_load((root / "config" / "config.yaml").read_text())
+    schema = yaml.safe_load((root / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    k = (conf.get("export") or {}).get("num_speculative_tokens") or \
+        schema["properties"]["export"]["properties"]["num_speculative_tokens"]["default"]
+    drafter = f"results/{conf['run']}/drafter"
+    blocks = re.findall(r"```bash\n(.*?)```", (root / "README.md").read_text(), re.S)
+    text = "\n".join(blocks)
+    assert vllm_serve_command("<target>", drafter, k) in text
+    assert sglang_command("<target>", drafter, k) in text
+    line = next(b for b in blocks if "eaglet.engines.vllm_server" in b)
+    line = line[line.index("python -m eaglet.engines.vllm_server"):].replace("\\\n", " ").splitlines()[0]
+    argv = shlex.split(line)[3:]
+    a = vllm_server.parser().parse_args(argv)
+    assert a.model == f"resources/targets/{conf['target']['name']}/model"
+    assert json.loads(a.speculative_config) == json.loads(speculative_config(drafter, k))

@@ -237,7 +237,7 @@ def spec_decode_metrics(root_url: str) -> dict:
     return res
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF checkpoint folder")
@@ -250,7 +250,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--speculative-config", default=None, help="JSON, e.g. "
                    '\'{"method": "eagle3", "model": "DIR", "num_speculative_tokens": 3}\'')
     p.add_argument("--startup-timeout-s", type=float, default=600)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
     io.setup_logging()
     with serve(a.model, work_dir=a.work_dir, env=a.env, port=a.port, max_model_len=a.max_model_len,
                kv_cache_gb=a.kv_cache_gb, reasoning_parser=a.reasoning_parser,

@@ -121,6 +121,22 @@ if __name__ == "__main__":  # vLLM starts worker processes that import this file
 '''
 
 
+def speculative_config(drafter_dir: str, k: int) -> str:
+    return json.dumps({"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": k})
+
+
+def vllm_serve_command(base_model: str, drafter_dir: str, k: int) -> str:
+    """vLLM's server with the drafter (README.md shows the same line: tests/report/test_card.py)."""
+    return f"vllm serve {base_model} --speculative-config '{speculative_config(drafter_dir, k)}'"
+
+
+def sglang_command(base_model: str, drafter_dir: str, k: int) -> str:
+    """SGLang's server with the drafter: k chained drafts, one per step (top-1), k + 1 tokens verified."""
+    return (f"python -m sglang.launch_server --model-path {base_model} --speculative-algorithm EAGLE3 \\\n"
+            f"    --speculative-draft-model-path {drafter_dir} --speculative-num-steps {k} \\\n"
+            f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}")
+
+
 def card(drafter_dir: str | Path, identity: dict, evaluation: dict | None, train: dict, tokenize: dict,
          vocab: dict, prompts: dict, base_model: str | None = None, serving: dict | None = None,
          shown_dir: str | None = None) -> str:
@@ -180,13 +196,8 @@ def card(drafter_dir: str | Path, identity: dict, evaluation: dict | None, train
              "\n`reference.json` holds every tensor's digest and eaglet's drafting on fixed prompts, so "
              "that the folder proves itself (below).\n\n",
              "## Serve it\n\nvLLM, Python:\n\n", vllm_snippet(base, shown, k, serving or {}),
-             "\nvLLM, server:\n\n```bash\n"
-             f"vllm serve {base} --speculative-config "
-             f"'{json.dumps({'method': 'eagle3', 'model': shown, 'num_speculative_tokens': k})}'\n```\n",
-             "\nSGLang:\n\n```bash\n"
-             f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE3 \\\n"
-             f"    --speculative-draft-model-path {shown} --speculative-num-steps {k} \\\n"
-             f"    --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}\n```\n",
+             f"\nvLLM, server:\n\n```bash\n{vllm_serve_command(base, shown, k)}\n```\n",
+             f"\nSGLang:\n\n```bash\n{sglang_command(base, shown, k)}\n```\n",
              "\n## Check a copy\n\n```bash\n"
              f"python -m eaglet.export.contract {shown} --identity <the target's identity.json> --vllm\n```\n\n"
              "Without the trainer's file it checks the tensors' digests and reruns the recorded drafting"
