@@ -159,6 +159,9 @@ UNQUOTED_OK = {
     ("evaluate_regenerated", "resources.gpu"): ("int", "1 when the HF loop runs with the CUDA vLLM build, else 0"),
     ("evaluate_regenerated", "threads"): ("int", "Snakemake's thread count"),
     ("eval_summary", "params.regenerated"): ("run-path", "'' or --regenerated results/<run>/eval/regenerated.json"),
+    ("eval_summary", "params.modes"): ("run-path", "'' or --modes results/<run>/eval/modes.json"),
+    ("evaluate_modes", "resources.gpu"): ("int", "1 when the HF loop runs with the CUDA vLLM build, else 0"),
+    ("evaluate_modes", "threads"): ("int", "Snakemake's thread count"),
     ("evaluate_offline", "threads"): ("int", "Snakemake's thread count"),
     ("evaluate_speculative", "threads"): ("int", "Snakemake's thread count"),
     ("eval_summary", "params.vllm"): ("run-path", "'' or --vllm results/<run>/eval/vllm.json"),
@@ -234,6 +237,7 @@ def test_hostile_config_strings_execute_nothing(tmp_path, monkeypatch):
     conf["vocab"]["pinned"] = [evil]
     conf["evaluate"]["sets"] = ["mtbench", evil]
     conf["evaluate"]["vllm"] = {"enabled": True, "env": evil}
+    conf["evaluate"]["modes"] = {"a": {"k": evil}, "b": {"k": 2}}  # template arguments per mode
     conf["target"]["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}" + evil  # inline Jinja
     (wf / "config" / "evil.yaml").write_text(yaml.safe_dump(conf))
     monkeypatch.setenv("EAGLET_PREVIEW_SETTINGS", str(tmp_path / "preview"))  # the settings files, to read
@@ -288,6 +292,8 @@ def test_hostile_config_strings_execute_nothing(tmp_path, monkeypatch):
     assert json.loads(provenance[provenance.index("--config-json") + 1])["vocab"]["pinned"] == [evil]
     assert conf["target"]["chat_template"] in holding or f"--chat-template={conf['target']['chat_template']}" in holding
     assert f"--path={tmp_path / evil / 'data.jsonl'}" in holding and evil in holding
+    modes = next(c for c in calls if c[:3] == ["-m", "eaglet.eval.evaluate", "modes"])
+    assert json.loads(modes[modes.index("--modes") + 1])["a"] == {"k": evil}
 
     # (2) A real job: the prompts rule reads the file at that path and records it.
     src = tmp_path / evil / "data.jsonl"
