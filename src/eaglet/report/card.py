@@ -43,13 +43,18 @@ def _fmt(r: dict | None) -> str:
     return f"{r['tau']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
 
 
+def columns(rows: list[dict]) -> list[tuple[str, float]]:
+    """The (engine, temperature) columns of matrix rows: by temperature, then in ENGINES' order."""
+    return sorted({(r["engine"], r["temperature"]) for r in rows},
+                  key=lambda c: (c[1], list(ENGINES).index(c[0]) if c[0] in ENGINES else 9, c[0]))
+
+
 def matrix_tables(matrix: list[dict], k: int) -> str:
     """Two Markdown tables from summary.json's results matrix: τ per domain (rows) by engine and
     temperature (columns) at the headline k; and over every prompt, per k."""
     if not matrix:
         return "No evaluation results were recorded.\n"
-    cols = sorted({(r["engine"], r["temperature"]) for r in matrix},
-                  key=lambda c: (c[1], list(ENGINES).index(c[0]) if c[0] in ENGINES else 9, c[0]))
+    cols = columns(matrix)
     head = "| domain | " + " | ".join(f"{ENGINES.get(e, e)}, T={t:g}" for e, t in cols) + " |\n"
     sep = "|---" * (len(cols) + 1) + "|\n"
     rows = sorted({(r["set"], r["domain"]) for r in matrix if r["k"] == k and r["domain"] != "all"})
@@ -74,7 +79,7 @@ def modes_section(modes: dict | None, rows: list[dict], k: int) -> str:
         return ""
     if modes.get("status") == "not run":
         return f"\n## By chat-template mode\n\nNot run: {modes.get('hf_loop_reason')}.\n"
-    cols = sorted({(r["engine"], r["temperature"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    cols = columns(rows)
     by = {(r["mode"], r["engine"], r["temperature"], r["k"], r["set"], r["domain"]): r for r in rows}
     out = ["\n## By chat-template mode\n\n",
            "A drafter trained in one mode of the template (thinking on, say) can collapse in another, so "

@@ -187,7 +187,11 @@ class TargetHead:
     @torch.no_grad()
     def max_over(self, final_BTH: torch.Tensor, chunks: list[nn.Linear], normed: bool = False) -> torch.Tensor:
         """Largest target logit over the rows of ``chunks`` (see row_chunks) at every position."""
-        return self.max_lse_over(final_BTH, chunks, normed)[0]
+        best = torch.full(final_BTH.shape[:-1], float("-inf"), device=self.device)
+        for lin in chunks:
+            x = final_BTH.to(self.device, lin.weight.dtype)
+            best = torch.maximum(best, self._forward(x, lin, normed).amax(-1))
+        return best
 
     @torch.no_grad()
     def max_lse_over(self, final_BTH: torch.Tensor, chunks: list[nn.Linear],

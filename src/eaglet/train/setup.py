@@ -57,18 +57,19 @@ class TargetHead:
         mass_BT (with ``mass``): the target's probability of the draft vocab, 1 when it is the whole vocab."""
         x = self.head.normed(final_BTH)
         logits = self.head.logits(x, normed=True)
-        inv = mass_BT = None
-        if self.rest and (self.greedy_rows or mass):
-            top, lse = self.head.max_lse_over(x, self.rest, normed=True)
-            if self.greedy_rows:
-                inv = logits.amax(-1) >= top
-            if mass:
-                lse_d = torch.logsumexp(logits, -1)
-                mass_BT = torch.exp(lse_d - torch.logaddexp(lse_d, lse))
-        elif mass:
+        inv = mass_BT = top = None
+        if mass and not self.rest:
             if not self.full:
                 raise ValueError("TargetHead: the draft vocab's mass needs the other head rows (mass_rows)")
             mass_BT = torch.ones(logits.shape[:-1], device=logits.device)
+        elif mass:  # one pass over the other rows for both figures
+            top, lse = self.head.max_lse_over(x, self.rest, normed=True)
+            lse_d = torch.logsumexp(logits, -1)
+            mass_BT = torch.exp(lse_d - torch.logaddexp(lse_d, lse))
+        if self.rest and self.greedy_rows:
+            if top is None:  # the training step's usual case: no logsumexp
+                top = self.head.max_over(x, self.rest, normed=True)
+            inv = logits.amax(-1) >= top
         return torch.softmax(logits, -1), inv, mass_BT
 
 
