@@ -10,7 +10,12 @@ batches and steps, the recipe), ``samples.safetensors`` (per sample ``{i}.ids`` 
 d2t, t2d, as eaglet's trainer reads them). Writes ``result.json`` (per-step time, tokens, loss)
 and ``drafts_{step}.safetensors`` at each validation step: per validation sample ``{i}`` the greedy
 draft-vocab token of every TTT step, [K, n - 1] (index t of step k drafts x_{t+2+k}: the same
-alignment as eaglet's ttt_unroll), which bench_anchor.py scores with eaglet's chain code.
+alignment as eaglet's ttt_unroll), which bench_anchor.py scores with eaglet's chain code. With
+``target_p.safetensors`` in DIR (per validation sample ``{i}``: the target's probability of every
+draft-vocab token at each position, [n, Vd], as vLLM's rejection sampler sees it), also
+``alpha_{step}.safetensors``: per sample the acceptance α = Σ min(p, q) of every TTT step at T = 1,
+[K, n - 1] (0 where the drafted token is past the end), q being the softmax of this model's own
+logits (read off its ``lm_head`` by a forward hook: its forward returns only the argmax drafts).
 
 The model is speculators' own: ``create_transformer_layer_config`` (its CLI's draft builder) and
 ``Eagle3DraftModel.from_training_args`` (loads embedding, head rows and verifier norm from the
@@ -81,6 +86,20 @@ def build(plan: dict, heads: dict):
     return model, same
 
 
+def acceptance(p_nV: torch.Tensor, logits_k: list) -> torch.Tensor:
+    """[K, n - 1]: α at index t of step k = Σ_v min(p_{t+1+k}(v), q_k,t(v)) for the t whose drafted
+    token x_{t+2+k} exists (n - 2 - k of them), else 0. p: the target's probabilities of the draft
+    vocab at each of the sample's n positions; logits_k[k]: [n - 1, Vd], step k's at each index."""
+    n, K = p_nV.shape[0], len(logits_k)
+    a = torch.zeros(K, n - 1)
+    for k, lg in enumerate(logits_k):
+        m = n - 2 - k
+        if m > 0:
+            q = torch.softmax(lg[:m].float(), -1)
+            a[k, :m] = torch.minimum(p_nV[1 + k:1 + k + m].float(), q).sum(-1)
+    return a
+
+
 def main(d: Path) -> None:
     plan = json.loads((d / "plan.json").read_text())
     torch.set_num_threads(int(plan["threads"]))
@@ -94,6 +113,7 @@ def main(d: Path) -> None:
 
     heads = load_file(str(d / "heads.safetensors"))
     samples = load_file(str(d / "samples.safetensors"))
+    target_p = load_file(str(d / "target_p.safetensors")) if (d / "target_p.safetensors").exists() else None
     model, same = build(plan, heads)
     K = int(plan["ttt_steps"])
     train_kw, val_kw = model.get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager", ttt_steps=K,
@@ -130,18 +150,28 @@ def main(d: Path) -> None:
         print(f"anchor step {step + 1}/{total}: loss {row['loss']:.3f}, {tokens} tokens in {dt:.2f} s", flush=True)
         if step + 1 in val_steps:
             model.eval()
-            out = {}
+            out, alpha = {}, {}
+            logits: list = []  # this model's lm_head outputs, one per TTT step, in order
+            hook = model.lm_head.register_forward_hook(lambda m, i, o, seen=logits: seen.append(o.detach()))
             with torch.no_grad():
                 for vb in plan["val_batches"]:
+                    logits.clear()
                     drafts = model(**{k: v for k, v in pack(samples, vb).items()
                                       if k not in ("loss_mask", "verifier_last_hidden_states")}, ttt_steps=K)
                     D = torch.cat(drafts, 0)  # [K, N]
+                    if len(logits) != K:
+                        raise SystemExit(f"anchor: lm_head ran {len(logits)} times for {K} TTT steps")
                     o = 0
                     for i in vb:
                         n = len(samples[f"{i}.ids"]) - 1
                         out[str(i)] = D[:, o:o + n].contiguous()
+                        if target_p is not None:
+                            alpha[str(i)] = acceptance(target_p[str(i)], [lg[0, o:o + n] for lg in logits])
                         o += n
+            hook.remove()
             save_file(out, str(d / f"drafts_{step + 1}.safetensors"))
+            if target_p is not None:
+                save_file(alpha, str(d / f"alpha_{step + 1}.safetensors"))
             model.train()
     trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
     (d / "result.json").write_text(json.dumps({

@@ -5,15 +5,17 @@ each trained on identical data and batches with two seeds, scored by the exact c
     python benchmarks/bench_ablation.py [--quick] [--run-dir results/<run>] [--identity ID.json]
         [--epochs E] [--seeds 0 1] [--only baseline,norm_before_fc,lr=3e-3] [--val results/mix-mtval]
         [--out results/ablation.json]
-    python benchmarks/bench_ablation.py --losses [--val results/mix-mtval] ...   # the objectives (issue 32)
+    python benchmarks/bench_ablation.py --losses [--val results/mix-mtval] [--hf-prompts 16] ...   # objectives
 
 ``--losses``: the training objectives on identical data and batches, three seeds each (``--seeds``
 overrides): today's soft cross-entropy (the baseline), KL, and the LK losses (``lk_lambda``, the
 KL/acceptance hybrid, and ``lk_alpha``, the negative log-acceptance; eaglet.drafter.ttt.step_loss),
 each scored at T = 0 (the exact greedy chain τ) and T = 1 (the expected chain τ, Σ min(p, q) chained
-along the validation unroll: ``exp_tau``), one table per temperature with the seed spread. The
-verdict line names an objective that beats soft CE beyond the spread at T = 1 without falling
-beyond it at T = 0, or says none does.
+along the validation unroll: ``exp_tau``), one table per temperature with the seed spread, and a
+third table with τ at T = 1 measured by the HF loop's real speculative sampling (``--hf-prompts``
+MT-Bench questions per drafter, default 16, ``--hf-tokens`` new tokens each, the same seeded
+generators for every drafter: ``hf_tau``). The verdict line names an objective that beats soft CE
+beyond the spread of the expected τ at T = 1 without falling beyond it at T = 0, or says none does.
 
 Data: a run's stored hidden states (``<run-dir>/extract/shard_*/index.json`` and
 ``vocab_map/vocab.safetensors``; the first ``results/*`` that has both, e.g. the SmolLM2 default run)
@@ -143,14 +145,42 @@ def option_params(name: str) -> dict:
     return params
 
 
-def run_one(hidden, vocab, ident, out: Path, params: dict, val_hidden: list[str] | None = None) -> dict:
+def run_one(hidden, vocab, ident, out: Path, params: dict, val_hidden: list[str] | None = None,
+            hf: dict | None = None) -> dict:
     t0 = time.time()
     s = tr.train(hidden, vocab, ident, out, params, val_hidden=val_hidden)
     bv = s["best_val"] or {}
-    return {"chain_tau": bv.get("chain_tau"), "exp_tau": bv.get("exp_tau"), "tf_tau": bv.get("tf_tau"),
-            "loss": bv.get("loss"),
-            "rounds": bv.get("chain_rounds"), "steps": s["steps"], "seconds": round(time.time() - t0, 1),
-            "acc": [bv.get(f"tf_acc_{k}") for k in range(params["ttt_steps"])]}
+    r = {"chain_tau": bv.get("chain_tau"), "exp_tau": bv.get("exp_tau"), "tf_tau": bv.get("tf_tau"),
+         "loss": bv.get("loss"),
+         "rounds": bv.get("chain_rounds"), "steps": s["steps"], "seconds": round(time.time() - t0, 1),
+         "acc": [bv.get(f"tf_acc_{k}") for k in range(params["ttt_steps"])]}
+    if hf:
+        r.update(hf_tau(out / "drafter.safetensors", k=int(params["ttt_steps"]), **hf))
+    return r
+
+
+def hf_tau(drafter: Path, identity: str, prompts: int, max_new: int, k: int, temperature: float = 1.0,
+           seed: int = 0) -> dict:
+    """τ measured by the HF loop's real speculative sampling (eaglet.engines.hf_loop.speculative_sampling,
+    as evaluate_speculative runs it) at ``temperature`` over the first ``prompts`` MT-Bench questions,
+    ``max_new`` tokens each, k drafts: 1 + accepted / rounds over every round, and the per-prompt τ.
+    Each prompt's generator is seeded from (seed, prompt) alone, the same for every drafter."""
+    from eaglet.base.datasets import load_prompts
+    from eaglet.drafter.chain import rounds_tau
+    from eaglet.engines.hf_loop import setup, speculative_sampling
+    from eaglet.eval.evaluate import run_generator
+
+    t0 = time.time()
+    _, target, proposer, _, tok = setup(drafter, identity, None)
+    rows = load_prompts(["mtbench"], tok, prompts, 1024)
+    rounds, per = [], []
+    for i, p in enumerate(rows):
+        res = speculative_sampling(target, proposer, p["prompt_ids"], k, max_new, temperature,
+                                   run_generator(seed, "bench_ablation", temperature, i))
+        rounds += res["rounds"]
+        per.append(rounds_tau(res["rounds"]))
+    return {"hf_tau": rounds_tau(rounds), "hf_prompts": len(rows), "hf_rounds": sum(r[1] > 0 for r in rounds),
+            "hf_per_prompt": per, "hf_seconds": round(time.time() - t0, 1)}
 
 
 def table(res: dict, seeds: list[int], key: str = "chain_tau") -> tuple[list[str], dict]:
@@ -210,6 +240,10 @@ def main() -> None:
     ap.add_argument("--val", default=None, help="score on this store instead of the run's val_fraction split: a run "
                     "folder with extract/ (e.g. the target's answers to MT-Bench) or index.json files, comma-separated")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--hf-prompts", type=int, default=None, help="with --losses: also measure τ at T = 1 with the HF "
+                    "loop's speculative sampling on this many MT-Bench questions per drafter (default 16; 2 with "
+                    "--quick; 0: off)")
+    ap.add_argument("--hf-tokens", type=int, default=64, help="new tokens per question for --hf-prompts")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -231,6 +265,7 @@ def main() -> None:
         else:
             n, new = (24, 40) if a.quick else (96, 96)
             hidden, vocab, ident, source = tiny_store(Path(tmp) / "data", n, new)
+            a.identity = str(Path(tmp) / "data" / "target" / "identity.json")
             base.update(epochs=a.epochs or (1.0 if a.quick else 3.0), token_budget=512, lr=3e-3,
                         label_min_agreement=0.9)
             if run is None and not a.quick:
@@ -242,6 +277,8 @@ def main() -> None:
 
             val = val_stores(a.val)
             source += f"; scored on {a.val} (every sample of the data trained on)"
+        n_hf = 0 if not a.losses else a.hf_prompts if a.hf_prompts is not None else (2 if a.quick else 16)
+        hf = {"identity": a.identity, "prompts": n_hf, "max_new": a.hf_tokens if not a.quick else 16} if n_hf else None
         print(f"data: {source}", flush=True)
         print(f"base params: {json.dumps(base, sort_keys=True)}", flush=True)
         res: dict = {}
@@ -250,19 +287,26 @@ def main() -> None:
             res[name] = {}
             for seed in a.seeds:
                 params = {**base, **chosen[name], "seed": seed}
-                r = run_one(hidden, vocab, ident, Path(tmp) / "runs" / f"{name}_{seed}", params, val)
+                r = run_one(hidden, vocab, ident, Path(tmp) / "runs" / f"{name}_{seed}", params, val, hf)
                 res[name][seed] = r
+                measured = f", HF loop tau (T = 1) {r['hf_tau']:.4f} over {r['hf_rounds']} rounds" if hf else ""
                 print(f"  {name:<22} seed {seed}: chain tau {r['chain_tau']:.4f}, expected tau (T = 1) "
-                      f"{r['exp_tau']:.4f} (teacher-forced {r['tf_tau']:.4f}, {r['rounds']} rounds, {r['steps']} "
-                      f"steps, {r['seconds']:.0f} s)", flush=True)
+                      f"{r['exp_tau']:.4f}{measured} (teacher-forced {r['tf_tau']:.4f}, {r['rounds']} rounds, "
+                      f"{r['steps']} steps, {r['seconds']:.0f} s)", flush=True)
         lines, verdict = table(res, a.seeds)
         lines1, verdict1 = table(res, a.seeds, "exp_tau")
+        lines_hf, verdict_hf = table(res, a.seeds, "hf_tau") if hf else (None, None)
     print(f"\nT = 0: chain tau at k = {base['ttt_steps']} on the same validation positions; delta = mean - baseline "
           f"mean; beyond noise = |delta| > the larger seed-to-seed range of the two ({time.time() - t0:.0f} s)")
     print("\n".join(lines))
     print(f"\nT = 1: expected tau at k = {base['ttt_steps']} (sum min(p, q) chained along the validation unroll), "
           "same positions and rule")
     print("\n".join(lines1))
+    if lines_hf:
+        print(f"\nT = 1 measured: the HF loop's speculative sampling, k = {base['ttt_steps']}, the first {n_hf} "
+              f"MT-Bench questions, {hf['max_new']} new tokens each, every drafter with the same seeded "
+              "generators; tau = 1 + accepted / rounds, same rule")
+        print("\n".join(lines_hf))
     if a.losses:
         print(loss_verdict(verdict, verdict1))
     others = {n: v for n, v in verdict.items() if n != "baseline"}
@@ -274,7 +318,8 @@ def main() -> None:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"data": source, "base": base, "seeds": a.seeds, "runs": res,
-                                           "table": verdict, "table_t1": verdict1}, indent=2) + "\n")
+                                           "table": verdict, "table_t1": verdict1, "table_hf": verdict_hf,
+                                           "hf": hf}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,31 +1,40 @@
 """eaglet's trainer against the anchor, the speculators library's Eagle3 model, on the same data.
 
-    python benchmarks/bench_anchor.py [--quick] [--results results] [--run lcreal] [--epochs 3] [--optimizer adamw|muon]
-        [--anchor-python envs/anchor/.venv/bin/python] [--keep DIR]
+    python benchmarks/bench_anchor.py [--quick] [--seeds 0 1 2] [--results results] [--run smollm2]
+        [--epochs 3] [--data-fraction 1.0] [--optimizer adamw|muon]
+        [--anchor-python envs/anchor/.venv/bin/python] [--keep DIR] [--out results/anchor.json]
 
 Both drafters train on the SAME stored hidden states (a real store: results/<run>/extract, the run
 with the most tokens, with its vocab map and its trainer's params from train/train_summary.json,
 else config/config.yaml's train section; with no store but a tokens file, a small one is
 extracted here with eaglet.features.extract) in the SAME micro-batches in the same order (eaglet's plan:
-eaglet.train.data.plan_micro_batches, read by eaglet.hidden.store.HiddenStateDataset):
+eaglet.train.data.plan_micro_batches, read by eaglet.hidden.store.HiddenStateDataset), once per seed
+(the seed orders the batches and draws both initial weights):
 
-- eaglet: its own loop, eaglet.train.train.train, on those params (k = ttt_steps);
+- eaglet: its own loop, eaglet.train.train.train, on those params (k = ttt_steps), in the dtype its
+  ``train.autocast`` picks (bf16 autocast on a CPU with bf16 units under ``auto``);
 - the anchor: benchmarks/anchor_worker.py in envs/anchor/.venv (``make anchor-env``; it cannot share
   a process with eaglet's stack), a CPU loop around speculators' Eagle3DraftModel with its eagle3
   defaults (see the worker's docstring), the same embedding and head rows, the same learning rate
-  and number of steps; the tensors travel through safetensors files in a temp dir.
+  and number of steps, in fp32; the tensors travel through safetensors files in a temp dir.
 
-Both are scored by eaglet's exact greedy-chain τ at k = ttt_steps (eaglet.drafter.ttt.chain_positions and
-chain_counts, as the trainer's validation computes ``best_val.chain_tau``) on the same validation
-positions, each at its best validation pass (the trainer's rule: passes at every ``val_every`` steps
-and the last; the best chain τ, the later on a tie). The scorer first re-scores eaglet's kept
-drafter and must reproduce the trainer's own best_val.chain_tau. Speed: training tokens / the summed
-time of the training steps (validation excluded; the first step, warm-up, excluded from both).
+Both are scored by the trainer's own validation code (eaglet.train.loop.validate's pieces) on the same
+validation positions, at T = 0 the exact greedy-chain τ at k = ttt_steps (chain_positions,
+chain_counts) and at T = 1 the expected chain τ (Σ min(p, q) per draft step, chained along the
+unroll: expected_counts_BT), p being the target's probability of each draft-vocab token as vLLM's
+rejection sampler sees it and q each drafter's own softmax (the anchor's read off its lm_head in its
+own process). Each drafter is taken at its kept validation pass, by the rule ``train.select_temperature``
+names for eaglet's trainer (passes every ``val_every`` steps and the last; the later on a tie). The
+scorer first re-scores eaglet's kept drafter under the trainer's autocast and must reproduce the
+trainer's own best_val chain_tau and exp_tau. Speed: training tokens / the summed time of the
+training steps (validation excluded; the first step, warm-up, excluded from both); the dtypes are
+named in the speed note.
 
-Prints ``ratio tau: X`` (eaglet τ / anchor τ, goal >= 1.05) and ``ratio speed: Y`` (eaglet tok/s /
-anchor tok/s, goal >= 2.0), each with a ``note <key>:`` line; ``skipped`` when the anchor env or the
-data is missing. Default: the run's full recipe (6.5 min on 2 shared cores for the 147-sample lcreal store, 42
-steps); ``--quick``: one epoch (~3.5 min, most of it fixed costs).
+Prints a row per seed, then each ratio's mean with its 95 % interval over seeds: ``ratio tau: X``
+(expected τ at T = 1, eaglet / anchor, goal >= 1.05), ``ratio tau_t0: X`` (exact chain τ at T = 0,
+goal >= 1.0) and ``ratio speed: Y`` (eaglet tok/s / anchor tok/s, goal >= 2.0), each with a
+``note <key>:`` line; ``skipped`` when the anchor env or the data is missing. ``--quick``: one
+epoch.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ ANCHOR_PY = ROOT / "envs/anchor/.venv/bin/python"
 
 
 def skip(why: str) -> None:
-    for key in ("tau", "speed"):
+    for key in ("tau", "tau_t0", "speed"):
         print(f"ratio {key}: skipped")
         print(f"note {key}: {why}")
     sys.exit(0)
@@ -106,8 +115,11 @@ def train_params(run_params: dict | None, a) -> dict:
 
 
 class Scorer:
-    """eaglet's validation chain τ for any drafter's per-step greedy draft tokens: the very code of
-    eaglet.train.train.validate (valid_positions, chain_positions, chain_counts) with the drafts given."""
+    """eaglet's validation figures for any drafter, by the very code of eaglet.train.loop.validate:
+    the exact greedy chain τ (valid_positions, chain_positions, chain_counts) from the drafter's
+    per-step greedy tokens, and the expected chain τ at T = 1 (expected_counts_BT) from its per-step
+    acceptance α = Σ min(p, q), p being the target's probabilities of the draft vocab (TargetHead with
+    the draft vocab's mass, as the trainer's validation reads it)."""
 
     def __init__(self, ds, ident, d2t, t2d, p, val_batches, K):
         import torch
@@ -117,24 +129,37 @@ class Scorer:
         from eaglet.train import setup as train_setup
 
         self.ds, self.val_batches, self.K, self.d2t, self.t2d = ds, val_batches, K, d2t, t2d
-        head = train_setup.TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), p["oov_rule"] == "greedy", "cpu")
+        head = train_setup.TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), p["oov_rule"] == "greedy",
+                                      "cpu", mass_rows=True)
         self.batches = []
         with torch.no_grad():
             for vb in val_batches:
                 b = train_data.collate([ds.sample(i) for i in vb], "cpu")
-                p_BTVd, inv, _ = head(b["final"])
+                p_BTVd, inv, mass_BT = head(b["final"], mass=True)
                 valid = ttt.valid_positions(b, t2d, inv)
-                self.batches.append((vb, b, p_BTVd.argmax(-1), ttt.chain_positions(b, valid, p_BTVd, d2t)))
+                self.batches.append((vb, b, p_BTVd, mass_BT, ttt.chain_positions(b, valid, p_BTVd, d2t)))
 
-    def tau(self, drafts) -> list[float | None]:
-        """drafts(vb, b) -> [B, T, K] draft-vocab tokens (index t of step k drafts x_{t+2+k})."""
+    def target_p(self) -> dict:
+        """Per validation sample ``{i}``: the target's probability of each draft-vocab token, [n, Vd]."""
+        out = {}
+        for vb, _b, p_BTVd, mass_BT, _ in self.batches:
+            for r, i in enumerate(vb):
+                n = int(self.ds.num_tokens[i])
+                out[str(i)] = (p_BTVd[r, :n] * mass_BT[r, :n, None]).contiguous()
+        return out
+
+    def score(self, drafter) -> dict:
+        """drafter(vb, b, p_BTVd, mass_BT) -> (drafts [B, T, K] draft-vocab tokens, index t of step k
+        drafting x_{t+2+k}; alpha [B, T, K], 0 past the end) -> {"chain": [τ per k], "exp": [τ per k]}."""
         import torch
 
-        from eaglet.drafter.ttt import chain_counts
+        from eaglet.drafter.ttt import chain_counts, expected_counts_BT
 
         ch = torch.zeros(self.K, 2, dtype=torch.float64)
-        for vb, b, tgt, chain_BT in self.batches:
-            D = drafts(vb, b)
+        ex = torch.zeros(self.K, 2, dtype=torch.float64)
+        for vb, b, p_BTVd, mass_BT, chain_BT in self.batches:
+            D, alpha = drafter(vb, b, p_BTVd, mass_BT)
+            tgt = p_BTVd.argmax(-1)
             B, T = b["x"].shape
             hits = torch.zeros(B, T, self.K, dtype=torch.bool)
             for k in range(self.K):
@@ -142,7 +167,24 @@ class Scorer:
                 if n > 0:
                     hits[:, :n, k] = (D[:, :n, k] == tgt[:, 1 + k:1 + k + n]) & chain_BT[:, 1 + k:1 + k + n]
             ch += chain_counts(hits, b["mask"])
-        return [1 + a / n if n > 0 else None for a, n in ch.tolist()]
+            ex += expected_counts_BT(alpha, b["mask"])
+
+        def taus(c):
+            return [1 + a / n if n > 0 else None for a, n in c.tolist()]
+
+        return {"chain": taus(ch), "exp": taus(ex)}
+
+
+def interval(xs: list[float]) -> str:
+    """mean and its 95 % Student-t interval over seeds (the range too)."""
+    import statistics
+
+    T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+    m = statistics.mean(xs)
+    if len(xs) < 2:
+        return f"{m:.4f} (one seed: no interval)"
+    h = T975.get(len(xs) - 1, 2.0) * statistics.stdev(xs) / len(xs) ** 0.5
+    return f"{m:.4f} [95% {m - h:.4f}, {m + h:.4f}] (range {min(xs):.4f}-{max(xs):.4f})"
 
 
 def main() -> None:
@@ -150,13 +192,16 @@ def main() -> None:
     ap.add_argument("--results", default=str(ROOT / "results"), help="where the runs are (another clone's)")
     ap.add_argument("--run", default=None, help="results/<run> with extract/ and vocab_map/ (default: the largest)")
     ap.add_argument("--identity", default=str(IDENTITY))
-    ap.add_argument("--quick", action="store_true", help="one epoch (~3.5 min)")
+    ap.add_argument("--quick", action="store_true", help="one epoch")
     ap.add_argument("--epochs", type=float, default=None, help="override the run's train.epochs")
+    ap.add_argument("--data-fraction", type=float, default=1.0, help="train on this share of the training samples")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one paired run of both per seed")
     ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                     help="the anchor's (speculators' builder): adamw, its TrainerConfig default, or muon, its CLI's")
     ap.add_argument("--anchor-python", default=os.path.relpath(ANCHOR_PY, ROOT))
     ap.add_argument("--extract-n", type=int, default=48, help="samples to extract when no store exists")
     ap.add_argument("--keep", default=None, help="keep the exchange files and both outputs in this folder")
+    ap.add_argument("--out", default=None, help="write every seed's figures as JSON here")
     a = ap.parse_args()
 
     anchor_py = Path(a.anchor_python) if Path(a.anchor_python).is_absolute() else ROOT / a.anchor_python
@@ -165,17 +210,13 @@ def main() -> None:
     if not Path(a.identity).exists():
         skip(f"target {a.identity} not materialised")
 
-    import pandas as pd
     import torch
     from safetensors.torch import save_file
 
-    from eaglet.drafter.model import load_drafter
     from eaglet.hidden.reader import HiddenStateDataset
     from eaglet.target.load import load_identity
-    from eaglet.train import data as train_data
     from eaglet.train import setup as train_setup
-    from eaglet.train import train as tr
-    from eaglet.train.loop import autocast_on
+    from eaglet.train.loop import SELECT_KEY, autocast_on
 
     tmp_ctx = tempfile.TemporaryDirectory(prefix="bench_anchor_") if a.keep is None else None
     tmp = Path(a.keep or tmp_ctx.name)
@@ -188,40 +229,40 @@ def main() -> None:
     run, index, vocab, run_params = store
     p = train_params(run_params, a)
     K = int(p["ttt_steps"])
-    ds = HiddenStateDataset([str(i) for i in index], verify="sha")
-    check_vocab = getattr(tr, "check_vocab", None)
-    if check_vocab is None:  # moved with the trainer's set-up on main (eaglet.train.setup)
-        from eaglet.train.setup import check_vocab
-    d2t, t2d = check_vocab(str(vocab), ident)
-    lengths = list(ds.num_tokens)
-    micro, train_idx, val_idx = train_data.plan_micro_batches(ds.ids, lengths, p)
-    total = len(micro) // int(p["grad_accum"])
-    val_batches = train_data.plan_batches(val_idx, lengths, p["token_budget"], p["seed"], 0, shuffle=False)
-    if p["val_max_batches"] is not None:
-        val_batches = val_batches[:int(p["val_max_batches"])]
-    val_steps = sorted({s for s in range(1, total + 1) if s % p["val_every"] == 0} | {total})
     if int(p["grad_accum"]) != 1:
         skip(f"train.grad_accum {p['grad_accum']}: the anchor loop takes one micro-batch per step")
+    ds = HiddenStateDataset([str(i) for i in index], verify="sha")
+    d2t, t2d = train_setup.check_vocab(str(vocab), ident)
+    plans = {s: plan_for(ds, {**p, "seed": s}) for s in a.seeds}
+    val_batches = plans[a.seeds[0]]["val_batches"]
+    if any(pl["val_batches"] != val_batches for pl in plans.values()):
+        raise SystemExit("the validation split depends on the seed: the seeds would not score the same positions")
     threads = torch.get_num_threads()
-    train_tokens = sum(lengths[i] for i in train_idx)
+    pl0 = plans[a.seeds[0]]
+    bf16 = autocast_on(p["autocast"], torch.device("cpu"))
+    sel = SELECT_KEY[float(p["select_temperature"])]
     kind = "extracted here" if "extracted" in run else "a real store"
-    print(f"data: {results}/{run} ({kind}"
-          f", {ds.meta['dtype']}, layers {ds.meta['layer_ids']}): {len(train_idx)} training samples "
-          f"({train_tokens} tokens), {len(val_idx)} validation samples in {len(val_batches)} batches; "
-          f"{total} steps ({p['epochs']} epochs, token_budget {p['token_budget']}, lr {p['lr']}), k = {K}, "
-          f"{threads} threads", flush=True)
+    print(f"data: {results}/{run} ({kind}, {ds.meta['dtype']}, layers {ds.meta['layer_ids']}): "
+          f"{len(pl0['train_idx'])} training samples ({pl0['train_tokens']} tokens), {len(pl0['val_idx'])} validation "
+          f"samples in {len(val_batches)} batches; {pl0['total']} steps ({p['epochs']} epochs, data_fraction "
+          f"{p['data_fraction']}, token_budget {p['token_budget']}, lr {p['lr']}), k = {K}, seeds {a.seeds}, "
+          f"{threads} threads; eaglet {'bf16 autocast' if bf16 else 'fp32'} (train.autocast {p['autocast']}), "
+          f"the anchor fp32 (its CPU loop); kept weights by {sel} (train.select_temperature "
+          f"{p['select_temperature']}) for both", flush=True)
 
-    # -- the exchange files for the anchor: every sample it reads, eaglet's frozen rows, the plan
+    # -- the exchange files shared by every seed: each sample any plan reads, eaglet's frozen rows,
+    # the target's probabilities at the validation positions
     head = train_setup.TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), False, "cpu")
     exact = torch.bfloat16 if ds.meta["dtype"] == "bfloat16" else torch.float32  # lossless for the store
-    used = sorted({i for mb in micro for i in mb} | {i for vb in val_batches for i in vb})
+    used = sorted({i for pl in plans.values() for mb in pl["micro"] for i in mb}
+                  | {i for vb in val_batches for i in vb})
     tensors = {}
     for i in used:
-        s = ds.sample(i)
-        n = len(s["input_ids"])
-        tensors.update({f"{i}.ids": s["input_ids"], f"{i}.mask": s["loss_mask"].bool(),
-                        f"{i}.aux": s["aux"].reshape(n, -1).to(exact).contiguous(),
-                        f"{i}.final": s["final"].to(exact).contiguous()})
+        smp = ds.sample(i)
+        n = len(smp["input_ids"])
+        tensors.update({f"{i}.ids": smp["input_ids"], f"{i}.mask": smp["loss_mask"].bool(),
+                        f"{i}.aux": smp["aux"].reshape(n, -1).to(exact).contiguous(),
+                        f"{i}.final": smp["final"].to(exact).contiguous()})
     save_file(tensors, str(tmp / "samples.safetensors"))
     del tensors
     from eaglet.drafter.model import load_target_embedding
@@ -230,91 +271,179 @@ def main() -> None:
                "head_rows": head.w_VdH.float().contiguous(),
                "norm": head.head.norm.weight.detach().float().contiguous(), "d2t": d2t, "t2d": t2d},
               str(tmp / "heads.safetensors"))
-    (tmp / "plan.json").write_text(json.dumps({
-        "micro": micro[:total], "total": total, "val_batches": val_batches, "val_steps": val_steps,
-        "ttt_steps": K, "lr": p["lr"], "weight_decay": 0.01, "optimizer": a.optimizer, "seed": p["seed"],
+    scorer = Scorer(ds, ident, d2t, t2d, p, val_batches, K)
+    save_file(scorer.target_p(), str(tmp / "target_p.safetensors"))
+
+    rows = []
+    for seed in a.seeds:
+        rows.append(one_seed(a, seed, plans[seed], p, ds, index, vocab, ident, d2t, t2d, scorer, anchor_py,
+                             tmp, bf16, sel, threads))
+    # -- the table: per seed, then the mean with its interval over seeds
+    print(f"\nchain τ(k={K}) at T = 0 and expected τ(k={K}) at T = 1 (Σ min(p, q) chained), the same "
+          f"{len(pl0['val_idx'])} validation samples, each at its kept pass; speed: training tok/s, steps 2..")
+    print("| seed | eaglet τ T=0 | anchor τ T=0 | ratio T=0 | eaglet τ T=1 | anchor τ T=1 | ratio T=1 | "
+          "eaglet tok/s | anchor tok/s | speed ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['seed']} | {r['eaglet']['chain']:.4f} | {r['anchor']['chain']:.4f} | {r['ratio_t0']:.4f} | "
+              f"{r['eaglet']['exp']:.4f} | {r['anchor']['exp']:.4f} | {r['ratio_t1']:.4f} | "
+              f"{r['eaglet']['tok_s']:.0f} | {r['anchor']['tok_s']:.0f} | {r['ratio_speed']:.3f} |")
+    agg = {}
+    for key, what in (("ratio_t0", "τ ratio at T = 0"), ("ratio_t1", "τ ratio at T = 1"),
+                      ("ratio_speed", "speed ratio")):
+        agg[key] = [r[key] for r in rows]
+        print(f"{what}: {interval(agg[key])}")
+    for who in ("eaglet", "anchor"):
+        print(f"{who}: τ T=0 {interval([r[who]['chain'] for r in rows])}; τ T=1 "
+              f"{interval([r[who]['exp'] for r in rows])}")
+    import statistics
+
+    t0m, t1m, spm = (statistics.mean(agg[k]) for k in ("ratio_t0", "ratio_t1", "ratio_speed"))
+    dt = f"eaglet {'bf16 autocast' if bf16 else 'fp32'}, anchor fp32"
+    print(f"ratio tau: {t1m:.4f}")
+    print(f"note tau: expected τ(k={K}) at T = 1, eaglet / anchor, mean of {len(rows)} seeds "
+          f"{interval(agg['ratio_t1'])}; at T = 0 (exact chain) {interval(agg['ratio_t0'])}; {run}, "
+          f"{pl0['total']} steps")
+    print(f"ratio tau_t0: {t0m:.4f}")
+    print(f"note tau_t0: exact chain τ(k={K}) at T = 0, eaglet / anchor, {interval(agg['ratio_t0'])}")
+    print(f"ratio speed: {spm:.4f}")
+    print(f"note speed: train tok/s eaglet / anchor, {interval(agg['ratio_speed'])}, {threads} threads, "
+          f"load {os.getloadavg()[0]:.1f}; dtypes: {dt}")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"data": f"{results}/{run}", "params": p, "seeds": a.seeds, "rows": rows,
+                                           "dtypes": dt, "select": sel}, indent=1, default=str) + "\n")
+    if tmp_ctx is not None:
+        tmp_ctx.cleanup()
+
+
+def plan_for(ds, p: dict) -> dict:
+    """eaglet's plan for these params (eaglet.train.data): micro-batches, validation batches and steps."""
+    from eaglet.train import data as train_data
+
+    lengths = list(ds.num_tokens)
+    micro, train_idx, val_idx = train_data.plan_micro_batches(ds.ids, lengths, p)
+    total = len(micro) // int(p["grad_accum"])
+    val_batches = train_data.plan_batches(val_idx, lengths, p["token_budget"], p["seed"], 0, shuffle=False)
+    if p["val_max_batches"] is not None:
+        val_batches = val_batches[:int(p["val_max_batches"])]
+    val_steps = sorted({s for s in range(1, total + 1) if s % p["val_every"] == 0} | {total})
+    return {"micro": micro[:total], "train_idx": train_idx, "val_idx": val_idx, "total": total,
+            "val_batches": val_batches, "val_steps": val_steps,
+            "train_tokens": sum(lengths[i] for i in train_idx)}
+
+
+def one_seed(a, seed, pl, p, ds, index, vocab, ident, d2t, t2d, scorer, anchor_py, tmp, bf16, sel, threads) -> dict:
+    """Both trainers on seed ``seed``'s batches, both scored at T = 0 and T = 1 by ``scorer``."""
+    import pandas as pd
+    import torch
+    from safetensors.torch import load_file
+
+    from eaglet.drafter.model import load_drafter
+    from eaglet.drafter.ttt import acceptance, is_better
+    from eaglet.train import train as tr
+
+    p = {**p, "seed": seed}
+    K, total = int(p["ttt_steps"]), pl["total"]
+    d = tmp / f"seed_{seed}"
+    d.mkdir(parents=True, exist_ok=True)
+    for f in ("samples.safetensors", "heads.safetensors", "target_p.safetensors"):
+        if not (d / f).exists():
+            (d / f).symlink_to(tmp / f)
+    (d / "plan.json").write_text(json.dumps({
+        "micro": pl["micro"], "total": total, "val_batches": pl["val_batches"], "val_steps": pl["val_steps"],
+        "ttt_steps": K, "lr": p["lr"], "weight_decay": 0.01, "optimizer": a.optimizer, "seed": seed,
         "layer_ids": ds.meta["layer_ids"], "target_path": ident["path"], "threads": threads}))
 
     # -- eaglet, its own loop
     t0 = time.time()
-    summary = tr.train([str(i) for i in index], str(vocab), ident, tmp / "eaglet", p, dataset=ds)
+    summary = tr.train([str(i) for i in index], str(vocab), ident, d / "eaglet", p, dataset=ds)
     eaglet_wall = time.time() - t0
-    rows = pd.read_parquet(tmp / "eaglet/metrics.parquet")
+    rows = pd.read_parquet(d / "eaglet/metrics.parquet")
     tr_rows = rows[rows["split"] == "train"].sort_values("step")
     if len(tr_rows) != total:
         raise SystemExit(f"eaglet ran {len(tr_rows)} steps, the plan has {total}")
     e_tok = tr_rows["tokens"].iloc[1:].sum()
     e_sec = (tr_rows["tokens"] / tr_rows["tok_s"]).iloc[1:].sum()
     best = summary["best_val"]
-    print(f"eaglet: {total} steps in {eaglet_wall:.0f} s; kept step {summary['selected']['step']}: chain τ "
-          + ", ".join(f"k={k + 1} {best[f'chain_tau_{k + 1}']:.4f}" for k in range(K))
-          + f"; {e_tok / e_sec:.0f} tok/s (steps 2..{total})", flush=True)
 
     # -- the anchor, in its own environment
     t0 = time.time()
-    proc = subprocess.run([str(anchor_py), str(ROOT / "benchmarks/anchor_worker.py"), str(tmp)], cwd=ROOT,
+    proc = subprocess.run([str(anchor_py), str(ROOT / "benchmarks/anchor_worker.py"), str(d)], cwd=ROOT,
                           capture_output=True, text=True)
     anchor_wall = time.time() - t0
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
         raise SystemExit(f"anchor worker failed (rc {proc.returncode})")
-    res = json.loads((tmp / "result.json").read_text())
+    res = json.loads((d / "result.json").read_text())
     a_rows = res["rows"][1:]
     a_tok, a_sec = sum(r["tokens"] for r in a_rows), sum(r["seconds"] for r in a_rows)
     if a_tok != e_tok:
         raise SystemExit(f"token counts differ: eaglet {e_tok}, anchor {a_tok} (not the same micro-batches)")
 
-    # -- one scorer for both; first it must reproduce eaglet's own validation figure
-    scorer = Scorer(ds, ident, d2t, t2d, p, val_batches, K)
-    model, _, _, _ = load_drafter(tmp / "eaglet/drafter.safetensors", ident)
+    # -- eaglet's kept drafter re-scored the way the trainer validated (under its autocast): it must
+    # reproduce the trainer's own figures at both temperatures, else the scorer is not the trainer's
+    model, _, _, _ = load_drafter(d / "eaglet/drafter.safetensors", ident)
 
-    # the drafts as the trainer's validation computed them: under its autocast (bf16 on a CPU with
-    # bf16 units with train.autocast auto), else the re-score differs in the last digits
-    bf16 = autocast_on(p["autocast"], torch.device("cpu"))
-
-    def eaglet_drafts(vb, b):
+    def eaglet_drafter(vb, b, p_BTVd, mass_BT):
+        B, T = b["x"].shape
+        D = torch.zeros(B, T, K, dtype=torch.long)
+        alpha = torch.zeros(B, T, K)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            return torch.stack([lg.argmax(-1) for _, lg, _ in model.ttt_unroll(b["x"], model.project(b["aux"]), K)], -1)
+            for k, lg, _ in model.ttt_unroll(b["x"], model.project(b["aux"]), K):
+                n = T - 2 - k
+                if n > 0:
+                    lp = torch.log_softmax(lg[:, :n].float(), -1)
+                    D[:, :n, k] = lp.argmax(-1)
+                    alpha[:, :n, k] = acceptance(lp.exp(), p_BTVd[:, 1 + k:1 + k + n], mass_BT[:, 1 + k:1 + k + n])
+        return D, alpha
 
-    e_tau = scorer.tau(eaglet_drafts)
-    if abs(e_tau[-1] - best["chain_tau"]) > 1e-9:
-        raise SystemExit(f"scorer check: eaglet's kept drafter re-scored {e_tau[-1]:.6f}, the trainer said "
-                         f"{best['chain_tau']:.6f} (not the same positions or rule)")
-    from safetensors.torch import load_file
+    e = scorer.score(eaglet_drafter)
+    for key, got, want in (("chain", e["chain"][-1], best["chain_tau"]), ("exp", e["exp"][-1], best["exp_tau"])):
+        if abs(got - want) > 1e-6:
+            raise SystemExit(f"scorer check (seed {seed}): eaglet's kept drafter re-scored {key} τ {got:.6f}, the "
+                             f"trainer said {want:.6f} (not the same positions or rule)")
 
-    from eaglet.drafter.ttt import is_better
-
+    # -- the anchor at each of its validation passes, kept by the same rule
     a_best = None
-    for s in val_steps:
-        dr = load_file(str(tmp / f"drafts_{s}.safetensors"))
+    for s in pl["val_steps"]:
+        dr = load_file(str(d / f"drafts_{s}.safetensors"))
+        al = load_file(str(d / f"alpha_{s}.safetensors"))
 
-        def anchor_drafts(vb, b, dr=dr):
+        def anchor_drafter(vb, b, p_BTVd, mass_BT, dr=dr, al=al):
             B, T = b["x"].shape
             D = torch.full((B, T, K), -1, dtype=torch.long)
+            A = torch.zeros(B, T, K)
             for r, i in enumerate(vb):
-                x = dr[str(i)]  # [K, n - 1]
+                x, y = dr[str(i)], al[str(i)]  # [K, n - 1] each
                 D[r, :x.shape[1]] = x.T
-            return D
+                A[r, :y.shape[1]] = y.T
+            return D, A
 
-        taus = scorer.tau(anchor_drafts)
-        if is_better({"chain_tau": taus[-1]}, a_best):
-            a_best = {"tau": taus[-1], "step": s, "taus": taus}
-    a_tau = a_best["taus"]
-    same = res["same_init_max_abs_diff"]
-    print(f"anchor (speculators {res['versions']['speculators']}, transformers {res['versions']['transformers']}, "
-          f"{'+'.join(res['optimizers'])}): {total} steps in {anchor_wall:.0f} s; kept step {a_best['step']}: chain τ "
-          + ", ".join(f"k={k + 1} {t:.4f}" for k, t in enumerate(a_tau))
-          + f"; {a_tok / a_sec:.0f} tok/s (steps 2..{total}); its initial rows vs eaglet's: max |diff| "
-          + ", ".join(f"{k} {v:.1e}" for k, v in same.items()), flush=True)
-    print(f"ratio tau: {e_tau[-1] / a_tau[-1]:.4f}")
-    print(f"note tau: chain τ(k={K}) eaglet {e_tau[-1]:.3f} / anchor {a_tau[-1]:.3f}, {run}, "
-          f"{len(val_idx)} validation samples, {total} steps")
-    print(f"ratio speed: {(e_tok / e_sec) / (a_tok / a_sec):.4f}")
-    print(f"note speed: train tok/s eaglet {e_tok / e_sec:.0f} / anchor {a_tok / a_sec:.0f}, {threads} threads, "
-          f"load {os.getloadavg()[0]:.1f}; dtypes: eaglet {'bf16 autocast' if bf16 else 'fp32'} "
-          f"(train.autocast {p['autocast']}), anchor fp32 (its CPU loop)")
-    if tmp_ctx is not None:
-        tmp_ctx.cleanup()
+        sc = scorer.score(anchor_drafter)
+        row = {"chain_tau": sc["chain"][-1], "exp_tau": sc["exp"][-1]}
+        if is_better(row, a_best and a_best["row"], sel):
+            a_best = {"row": row, "step": s, "sc": sc}
+    a_sc = a_best["sc"]
+    out = {"seed": seed, "steps": total,
+           "eaglet": {"chain": e["chain"][-1], "exp": e["exp"][-1], "chain_k": e["chain"], "exp_k": e["exp"],
+                      "kept_step": summary["selected"]["step"], "tok_s": float(e_tok / e_sec),
+                      "wall_s": eaglet_wall},
+           "anchor": {"chain": a_sc["chain"][-1], "exp": a_sc["exp"][-1], "chain_k": a_sc["chain"],
+                      "exp_k": a_sc["exp"], "kept_step": a_best["step"], "tok_s": a_tok / a_sec,
+                      "wall_s": anchor_wall, "versions": res["versions"], "optimizers": res["optimizers"],
+                      "same_init_max_abs_diff": res["same_init_max_abs_diff"]}}
+    out["ratio_t0"] = out["eaglet"]["chain"] / out["anchor"]["chain"]
+    out["ratio_t1"] = out["eaglet"]["exp"] / out["anchor"]["exp"]
+    out["ratio_speed"] = out["eaglet"]["tok_s"] / out["anchor"]["tok_s"]
+    print(f"seed {seed}: eaglet {total} steps in {eaglet_wall:.0f} s, kept step {out['eaglet']['kept_step']}: τ T=0 "
+          f"{out['eaglet']['chain']:.4f}, T=1 {out['eaglet']['exp']:.4f}, {out['eaglet']['tok_s']:.0f} tok/s; "
+          f"anchor (speculators {res['versions']['speculators']}, {'+'.join(res['optimizers'])}) in "
+          f"{anchor_wall:.0f} s, "
+          f"kept step {a_best['step']}: τ T=0 {out['anchor']['chain']:.4f}, T=1 {out['anchor']['exp']:.4f}, "
+          f"{out['anchor']['tok_s']:.0f} tok/s; initial rows vs eaglet's max |diff| "
+          + ", ".join(f"{k} {v:.1e}" for k, v in res["same_init_max_abs_diff"].items()), flush=True)
+    return out
 
 
 if __name__ == "__main__":

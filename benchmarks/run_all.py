@@ -68,7 +68,10 @@ BENCHES = {
                for s in ("tokenize", "extract", "train", "generate")]),
     # needs envs/anchor/.venv (`make anchor-env`); without it both rows print "skipped"
     "anchor": (["benchmarks/bench_anchor.py"],
-               [Row("anchor_tau", "chain τ(k=3) eaglet / speculators Eagle3, same batches", 1.05, key="tau"),
+               [Row("anchor_tau", "expected τ(k=3) at T = 1 eaglet / speculators Eagle3, same batches, 3 seeds",
+                    1.05, key="tau"),
+                Row("anchor_tau_t0", "chain τ(k=3) at T = 0 eaglet / speculators Eagle3, same batches, 3 seeds",
+                    1.0, key="tau_t0"),
                 Row("anchor_speed", "train tok/s eaglet / speculators Eagle3, same batches", 2.0, key="speed")]),
 }
 NUM = r"([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?|skipped)"

@@ -1,6 +1,6 @@
 """benchmarks/bench_ablation.py --losses on the tiny in-process target (--quick): the one command of
-issue 32's ablation prints both tables (T = 0 and T = 1) with every objective and seed, and the
-verdict, from real training runs (a few seconds each)."""
+issue 32's ablation prints its tables (T = 0; T = 1 expected, and measured by the HF loop) with every
+objective and seed, and the verdict, from real training runs (a few seconds each)."""
 
 import json
 import subprocess
@@ -27,3 +27,8 @@ def test_the_losses_ablation_prints_both_temperatures_and_a_verdict(tmp_path):
     assert runs["loss=lk_alpha"]["0"]["exp_tau"] != runs["baseline"]["0"]["exp_tau"]
     assert runs["loss=kl"]["0"]["exp_tau"] == runs["baseline"]["0"]["exp_tau"]  # the same gradient
     assert res["table_t1"]["loss=lk_alpha"]["spread"] >= 0
+    # and measured by the HF loop's real speculative sampling at T = 1 (the tiny target's rounds)
+    assert "\nT = 1 measured: the HF loop" in p.stdout
+    assert all(r["hf_tau"] >= 1 and r["hf_rounds"] > 0 and len(r["hf_per_prompt"]) == 2
+               for by_seed in runs.values() for r in by_seed.values())
+    assert set(res["table_hf"]) == set(runs)

@@ -1,4 +1,4 @@
-"""benchmarks/bench_anchor.py without its optional environment (envs/anchor/.venv): both rows of
+"""benchmarks/bench_anchor.py without its optional environment (envs/anchor/.venv): every row of
 `make bench` say "skipped" with the reason, through run_all's own parser. Cheap: no training."""
 
 import subprocess
@@ -17,7 +17,7 @@ def test_anchor_rows_skip_without_the_env(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     rows = BENCHES["anchor"][1]
-    assert [r.name for r in rows] == ["anchor_tau", "anchor_speed"]
+    assert [r.name for r in rows] == ["anchor_tau", "anchor_tau_t0", "anchor_speed"]
     for row in rows:
         ratio, note = parse_row(row, p.stdout)
         assert ratio == "skipped" and status(row, ratio, True) == "skipped"
