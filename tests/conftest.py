@@ -1,9 +1,11 @@
 """Shared test fixtures and helpers."""
 
+import atexit
 import inspect
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,11 @@ WORKFLOW_FILES = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.t
 # A hung vLLM start or run costs at most this (eaglet.engines.vllm_env.timeout; inherited by every Snakemake
 # and engine process a test starts): the slowest legitimate one here takes about two minutes.
 os.environ.setdefault("EAGLET_VLLM_TIMEOUT_S", "420")
+# SGLang's loader reports, kept by the digest of what it read (eaglet.export.sglang_check): one folder
+# per test session, so every session runs SGLang's loader on each distinct export at least once
+if "EAGLET_SGLANG_CACHE" not in os.environ:
+    os.environ["EAGLET_SGLANG_CACHE"] = tempfile.mkdtemp(prefix="eaglet-sglang-reports-")
+    atexit.register(shutil.rmtree, os.environ["EAGLET_SGLANG_CACHE"], True)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -324,6 +324,30 @@ def test_a_weight_sglang_drops_silently_fails_loader_sglang_naming_it(sglang_pyt
     assert [u.split(":")[0] for u in ch["details"]["unset"]] == ["model.layers.0.hidden_norm.weight"]
 
 
+def test_sglangs_report_is_kept_by_the_bytes_it_read(sglang_python, good, tmp_path, monkeypatch):
+    """The same bytes with the same SGLang are judged on the kept report without starting SGLang; one
+    changed byte of the file runs SGLang's loader again, and a broken export still fails."""
+    monkeypatch.setenv(sglang_check.CACHE_VAR, str(tmp_path / "reports"))
+    conf = json.loads((good / "config.json").read_text())
+    first = sglang_check.sglang_check(good, conf)
+    assert first["ok"] and first["details"]["report"] == "this run"
+    assert len(list((tmp_path / "reports").glob("*.json"))) == 1
+    again = sglang_check.sglang_check(good, conf)
+    assert again["details"]["report"].startswith("cached: SGLang's loader ran on identical bytes at ")
+    assert {k: v for k, v in again["details"].items() if k != "report"} == \
+        {k: v for k, v in first["details"].items() if k != "report"}
+
+    def scale(t):  # one weight changed: another file, another report
+        t["midlayer.hidden_norm.weight"] = t["midlayer.hidden_norm.weight"] * 2
+
+    changed = sglang_check.sglang_check(_faulty(good, tmp_path, tensors=scale), conf)
+    assert changed["details"]["report"] == "this run" and changed["ok"]
+    assert len(list((tmp_path / "reports").glob("*.json"))) == 2
+    monkeypatch.setenv(sglang_check.CACHE_VAR, "off")
+    assert sglang_check.sglang_check(good, conf)["details"]["report"] == "this run"
+    assert len(list((tmp_path / "reports").glob("*.json"))) == 2
+
+
 def test_without_sglangs_environment_loader_sglang_is_not_run_and_fails_the_contract(
         good, tiny_target, tiny_drafter, tmp_path, monkeypatch):
     monkeypatch.setenv(sglang_check.ENV_VAR, str(tmp_path / "no-sglang"))

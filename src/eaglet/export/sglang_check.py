@@ -10,15 +10,24 @@ skips on purpose), and SGLang's model reads every drafter variant the config tur
 
 Without SGLang's environment the check is **not run** (no pass: the contract fails unless
 ``loader.sglang`` is named in ``export.accept_not_run``), with how to build it: ``make sglang-env``.
+
+The runner's report is a function of the bytes SGLang reads (config.json and the safetensors files),
+the runner's code and the SGLang install (its interpreter and setup stamp): a report is kept under
+that digest (``$EAGLET_SGLANG_CACHE``, default ``~/.cache/eaglet/sglang-loader``, owner-only; ``off``
+keeps none) and an identical export is judged on it without starting SGLang again, the details
+saying so (``report``: ``cached``, with the run's time). Only a finished run's report is kept; the
+judgement is always made anew.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from eaglet.engines import vllm_env
@@ -32,6 +41,8 @@ DEFAULT_ENV = "envs/sglang/.venv"
 # Overrides DEFAULT_ENV (a venv folder or its bin/python)
 ENV_VAR = "EAGLET_SGLANG_PYTHON"
 SETUP = "`make sglang-env` (envs/sglang/setup.sh)"
+# Where the runner's reports are kept by digest (module docstring); "off": none
+CACHE_VAR = "EAGLET_SGLANG_CACHE"
 EMBED = "model.embed_tokens.weight"
 # What SGLang does with a parameter nobody set: it does not say so.
 SILENT = {"model.fc.weight": "fc stays at its random init", "lm_head.weight": "the head is uninitialised memory",
@@ -71,16 +82,51 @@ def run_sglang_loader(drafter_dir, python, timeout: float = 600) -> dict:
 
 
 def sglang_check(drafter_dir, conf: dict, python=None) -> dict:
-    """``loader.sglang`` on an export whose config.json is ``conf``: SGLang's own loader run, its report
-    judged (module docstring); not run without SGLang's environment."""
+    """``loader.sglang`` on an export whose config.json is ``conf``: SGLang's own loader run (or its
+    report on these very bytes, kept: module docstring), its report judged; not run without SGLang's
+    environment."""
     try:
         py = sglang_python(python)
     except SglangEnvMissing as e:
         return not_run(NAME, f"SGLang's own loader could not run: {e}. Build its environment with {SETUP}")
+    kept = _cache_file(drafter_dir, py)
+    if kept is not None and kept.is_file():
+        res = json.loads(kept.read_text())
+        ch = judge(res, conf)
+        ch["details"]["report"] = f"cached: SGLang's loader ran on identical bytes at {res.get('ran_at', '?')}"
+        return ch
     res = run_sglang_loader(drafter_dir, py)
     if "error" in res:
         return check(NAME, False, {"error": res["error"]})
-    return judge(res, conf)
+    res["ran_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = kept.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(res))
+        tmp.replace(kept)
+    ch = judge(res, conf)
+    ch["details"]["report"] = "this run"
+    return ch
+
+
+def _cache_file(drafter_dir, python: Path) -> Path | None:
+    """Where the runner's report on these bytes with this SGLang is kept, or None (cache off)."""
+    where = os.environ.get(CACHE_VAR) or str(Path.home() / ".cache/eaglet/sglang-loader")
+    if where.lower() == "off":
+        return None
+    h = hashlib.sha256()
+    venv = Path(python).parent.parent
+    stamp = venv / vllm_env.SETUP_STAMP
+    h.update(f"{Path(python).absolute()}\0".encode())
+    h.update(stamp.read_bytes() if stamp.is_file() else b"-")
+    h.update(RUNNER.read_bytes())
+    for f in sorted(Path(drafter_dir).iterdir()):
+        if f.is_file() and (f.name == "config.json" or f.suffix == ".safetensors"):
+            h.update(f"\0{f.name}\0".encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 24), b""):
+                    h.update(chunk)
+    return Path(where) / f"{h.hexdigest()}.json"
 
 
 def judge(res: dict, conf: dict) -> dict:
