@@ -349,7 +349,7 @@ def one_seed(a, seed, pl, p, ds, index, vocab, ident, d2t, t2d, scorer, anchor_p
     d.mkdir(parents=True, exist_ok=True)
     for f in ("samples.safetensors", "heads.safetensors", "target_p.safetensors"):
         if not (d / f).exists():
-            (d / f).symlink_to(tmp / f)
+            (d / f).symlink_to((tmp / f).absolute())
     (d / "plan.json").write_text(json.dumps({
         "micro": pl["micro"], "total": total, "val_batches": pl["val_batches"], "val_steps": pl["val_steps"],
         "ttt_steps": K, "lr": p["lr"], "weight_decay": 0.01, "optimizer": a.optimizer, "seed": seed,
