@@ -6,6 +6,12 @@ each trained on identical data and batches with two seeds, scored by the exact c
         [--epochs E] [--seeds 0 1] [--only baseline,norm_before_fc,lr=3e-3] [--val results/mix-mtval]
         [--out results/ablation.json]
     python benchmarks/bench_ablation.py --losses [--val results/mix-mtval] [--hf-prompts 16] ...   # objectives
+    python benchmarks/bench_ablation.py --curve 0.125,0.25,0.5 [--params '{"loss": "lk_alpha"}'] ...   # data
+
+``--curve F1,F2,..``: the learning curve: the base params (``--params`` adds e.g. a loss) on nested
+fractions of the training samples (``data_fraction``) and on all of them, each seed, scored at both
+temperatures; per temperature the gain per doubling of the data (a least-squares line of τ on
+log2 tokens, per seed) and how much data that line needs for τ 1.5.
 
 ``--losses``: the training objectives on identical data and batches, three seeds each (``--seeds``
 overrides): today's soft cross-entropy (the baseline), KL, and the LK losses (``lk_lambda``, the
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import statistics
 import sys
 import tempfile
@@ -153,6 +160,7 @@ def run_one(hidden, vocab, ident, out: Path, params: dict, val_hidden: list[str]
     r = {"chain_tau": bv.get("chain_tau"), "exp_tau": bv.get("exp_tau"), "tf_tau": bv.get("tf_tau"),
          "loss": bv.get("loss"),
          "rounds": bv.get("chain_rounds"), "steps": s["steps"], "seconds": round(time.time() - t0, 1),
+         "train_tokens": s.get("train_tokens"),
          "acc": [bv.get(f"tf_acc_{k}") for k in range(params["ttt_steps"])]}
     if hf:
         r.update(hf_tau(out / "drafter.safetensors", k=int(params["ttt_steps"]), **hf))
@@ -211,6 +219,42 @@ def table(res: dict, seeds: list[int], key: str = "chain_tau") -> tuple[list[str
     return lines, verdict
 
 
+def curve(res: dict, seeds: list[int], key: str, goal: float = 1.5) -> list[str]:
+    """The learning curve from the data_fraction runs and the baseline (all the data): per seed the
+    least-squares line τ = a + b log2(training tokens); b is the gain per doubling of the data, and
+    (goal - τ at all the data) / b doublings reach ``goal`` on this line (a straight-line
+    extrapolation: an estimate, not a measurement)."""
+    gains, lines = [], []
+    full = statistics.mean(res["baseline"][s][key] for s in seeds)
+    tokens = res["baseline"][seeds[0]]["train_tokens"]
+    names = sorted(res, key=lambda n: res[n][seeds[0]]["train_tokens"])
+    for n in names:
+        lines.append(f"  {n:<22} {res[n][seeds[0]]['train_tokens']:>10,} tokens: "
+                     + ", ".join(f"{res[n][s][key]:.4f}" for s in seeds)
+                     + f"  (mean {statistics.mean(res[n][s][key] for s in seeds):.4f})")
+    for s in seeds:
+        xs = [math.log2(res[n][s]["train_tokens"]) for n in names]
+        ys = [res[n][s][key] for n in names]
+        mx, my = statistics.mean(xs), statistics.mean(ys)
+        gains.append(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
+    b = statistics.mean(gains)
+    lines.append(f"  gain per doubling {b:+.4f} (per seed {', '.join(f'{g:+.4f}' for g in gains)})")
+    def times(d):  # 2^d as "N x", held to something printable
+        return f"{2 ** d:,.0f}x" if d <= 40 else "more than 1e12x"
+
+    if b > 0 and full < goal:
+        d = (goal - full) / b
+        lines.append(f"  τ {goal} on this line: {d:.1f} more doublings, {times(d)} the data "
+                     + (f"(~{tokens * 2 ** d / 1e6:,.1f}M training tokens; " if d <= 40 else "(")
+                     + f"range over the seeds' gains {times((goal - full) / max(gains))}-"
+                     + (f"{times((goal - full) / min(gains))})" if min(gains) > 0 else "unbounded)"))
+    elif full >= goal:
+        lines.append(f"  τ {goal} reached with all the data")
+    else:
+        lines.append(f"  no gain per doubling: τ {goal} is not on this line")
+    return lines
+
+
 def loss_verdict(t0: dict, t1: dict) -> str:
     """The objective that beats soft CE beyond the seed spread at T = 1 without falling beyond it at
     T = 0 (the best such by its T = 1 mean), or a sentence saying none does."""
@@ -240,6 +284,8 @@ def main() -> None:
     ap.add_argument("--val", default=None, help="score on this store instead of the run's val_fraction split: a run "
                     "folder with extract/ (e.g. the target's answers to MT-Bench) or index.json files, comma-separated")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--curve", default=None, help="comma-separated data fractions (e.g. 0.125,0.25,0.5): the "
+                    "learning curve of the base params (with --params, e.g. another loss) at T = 0 and T = 1")
     ap.add_argument("--hf-prompts", type=int, default=None, help="with --losses: also measure τ at T = 1 with the HF "
                     "loop's speculative sampling on this many MT-Bench questions per drafter (default 16; 2 with "
                     "--quick; 0: off)")
@@ -251,6 +297,8 @@ def main() -> None:
     a.seeds = a.seeds or ([0, 1, 2] if a.losses else [0, 1])
     names = LOSSES if a.losses else list(OPTIONS) if not a.only else \
         ["baseline"] + [n for n in a.only.split(",") if n != "baseline"]
+    if a.curve:
+        names = ["baseline"] + [f"data_fraction={float(x)}" for x in a.curve.split(",")]
     chosen = {n: option_params(n) for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         run = None if a.quick else (Path(a.run_dir) if a.run_dir else find_run(ROOT / "results"))
@@ -309,6 +357,10 @@ def main() -> None:
         print("\n".join(lines_hf))
     if a.losses:
         print(loss_verdict(verdict, verdict1))
+    if a.curve:
+        for key, what in (("chain_tau", "T = 0, exact chain τ"), ("exp_tau", "T = 1, expected chain τ")):
+            print(f"\nlearning curve, {what} (training tokens: τ per seed):")
+            print("\n".join(curve(res, a.seeds, key)))
     others = {n: v for n, v in verdict.items() if n != "baseline"}
     if others:
         best = max(others, key=lambda n: others[n]["mean"])

@@ -32,3 +32,21 @@ def test_the_losses_ablation_prints_both_temperatures_and_a_verdict(tmp_path):
     assert all(r["hf_tau"] >= 1 and r["hf_rounds"] > 0 and len(r["hf_per_prompt"]) == 2
                for by_seed in runs.values() for r in by_seed.values())
     assert set(res["table_hf"]) == set(runs)
+
+
+def test_the_learning_curve_fits_a_gain_per_doubling_at_both_temperatures(tmp_path):
+    """--curve trains the base params on a nested fraction and on all the data and fits τ on log2
+    tokens per temperature; the fit is recomputed here from the JSON it wrote."""
+    import math
+
+    out = tmp_path / "curve.json"
+    p = subprocess.run([sys.executable, "benchmarks/bench_ablation.py", "--quick", "--curve", "0.5", "--seeds", "0",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    half, full = runs["data_fraction=0.5"]["0"], runs["baseline"]["0"]
+    assert 0 < half["train_tokens"] < full["train_tokens"]
+    for key, what in (("chain_tau", "T = 0"), ("exp_tau", "T = 1")):
+        block = p.stdout.split(f"learning curve, {what}", 1)[1]
+        gain = (full[key] - half[key]) / (math.log2(full["train_tokens"]) - math.log2(half["train_tokens"]))
+        assert f"gain per doubling {gain:+.4f}" in block, block
