@@ -7,6 +7,7 @@ each trained on identical data and batches with two seeds, scored by the exact c
         [--out results/ablation.json]
     python benchmarks/bench_ablation.py --losses [--val results/mix-mtval] [--hf-prompts 16] ...   # objectives
     python benchmarks/bench_ablation.py --curve 0.125,0.25,0.5 [--params '{"loss": "lk_alpha"}'] ...   # data
+    ... --reuse results/ablation.json   # the runs an earlier --out recorded with the same params and data
 
 ``--curve F1,F2,..``: the learning curve: the base params (``--params`` adds e.g. a loss) on nested
 fractions of the training samples (``data_fraction``) and on all of them, each seed, scored at both
@@ -167,6 +168,26 @@ def run_one(hidden, vocab, ident, out: Path, params: dict, val_hidden: list[str]
     return r
 
 
+def reused(path: str | None, name: str, seed: int, base: dict, source: str, hf: dict | None,
+           hidden_all_trained: list[str] | None = None) -> dict | None:
+    """The run of ``name`` and ``seed`` from an earlier --out JSON when it was made with the same base
+    params, data and HF-loop measurement; else None (train it). ``hidden_all_trained``: the stores'
+    indexes when every sample is trained on (--val), for a run recorded without its token count."""
+    if not path:
+        return None
+    old = json.loads(Path(path).read_text())
+    run = old.get("runs", {}).get(name, {}).get(str(seed))
+    if run is None or old.get("base") != base or old.get("data") != source or (hf and "hf_tau" not in run):
+        return None
+    if run.get("train_tokens") is None:  # written before runs reported it: all the data, when --val trained on all
+        if not (hidden_all_trained and OPTIONS.get(name, {"x": 1}) == {} and base.get("data_fraction", 1.0) == 1.0):
+            return None
+        run["train_tokens"] = sum(x["num_tokens"] for i in hidden_all_trained
+                                  for x in json.loads(Path(i).read_text())["samples"])
+    print(f"  {name} seed {seed}: taken from {path} (same base params and data)", flush=True)
+    return run
+
+
 def hf_tau(drafter: Path, identity: str, prompts: int, max_new: int, k: int, temperature: float = 1.0,
            seed: int = 0) -> dict:
     """τ measured by the HF loop's real speculative sampling (eaglet.engines.hf_loop.speculative_sampling,
@@ -284,6 +305,8 @@ def main() -> None:
     ap.add_argument("--val", default=None, help="score on this store instead of the run's val_fraction split: a run "
                     "folder with extract/ (e.g. the target's answers to MT-Bench) or index.json files, comma-separated")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--reuse", default=None, help="an --out JSON of an earlier run: its runs of the same option, "
+                    "seed, base params and data are taken from it instead of trained again (e.g. the baseline)")
     ap.add_argument("--curve", default=None, help="comma-separated data fractions (e.g. 0.125,0.25,0.5): the "
                     "learning curve of the base params (with --params, e.g. another loss) at T = 0 and T = 1")
     ap.add_argument("--hf-prompts", type=int, default=None, help="with --losses: also measure τ at T = 1 with the HF "
@@ -335,7 +358,8 @@ def main() -> None:
             res[name] = {}
             for seed in a.seeds:
                 params = {**base, **chosen[name], "seed": seed}
-                r = run_one(hidden, vocab, ident, Path(tmp) / "runs" / f"{name}_{seed}", params, val, hf)
+                earlier = reused(a.reuse, name, seed, base, source, hf, hidden if val else None)
+                r = earlier or run_one(hidden, vocab, ident, Path(tmp) / "runs" / f"{name}_{seed}", params, val, hf)
                 res[name][seed] = r
                 measured = f", HF loop tau (T = 1) {r['hf_tau']:.4f} over {r['hf_rounds']} rounds" if hf else ""
                 print(f"  {name:<22} seed {seed}: chain tau {r['chain_tau']:.4f}, expected tau (T = 1) "

@@ -70,7 +70,7 @@ def find_store(results: Path, run: str | None) -> tuple[str, list[Path], Path, d
         idx = sorted(r.glob("extract/shard_*/index.json"))
         vocab = r / "vocab_map/vocab.safetensors"
         if idx and vocab.is_file():
-            tokens = sum(json.loads(i.read_text()).get("num_tokens_total", 0) or 0 for i in idx)
+            tokens = sum(x["num_tokens"] for i in idx for x in json.loads(i.read_text()).get("samples", []))
             summ = r / "train/train_summary.json"
             params = json.loads(summ.read_text())["params"] if summ.is_file() else None
             found.append((tokens or sum(i.stat().st_size for i in idx), r.name, idx, vocab, params))
