@@ -106,7 +106,7 @@ def train_params(run_params: dict | None, a) -> dict:
         run_params = yaml.safe_load((ROOT / "config/config.yaml").read_text())["train"]
         run_params.setdefault("val_fraction", 0.2)
     p = resolve_params(run_params)
-    p.update(checkpoint_every=10**9, gpus=0, max_steps=None, hidden_states="offline", data_fraction=1.0)
+    p.update(checkpoint_every=10**9, gpus=0, max_steps=None, hidden_states="offline", data_fraction=a.data_fraction)
     if a.epochs is not None:
         p["epochs"] = a.epochs
     elif a.quick:
