@@ -15,8 +15,9 @@ temperatures; per temperature the gain per doubling of the data (a least-squares
 log2 tokens, per seed) and how much data that line needs for τ 1.5.
 
 ``--losses``: the training objectives on identical data and batches, three seeds each (``--seeds``
-overrides): today's soft cross-entropy (the baseline), KL, and the LK losses (``lk_lambda``, the
-KL/acceptance hybrid, and ``lk_alpha``, the negative log-acceptance; eaglet.drafter.ttt.step_loss),
+overrides): soft cross-entropy (the baseline, pinned whatever train.loss defaults to), KL, and the
+LK losses (``lk_lambda``, the KL/acceptance hybrid, and ``lk_alpha``, the negative log-acceptance;
+eaglet.drafter.ttt.step_loss),
 each scored at T = 0 (the exact greedy chain τ) and T = 1 (the expected chain τ, Σ min(p, q) chained
 along the validation unroll: ``exp_tau``), one table per temperature with the seed spread, and a
 third table with τ at T = 1 measured by the HF loop's real speculative sampling (``--hf-prompts``
@@ -341,6 +342,8 @@ def main() -> None:
                         label_min_agreement=0.9)
             if run is None and not a.quick:
                 source += "; no stored run found under results/"
+        if a.losses:  # the objectives against soft cross-entropy, whatever train.loss defaults to
+            base["loss"] = "soft_ce"
         base.update(json.loads(a.params))
         val = None
         if a.val:
