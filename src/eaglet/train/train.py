@@ -80,9 +80,8 @@ DEFAULTS = dict(
     norm_before_fc=False,   # RMSNorm over concat(aux) before fc (EAGLE-3.1, speculators, SpecForge)
     norm_before_residual=False,  # residual = hidden_norm(hidden) (speculators; vLLM norm_before_residual)
     norm_output=False,      # next draft step reads norm(h), not the pre-norm h (speculators; vLLM norm_output)
-    loss="lk_alpha",        # -log acceptance (eaglet.drafter.ttt.step_loss), measured ahead of soft CE at T = 1
-                            # (docs/studies.md); "lk_lambda" the other LK loss; "soft_ce" or "kl" (same
-                            # gradient; the loss value differs by the target entropy)
+    loss="soft_ce",         # "soft_ce" or "kl" (same gradient; the loss value differs by the target entropy);
+                            # "lk_lambda", "lk_alpha": acceptance-targeted (eaglet.drafter.ttt.step_loss)
     kl_scale=1.0,           # lk_lambda: KL weight w = kl_scale exp(-kl_decay mean α)
     kl_decay=3.0,
     select_temperature=0.0,  # the kept weights: best validation chain_tau (0) or expected tau at T = 1 (1)
