@@ -343,6 +343,10 @@ def test_sglangs_report_is_kept_by_the_bytes_it_read(sglang_python, good, tmp_pa
     changed = sglang_check.sglang_check(_faulty(good, tmp_path, tensors=scale), conf)
     assert changed["details"]["report"] == "this run" and changed["ok"]
     assert len(list((tmp_path / "reports").glob("*.json"))) == 2
+    for kept in (tmp_path / "reports").glob("*.json"):  # a torn report is not trusted: SGLang runs again
+        kept.write_text(kept.read_text()[:100])
+    torn = sglang_check.sglang_check(good, conf)
+    assert torn["details"]["report"] == "this run" and torn["ok"]
     monkeypatch.setenv(sglang_check.CACHE_VAR, "off")
     assert sglang_check.sglang_check(good, conf)["details"]["report"] == "this run"
     assert len(list((tmp_path / "reports").glob("*.json"))) == 2

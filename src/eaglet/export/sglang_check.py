@@ -90,8 +90,8 @@ def sglang_check(drafter_dir, conf: dict, python=None) -> dict:
     except SglangEnvMissing as e:
         return not_run(NAME, f"SGLang's own loader could not run: {e}. Build its environment with {SETUP}")
     kept = _cache_file(drafter_dir, py)
-    if kept is not None and kept.is_file():
-        res = json.loads(kept.read_text())
+    res = _read_kept(kept)
+    if res is not None:
         ch = judge(res, conf)
         ch["details"]["report"] = f"cached: SGLang's loader ran on identical bytes at {res.get('ran_at', '?')}"
         return ch
@@ -107,6 +107,17 @@ def sglang_check(drafter_dir, conf: dict, python=None) -> dict:
     ch = judge(res, conf)
     ch["details"]["report"] = "this run"
     return ch
+
+
+def _read_kept(kept: Path | None) -> dict | None:
+    """A kept report, or None: none kept, or one that cannot be read whole (SGLang runs again)."""
+    if kept is None or not kept.is_file():
+        return None
+    try:
+        res = json.loads(kept.read_text())
+    except (OSError, ValueError):
+        return None
+    return res if isinstance(res, dict) and {"params", "reads", "names"} <= set(res) else None
 
 
 def _cache_file(drafter_dir, python: Path) -> Path | None:
