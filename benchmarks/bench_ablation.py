@@ -181,7 +181,7 @@ def reused(path: str | None, name: str, seed: int, base: dict, source: str, hf: 
     if run is None or old.get("base") != base or old.get("data") != source or (hf and "hf_tau" not in run):
         return None
     if run.get("train_tokens") is None:  # written before runs reported it: all the data, when --val trained on all
-        if not (hidden_all_trained and OPTIONS.get(name, {"x": 1}) == {} and base.get("data_fraction", 1.0) == 1.0):
+        if not (hidden_all_trained and name == "baseline" and base.get("data_fraction", 1.0) == 1.0):
             return None
         run["train_tokens"] = sum(x["num_tokens"] for i in hidden_all_trained
                                   for x in json.loads(Path(i).read_text())["samples"])
