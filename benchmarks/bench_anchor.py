@@ -422,7 +422,8 @@ def one_seed(a, seed, pl, p, ds, index, vocab, ident, d2t, t2d, scorer, anchor_p
 
         sc = scorer.score(anchor_drafter)
         row = {"chain_tau": sc["chain"][-1], "exp_tau": sc["exp"][-1]}
-        if is_better(row, a_best and a_best["row"], sel):
+        # is_better reads the kept pass as {"tau": its τ by the rule}, as the trainer keeps it
+        if is_better(row, a_best and {"tau": a_best["row"][sel]}, sel):
             a_best = {"row": row, "step": s, "sc": sc}
     a_sc = a_best["sc"]
     out = {"seed": seed, "steps": total,

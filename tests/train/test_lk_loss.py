@@ -3,6 +3,7 @@ acceptance at T = 1, against values computed by hand, then through the trainer o
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 from test_train import data  # noqa: F401  (the tiny target's real hidden-state store)
@@ -115,3 +116,34 @@ def test_the_trainer_trains_on_an_lk_loss_and_selects_by_the_named_temperature(
     assert 0.0 < best["alpha_0"] <= 1.0 and 0.0 <= best["alpha_1"] <= 1.0
     assert s["selected"]["val_exp_tau"] == best["exp_tau"]
     assert math.isfinite(s["final_train"]["loss"])
+
+
+def test_the_other_head_rows_are_read_once_per_sample_and_training_is_unchanged(
+        tiny_target, data, tmp_path, monkeypatch):  # noqa: F811
+    """The LK losses' draft-vocab mass (and the greedy rule's mask) come from the target head's other
+    rows; the trainer computes them once per sample and reads them back in later epochs and
+    validation passes. The same run with that cache emptied before every micro-batch (every figure
+    recomputed, as before the cache) trains the same drafter: the same losses and the same kept τ."""
+    from eaglet.train import loop
+
+    params = {**TRAIN, "loss": "lk_alpha", "oov_rule": "greedy", "epochs": 2, "max_steps": None,
+              "val_every": 3}
+    cached = train(data["index"], data["vocab"], tiny_target, tmp_path / "cached", params)
+    done = cached["head_rest_batches"]
+    assert done["cached"] > 0 and done["computed"] > 0, done
+
+    fresh = loop.Batches.targets
+
+    def recompute(self, b, batch_idx, mass):
+        self.rest.clear()
+        return fresh(self, b, batch_idx, mass)
+
+    monkeypatch.setattr(loop.Batches, "targets", recompute)
+    plain = train(data["index"], data["vocab"], tiny_target, tmp_path / "plain", params)
+    assert plain["head_rest_batches"]["cached"] == 0
+    assert plain["steps"] == cached["steps"]
+    m_c = pd.read_parquet(tmp_path / "cached" / "metrics.parquet")
+    m_p = pd.read_parquet(tmp_path / "plain" / "metrics.parquet")
+    assert m_c.loss.tolist() == pytest.approx(m_p.loss.tolist(), rel=1e-4)
+    for key in ("chain_tau", "exp_tau", "alpha_0"):
+        assert cached["best_val"][key] == pytest.approx(plain["best_val"][key], rel=1e-4), key

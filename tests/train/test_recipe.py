@@ -63,7 +63,7 @@ def test_defaults_are_todays_drafter_and_trainer(tiny_target):
     m = Eagle3Drafter(cfg)
     assert not hasattr(m, "input_norm") and "input_norm.weight" not in m.trainable_state_dict()
     p = resolve_params({})
-    assert (p["loss"], p["freeze_lm_head"], p["gamma"], p["weight_decay"]) == ("soft_ce", False, 0.8, 0.0)
+    assert (p["loss"], p["freeze_lm_head"], p["gamma"], p["weight_decay"]) == ("lk_alpha", False, 0.8, 0.0)
     assert not any(p[f] for f in VARIANTS) and set(VARIANTS) <= set(DEFAULTS)
     # a drafter file written before the variants existed (no such keys in its config) still loads
     old = json.loads(cfg.to_json())

@@ -51,12 +51,20 @@ class TargetHead:
             dt = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
             self.rest = self.head.row_chunks((~t2d).nonzero().squeeze(1), dt)
 
+    def reads_rest(self, mass: bool) -> bool:
+        """Whether a call with ``mass`` reads the head's other rows (the costly part: V - V_d rows)."""
+        return bool(self.rest) and (mass or self.greedy_rows)
+
     @torch.no_grad()
-    def __call__(self, final_BTH: torch.Tensor, mass: bool = False):
+    def __call__(self, final_BTH: torch.Tensor, mass: bool = False, rest: bool = True):
         """-> (p_BTVd float32, greedy_in_draft_vocab_BT bool or None, mass_BT float32 or None).
-        mass_BT (with ``mass``): the target's probability of the draft vocab, 1 when it is the whole vocab."""
+        mass_BT (with ``mass``): the target's probability of the draft vocab, 1 when it is the whole vocab.
+        ``rest=False``: the draft rows only (p_BTVd, None, None), for a caller that keeps the figures
+        of the other rows per sample (eaglet.train.loop.Batches)."""
         x = self.head.normed(final_BTH)
         logits = self.head.logits(x, normed=True)
+        if not rest:
+            return torch.softmax(logits, -1), None, None
         inv = mass_BT = top = None
         if mass and not self.rest:
             if not self.full:
@@ -133,6 +141,9 @@ class TrainRun:
     best: dict | None = None  # the validation pass with the best chain τ: {"step", "chain_tau", "model"}
     # step -> [[accepted, rounds] at k = K] per validation sequence, in val_batches order
     val_seq: dict = field(default_factory=dict)
+    # micro-batches whose other-head-row figures were computed / read from the per-sample cache
+    # (eaglet.train.loop.Batches.targets)
+    head_rest: dict = field(default_factory=dict)
 
     @property
     def main(self) -> bool:

@@ -80,8 +80,9 @@ DEFAULTS = dict(
     norm_before_fc=False,   # RMSNorm over concat(aux) before fc (EAGLE-3.1, speculators, SpecForge)
     norm_before_residual=False,  # residual = hidden_norm(hidden) (speculators; vLLM norm_before_residual)
     norm_output=False,      # next draft step reads norm(h), not the pre-norm h (speculators; vLLM norm_output)
-    loss="soft_ce",         # "soft_ce" or "kl" (same gradient; the loss value differs by the target entropy);
-                            # "lk_lambda", "lk_alpha": acceptance-targeted (eaglet.drafter.ttt.step_loss)
+    loss="lk_alpha",        # -log acceptance: measured ahead of soft CE at T = 1 and level at T = 0 on SmolLM2
+                            # (docs/studies.md); "soft_ce" or "kl" (same gradient; the loss value differs by
+                            # the target entropy); "lk_lambda" (eaglet.drafter.ttt.step_loss)
     kl_scale=1.0,           # lk_lambda: KL weight w = kl_scale exp(-kl_decay mean α)
     kl_decay=3.0,
     select_temperature=0.0,  # the kept weights: best validation chain_tau (0) or expected tau at T = 1 (1)
@@ -156,6 +157,9 @@ def write_outputs(r: TrainRun, tokens_seen: int, elapsed: float) -> dict:
                "best_val_chain_by_sequence": (r.best or {}).get("chain_by_sequence"),
                "tokens_this_run": tokens_seen, "seconds_this_run": elapsed,
                "tok_s": tokens_seen / max(elapsed, 1e-9),
+               # micro-batches whose figures from the head's other rows (the draft vocab's mass, the
+               # greedy-in-draft-vocab mask) were computed, and read back per sample after that
+               "head_rest_batches": r.head_rest,
                "final_train": last_train, "final_val": last_val, "selected": selected, "best_val": best_val,
                "draft_vocab_size": len(r.d2t), "layer_ids": cfg.layer_ids, "label_check": r.label_check,
                "target_digest": identity_digest, "params": r.p, "config": json.loads(cfg.to_json()),
@@ -200,6 +204,7 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
         after_step(r, batches, step + 1)
     bar.close()
     batches.close()
+    r.head_rest = {"computed": batches.rest_misses, "cached": batches.rest_hits}
     elapsed = time.time() - t_start
     summary = write_outputs(r, tokens_seen, elapsed) if r.main else {}
     if r.ws > 1:
