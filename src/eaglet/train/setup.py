@@ -141,9 +141,6 @@ class TrainRun:
     best: dict | None = None  # the validation pass with the best chain τ: {"step", "chain_tau", "model"}
     # step -> [[accepted, rounds] at k = K] per validation sequence, in val_batches order
     val_seq: dict = field(default_factory=dict)
-    # micro-batches whose other-head-row figures were computed / read from the per-sample cache
-    # (eaglet.train.loop.Batches.targets)
-    head_rest: dict = field(default_factory=dict)
 
     @property
     def main(self) -> bool:

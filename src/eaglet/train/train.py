@@ -129,7 +129,7 @@ def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-def write_outputs(r: TrainRun, tokens_seen: int, elapsed: float) -> dict:
+def write_outputs(r: TrainRun, tokens_seen: int, elapsed: float, head_rest: dict) -> dict:
     """Rank 0: the selected weights, metrics and summary under out_dir; returns the summary."""
     import pandas as pd
 
@@ -159,7 +159,7 @@ def write_outputs(r: TrainRun, tokens_seen: int, elapsed: float) -> dict:
                "tok_s": tokens_seen / max(elapsed, 1e-9),
                # micro-batches whose figures from the head's other rows (the draft vocab's mass, the
                # greedy-in-draft-vocab mask) were computed, and read back per sample after that
-               "head_rest_batches": r.head_rest,
+               "head_rest_batches": head_rest,
                "final_train": last_train, "final_val": last_val, "selected": selected, "best_val": best_val,
                "draft_vocab_size": len(r.d2t), "layer_ids": cfg.layer_ids, "label_check": r.label_check,
                "target_digest": identity_digest, "params": r.p, "config": json.loads(cfg.to_json()),
@@ -204,9 +204,9 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
         after_step(r, batches, step + 1)
     bar.close()
     batches.close()
-    r.head_rest = {"computed": batches.rest_misses, "cached": batches.rest_hits}
     elapsed = time.time() - t_start
-    summary = write_outputs(r, tokens_seen, elapsed) if r.main else {}
+    head_rest = {"computed": batches.rest_misses, "cached": batches.rest_hits}
+    summary = write_outputs(r, tokens_seen, elapsed, head_rest) if r.main else {}
     if r.ws > 1:
         import torch.distributed as dist
 
