@@ -6,7 +6,7 @@ with only the sizes shrunk to minutes (a few dozen prompts). Then the artifacts'
 which a wrong stage breaks: sample and token accounting from one stage to the next, the draft
 vocabulary's coverage recomputed from the counts, proven labels, a contract with every check run
 and passed, lossless decoding, τ of the real loop equal to the offline chain, and the table that
-``python -m eaglet.workflow.summary`` prints (the README's measured table) made of these very figures."""
+``python -m eaglet.workflow.summary`` prints (docs/measurements.md's default-run table) made of these very figures."""
 
 import json
 import os

@@ -134,7 +134,7 @@ def test_report_holds_every_plot_and_table_and_renders(finished_run, tmp_path):
 
 
 def test_summary_prints_the_measured_table_from_the_artifacts(finished_run):
-    """`python -m eaglet.workflow.summary results/<run>` (what `make run` ends with, pasted into the README):
+    """`python -m eaglet.workflow.summary results/<run>` (what `make run` ends with, pasted into docs/measurements.md):
     one row per stage made of that stage's artifact, wall times from provenance.json; a wrong run
     folder is a clear error."""
     import json

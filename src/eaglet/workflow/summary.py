@@ -1,5 +1,5 @@
-"""Print the measured table of a finished run (what `make run` ends with; the README's
-"default run, measured" table is pasted from it).
+"""Print the measured table of a finished run (what `make run` ends with; the table of
+docs/measurements.md, "The default run, measured", is pasted from it).
 
     python -m eaglet.workflow.summary results/smollm2            # markdown table: stage | result | wall
     python -m eaglet.workflow.summary results/smollm2 --short    # a few lines
@@ -227,7 +227,7 @@ def _evaluate(e: dict) -> str:
 
 
 def table(run_dir: str | Path) -> list[str]:
-    """The README's "default run, measured" table, made from the run's artifacts: one row per
+    """The "default run, measured" table of docs/measurements.md, made from the run's artifacts: one row per
     stage (what it produced, its wall time from provenance.json), absent stages left out."""
     run_dir = Path(run_dir)
     prov = _load(run_dir, "provenance.json")
