@@ -1,0 +1,70 @@
+"""What the acceptance losses add to a training step: the trainer's target head on one batch of a
+real store, the draft rows alone against the draft rows plus the other rows' logsumexp (the draft
+vocabulary's probability mass, which ``lk_alpha`` needs and a first epoch computes at every step).
+
+    python benchmarks/profile_head.py [--run results/smollm2] [--tokens 2048] [--repeats 7]
+
+Times eaglet.train.setup.TargetHead as the trainer builds it (fp32 on a CPU), alternating the two
+calls, the first round dropped as warm-up; prints each median with its range and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--run", default=str(ROOT / "results/smollm2"), help="a run with extract/ and vocab_map/")
+    ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
+    ap.add_argument("--tokens", type=int, default=2048, help="positions in the batch (the trainer's token_budget)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+
+    import torch
+    from safetensors.torch import load_file
+
+    from eaglet.hidden.reader import HiddenStateDataset
+    from eaglet.target.load import load_identity
+    from eaglet.train.setup import TargetHead
+
+    run = Path(a.run)
+    index = sorted(str(p) for p in run.glob("extract/shard_*/index.json"))
+    if not index or not (run / "vocab_map/vocab.safetensors").is_file():
+        raise SystemExit(f"{run}: no extract/shard_*/index.json or vocab_map/vocab.safetensors "
+                         "(run the workflow first)")
+    torch.set_num_threads(a.threads)
+    t2d = load_file(str(run / "vocab_map/vocab.safetensors"))["t2d"].bool()
+    ds = HiddenStateDataset(index, verify="header")
+    head = TargetHead(load_identity(a.identity), t2d, True, False, "cpu", mass_rows=True)
+    rows, n, i = [], 0, 0
+    while n < a.tokens and i < len(ds.ids):
+        f = ds.sample(i)["final"].float()
+        rows.append(f)
+        n, i = n + f.shape[0], i + 1
+    x = torch.cat(rows)[:a.tokens][None]
+    times: dict[str, list[float]] = {"draft rows": [], "draft + other rows": []}
+    for _ in range(a.repeats):
+        for key, kw in (("draft rows", {"mass": False, "rest": False}), ("draft + other rows", {"mass": True})):
+            t = time.perf_counter()
+            head(x, **kw)
+            times[key].append(time.perf_counter() - t)
+    med = {}
+    for key, v in times.items():
+        v = v[1:]
+        med[key] = statistics.median(v)
+        print(f"{key}: median {med[key]:.3f} s (range {min(v):.3f}-{max(v):.3f}) over {len(v)} repeats")
+    print(f"batch {x.shape[1]} positions, draft vocab {int(t2d.sum())}, other rows {int((~t2d).sum())}, "
+          f"{a.threads} threads; ratio {med['draft + other rows'] / med['draft rows']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
