@@ -4,8 +4,10 @@ vocabulary's probability mass, which ``lk_alpha`` needs and a first epoch comput
 
     python benchmarks/profile_head.py [--run results/smollm2] [--tokens 2048] [--repeats 7]
 
-Times eaglet.train.setup.TargetHead as the trainer builds it (fp32 on a CPU), alternating the two
-calls, the first round dropped as warm-up; prints each median with its range and their ratio.
+Times eaglet.train.setup.TargetHead as the trainer builds it (fp32 on a CPU), the two calls
+alternated in pairs, the first pair dropped as warm-up; the store is found by bench_anchor's rule
+(find_store). Prints each median and the median of the pair ratios with its interval
+(paired.median_interval).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_anchor import find_store  # noqa: E402
+from paired import median_interval  # noqa: E402
 
 
 def main() -> None:
@@ -37,13 +43,14 @@ def main() -> None:
     from eaglet.train.setup import TargetHead
 
     run = Path(a.run)
-    index = sorted(str(p) for p in run.glob("extract/shard_*/index.json"))
-    if not index or not (run / "vocab_map/vocab.safetensors").is_file():
+    found = find_store(run.parent, run.name)
+    if found is None:
         raise SystemExit(f"{run}: no extract/shard_*/index.json or vocab_map/vocab.safetensors "
                          "(run the workflow first)")
+    _, index, vocab, _ = found
     torch.set_num_threads(a.threads)
-    t2d = load_file(str(run / "vocab_map/vocab.safetensors"))["t2d"].bool()
-    ds = HiddenStateDataset(index, verify="header")
+    t2d = load_file(str(vocab))["t2d"].bool()
+    ds = HiddenStateDataset([str(i) for i in index], verify="header")
     head = TargetHead(load_identity(a.identity), t2d, True, False, "cpu", mass_rows=True)
     rows, n, i = [], 0, 0
     while n < a.tokens and i < len(ds.ids):
@@ -57,13 +64,14 @@ def main() -> None:
             t = time.perf_counter()
             head(x, **kw)
             times[key].append(time.perf_counter() - t)
-    med = {}
     for key, v in times.items():
         v = v[1:]
-        med[key] = statistics.median(v)
-        print(f"{key}: median {med[key]:.3f} s (range {min(v):.3f}-{max(v):.3f}) over {len(v)} repeats")
+        print(f"{key}: median {statistics.median(v):.3f} s (range {min(v):.3f}-{max(v):.3f}) over {len(v)} repeats")
+    ratios = [r / d for d, r in zip(times["draft rows"][1:], times["draft + other rows"][1:])]
+    lo, hi, cover = median_interval(ratios)
     print(f"batch {x.shape[1]} positions, draft vocab {int(t2d.sum())}, other rows {int((~t2d).sum())}, "
-          f"{a.threads} threads; ratio {med['draft + other rows'] / med['draft rows']:.1f}x")
+          f"{a.threads} threads; ratio {statistics.median(ratios):.1f}x ({cover:.0%} interval {lo:.1f}-{hi:.1f}, "
+          f"{len(ratios)} pairs)")
 
 
 if __name__ == "__main__":
