@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from dag_preview import own_reasons, preview
+from eaglet.base import capability
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = REPO / "workflow/schemas/config.schema.yaml"
@@ -64,6 +65,13 @@ ALL_CHECKS_OFF = ["vllm.load_run", "vllm.lossless", "vllm.aux_layers", "vllm.sha
                   "vllm.known_answer"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+# extract.target_dtype and train.autocast are params as resolved at parse time: on this CPU, auto
+# (the smoke run's value) is bf16 with bf16 units and fp32 without, so the change that must rerun
+# is the other dtype (the one auto resolves to reruns nothing, which tests/base/test_capability.py
+# and test_auto_resolved_as_this_cpu_reruns_nothing below hold).
+AUTO_DTYPE = capability.cpu_target_dtype()[0]
+OTHER_DTYPE = "float32" if AUTO_DTYPE == "bfloat16" else "bfloat16"
 
 # key: (changed value, the stages it defines[, other keys the change needs, as {dotted key: value}])
 TABLE = {
@@ -114,7 +122,7 @@ TABLE = {
     "extract.gpus_per_shard": (1, {"extract_hidden_states"}),  # a GPU forward: bf16, another device
     "extract.layer_ids": ([1, 3, 6], {"extract_hidden_states"}),
     "extract.dtype": ("float32", {"extract_hidden_states"}),
-    "extract.target_dtype": ("float32", {"extract_hidden_states"}),
+    "extract.target_dtype": (OTHER_DTYPE, {"extract_hidden_states"}),
     "extract.token_budget": (4096, {"extract_hidden_states"}),
     "extract.chunk_mb": (64, {"extract_hidden_states"}),
     "generate.enabled": (False, {"tokenize"}, {"data.mix": 1.0}),
@@ -158,7 +166,7 @@ TABLE = {
     "train.keep_checkpoints": (2, OFF),
     "train.label_min_agreement": (0.9, OFF),
     "train.accept_unchecked_labels": (True, OFF),
-    "train.autocast": ("float32", {"train"}),
+    "train.autocast": (OTHER_DTYPE, {"train"}),
     "train.hidden_states": ("online", {"train"}),  # extraction leaves the DAG
     "train.nodes": (2, OFF),  # no GPUs: the launcher is the same plain python
     "train.rdzv_port": (29600, OFF),
@@ -289,3 +297,13 @@ def test_each_key_reruns_exactly_the_stages_it_defines(run_copy):
     ]:
         (wf / "config/k.yaml").write_text(yaml.safe_dump(changed(base, {key: value})))
         assert text in preview(wf, wf / "config/k.yaml", cache)[job], key
+
+
+def test_auto_resolved_as_this_cpu_reruns_nothing(run_copy):
+    """The dtype keys are compared as resolved: writing out what auto picks on this CPU changes
+    no stage's params (only provenance, which records the config as written)."""
+    wf, cache = run_copy
+    base = yaml.safe_load((wf / "config/smoke.yaml").read_text())
+    for key in ("extract.target_dtype", "train.autocast"):
+        (wf / "config/k.yaml").write_text(yaml.safe_dump(changed(base, {key: AUTO_DTYPE})))
+        assert set(preview(wf, wf / "config/k.yaml", cache)) == {"provenance"}, key
