@@ -135,7 +135,7 @@ class Scorer:
         with torch.no_grad():
             for vb in val_batches:
                 b = train_data.collate([ds.sample(i) for i in vb], "cpu")
-                p_BTVd, inv, mass_BT = head(b["final"], mass=True)
+                p_BTVd, inv, mass_BT = head(b["final"], mass=True, need_BT=ttt.rest_positions(b))
                 valid = ttt.valid_positions(b, t2d, inv)
                 self.batches.append((vb, b, p_BTVd, mass_BT, ttt.chain_positions(b, valid, p_BTVd, d2t)))
 

@@ -1,6 +1,8 @@
 """What the acceptance losses add to a training step: the trainer's target head on one batch of a
 real store, the draft rows alone against the draft rows plus the other rows' logsumexp (the draft
-vocabulary's probability mass, which ``lk_alpha`` needs and a first epoch computes at every step).
+vocabulary's probability mass, which ``lk_alpha`` needs and a first epoch computes at every step),
+the latter at every position and at the positions the trainer reads it (an assistant token next:
+eaglet.drafter.ttt.rest_positions, which the trainer passes).
 
     python benchmarks/profile_head.py [--run results/smollm2] [--tokens 2048] [--repeats 7]
 
@@ -38,6 +40,7 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
+    from eaglet.drafter.ttt import rest_positions
     from eaglet.hidden.reader import HiddenStateDataset
     from eaglet.target.load import load_identity
     from eaglet.train.setup import TargetHead
@@ -52,26 +55,33 @@ def main() -> None:
     t2d = load_file(str(vocab))["t2d"].bool()
     ds = HiddenStateDataset([str(i) for i in index], verify="header")
     head = TargetHead(load_identity(a.identity), t2d, True, False, "cpu", mass_rows=True)
-    rows, n, i = [], 0, 0
+    rows, masks, n, i = [], [], 0, 0
     while n < a.tokens and i < len(ds.ids):
-        f = ds.sample(i)["final"].float()
-        rows.append(f)
-        n, i = n + f.shape[0], i + 1
+        s = ds.sample(i)
+        rows.append(s["final"].float())
+        masks.append(s["mask"])
+        n, i = n + rows[-1].shape[0], i + 1
     x = torch.cat(rows)[:a.tokens][None]
-    times: dict[str, list[float]] = {"draft rows": [], "draft + other rows": []}
+    need = rest_positions({"mask": torch.cat(masks)[:a.tokens][None]})
+    calls = {"draft rows": {"mass": False, "rest": False}, "draft + other rows": {"mass": True},
+             "draft + other rows where read": {"mass": True, "need_BT": need}}
+    times: dict[str, list[float]] = {key: [] for key in calls}
     for _ in range(a.repeats):
-        for key, kw in (("draft rows", {"mass": False, "rest": False}), ("draft + other rows", {"mass": True})):
+        for key, kw in calls.items():
             t = time.perf_counter()
             head(x, **kw)
             times[key].append(time.perf_counter() - t)
     for key, v in times.items():
         v = v[1:]
         print(f"{key}: median {statistics.median(v):.3f} s (range {min(v):.3f}-{max(v):.3f}) over {len(v)} repeats")
-    ratios = [r / d for d, r in zip(times["draft rows"][1:], times["draft + other rows"][1:])]
-    lo, hi, cover = median_interval(ratios)
-    print(f"batch {x.shape[1]} positions, draft vocab {int(t2d.sum())}, other rows {int((~t2d).sum())}, "
-          f"{a.threads} threads; ratio {statistics.median(ratios):.1f}x ({cover:.0%} interval {lo:.1f}-{hi:.1f}, "
-          f"{len(ratios)} pairs)")
+    print(f"batch {x.shape[1]} positions ({int(need.sum())} read), draft vocab {int(t2d.sum())}, other rows "
+          f"{int((~t2d).sum())}, {a.threads} threads")
+    for num, den in (("draft + other rows", "draft rows"), ("draft + other rows where read", "draft rows"),
+                     ("draft + other rows", "draft + other rows where read")):
+        ratios = [r / d for d, r in zip(times[den][1:], times[num][1:])]
+        lo, hi, cover = median_interval(ratios)
+        print(f"{num} / {den}: {statistics.median(ratios):.2f}x ({cover:.0%} interval {lo:.2f}-{hi:.2f}, "
+              f"{len(ratios)} triples)")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import kill_when_written, slowed_trainer
 from eaglet.base import io
 from eaglet.drafter.model import load_drafter
-from eaglet.drafter.ttt import TTTObjective, is_better, tf_tau, valid_positions
+from eaglet.drafter.ttt import TTTObjective, is_better, rest_positions, tf_tau, valid_positions
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.train.data import collate, is_val, plan_batches
 from eaglet.train.setup import TargetHead
@@ -36,6 +36,35 @@ def test_target_head_matches_the_target(tiny_target, data):
     assert torch.equal(inv[0], data["t2d"][full.argmax(-1)])
     assert 0 < int(inv.sum()) < inv.numel()  # the fixture exercises both sides of the drop rule
 
+
+
+def test_other_rows_only_where_read_agree_with_every_position(tiny_target, data):
+    """The trainer multiplies the head's other rows only at the positions something reads (an
+    assistant token next: rest_positions): there the greedy flag and the draft vocab's mass equal
+    the every-position call's, elsewhere (padding, prompt) they are False and 1, and the validity
+    mask and the draft-row probabilities are unchanged. The mass is the target's own, by hand."""
+    ds = HiddenStateDataset(data["index"])
+    rows = (0, 5, 7)
+    b = collate([ds.sample(i) for i in rows], "cpu")
+    head = TargetHead(tiny_target, data["t2d"], True, True, "cpu", mass_rows=True)
+    need = rest_positions(b)
+    real = sum(int(ds.num_tokens[i]) for i in rows)
+    assert 0 < int(need.sum()) < real < need.numel()  # prompt tokens and padding left out
+    p_all, inv_all, mass_all = head(b["final"], mass=True)
+    p, inv, mass = head(b["final"], mass=True, need_BT=need)
+    assert torch.equal(p, p_all)
+    assert torch.equal(inv[need], inv_all[need]) and not inv[~need].any()
+    assert torch.allclose(mass[need], mass_all[need], atol=1e-6) and bool((mass[~need] == 1).all())
+    assert torch.equal(valid_positions(b, data["t2d"], inv), valid_positions(b, data["t2d"], inv_all))
+    _, inv_only, none = head(b["final"], need_BT=need)  # the greedy flag alone (a soft-CE step)
+    assert none is None and torch.equal(inv_only, inv)
+    row, t = need.nonzero()[-1].tolist()  # a read position, against the target's own forward
+    with torch.no_grad():
+        one = torch.softmax(data["model"](b["x"][row:row + 1, :t + 1]).logits[0, -1].float(), -1)
+    assert float(mass[row, t]) == pytest.approx(float(one[data["t2d"]].sum()), abs=1e-5)
+    none_read = {"mask": torch.zeros_like(b["mask"])}
+    _, inv0, mass0 = head(b["final"], mass=True, need_BT=rest_positions(none_read))
+    assert not inv0.any() and bool((mass0 == 1).all())
 
 def test_loss_alignment_by_hand(tiny_target, data):
     """Step-0 loss of the objective == soft CE written out from the definition: position t reads

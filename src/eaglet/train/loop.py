@@ -17,6 +17,7 @@ from eaglet.drafter.ttt import (
     chain_positions,
     expected_counts_BT,
     is_better,
+    rest_positions,
     tf_tau,
     valid_positions,
 )
@@ -65,7 +66,7 @@ class Batches:
                     mass_BT[row, :len(g_mass)] = g_mass
             return p_BTVd, inv, mass_BT
         self.rest_misses += 1
-        p_BTVd, inv, mass_BT = head(b["final"], mass)
+        p_BTVd, inv, mass_BT = head(b["final"], mass, need_BT=rest_positions(b))
         for row, i in enumerate(batch_idx):
             n = int(self.r.ds.num_tokens[i])
             self.rest[i] = (None if inv is None else inv[row, :n].clone(),

@@ -56,28 +56,47 @@ class TargetHead:
         return bool(self.rest) and (mass or self.greedy_rows)
 
     @torch.no_grad()
-    def __call__(self, final_BTH: torch.Tensor, mass: bool = False, rest: bool = True):
+    def __call__(self, final_BTH: torch.Tensor, mass: bool = False, rest: bool = True,
+                 need_BT: torch.Tensor | None = None):
         """-> (p_BTVd float32, greedy_in_draft_vocab_BT bool or None, mass_BT float32 or None).
         mass_BT (with ``mass``): the target's probability of the draft vocab, 1 when it is the whole vocab.
         ``rest=False``: the draft rows only (p_BTVd, None, None), for a caller that keeps the figures
-        of the other rows per sample (eaglet.train.loop.Batches)."""
+        of the other rows per sample (eaglet.train.loop.Batches). ``need_BT`` (bool [B, T], from
+        eaglet.drafter.ttt.rest_positions): the positions whose other-row figures anything reads; the
+        other rows (the costly part) are multiplied there only, and elsewhere (padding, prompt
+        tokens) the greedy flag is False and the mass 1. None: every position."""
         x = self.head.normed(final_BTH)
         logits = self.head.logits(x, normed=True)
         if not rest:
             return torch.softmax(logits, -1), None, None
-        inv = mass_BT = top = None
+        inv = mass_BT = None
         if mass and not self.rest:
             if not self.full:
                 raise ValueError("TargetHead: the draft vocab's mass needs the other head rows (mass_rows)")
             mass_BT = torch.ones(logits.shape[:-1], device=logits.device)
-        elif mass:  # one pass over the other rows for both figures
-            top, lse = self.head.max_lse_over(x, self.rest, normed=True)
-            lse_d = torch.logsumexp(logits, -1)
-            mass_BT = torch.exp(lse_d - torch.logaddexp(lse_d, lse))
-        if self.rest and self.greedy_rows:
-            if top is None:  # the training step's usual case: no logsumexp
-                top = self.head.max_over(x, self.rest, normed=True)
-            inv = logits.amax(-1) >= top
+        elif need_BT is not None and not bool(need_BT.any()) and (mass or self.reads_rest(mass)):
+            # nothing reads them: no assistant token follows any position of the batch
+            mass_BT = torch.ones(logits.shape[:-1], device=logits.device) if mass else None
+            if self.greedy_rows:
+                inv = torch.zeros(logits.shape[:-1], dtype=torch.bool, device=logits.device)
+        elif mass or self.reads_rest(mass):
+            x_N, lg_N = (x, logits) if need_BT is None else (x[need_BT][None], logits[need_BT][None])
+            if mass:  # one pass over the other rows for both figures
+                top, lse = self.head.max_lse_over(x_N, self.rest, normed=True)
+                lse_d = torch.logsumexp(lg_N, -1)
+                mass_N = torch.exp(lse_d - torch.logaddexp(lse_d, lse))
+            else:  # the training step's usual case: no logsumexp
+                top = self.head.max_over(x_N, self.rest, normed=True)
+            inv_N = lg_N.amax(-1) >= top if self.greedy_rows else None
+            if need_BT is None:
+                inv, mass_BT = inv_N, (mass_N if mass else None)
+            else:
+                if inv_N is not None:
+                    inv = torch.zeros(logits.shape[:-1], dtype=torch.bool, device=logits.device)
+                    inv[need_BT] = inv_N[0]
+                if mass:
+                    mass_BT = torch.ones(logits.shape[:-1], device=logits.device)
+                    mass_BT[need_BT] = mass_N[0]
         return torch.softmax(logits, -1), inv, mass_BT
 
 
