@@ -1,14 +1,14 @@
-"""What the acceptance losses add to a training step: the trainer's target head on one batch of a
-real store, the draft rows alone against the draft rows plus the other rows' logsumexp (the draft
-vocabulary's probability mass, which ``lk_alpha`` needs and a first epoch computes at every step),
-the latter at every position and at the positions the trainer reads it (an assistant token next:
-eaglet.drafter.ttt.rest_positions, which the trainer passes).
+"""What the acceptance losses add to a training step: the trainer's target head on a real store's
+first micro-batches as the trainer plans them (padded), the draft rows alone against the draft rows
+plus the other rows' logsumexp (the draft vocabulary's probability mass, which ``lk_alpha`` needs
+and a first epoch computes at every step), the latter at every slot and only where the trainer
+reads it (an assistant token next: eaglet.drafter.ttt.rest_positions, which the trainer passes).
 
-    python benchmarks/profile_head.py [--run results/smollm2] [--tokens 2048] [--repeats 7]
+    python benchmarks/profile_head.py [--run results/smollm2] [--tokens 2048] [--batches 4] [--repeats 7]
 
-Times eaglet.train.setup.TargetHead as the trainer builds it (fp32 on a CPU), the two calls
-alternated in pairs, the first pair dropped as warm-up; the store is found by bench_anchor's rule
-(find_store). Prints each median and the median of the pair ratios with its interval
+Times eaglet.train.setup.TargetHead as the trainer builds it (fp32 on a CPU), the three calls
+alternated in triples, the first dropped as warm-up; the store is found by bench_anchor's rule
+(find_store). Prints each median and the median of the paired ratios with its interval
 (paired.median_interval).
 """
 
@@ -32,7 +32,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", default=str(ROOT / "results/smollm2"), help="a run with extract/ and vocab_map/")
     ap.add_argument("--identity", default=str(ROOT / "resources/targets/smollm2-135m-instruct/identity.json"))
-    ap.add_argument("--tokens", type=int, default=2048, help="positions in the batch (the trainer's token_budget)")
+    ap.add_argument("--tokens", type=int, default=2048, help="the trainer's token_budget (config.yaml's)")
+    ap.add_argument("--batches", type=int, default=4, help="micro-batches timed in each call")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
@@ -43,6 +44,7 @@ def main() -> None:
     from eaglet.drafter.ttt import rest_positions
     from eaglet.hidden.reader import HiddenStateDataset
     from eaglet.target.load import load_identity
+    from eaglet.train.data import collate, plan_batches
     from eaglet.train.setup import TargetHead
 
     run = Path(a.run)
@@ -55,26 +57,27 @@ def main() -> None:
     t2d = load_file(str(vocab))["t2d"].bool()
     ds = HiddenStateDataset([str(i) for i in index], verify="header")
     head = TargetHead(load_identity(a.identity), t2d, True, False, "cpu", mass_rows=True)
-    rows, masks, n, i = [], [], 0, 0
-    while n < a.tokens and i < len(ds.ids):
-        s = ds.sample(i)
-        rows.append(s["final"].float())
-        masks.append(s["mask"])
-        n, i = n + rows[-1].shape[0], i + 1
-    x = torch.cat(rows)[:a.tokens][None]
-    need = rest_positions({"mask": torch.cat(masks)[:a.tokens][None]})
+    # the trainer's micro-batches (eaglet.train.data.plan_batches: B x T_max <= the budget, padded)
+    micro = plan_batches(list(range(len(ds.ids))), ds.num_tokens, a.tokens, 0, 0)[:a.batches]
+    batches = [collate([ds.sample(i) for i in mb], "cpu") for mb in micro]
+    need = [rest_positions(b) for b in batches]
     calls = {"draft rows": {"mass": False, "rest": False}, "draft + other rows": {"mass": True},
-             "draft + other rows where read": {"mass": True, "need_BT": need}}
+             "draft + other rows where read": {"mass": True, "need": True}}
     times: dict[str, list[float]] = {key: [] for key in calls}
     for _ in range(a.repeats):
         for key, kw in calls.items():
+            kw = dict(kw)
             t = time.perf_counter()
-            head(x, **kw)
+            for b, nd in zip(batches, need):
+                head(b["final"], **{k: v for k, v in kw.items() if k != "need"},
+                     **({"need_BT": nd} if kw.get("need") else {}))
             times[key].append(time.perf_counter() - t)
     for key, v in times.items():
         v = v[1:]
         print(f"{key}: median {statistics.median(v):.3f} s (range {min(v):.3f}-{max(v):.3f}) over {len(v)} repeats")
-    print(f"batch {x.shape[1]} positions ({int(need.sum())} read), draft vocab {int(t2d.sum())}, other rows "
+    slots = sum(b["final"].shape[0] * b["final"].shape[1] for b in batches)
+    print(f"{len(batches)} micro-batches: {slots} slots, {sum(b['tokens'] for b in batches)} tokens, "
+          f"{sum(int(n.sum()) for n in need)} read; draft vocab {int(t2d.sum())}, other rows "
           f"{int((~t2d).sum())}, {a.threads} threads")
     for num, den in (("draft + other rows", "draft rows"), ("draft + other rows where read", "draft rows"),
                      ("draft + other rows", "draft + other rows where read")):
