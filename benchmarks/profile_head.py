@@ -61,16 +61,15 @@ def main() -> None:
     micro = plan_batches(list(range(len(ds.ids))), ds.num_tokens, a.tokens, 0, 0)[:a.batches]
     batches = [collate([ds.sample(i) for i in mb], "cpu") for mb in micro]
     need = [rest_positions(b) for b in batches]
-    calls = {"draft rows": {"mass": False, "rest": False}, "draft + other rows": {"mass": True},
-             "draft + other rows where read": {"mass": True, "need": True}}
+    calls = {"draft rows": lambda b, nd: head(b["final"], rest=False),
+             "draft + other rows": lambda b, nd: head(b["final"], mass=True),
+             "draft + other rows where read": lambda b, nd: head(b["final"], mass=True, need_BT=nd)}
     times: dict[str, list[float]] = {key: [] for key in calls}
     for _ in range(a.repeats):
-        for key, kw in calls.items():
-            kw = dict(kw)
+        for key, call in calls.items():
             t = time.perf_counter()
             for b, nd in zip(batches, need):
-                head(b["final"], **{k: v for k, v in kw.items() if k != "need"},
-                     **({"need_BT": nd} if kw.get("need") else {}))
+                call(b, nd)
             times[key].append(time.perf_counter() - t)
     for key, v in times.items():
         v = v[1:]

@@ -37,7 +37,6 @@ def test_target_head_matches_the_target(tiny_target, data):
     assert 0 < int(inv.sum()) < inv.numel()  # the fixture exercises both sides of the drop rule
 
 
-
 def test_other_rows_only_where_read_agree_with_every_position(tiny_target, data):
     """The trainer multiplies the head's other rows only at the positions something reads (an
     assistant token next: rest_positions): there the greedy flag and the draft vocab's mass equal
@@ -65,6 +64,7 @@ def test_other_rows_only_where_read_agree_with_every_position(tiny_target, data)
     none_read = {"mask": torch.zeros_like(b["mask"])}
     _, inv0, mass0 = head(b["final"], mass=True, need_BT=rest_positions(none_read))
     assert not inv0.any() and bool((mass0 == 1).all())
+
 
 def test_loss_alignment_by_hand(tiny_target, data):
     """Step-0 loss of the objective == soft CE written out from the definition: position t reads

@@ -74,29 +74,22 @@ class TargetHead:
             if not self.full:
                 raise ValueError("TargetHead: the draft vocab's mass needs the other head rows (mass_rows)")
             mass_BT = torch.ones(logits.shape[:-1], device=logits.device)
-        elif need_BT is not None and not bool(need_BT.any()) and (mass or self.reads_rest(mass)):
-            # nothing reads them: no assistant token follows any position of the batch
-            mass_BT = torch.ones(logits.shape[:-1], device=logits.device) if mass else None
-            if self.greedy_rows:
-                inv = torch.zeros(logits.shape[:-1], dtype=torch.bool, device=logits.device)
-        elif mass or self.reads_rest(mass):
-            x_N, lg_N = (x, logits) if need_BT is None else (x[need_BT][None], logits[need_BT][None])
-            if mass:  # one pass over the other rows for both figures
-                top, lse = self.head.max_lse_over(x_N, self.rest, normed=True)
-                lse_d = torch.logsumexp(lg_N, -1)
-                mass_N = torch.exp(lse_d - torch.logaddexp(lse_d, lse))
-            else:  # the training step's usual case: no logsumexp
-                top = self.head.max_over(x_N, self.rest, normed=True)
-            inv_N = lg_N.amax(-1) >= top if self.greedy_rows else None
-            if need_BT is None:
-                inv, mass_BT = inv_N, (mass_N if mass else None)
-            else:
-                if inv_N is not None:
-                    inv = torch.zeros(logits.shape[:-1], dtype=torch.bool, device=logits.device)
-                    inv[need_BT] = inv_N[0]
-                if mass:
-                    mass_BT = torch.ones(logits.shape[:-1], device=logits.device)
-                    mass_BT[need_BT] = mass_N[0]
+        elif self.reads_rest(mass):
+            shape = logits.shape[:-1]
+            inv = torch.zeros(shape, dtype=torch.bool, device=logits.device) if self.greedy_rows else None
+            mass_BT = torch.ones(shape, device=logits.device) if mass else None
+            # every position ([B, T] as they are), or the read ones gathered into one row ([1, N])
+            at, row = (..., lambda v: v) if need_BT is None else (need_BT, lambda v: v[0])
+            if need_BT is None or bool(need_BT.any()):  # else nothing reads them
+                x_N, lg_N = (x, logits) if need_BT is None else (x[need_BT][None], logits[need_BT][None])
+                if mass:  # one pass over the other rows for both figures
+                    top, lse = self.head.max_lse_over(x_N, self.rest, normed=True)
+                    lse_d = torch.logsumexp(lg_N, -1)
+                    mass_BT[at] = row(torch.exp(lse_d - torch.logaddexp(lse_d, lse)))
+                else:  # the training step's usual case: no logsumexp
+                    top = self.head.max_over(x_N, self.rest, normed=True)
+                if inv is not None:
+                    inv[at] = row(lg_N.amax(-1) >= top)
         return torch.softmax(logits, -1), inv, mass_BT
 
 
