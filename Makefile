@@ -76,11 +76,17 @@ dry-run: venv vllm-env sglang-env cache-dir
 report: venv
 	$(SNAKEMAKE) --report results/$(RUN_NAME)/report.html
 
-test: venv vllm-env sglang-env test-deps cache-dir
-	$(BIN)/python -m pytest -q --durations=30
+# One pytest-xdist worker a core (tests/suite_schedule.py: modules as work units, the longest first,
+# one torch thread a worker); TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= $(CORES)
+PYTEST := $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS))
 
+test: venv vllm-env sglang-env test-deps cache-dir
+	$(PYTEST) --durations=30
+
+# The unit layer, between edits: no real vLLM, no SLURM, no Snakemake run, no slow end-to-end model.
 test-fast: venv sglang-env
-	$(BIN)/python -m pytest -q -m "not slow and not vllm and not slurm and not dag"
+	$(PYTEST) -m "not slow and not vllm and not slurm and not dag"
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
+import suite_schedule
+
 REPO = Path(__file__).resolve().parents[1]
+# A pytest-xdist worker (`make test` runs one per core, tests/suite_schedule.py) gets one torch/OpenMP
+# thread, and so does every process its tests start: two workers of two threads each would spin-wait
+# each other on two cores. Set before anything imports torch.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
 # What a workflow clone needs (tests run Snakemake in copies so they never touch results/)
 WORKFLOW_FILES = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.toml"]
 # A hung vLLM start or run costs at most this (eaglet.engines.vllm_env.timeout; inherited by every Snakemake
@@ -44,11 +53,14 @@ _durations: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
-    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    node = suite_schedule.bare(report.nodeid)
+    _durations[node] = _durations.get(node, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if not _durations:
+    # A worker's share is reported to the controller, which writes the whole list; a pytest run by a
+    # test inside a worker (test_contract's CI check) inherits the variable and writes nothing either.
+    if not _durations or XDIST_WORKER:
         return
     DURATIONS.parent.mkdir(parents=True, exist_ok=True)
     rows = sorted(_durations.items(), key=lambda kv: -kv[1])
@@ -62,6 +74,19 @@ def pytest_sessionfinish(session, exitstatus):
 # (the shared server, or the engine through vllm_env_or_skip) is marked `vllm` too.
 _DAG_FIXTURES = {"finished_run", "run_copy", "tokenized", "runs", "run", "repo", "kimi_plan", "workflow"}
 _DAG_CALL = re.compile(r"\bclone\(|\b_?smk\(|\b_?dry_run\(|\"snakemake\"")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Modules (or modules sharing the tiny vLLM server) as work units, longest first."""
+    return suite_schedule.make_scheduler(config, log)
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
+def _tag_work_units(config, items):
+    """On a worker, after -m/-k have deselected: each test id names its work unit."""
+    if XDIST_WORKER:
+        suite_schedule.tag(items)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -53,6 +53,14 @@ log = logging.getLogger("eaglet.engines.hf_loop")
 
 
 # --------------------------------------------------------------------------- the target
+def _recurrent(layer) -> bool:
+    """A cache layer that folds every token into a state (see ``Target.arm_rollback``)."""
+    if not getattr(layer, "is_croppable", True) and not getattr(layer, "is_sliding", False):
+        return True
+    record = getattr(layer, "activate_past_recording", None)
+    return record is not None and "recurrent_states_to_keep" in inspect.signature(record).parameters
+
+
 class Target:
     """An HF causal LM with a KV cache, on any device; returns fp32 CPU logits and aux hidden states."""
 
@@ -106,6 +114,14 @@ class Target:
         ``is_croppable`` says so once the prefill initialised it. Older transformers without
         ``activate_past_recording`` cannot crop a sliding layer either."""
         if self.rollback == "refeed":
+            return False
+        # A recurrent layer (linear attention, Mamba): before transformers 5.25 it says it cannot crop;
+        # from 5.25 it can only when told how many states to record (``recurrent_states_to_keep``;
+        # recording on without it fails its next forward). Either way: snapshot and re-feed.
+        recurrent = sorted({type(layer).__name__ for layer in getattr(cache, "layers", []) if _recurrent(layer)})
+        if recurrent:
+            if self.rollback == "crop":
+                raise ValueError(f"rollback='crop': cache layers {recurrent} cannot crop")
             return False
         if hasattr(cache, "activate_past_recording"):
             cache.activate_past_recording()

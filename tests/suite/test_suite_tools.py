@@ -1,0 +1,113 @@
+"""The suite's own tools: the work units and their order (tests/suite_schedule.py), the time ledger
+(scripts/suite_ledger.py) and the generated list of checks (scripts/list_checks.py)."""
+
+import importlib.util
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import suite_schedule
+from conftest import REPO
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _item(nodeid, *fixtures):
+    return SimpleNamespace(nodeid=nodeid, _nodeid=nodeid, fixturenames=list(fixtures))
+
+
+SERVER = suite_schedule.SHARED_FIXTURES[0]  # the tiny vLLM server's fixture
+
+
+def test_modules_sharing_the_tiny_server_are_one_unit_and_the_others_their_own():
+    items = [_item("tests/a/test_x.py::t1"), _item("tests/a/test_x.py::t2", SERVER),
+             _item("tests/b/test_y.py::t[p@q]"), _item("tests/c/test_z.py::t", "tiny_target", SERVER),
+             _item("tests/c/test_w.py::t", "tiny_target")]
+    assert suite_schedule.units(items) == {"tests/a/test_x.py": SERVER,
+                                           "tests/b/test_y.py": "tests/b/test_y.py",
+                                           "tests/c/test_z.py": SERVER,
+                                           "tests/c/test_w.py": "tests/c/test_w.py"}
+    suite_schedule.tag(items)
+    assert items[0]._nodeid == f"tests/a/test_x.py::t1@{SERVER}"
+    assert items[2]._nodeid == "tests/b/test_y.py::t[p@q]@tests/b/test_y.py"
+    # the suffix comes off again, and an "@" inside a parameter is the id's own
+    assert [suite_schedule.bare(i._nodeid) for i in items] == [i.nodeid for i in items]
+    assert suite_schedule.bare("tests/b/test_y.py::t[p@q]") == "tests/b/test_y.py::t[p@q]"
+
+
+class _Node:
+    def __init__(self, name):
+        self.gateway = SimpleNamespace(id=name)
+        self.shutting_down = False
+        self.sent = []
+
+    def send_runtest_some(self, indices):
+        self.sent.append(indices)
+
+    def shutdown(self):
+        self.shutting_down = True
+
+
+def test_the_scheduler_hands_out_the_longest_units_first(pytestconfig, monkeypatch):
+    pytest.importorskip("xdist")
+    monkeypatch.setattr(pytestconfig.option, "tx", ["2*popen"], raising=False)  # two workers expected
+    sched = suite_schedule.make_scheduler(pytestconfig, None)
+    sched.timings = {"tests/a/test_short.py": 5.0, "tests/b/test_long.py": 600.0, "tests/c/test_mid.py": 100.0}
+    ids = ["tests/a/test_short.py::s@tests/a/test_short.py",
+           "tests/b/test_long.py::l1@tests/b/test_long.py", "tests/b/test_long.py::l2@tests/b/test_long.py",
+           "tests/c/test_mid.py::m@u", "tests/d/test_new.py::n@u"]  # unit u: mid + a new module (30 s)
+    nodes = [_Node("gw0"), _Node("gw1")]
+    for n in nodes:
+        sched.add_node(n)
+        sched.add_node_collection(n, ids)
+    sched.schedule()
+    # the long module to one worker, the 130-second unit to the other; the short one waits
+    assert nodes[0].sent == [[1, 2]] and nodes[1].sent == [[3, 4]]
+    assert list(sched.workqueue) == ["tests/a/test_short.py"]
+
+
+def test_the_ledger_names_a_folder_over_its_budget_and_one_without_a_line(tmp_path):
+    led = _script("suite_ledger")
+    durations = {"tests/a/test_x.py::t": 120.0, "tests/a/test_y.py::t": 60.0, "tests/b/test_z.py::t": 30.0,
+                 "tests/new/test_n.py::t": 6.0}
+    budget = {"folders": {"tests/a": 2, "tests/b": 1}, "total": {"make_test_minutes": 3, "ci_minutes": 4}}
+    lines, over = led.ledger(durations, budget, wall_s=150, installs_s=60)
+    assert over == ["tests/a", "tests/new"]
+    text = "\n".join(lines)
+    assert "OVER by 1.0 min" in text and "NO BUDGET LINE" in text
+    _, over = led.ledger(durations, budget, wall_s=200, installs_s=60)
+    assert over[-2:] == ["make test", ".ci/run in all"]
+    bad = tmp_path / "budget.toml"
+    bad.write_text('[folders]\n"tests/a" = 0\n')
+    with pytest.raises(ValueError, match="positive minutes"):
+        led.read_budget(bad)
+
+
+def test_every_test_folder_has_a_budget_line():
+    led = _script("suite_ledger")
+    folders = {str(p.parent.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")}
+    assert folders <= set(led.read_budget()["folders"]), folders - set(led.read_budget()["folders"])
+
+
+def test_a_test_that_left_the_suite_must_name_its_replacement():
+    lc = _script("list_checks")
+    listed = {"tests/a.py::old": "x", "tests/a.py::kept": "y"}
+    now = [("tests/a.py::kept", "y"), ("tests/a.py::new", "z")]
+    bad = lc.problems(listed, now, {})
+    assert any("tests/a.py::old: gone from the suite" in b for b in bad)
+    assert not any("gone" in b for b in lc.problems(listed, now, {"tests/a.py::old": "tests/a.py::new\tmerged"}))
+    bad = lc.problems(listed, now, {"tests/a.py::old": "tests/a.py::nowhere\tmerged"})
+    assert any("names 'tests/a.py::nowhere', which is not in the suite" in b for b in bad)
+
+
+def test_the_committed_list_of_checks_is_the_suites():
+    p = subprocess.run([sys.executable, str(REPO / "scripts" / "list_checks.py"), "--check"], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
