@@ -19,9 +19,10 @@ import argparse
 import json
 import re
 import sys
-import tomllib
 from collections import defaultdict
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGET = REPO / "tests" / "budget.toml"

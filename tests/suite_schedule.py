@@ -69,15 +69,18 @@ def units(items) -> dict[str, str]:
     return {m: find(m) for m in parent if "/" in m}
 
 
-def _source(item, _seen={}) -> str:
+_SOURCES: dict[str, str] = {}
+
+
+def _source(item) -> str:
     """The module's text: a test may ask for the fixture by name (``request.getfixturevalue``)."""
     path = str(getattr(item, "path", "") or "")
-    if path not in _seen:
+    if path not in _SOURCES:
         try:
-            _seen[path] = Path(path).read_text() if path else ""
+            _SOURCES[path] = Path(path).read_text() if path else ""
         except OSError:
-            _seen[path] = ""
-    return _seen[path]
+            _SOURCES[path] = ""
+    return _SOURCES[path]
 
 
 def tag(items) -> None:
