@@ -54,10 +54,14 @@ anchor-env:
 	bash envs/anchor/setup.sh
 
 # System packages the tests use for real: headless Chromium renders the HTML report; shellcheck
-# checks scripts/gpu-check.sh (tests/planner/test_gpu_check.py).
+# checks scripts/gpu-check.sh (tests/planner/test_gpu_check.py); slurm-wlm and munge make the one-node
+# cluster of tests/workflow/test_slurm.py (scripts/slurm/start.sh would install them itself, inside
+# the test's time: here they go in with the other installs, side by side under .ci/run).
 test-deps:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 	@command -v shellcheck >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq shellcheck >/dev/null; }
+	@{ command -v slurmctld && command -v munged; } >/dev/null 2>&1 || { apt-get update -qq \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; }
 
 # Snakemake makes cached files 0666: the cache and its parent must be closed to other users.
 cache-dir:
@@ -85,8 +89,12 @@ test: venv vllm-env sglang-env test-deps cache-dir
 	$(PYTEST) --durations=30
 
 # The unit layer, between edits: no real vLLM, no SLURM, no Snakemake run, no slow end-to-end model.
+# SGLang's loader reports are kept across runs by the digest of what it read (eaglet.export.sglang_check):
+# from a warm checkout SGLang runs only on exports it has not judged yet, and in the tests about its
+# cache (their own folders). `make test` keeps them for one run only (tests/conftest.py).
 test-fast: venv sglang-env
-	$(PYTEST) -m "not slow and not vllm and not slurm and not dag"
+	EAGLET_SGLANG_CACHE=$${EAGLET_SGLANG_CACHE:-$(HOME)/.cache/eaglet/sglang-loader-tests} \
+		$(PYTEST) -m "not slow and not vllm and not slurm and not dag"
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks

@@ -1,6 +1,7 @@
 """Shared test fixtures and helpers."""
 
 import atexit
+import contextlib
 import inspect
 import os
 import re
@@ -217,11 +218,33 @@ def vllm_tiny_server(tiny_target, tmp_path_factory):
     env = vllm_env_or_skip()
     work = tmp_path_factory.mktemp("vllm_tiny")
     t0 = time.monotonic()
-    with vllm_server.serve(tiny_target["path"], work_dir=work, env=env, served_model_name="tiny",
-                           max_model_len=1024, kv_cache_gb=1, startup_timeout_s=900) as srv:
+    with contextlib.ExitStack() as stack:
+        srv = stack.enter_context(vllm_server.serve(tiny_target["path"], work_dir=work, env=env,
+                                                    served_model_name="tiny", max_model_len=1024, kv_cache_gb=1,
+                                                    startup_timeout_s=900))
         srv.startup_s = time.monotonic() - t0
         print(f"\n[vllm_tiny_server] healthy after {srv.startup_s:.0f} s at {srv.base_url}")
+        _UNIT_CLOSERS["vllm_tiny_server"] = stack
         yield srv
+
+
+# Under xdist the modules that share a session fixture run one after another on one worker (one work
+# unit, tests/suite_schedule.py): a fixture holding a running process (the tiny vLLM server) is stopped
+# when its unit ends instead of idling to the end of the worker's run.
+_UNIT_CLOSERS: dict[str, contextlib.ExitStack] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if not (XDIST_WORKER and nextitem is not None):
+        return
+    done = suite_schedule.unit_of(item.nodeid)
+    if done is None or done == suite_schedule.unit_of(nextitem.nodeid):
+        return
+    for fx in [fx for fx in _UNIT_CLOSERS if suite_schedule.FIXTURE_UNITS.get(fx) == done]:
+        _UNIT_CLOSERS.pop(fx).close()
+        print(f"\n[{fx}] stopped: its work unit is done")
 
 
 def make_random_drafter(identity: dict, path, draft_vocab_size: int = 1024, layer_ids=(2, 4, 5),

@@ -25,6 +25,8 @@ UNKNOWN_S = 30.0
 # the finished smoke run: a whole DAG): every module using one is in one work unit
 SHARED_FIXTURES = ("vllm_tiny_server", "finished_run")
 GROUP_SEP = "@"
+# Shared fixture -> the unit it belongs to in this run (filled by ``units``)
+FIXTURE_UNITS: dict[str, str] = {}
 
 
 def module_of(nodeid: str) -> str:
@@ -39,6 +41,11 @@ def _split(nodeid: str) -> tuple[str, str | None]:
     if at > nodeid.rfind("]") and at > nodeid.rfind("::"):
         return nodeid[:at], nodeid[at + 1:]
     return nodeid, None
+
+
+def unit_of(nodeid: str) -> str | None:
+    """The work unit a tagged test id names (None on an untagged id)."""
+    return _split(nodeid)[1]
 
 
 def bare(nodeid: str) -> str:
@@ -66,6 +73,7 @@ def units(items) -> dict[str, str]:
                 if a != b:
                     # name the merged unit after the fixture (a name without "/")
                     parent[a if "/" in a else b] = b if "/" in a else a
+    FIXTURE_UNITS.update({fx: find(fx) for fx in SHARED_FIXTURES if fx in parent})
     return {m: find(m) for m in parent if "/" in m}
 
 

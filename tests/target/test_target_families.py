@@ -3,7 +3,8 @@ through the whole DAG to the export and the offline evaluation, with the trainer
 (the target's own norm/head/soft-cap against the real model's top-1), the contract's parity of
 the exported drafter against an independent reference forward (every rope type), and — for the
 families the installed vLLM serves with EAGLE-3 — a real vLLM-CPU load and run of target +
-drafter whose output equals plain greedy, run by the same DAG run's export. A family vLLM cannot
+drafter whose output equals plain greedy, run by the same DAG run's export (llama's is the default
+model's, in tests/workflow/test_e2e_default.py). A family vLLM cannot
 serve must be refused at parse time, naming the engine feature. Nothing here skips: an unsupported
 family fails. gpt_oss generates through the canned server, whose every reply carries reasoning: its
 run trains on reasoning rendered in gpt-oss's own format (the analysis channel)."""
@@ -38,6 +39,10 @@ SERVED = {"llama": True, "llama3": True, "qwen2": True, "qwen3": True, "qwen3_mo
 REFUSAL = {"gemma3_text": "SupportsEagle3", "deepseek_v3": "No common block size"}
 VLLM_CHECKS = ["vllm.load_run", "vllm.lossless", "vllm.aux_layers", "vllm.shared_weights", "vllm.acceptance",
                "vllm.known_answer"]
+# The families whose DAG export is rerun here with the real vLLM checks on: not llama, whose pass is the
+# default model's (SmolLM2 is a Llama): tests/workflow/test_e2e_default.py runs the same DAG export with
+# every vLLM check, the known answer included, and asserts each (tests/checks-removed.tsv).
+ENGINE_FAMILIES = [f for f in families.FAMILIES if f != "llama"]
 # Families eaglet.export.known_answer builds a twin for (the others' vllm.known_answer is not run, by name)
 TWIN = {"llama", "llama3", "qwen2", "qwen3"}
 # Families whose template has a thinking switch: evaluated in both modes (evaluate.modes)
@@ -108,7 +113,7 @@ def _run_families(tmp_path_factory, url: str) -> dict:
     root = tmp_path_factory.mktemp("families")
     cache = root / "cache"
     cache.mkdir()
-    served = [f for f in families.FAMILIES if SERVED[f] and VLLM_ENV.exists()]
+    served = [f for f in ENGINE_FAMILIES if SERVED[f] and VLLM_ENV.exists()]
     repos, done, vllm = {}, {}, {}
     for family in families.FAMILIES:
         repo = repos[family] = clone(root / family)
@@ -156,6 +161,10 @@ def _run(runs, family: str) -> Path:
 def test_the_tiny_families_cover_the_issue():
     assert set(families.FAMILIES) >= {"llama3", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "deepseek_v3"}
     assert set(SERVED) == set(families.FAMILIES)
+    # the one family left out of the engine pass is the default model's, which the e2e test serves
+    assert set(families.FAMILIES) - set(ENGINE_FAMILIES) == {"llama"} and SERVED["llama"]
+    default = yaml.safe_load((Path(__file__).resolve().parents[2] / "config" / "config.yaml").read_text())
+    assert "smollm2" in default["target"]["name"].lower() and default["export"]["vllm_check"] is True
 
 
 @pytest.mark.parametrize("family", families.FAMILIES)
@@ -231,7 +240,7 @@ def test_gpt_oss_trains_on_reasoning_in_its_own_format(runs):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("family", families.FAMILIES)
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
 def test_family_served_by_real_vllm_or_refused_at_the_start(runs, family):
     """Served families: the export's contract loads target + drafter in real vLLM-CPU and its
     output equals plain greedy. Others: `snakemake -n` refuses, naming the engine feature."""
