@@ -54,8 +54,7 @@ _durations: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
-    node = suite_schedule.bare(report.nodeid)
-    _durations[node] = _durations.get(node, 0.0) + report.duration
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -81,13 +80,6 @@ _DAG_CALL = re.compile(r"\bclone\(|\b_?smk\(|\b_?dry_run\(|\"snakemake\"")
 def pytest_xdist_make_scheduler(config, log):
     """Modules (or modules sharing the tiny vLLM server) as work units, longest first."""
     return suite_schedule.make_scheduler(config, log)
-
-
-@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")
-def _tag_work_units(config, items):
-    """On a worker, after -m/-k have deselected: each test id names its work unit."""
-    if XDIST_WORKER:
-        suite_schedule.tag(items)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -240,9 +232,9 @@ def pytest_runtest_teardown(item, nextitem):
     if not (XDIST_WORKER and nextitem is not None):
         return
     done = suite_schedule.unit_of(item.nodeid)
-    if done is None or done == suite_schedule.unit_of(nextitem.nodeid):
+    if done == suite_schedule.unit_of(nextitem.nodeid):
         return
-    for fx in [fx for fx in _UNIT_CLOSERS if suite_schedule.FIXTURE_UNITS.get(fx) == done]:
+    for fx in [fx for fx in _UNIT_CLOSERS if fx == done]:
         _UNIT_CLOSERS.pop(fx).close()
         print(f"\n[{fx}] stopped: its work unit is done")
 

@@ -23,23 +23,17 @@ def _item(nodeid, *fixtures):
     return SimpleNamespace(nodeid=nodeid, _nodeid=nodeid, fixturenames=list(fixtures))
 
 
-SERVER = suite_schedule.SHARED_FIXTURES[0]  # the tiny vLLM server's fixture
-
-
-def test_modules_sharing_the_tiny_server_are_one_unit_and_the_others_their_own():
-    items = [_item("tests/a/test_x.py::t1"), _item("tests/a/test_x.py::t2", SERVER),
-             _item("tests/b/test_y.py::t[p@q]"), _item("tests/c/test_z.py::t", "tiny_target", SERVER),
-             _item("tests/c/test_w.py::t", "tiny_target")]
-    assert suite_schedule.units(items) == {"tests/a/test_x.py": SERVER,
-                                           "tests/b/test_y.py": "tests/b/test_y.py",
-                                           "tests/c/test_z.py": SERVER,
-                                           "tests/c/test_w.py": "tests/c/test_w.py"}
-    suite_schedule.tag(items)
-    assert items[0]._nodeid == f"tests/a/test_x.py::t1@{SERVER}"
-    assert items[2]._nodeid == "tests/b/test_y.py::t[p@q]@tests/b/test_y.py"
-    # the suffix comes off again, and an "@" inside a parameter is the id's own
-    assert [suite_schedule.bare(i._nodeid) for i in items] == [i.nodeid for i in items]
-    assert suite_schedule.bare("tests/b/test_y.py::t[p@q]") == "tests/b/test_y.py::t[p@q]"
+def test_a_module_naming_a_shared_fixture_is_in_its_unit_and_the_others_are_their_own():
+    server, run = suite_schedule.SHARED_FIXTURES
+    # the modules that use them today, read from their files (by fixture argument or getfixturevalue)
+    for module in ("tests/generate/test_generate.py", "tests/faults/test_faults_network.py",
+                   "tests/engines/test_vllm_server.py"):
+        assert suite_schedule.unit_of(f"{module}::t[p]") == server, module
+    for module in ("tests/workflow/test_workflow.py", "tests/workflow/test_rerun_table.py",
+                   "tests/report/test_card.py", "tests/workflow/test_slurm.py"):
+        assert suite_schedule.unit_of(f"{module}::t") == run, module
+    assert suite_schedule.unit_of("tests/train/test_train.py::t") == "tests/train/test_train.py"
+    assert suite_schedule.unit_of("tests/nowhere/test_gone.py::t") == "tests/nowhere/test_gone.py"
 
 
 class _Node:
@@ -60,9 +54,10 @@ def test_the_scheduler_hands_out_the_longest_units_first(pytestconfig, monkeypat
     monkeypatch.setattr(pytestconfig.option, "tx", ["2*popen"], raising=False)  # two workers expected
     sched = suite_schedule.make_scheduler(pytestconfig, None)
     sched.timings = {"tests/a/test_short.py": 5.0, "tests/b/test_long.py": 600.0, "tests/c/test_mid.py": 100.0}
-    ids = ["tests/a/test_short.py::s@tests/a/test_short.py",
-           "tests/b/test_long.py::l1@tests/b/test_long.py", "tests/b/test_long.py::l2@tests/b/test_long.py",
-           "tests/c/test_mid.py::m@u", "tests/d/test_new.py::n@u"]  # unit u: mid + a new module (30 s)
+    monkeypatch.setattr(suite_schedule, "unit_of",
+                        lambda n: "u" if "mid" in n or "new" in n else suite_schedule.module_of(n))
+    ids = ["tests/a/test_short.py::s", "tests/b/test_long.py::l1", "tests/b/test_long.py::l2",
+           "tests/c/test_mid.py::m", "tests/d/test_new.py::n"]  # unit u: mid + a new module (30 s)
     nodes = [_Node("gw0"), _Node("gw1")]
     for n in nodes:
         sched.add_node(n)
