@@ -21,6 +21,9 @@ from eaglet.export.export import export
 
 # Without the real vLLM run its checks did not run: said by name, as the smoke config does
 NO_VLLM = list(contract.VLLM_CHECKS)
+# A test whose claim is another check's leaves SGLang's own loader out (sglang=False: ~10 s a distinct
+# export, most of it importing SGLang), and says so by name; the tests that read loader.sglang keep it.
+NO_SGLANG = ["loader.sglang"]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +49,12 @@ def _faulty(good, tmp_path, tensors=None, config=None):
     return d
 
 
-def _check(tiny_target, tiny_drafter, d):
-    rep = contract.check_export(d, tiny_target, trained_path=tiny_drafter, accept_not_run=NO_VLLM)
+def _check(tiny_target, tiny_drafter, d, sglang=True):
+    rep = contract.check_export(d, tiny_target, trained_path=tiny_drafter, sglang=sglang,
+                                accept_not_run=NO_VLLM + ([] if sglang else NO_SGLANG))
+    if not sglang:  # left out, said by name, never a pass
+        sg = next(c for c in rep["checks"] if c["name"] == "loader.sglang")
+        assert sg["ok"] is None and sg["accepted"] and "left out" in sg["reason"], sg
     return rep, {c["name"]: c for c in rep["checks"]}
 
 
@@ -103,7 +110,7 @@ def test_wrong_layer_ids_are_caught(good, tmp_path, tiny_target, tiny_drafter, i
         c["eagle_aux_hidden_state_layer_ids"] = ids
         c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = sglang_ids
 
-    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, config=edit))
+    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, config=edit), sglang=False)
     assert not rep["ok"]
     assert rep["failed"] == ["static.layer_ids"]
     assert any(why in p for p in by["static.layer_ids"]["details"]["problems"]), by["static.layer_ids"]
@@ -113,7 +120,7 @@ def test_off_by_one_ids_caught_without_the_trained_file(good, tmp_path, tiny_tar
     # Without the trainer's file the range is checked statically, and an in-range shift is caught by
     # the directory's own reference.json: its config digest, and drafts that are no longer the recorded ones.
     d = _faulty(good, tmp_path, config=lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 4, 9]))
-    rep = contract.check_export(d, tiny_target)
+    rep = contract.check_export(d, tiny_target, sglang=False)
     assert {"static.layer_ids", "reference.weights", "reference.chain"} <= set(rep["failed"]), rep["failed"]
     shutil.rmtree(d)
     def shift(c):  # both engines' ids, consistently: nothing static is wrong
@@ -121,7 +128,7 @@ def test_off_by_one_ids_caught_without_the_trained_file(good, tmp_path, tiny_tar
         c["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]
 
     d = _faulty(good, tmp_path, config=shift)
-    rep = contract.check_export(d, tiny_target, accept_not_run=NO_VLLM)
+    rep = contract.check_export(d, tiny_target, sglang=False, accept_not_run=NO_VLLM + NO_SGLANG)
     by = {c["name"]: c for c in rep["checks"]}
     assert sorted(rep["failed"]) == ["reference.chain", "reference.weights"], rep["failed"]
     assert by["reference.weights"]["details"]["changed"] == ["config.json"]
@@ -155,7 +162,8 @@ def test_the_directory_alone_fails_permuted_lm_head_rows_and_fc_blocks(good, tmp
     """Copies whose lm_head rows or fc blocks were permuted after training load in every engine (same
     names, shapes, dtypes): the static, loader and parity checks pass them. The directory alone fails
     them by its reference: the tensor's digest, and drafts that are not the recorded ones."""
-    rep = contract.check_export(_faulty(good, tmp_path, tensors=edit), tiny_target, accept_not_run=NO_VLLM)
+    rep = contract.check_export(_faulty(good, tmp_path, tensors=edit), tiny_target, sglang=False,
+                                accept_not_run=NO_VLLM + NO_SGLANG)
     by = {c["name"]: c for c in rep["checks"]}
     assert sorted(rep["failed"]) == ["reference.chain", "reference.weights"], rep["failed"]
     assert by["reference.weights"]["details"]["changed"] == [tensor]
@@ -164,7 +172,7 @@ def test_the_directory_alone_fails_permuted_lm_head_rows_and_fc_blocks(good, tmp
 
 def test_missing_top_level_ids_are_caught(good, tmp_path, tiny_target, tiny_drafter):
     rep, by = _check(tiny_target, tiny_drafter,
-                     _faulty(good, tmp_path, config=lambda c: c.pop("eagle_aux_hidden_state_layer_ids")))
+                     _faulty(good, tmp_path, config=lambda c: c.pop("eagle_aux_hidden_state_layer_ids")), sglang=False)
     assert rep["failed"] == ["static.layer_ids"]
     assert "falls back" in by["static.layer_ids"]["details"]["problems"][0]
 
@@ -191,7 +199,7 @@ def test_layers0_names_load_in_vllm_and_in_sglangs_own_loader(good, tmp_path, ti
 ])
 def test_missing_weight_vllm_would_not_report_is_caught(good, tmp_path, tiny_target, tiny_drafter,
                                                         name, consequence):
-    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, tensors=lambda t: t.pop(name)))
+    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, tensors=lambda t: t.pop(name)), sglang=False)
     assert not rep["ok"]
     assert by["static.key_set"]["details"]["missing"] == [name]
     v = by["loader.vllm"]
@@ -218,7 +226,7 @@ def test_swapped_tensors_pass_static_but_fail_numeric_parity(good, tmp_path, tin
         a, b = "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight"
         t[a], t[b] = t[b], t[a]
 
-    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, tensors=swap))
+    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, tensors=swap), sglang=False)
     assert rep["failed"] == ["parity.step0"]
     assert by["parity.step0"]["details"]["max_abs_prenorm_hidden"] > 1e-4
 
@@ -227,7 +235,7 @@ def test_bad_vocab_map_is_caught(good, tmp_path, tiny_target, tiny_drafter):
     def dup(t):
         t["d2t"][1] = t["d2t"][0] - 1  # draft id 1 maps to the same target id as draft id 0
 
-    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, tensors=dup))
+    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, tensors=dup), sglang=False)
     probs = by["static.vocab_map"]["details"]["problems"]
     assert any("not unique" in p for p in probs) and any("nonzero(t2d)" in p for p in probs)
 
@@ -240,7 +248,7 @@ def test_bad_vocab_map_is_caught(good, tmp_path, tiny_target, tiny_drafter):
     (lambda c: c.update(norm_before_fc=True), "norm_before_fc"),
 ])
 def test_config_faults_are_caught(good, tmp_path, tiny_target, tiny_drafter, edit, why):
-    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, config=edit))
+    rep, by = _check(tiny_target, tiny_drafter, _faulty(good, tmp_path, config=edit), sglang=False)
     assert not rep["ok"]
     assert any(why in p for p in by["static.config_fields"]["details"]["problems"])
 

@@ -24,12 +24,13 @@ is not a pass: the contract is ``ok`` only when nothing failed and every check t
 named in ``accept_not_run`` (the config key ``export.accept_not_run``); the report still lists it as
 not run. The real-vLLM checks (``VLLM_CHECKS``) are listed as not run when the vLLM run is off, and
 those after ``vllm.load_run`` when it failed; ``loader.sglang`` is not run when SGLang's environment is
-missing (``make sglang-env`` builds it). Checks that do not apply to a format are not listed for
-it: SGLang loads format A only, so format B's contract has no ``loader.sglang`` (format A's, written
-by the same export, has it).
+missing (``make sglang-env`` builds it) or when it is left out (``--no-sglang``). Checks that do not
+apply to a format are not listed for it: SGLang loads format A only, so format B's contract has no
+``loader.sglang`` (format A's, written by the same export, has it).
 
     python -m eaglet.export.contract results/run/drafter --identity resources/targets/x/identity.json \
-        [--trained results/run/train/drafter.safetensors] [--vllm [--vllm-python VENV]] [--out contract.json]
+        [--trained results/run/train/drafter.safetensors] [--vllm [--vllm-python VENV]] [--no-sglang] \
+        [--out contract.json]
 
 Without ``--trained`` (a directory as a user who downloads it has it), the directory proves itself by
 the ``reference.json`` the export wrote (eaglet.export.reference): ``reference.weights`` (every tensor's
@@ -71,14 +72,16 @@ REFERENCE_CHECKS = ("reference.weights", "reference.chain")
 def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str | Path | None = None,
                  vllm: dict | None = None, train_summary: str | Path | dict | None = None,
                  accept_not_run=(), k: int | None = None, target_load: dict | None = None,
-                 chain_size: tuple[int, int] = (4, 32)) -> dict:
+                 chain_size: tuple[int, int] = (4, 32), sglang: bool = True) -> dict:
     """Run every check on an exported directory; return the report: ``ok`` False if any failed or
     did not run without being named in ``accept_not_run``. ``vllm``: None to not run the real
     vLLM checks (they are then listed as not run), else kwargs for :func:`vllm_checks`
     (``work_dir`` required). ``k``: drafts per round the export is for (default: vllm's ``k``, 3),
     the k of the trainer's chain τ recorded (and gating vllm.acceptance). ``target_load``: dtype, device,
     trust_remote_code of the in-process HF target (eaglet's chain); ``chain_size``: (prompts, tokens) of
-    the chain recorded for reference.json when vLLM does not run (else vLLM's own).
+    the chain recorded for reference.json when vLLM does not run (else vLLM's own). ``sglang``: False
+    to leave SGLang's own loader out (``loader.sglang`` is then listed as not run, and fails the report
+    unless accepted by name): for a quick look at a directory, and for tests whose claim is another check's.
 
     With the trainer's file (``trained_path``, the export stage), a passing format-A report carries
     ``reference_chain``, which the export writes into reference.json (eaglet.export.reference). Without
@@ -90,7 +93,7 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     with ThreadPoolExecutor(1) as pool:
         # SGLang's loader runs in its own process (about 8 s, most of it importing SGLang): beside the
         # in-process checks below, not before them. SGLang is given format A only: format B has no SGLang check.
-        sglang = pool.submit(sglang_check, drafter_dir, conf) if fmt == "A" else None
+        sglang_run = pool.submit(sglang_check, drafter_dir, conf) if fmt == "A" and sglang else None
         checks = _guarded("static", lambda: static_checks(drafter_dir, identity, trained))
         checks += _guarded("loader.vllm", lambda: [emulate_vllm(conf, header)])
         at = len(checks)
@@ -99,8 +102,11 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
         if trained_path is None and fmt == "A":  # the directory alone: it proves itself by its reference.json
             ref_checks, recorded = reference_checks(drafter_dir, identity, target_load)
             checks += ref_checks
-        if sglang:
-            checks[at:at] = _guarded("loader.sglang", lambda: [sglang.result()])
+        if sglang_run:
+            checks[at:at] = _guarded("loader.sglang", lambda: [sglang_run.result()])
+        elif fmt == "A":
+            checks[at:at] = [not_run("loader.sglang", "SGLang's own loader was left out (--no-sglang / "
+                                                      "check_export(sglang=False))")]
     k = k or (vllm or {}).get("k", 3)
     tau = train_tau(train_summary, k=k)
     if vllm is not None:
@@ -211,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
                    help=f"the vLLM interpreter --vllm runs (a venv folder or its bin/python); default "
                         f"${vllm_env.ENV_VAR} if set, else {vllm_env.DEFAULT_ENV} (made by envs/vllm/setup.sh)")
     p.add_argument("--k", type=int, default=3)
+    p.add_argument("--no-sglang", action="store_true",
+                   help="leave SGLang's own loader out (loader.sglang is then not run: accept it by name)")
     p.add_argument("--out", default=None, help="write the report here (else stdout)")
     p.add_argument("--accept-not-run", action="append", default=[], metavar="CHECK",
                    help="a check that may stay not run (repeatable; like the config's export.accept_not_run)")
@@ -226,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     if vllm and ref and ref.get("chain"):  # vLLM runs the recorded prompts at the recorded length
         vllm.update(n_prompts=len(ref["chain"]["prompt_token_ids"]), max_tokens=ref["chain"]["max_tokens"])
     rep = check_export(a.drafter_dir, ident, trained_path=a.trained, train_summary=a.train_summary,
-                       vllm=vllm, accept_not_run=a.accept_not_run, k=a.k)
+                       vllm=vllm, accept_not_run=a.accept_not_run, k=a.k, sglang=not a.no_sglang)
     if a.out:
         io.write_json(a.out, rep)
     else:
