@@ -97,6 +97,11 @@ def make_scheduler(config, log):
                 node.shutdown()
             for node in self.nodes:  # one unit each; the next one when a node is nearly done
                 self._assign_work_unit(node)
+            # and a second where the first is short (as xdist's own LoadScope does, its #277): a worker
+            # runs a test only once it knows the next one (or is told to stop), so a node given a
+            # one-test unit would wait for the whole run with it (test-fast ran on one worker so)
+            for node in self.nodes:
+                self._reschedule(node)
             if not self.workqueue:
                 for node in self.nodes:
                     node.shutdown()

@@ -49,23 +49,45 @@ class _Node:
         self.shutting_down = True
 
 
-def test_the_scheduler_hands_out_the_longest_units_first(pytestconfig, monkeypatch):
-    pytest.importorskip("xdist")
+def _scheduled(pytestconfig, monkeypatch, timings, ids, unit_of=None):
     monkeypatch.setattr(pytestconfig.option, "tx", ["2*popen"], raising=False)  # two workers expected
     sched = suite_schedule.make_scheduler(pytestconfig, None)
-    sched.timings = {"tests/a/test_short.py": 5.0, "tests/b/test_long.py": 600.0, "tests/c/test_mid.py": 100.0}
-    monkeypatch.setattr(suite_schedule, "unit_of",
-                        lambda n: "u" if "mid" in n or "new" in n else suite_schedule.module_of(n))
-    ids = ["tests/a/test_short.py::s", "tests/b/test_long.py::l1", "tests/b/test_long.py::l2",
-           "tests/c/test_mid.py::m", "tests/d/test_new.py::n"]  # unit u: mid + a new module (30 s)
+    sched.timings = timings
+    if unit_of:
+        monkeypatch.setattr(suite_schedule, "unit_of", unit_of)
     nodes = [_Node("gw0"), _Node("gw1")]
     for n in nodes:
         sched.add_node(n)
         sched.add_node_collection(n, ids)
     sched.schedule()
-    # the long module to one worker, the 130-second unit to the other; the short one waits
-    assert nodes[0].sent == [[1, 2]] and nodes[1].sent == [[3, 4]]
-    assert list(sched.workqueue) == ["tests/a/test_short.py"]
+    return sched, nodes
+
+
+def test_the_scheduler_hands_out_the_longest_units_first(pytestconfig, monkeypatch):
+    pytest.importorskip("xdist")
+    ids = ["tests/a/test_short.py::s", "tests/b/test_long.py::l1", "tests/b/test_long.py::l2",
+           "tests/b/test_long.py::l3", "tests/c/test_mid.py::m", "tests/d/test_new.py::n",
+           "tests/e/test_tail.py::t"]  # unit u: mid + a new module (30 s)
+    sched, nodes = _scheduled(pytestconfig, monkeypatch,
+                              {"tests/a/test_short.py": 5.0, "tests/b/test_long.py": 600.0,
+                               "tests/c/test_mid.py": 100.0, "tests/e/test_tail.py": 1.0}, ids,
+                              lambda n: "u" if "mid" in n or "new" in n else suite_schedule.module_of(n))
+    # the long module to one worker, the 130-second unit to the other, which (two tests: nearly done)
+    # is given the next longest at once; the shortest waits for the first worker nearly done
+    assert nodes[0].sent == [[1, 2, 3]] and nodes[1].sent == [[4, 5], [0]]
+    assert list(sched.workqueue) == ["tests/e/test_tail.py"] and not any(n.shutting_down for n in nodes)
+
+
+def test_a_worker_given_a_one_test_unit_is_given_a_second_at_once(pytestconfig, monkeypatch):
+    """A worker runs a test once it knows the next (or is told to stop): with one test and nothing
+    more it would wait out the run (`make test-fast` ran on one of its two workers so)."""
+    pytest.importorskip("xdist")
+    ids = ["tests/a/test_short.py::s", "tests/b/test_long.py::l", "tests/c/test_mid.py::m"]
+    sched, nodes = _scheduled(pytestconfig, monkeypatch, {"tests/a/test_short.py": 5.0, "tests/b/test_long.py": 600.0,
+                                                          "tests/c/test_mid.py": 100.0}, ids)
+    assert nodes[0].sent == [[1], [0]] and nodes[1].sent == [[2]]
+    # nothing left: both told to stop, each runs what it holds and ends
+    assert not sched.workqueue and all(n.shutting_down for n in nodes)
 
 
 def test_the_ledger_names_a_folder_over_its_budget_and_one_without_a_line(tmp_path):
