@@ -44,3 +44,32 @@ def flag_json(shell: str, flag: str):
     uncached stages inline: workflow/rules/common.smk, settings)."""
     words = shlex.split(shell)
     return json.loads(words[words.index(flag) + 1])
+
+
+def assert_dag_proved(run: Path, target_config: Path, norm_class: str | None = None) -> None:
+    """What a finished DAG run of a target family proves (the families' test and the smoke run's):
+    the trainer's label proof (the target's own norm/head/soft-cap against its top-1), the export's
+    contract with parity of the drafter against an independent reference forward, the exported RoPE
+    derived from the target's own config, and an offline evaluation with a finite chain τ in
+    [1, k + 1] for every set it was sent and every k."""
+    import math
+
+    from eaglet.drafter import rope
+
+    lc = json.loads((run / "train" / "train_summary.json").read_text())["label_check"]
+    assert lc["ok"] is True and lc["agreement"] >= 0.99 and lc["judged"] >= 8, lc
+    if norm_class:
+        assert lc["norm_class"] == norm_class, lc
+    contract = json.loads((run / "drafter" / "contract.json").read_text())
+    checks = {c["name"]: c for c in contract["checks"]}
+    assert contract["ok"] is True, contract.get("failed")
+    assert checks["parity.step0"]["ok"] is True, checks["parity.step0"]
+    exported = json.loads((run / "drafter" / "config.json").read_text())
+    assert exported["rope_parameters"] == rope.drafter_rope(json.loads(target_config.read_text()))
+    offline = json.loads((run / "eval" / "offline.json").read_text())
+    sets = offline["sets"]
+    assert any("heldout" in name for name in sets) and offline["prompts"] == sum(s["prompts"] for s in sets.values())
+    for name, s in sets.items():
+        assert s["prompts"] >= 1 and sorted(map(int, s["tau_chain"])) == list(range(1, offline["K"] + 1)), name
+        for k, tau in s["tau_chain"].items():
+            assert math.isfinite(tau) and 1.0 <= tau <= int(k) + 1, (name, k, tau)

@@ -12,10 +12,18 @@ import pytest
 import yaml
 
 from conftest import clone
-from workflow_common import planned_jobs, smk
+from workflow_common import assert_dag_proved, planned_jobs, smk
 
 REPO = Path(__file__).resolve().parents[2]
 
+
+
+def test_the_smoke_run_proves_its_labels_parity_rope_and_offline_tau(finished_run):
+    """The tiny llama target through the whole DAG proves what every family's run proves
+    (tests/target/test_target_families.py runs the other families; llama's is this run)."""
+    a, _ = finished_run
+    assert_dag_proved(a / "results" / "smoke", a / "resources" / "targets" / "tiny-llama" / "model" / "config.json",
+                      norm_class="LlamaRMSNorm")
 
 
 def test_nothing_to_do_after_a_finished_run(finished_run):
