@@ -2,6 +2,7 @@
 workflow tests."""
 
 import json
+import math
 import os
 import re
 import shlex
@@ -52,8 +53,6 @@ def assert_dag_proved(run: Path, target_config: Path, norm_class: str | None = N
     contract with parity of the drafter against an independent reference forward, the exported RoPE
     derived from the target's own config, and an offline evaluation with a finite chain τ in
     [1, k + 1] for every set it was sent and every k."""
-    import math
-
     from eaglet.drafter import rope
 
     lc = json.loads((run / "train" / "train_summary.json").read_text())["label_check"]
