@@ -1,0 +1,95 @@
+"""The one source of every setting: workflow/schemas/config.schema.yaml.
+
+Every default and every allowed value of a setting is written once, in the schema; a module that
+needs them reads them from here (``defaults("train")``, ``allowed("train.loss")``) instead of
+keeping a copy, and tests/base/test_schema.py fails on a module that holds a default of its own.
+What the workflow passes a stage is the config the schema validated (defaults filled); a stage
+called directly (tests, benchmarks, ``python -m``) fills the same defaults from here.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+SCHEMA_PATH = Path(__file__).resolve().parents[3] / "workflow" / "schemas" / "config.schema.yaml"
+
+
+@lru_cache(maxsize=1)
+def _schema() -> dict:
+    import yaml
+
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def schema() -> dict:
+    """The whole config schema (a copy: callers may not change the source)."""
+    return copy.deepcopy(_schema())
+
+
+def node(path: str) -> dict:
+    """The schema of one setting or section, by its dotted path (``"train.loss"``,
+    ``"evaluate.vllm"``); a KeyError names the first part the schema does not have."""
+    n = _schema()
+    done = []
+    for part in path.split(".") if path else []:
+        props = n.get("properties") or {}
+        if part not in props:
+            where = ".".join(done) or "the config"
+            raise KeyError(f"{path}: {where} has no setting {part!r} in {SCHEMA_PATH.name} (known: {sorted(props)})")
+        n = props[part]
+        done.append(part)
+    return n
+
+
+def _filled(n: dict) -> Any:
+    """The value validate(set_default=True) gives a setting left out: its default, with an object
+    default ({}) filled with its own properties' defaults."""
+    value = copy.deepcopy(n["default"])
+    if isinstance(value, dict) and n.get("properties"):
+        for key, sub in n["properties"].items():
+            if key not in value and "default" in sub:
+                value[key] = _filled(sub)
+    return value
+
+
+def defaults(path: str) -> dict:
+    """The defaults of a section (``"train"``, ``"evaluate.vllm"``): every setting of it that has a
+    default, nested sections filled, as validating a config without the section would give."""
+    n = node(path)
+    if "properties" not in n:
+        raise KeyError(f"{path}: not a section of {SCHEMA_PATH.name} (a setting: use default())")
+    return {key: _filled(sub) for key, sub in n["properties"].items() if "default" in sub}
+
+
+def default(path: str) -> Any:
+    """One setting's default (a KeyError when the schema gives it none)."""
+    n = node(path)
+    if "default" not in n:
+        raise KeyError(f"{path}: {SCHEMA_PATH.name} gives it no default")
+    return _filled(n)
+
+
+def allowed(path: str) -> tuple:
+    """The values a setting may take (its schema's enum), in the schema's order."""
+    n = node(path)
+    if "enum" not in n:
+        raise KeyError(f"{path}: {SCHEMA_PATH.name} lists no allowed values for it")
+    return tuple(n["enum"])
+
+
+def settings(path: str, given: dict | None, name: str | None = None, extra: tuple[str, ...] = ()) -> dict:
+    """``given`` over the section's defaults, refusing a key the section does not have (``extra``:
+    keys a stage takes beside the section's, from another section or the workflow); the message
+    names the stage (``name``) and the keys it knows."""
+    base = defaults(path)
+    given = dict(given or {})
+    unknown = set(given) - set(base) - set(extra) - set(node(path)["properties"])
+    if unknown:
+        raise ValueError(
+            f"{name or path} settings: unknown keys {sorted(unknown)} "
+            f"(known: {sorted(set(base) | set(extra) | set(node(path)['properties']))})"
+        )
+    return base | given
