@@ -1,8 +1,9 @@
 """eaglet.workflow: What drives a run, on top of everything: the parse-time checks of a config
-(checks), the code each rule lists as inputs (code_inputs), and the table `make run` ends with
-(summary). Only the Snakefile and the command line import it; no stage does.
+(checks), the code each rule lists as inputs (code_inputs), the table `make run` ends with
+(summary), and the stage table of README.md and docs/architecture.md, read from the rule files
+(stages). Only the Snakefile and the command line import it; no stage does.
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ("base", "target", "hidden", "drafter", "engines", "planner",
               "data", "generate", "features", "train", "export", "eval", "learning_curve", "report")
