@@ -8,7 +8,7 @@ Both drafters train on the SAME stored hidden states (a real store: results/<run
 with the most tokens, with its vocab map and its trainer's params from train/train_summary.json,
 else config/config.yaml's train section; with no store but a tokens file, a small one is
 extracted here with eaglet.features.extract) in the SAME micro-batches in the same order (eaglet's plan:
-eaglet.train.data.plan_micro_batches, read by eaglet.hidden.store.HiddenStateDataset), once per seed
+eaglet.train.data.plan_micro_batches, read by eaglet.hidden.reader.HiddenStateDataset), once per seed
 (the seed orders the batches and draws both initial weights):
 
 - eaglet: its own loop, eaglet.train.train.train, on those params (k = ttt_steps), in the dtype its

@@ -1,4 +1,4 @@
-"""Helpers shared by the fault-injection suite (tests/test_faults_*.py)."""
+"""Helpers shared by the fault-injection suite (tests/faults/test_faults_*.py)."""
 
 from __future__ import annotations
 

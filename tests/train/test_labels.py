@@ -107,7 +107,7 @@ def test_check_does_not_pass_without_references(tmp_path):
 
 
 def test_trainer_refuses_unproven_labels(tiny_target, tmp_path):
-    """eaglet.train.train.prove_labels: a store without references fails unless accepted explicitly."""
+    """eaglet.train.setup.prove_labels: a store without references fails unless accepted explicitly."""
     from eaglet.train.setup import TargetHead, prove_labels
     from eaglet.train.train import resolve_params
 

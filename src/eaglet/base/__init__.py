@@ -3,5 +3,5 @@ machine can run (capability), job records (job_records), and the packaged data s
 ShareGPT, MT-Bench, HumanEval, CHAMP).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ()

@@ -3,5 +3,5 @@ the prompts (prompts), the chat-templated tokens with the assistant-only mask (t
 counts (freq) and the draft vocabulary (vocab).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ('base', 'target')

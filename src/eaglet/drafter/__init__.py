@@ -3,5 +3,5 @@ embedding (rope), the training-time-test unroll (ttt, ttt_attention), and the ex
 that scores it (chain).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ('base', 'target')

@@ -3,5 +3,5 @@ and the engine-side runner scripts copied into its venv (vllm_check_runner, vllm
 the Hugging Face speculative loop (hf_loop).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ('base', 'target', 'drafter')

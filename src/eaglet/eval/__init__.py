@@ -3,5 +3,5 @@ real vLLM (evaluate_vllm), the statistics they share (stats) and the summary wit
 (summary).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ('base', 'target', 'drafter', 'engines')

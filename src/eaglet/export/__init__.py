@@ -3,5 +3,5 @@ format) and the contract it must pass (contract: static checks, loaders, numeric
 vLLM checks in vllm_checks, the known-answer drafter of known_answer and twin, recorded by record).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ('base', 'target', 'drafter', 'engines')

@@ -3,5 +3,5 @@
 turn by turn (turns), in resumable parts (parts).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ('base', 'target', 'engines')

@@ -2,5 +2,5 @@
 store extraction writes and training reads (store), and its chunk reader (reader).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ('base',)

@@ -2,5 +2,5 @@
 size (learning_curve) and its fit (curve_fit).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ('base',)

@@ -3,5 +3,5 @@ job (plan, text), where hidden states live (storage), and the GPU-slot launcher 
 of a GPU stage (gpu_slots).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ('base', 'target', 'hidden')

@@ -2,5 +2,5 @@
 provenance (provenance), and the drafter's model card (card).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ('base',)

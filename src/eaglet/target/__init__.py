@@ -5,5 +5,5 @@ tiny in-process families (families, family_templates), and the capture of its au
 states from its own forward (capture).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ('base',)

@@ -3,5 +3,5 @@ batches, loop and resumable state (setup, data, loop, state), the proof of its l
 target (labels), and online hidden states computed in the job (online).
 """
 
-# The packages this one may import (tests/test_layering.py reads it): nothing above it.
+# The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.
 MAY_IMPORT = ('base', 'target', 'hidden', 'drafter', 'planner')

@@ -85,7 +85,7 @@ class OnlineHiddenStates:
         return aux_BT3H, final_BTH, keep, logits
 
     def collate(self, batch: list[int]) -> dict:
-        """The micro-batch as eaglet.train.train.collate builds it from stored samples (on the target's device)."""
+        """The micro-batch as eaglet.train.data.collate builds it from stored samples (on the target's device)."""
         aux, final, keep, _ = self._forward(batch)
         B, T = keep.shape
         x = torch.zeros(B, T, dtype=torch.long)
