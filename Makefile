@@ -40,7 +40,7 @@ vllm-env:
 	bash envs/vllm/setup.sh $(VLLM_PACKAGE)
 
 # SGLang's EAGLE-3 drafter class and load_weights (not its server: its CPU kernels are not on PyPI)
-# in their own venv, for the export contract's loader.sglang (eaglet.export.sglang_check), installed
+# in their own venv, for the export contract's loader.sglang (eaglet.export.contract.sglang_check), installed
 # --no-deps with only what that class imports (envs/sglang/requirements.txt). Idempotent; ~2.5 GB and
 # ~1 min the first time.
 sglang-env:
@@ -89,7 +89,7 @@ test: venv vllm-env sglang-env test-deps cache-dir
 	$(PYTEST) --durations=30
 
 # The unit layer, between edits: no real vLLM, no SLURM, no Snakemake run, no slow end-to-end model.
-# SGLang's loader reports are kept across runs by the digest of what it read (eaglet.export.sglang_check):
+# SGLang's loader reports are kept across runs by the digest of what it read (eaglet.export.contract.sglang_check):
 # from a warm checkout SGLang runs only on exports it has not judged yet, and in the tests about its
 # cache (their own folders). `make test` keeps them for one run only (tests/conftest.py).
 test-fast: venv sglang-env

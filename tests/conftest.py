@@ -26,7 +26,7 @@ WORKFLOW_FILES = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.t
 # A hung vLLM start or run costs at most this (eaglet.engines.vllm_env.timeout; inherited by every Snakemake
 # and engine process a test starts): the slowest legitimate one here takes about two minutes.
 os.environ.setdefault("EAGLET_VLLM_TIMEOUT_S", "420")
-# SGLang's loader reports, kept by the digest of what it read (eaglet.export.sglang_check): one folder
+# SGLang's loader reports, kept by the digest of what it read (eaglet.export.contract.sglang_check): one folder
 # per test session, so every session runs SGLang's loader on each distinct export at least once
 if "EAGLET_SGLANG_CACHE" not in os.environ:
     os.environ["EAGLET_SGLANG_CACHE"] = tempfile.mkdtemp(prefix="eaglet-sglang-reports-")
@@ -192,7 +192,7 @@ def vllm_env_or_skip():
 def sglang_env_or_skip():
     """The interpreter of SGLang's environment (envs/sglang/.venv, or $EAGLET_SGLANG_PYTHON); skips the
     test when envs/sglang/setup.sh has not (completely) run. Under CI the skip is a failure."""
-    from eaglet.export import sglang_check
+    from eaglet.export.contract import sglang_check
 
     try:
         return sglang_check.sglang_python()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create envs/sglang/.venv: SGLang's EAGLE-3 drafter class (LlamaForCausalLMEagle3) and its
 # load_weights, run in-process on the CPU by the export contract's loader.sglang check
-# (eaglet.export.sglang_check). Kept apart from the workflow's venv: SGLang pins its own
+# (eaglet.export.contract.sglang_check). Kept apart from the workflow's venv: SGLang pins its own
 # transformers, and its declared deps are a CUDA serving stack that cannot serve on this CPU anyway.
 #
 # Usage: envs/sglang/setup.sh                  (or: make sglang-env)

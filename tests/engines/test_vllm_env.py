@@ -11,7 +11,7 @@ import pytest
 
 from eaglet.engines import vllm_env
 from eaglet.eval import evaluate_vllm
-from eaglet.export import vllm_checks as contract_vllm
+from eaglet.export.contract import vllm_checks
 
 # A stand-in for the `vllm` package, as the runners see it: two engines (data-parallel ranks) each
 # reporting their own counters, as vLLM's LLM.get_metrics() lists them (Counter: value, Vector:
@@ -90,7 +90,7 @@ def test_check_runner_sums_the_counters_of_every_engine(tmp_path, fake_vllm):
     # check read one rank's counters on a data-parallel server.
     work = tmp_path / "work"
     (tmp_path / "prompts.json").write_text(json.dumps(["a", "b"]))
-    _run_copied(contract_vllm.RUNNER, work, fake_vllm, "--target", "t", "--prompts", str(tmp_path / "prompts.json"),
+    _run_copied(vllm_checks.RUNNER, work, fake_vllm, "--target", "t", "--prompts", str(tmp_path / "prompts.json"),
                 "--out", str(work / "spec.json"), "--drafter", "d")
     res = json.loads((work / "spec.json").read_text())
     assert res["spec_decode"] == SUMMED

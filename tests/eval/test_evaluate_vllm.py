@@ -152,7 +152,7 @@ def test_vllm_evaluation_on_the_tiny_target(offline_json, tiny_target, tiny_draf
     checks the design, not the speed."""
     from conftest import vllm_env_or_skip
     from eaglet.eval.evaluate_vllm import evaluate_vllm
-    from eaglet.export import contract
+    from eaglet.export.contract import contract
     from eaglet.export.export import export
 
     env = vllm_env_or_skip()

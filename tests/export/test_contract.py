@@ -13,10 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, sglang_env_or_skip
-from eaglet.export import contract, sglang_check
-from eaglet.export import parity as contract_parity
-from eaglet.export import record as contract_record
-from eaglet.export import vllm_checks as contract_vllm
+from eaglet.export.contract import contract, parity, record, sglang_check, vllm_checks
 from eaglet.export.export import export
 
 # Without the real vLLM run its checks did not run: said by name, as the smoke config does
@@ -85,7 +82,7 @@ def test_missing_d2t_is_caught(good, tmp_path, tiny_target, tiny_drafter):
 
 
 def test_shipped_embed_tokens_is_caught(good, tmp_path, tiny_target, tiny_drafter):
-    emb = contract_parity.target_embedding(tiny_target["path"])
+    emb = parity.target_embedding(tiny_target["path"])
     d = _faulty(good, tmp_path, tensors=lambda t: t.update({"embed_tokens.weight": emb.clone()}))
     rep, by = _check(tiny_target, tiny_drafter, d)
     assert not rep["ok"]
@@ -405,7 +402,7 @@ def test_vllm_check_off_lists_every_real_vllm_check_as_not_run(good, tiny_target
 
 
 def test_accepting_never_passes_a_failed_check():
-    checks = [contract_record.check("a.x", False), contract_record.not_run("a.y", "why")]
+    checks = [record.check("a.x", False), record.not_run("a.y", "why")]
     v = contract.verdict(checks, ["a.x", "a.y"])
     assert not v["ok"] and v["failed"] == ["a.x"] and v["not_run_unaccepted"] == []
 
@@ -431,16 +428,16 @@ RuntimeError: Engine core initialization failed. See root cause above. Failed co
 
 
 def test_engine_error_puts_the_root_cause_first():
-    assert contract_vllm.engine_error(VLLM_FAILURE_LOG) == [
+    assert vllm_checks.engine_error(VLLM_FAILURE_LOG) == [
         "TypeError: get_rope() got an unexpected keyword argument 'is_neox_style'",
         "Exception: WorkerProc failed. See stack trace for root cause.",
         "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]
     # no traceback: the last lines that name an error
-    assert contract_vllm.engine_error("INFO ok\nValueError: Model does not support EAGLE3 interface\n") == [
+    assert vllm_checks.engine_error("INFO ok\nValueError: Model does not support EAGLE3 interface\n") == [
         "ValueError: Model does not support EAGLE3 interface"]
-    assert contract_vllm.engine_error("all fine\n") == []
+    assert vllm_checks.engine_error("all fine\n") == []
     # the engine core in the runner's process (one device): torch.distributed prefixes each line
-    assert contract_vllm.engine_error("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", "
+    assert vllm_checks.engine_error("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", "
                                       "line 1, in f\n[rank0]: RuntimeError: start (0) + length (512) exceeds "
                                       "dimension size (256).\n") == [
         "RuntimeError: start (0) + length (512) exceeds dimension size (256)."]

@@ -13,8 +13,7 @@ from safetensors.torch import load_file
 from conftest import make_random_drafter, vllm_env_or_skip
 from eaglet.base import io
 from eaglet.engines import vllm_env
-from eaglet.export import contract
-from eaglet.export import vllm_checks as contract_vllm
+from eaglet.export.contract import contract, vllm_checks
 from eaglet.export.export import ContractError, export, main
 
 
@@ -81,7 +80,7 @@ def test_contract_json_records_every_check(exported):
     assert written["train_chain_tau"] == 1.23  # the validation chain τ at the k vLLM runs (4)
     # the digests evaluate_vllm checks the exported files against before vLLM loads them
     assert written[io.DIGESTS_KEY] == io.record_digests(out, ["config.json", "model.safetensors", "reference.json"])
-    # and what the directory needs to prove itself alone (eaglet.export.reference)
+    # and what the directory needs to prove itself alone (eaglet.export.contract.reference)
     assert written["reference"]["chain_not_recorded"] is None and written["reference"]["chain_tau"] >= 1.0
     assert not (out / ".staging").exists() and not (out / "contract.failed.json").exists()
 
@@ -222,7 +221,7 @@ def vllm_export(tiny_target, tmp_path_factory):
     vllm_env_or_skip()
     tmp = tmp_path_factory.mktemp("vllm_export")
     n, max_tokens = 2, 16
-    drafter = make_prefix_mean_drafter(tiny_target, tmp / "d.safetensors", contract_vllm.PROMPTS[:n], max_tokens)
+    drafter = make_prefix_mean_drafter(tiny_target, tmp / "d.safetensors", vllm_checks.PROMPTS[:n], max_tokens)
     summary = tmp / "train_summary.json"
     summary.write_text(json.dumps({"final_val": {"chain_tau_3": 2.0}}))
     out = tmp / "drafter"
@@ -243,7 +242,7 @@ def test_real_vllm_loads_and_runs_the_export(vllm_export):
     assert by["vllm.lossless"]["details"]["tokens"] == n * max_tokens
     assert by["vllm.aux_layers"]["details"]["reported"] == [2, 4, 5]
     assert by["vllm.shared_weights"]["details"]["shares_target_embedding"] is True
-    # the known answer (eaglet.export.known_answer) ran first, with the trained ids: every first draft accepted
+    # the known answer (eaglet.export.contract.known_answer) ran first, with the trained ids: every first draft accepted
     names = [c["name"] for c in rep["checks"]]
     assert names.index("vllm.known_answer") < names.index("vllm.load_run")
     assert by["vllm.known_answer"]["details"]["first_draft_rate"] == 1.0

@@ -16,7 +16,7 @@ import yaml
 from conftest import VLLM_ENV, clone
 from eaglet.base import io
 from eaglet.data.target_model import materialise
-from eaglet.export import contract
+from eaglet.export.contract import contract
 from eaglet.target import chat_template
 from eaglet.target import check as target_check
 from eaglet.target import shape as target_shape
@@ -340,7 +340,7 @@ def test_vllm_check_off_without_accepting_its_checks_is_refused_at_the_start(tmp
     """The serving refusal says to set export.vllm_check: false; a user who did only that trained
     for the whole run and then failed at export (its real-vLLM checks not run and not accepted).
     The config already says they will not run: refuse at the start, naming export.accept_not_run."""
-    from eaglet.export.record import VLLM_CHECKS
+    from eaglet.export.contract.record import VLLM_CHECKS
 
     conf = {"target": {"name": "t", "tiny": {}, "path": None, "chat_template": None},
             "evaluate": {"vllm": {"env": str(VLLM_ENV), "enabled": False}},

@@ -45,7 +45,7 @@ ENGINE_FAMILIES = [f for f in families.FAMILIES if f != "llama"]
 # The families whose DAG runs here: not llama, the smoke run's target (tests/workflow/test_workflow.py::
 # test_the_smoke_run_proves_its_labels_parity_rope_and_offline_tau asserts the same of it)
 DAG_FAMILIES = ENGINE_FAMILIES
-# Families eaglet.export.known_answer builds a twin for (the others' vllm.known_answer is not run, by name)
+# Families eaglet.export.contract.known_answer builds a twin for (the others' vllm.known_answer is not run, by name)
 TWIN = {"llama", "llama3", "qwen2", "qwen3"}
 # Families whose template has a thinking switch: evaluated in both modes (evaluate.modes)
 MODES = {"qwen3": {"thinking": {"enable_thinking": True}, "no_thinking": {"enable_thinking": False}}}

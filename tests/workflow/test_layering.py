@@ -5,6 +5,8 @@ package's ``MAY_IMPORT`` names what it may import):
   package graph has no circle (nor has the module graph);
 - no stage package imports another (stages meet through artifacts on disk), and no shared package
   imports a stage package;
+- a sub-package (``export/contract/``) declares its own ``MAY_IMPORT``: what outside itself it may
+  import, packages its parent may import and modules of its parent by name; nothing else;
 - a rule runs ``python -m eaglet.<its rule file's package>.<module>``, and lists as inputs exactly
   the code that module runs (eaglet.workflow.code_inputs), so editing a module reruns exactly the
   stages whose code imports it;
@@ -38,6 +40,18 @@ def packages() -> dict[str, tuple[str, ...]]:
                and any(getattr(t, "id", None) == "MAY_IMPORT" for t in n.targets)]
         assert len(may) == 1, f"{init}: one MAY_IMPORT = (...) tuple"
         out[init.parent.name] = tuple(may[0])
+    return out
+
+
+def sub_packages() -> dict[str, tuple[str, ...]]:
+    """{sub-package (``export.contract``): its MAY_IMPORT}, read as :func:`packages` reads a package's."""
+    out = {}
+    for init in sorted(SRC.glob("*/*/__init__.py")):
+        tree = ast.parse(init.read_text())
+        may = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+               and any(getattr(t, "id", None) == "MAY_IMPORT" for t in n.targets)]
+        assert len(may) == 1, f"{init}: one MAY_IMPORT = (...) tuple"
+        out[".".join(init.parent.relative_to(SRC).parts)] = tuple(may[0])
     return out
 
 
@@ -109,6 +123,31 @@ def test_imports_point_only_downward():
             del left[p]
 
 
+def test_a_sub_package_imports_only_what_its_may_import_names():
+    """A sub-package's MAY_IMPORT names what outside itself it may import: packages its parent's
+    MAY_IMPORT names, or modules of its parent by dotted name. The export contract imports no stage
+    module (export.export runs it) and, of the export, only the writer its known answer writes with."""
+    subs, may = sub_packages(), packages()
+    assert "export.contract" in subs, subs
+    bad = {}
+    for sub, allowed in subs.items():
+        parent = sub.rsplit(".", 1)[0]
+        for a in allowed:
+            if "." in a:
+                assert package_of(a) == parent and a in code_inputs.modules(), f"{sub}: MAY_IMPORT {a!r}"
+            else:
+                assert a in may[parent], f"{sub}: MAY_IMPORT {a!r}, which {parent} may not import"
+        for m in code_inputs.modules():
+            if not m.startswith(sub + "."):
+                continue
+            outside = {i for i in code_inputs.imports(m) if not i.startswith(sub + ".")}
+            above = {i for i in outside if i not in allowed and package_of(i) not in allowed}
+            if above:
+                bad[m] = sorted(above)
+    assert not bad, f"imports what its sub-package's MAY_IMPORT does not name: {bad}"
+    assert "export.export" not in subs["export.contract"]
+
+
 def test_no_circle_among_modules():
     graph = {m: set(code_inputs.imports(m)) for m in code_inputs.modules()}
     state: dict[str, int] = {}
@@ -169,7 +208,7 @@ def test_the_contract_is_code_of_the_export_and_what_follows_only():
     """Editing the export's contract (its check names included) is a code change of export and of
     nothing before it: not target_model (which hashes the target's weights), prompts, tokenize,
     extraction or training."""
-    users = {s for s in STAGES if "export.record" in code_inputs.closure(s)}
+    users = {s for s in STAGES if "export.contract.record" in code_inputs.closure(s)}
     assert "export.export" in users
     assert not users & {"data.target_model", "data.prompts", "data.tokenize", "data.freq", "data.vocab",
                         "generate.generate", "features.extract", "train.train"}, users
@@ -178,6 +217,9 @@ def test_the_contract_is_code_of_the_export_and_what_follows_only():
 def test_imports_are_read_as_written():
     """The reader itself: a function-level import counts, a `__main__` guard's does not, a copied
     runner does, and a runner's bare import is its folder's module."""
-    assert "engines.hf_loop" in code_inputs.imports("export.reference")  # function-level
-    assert {"engines.vllm_check_runner", "engines.vllm_env"} <= code_inputs.closure("export.vllm_checks")
+    assert "engines.hf_loop" in code_inputs.imports("export.contract.reference")  # function-level
+    assert {"engines.vllm_check_runner", "engines.vllm_env"} <= code_inputs.closure("export.contract.vllm_checks")
+    # a sub-package's module: its own and its parent's __init__.py are code that runs
+    assert {"src/eaglet/export/__init__.py", "src/eaglet/export/contract/__init__.py",
+            "src/eaglet/export/contract/record.py"} <= set(code_inputs.files("export.contract.record"))
     assert "engines.vllm_env" in code_inputs.imports("engines.vllm_eval_runner")

@@ -56,8 +56,8 @@ def test_editing_the_contract_reruns_export_and_what_follows_only(finished_run):
     """The export's contract (its list of check names included) is code of export and of nothing
     before it: not target_model (which hashes the target's weights), prompts, tokenize, extraction
     or training."""
-    jobs, out = _jobs_after_editing(finished_run, "src/eaglet/export/record.py")
-    assert "export" in jobs and "src/eaglet/export/record.py" in out, out[-3000:]
+    jobs, out = _jobs_after_editing(finished_run, "src/eaglet/export/contract/record.py")
+    assert "export" in jobs and "src/eaglet/export/contract/record.py" in out, out[-3000:]
     assert not jobs & {"target_model", "prompts", "generate", "tokenize", "token_freq", "vocab_map",
                        "extract_hidden_states", "train"}, jobs
 

@@ -22,7 +22,7 @@ rule export:
         ),
         config=f"{RUN}/drafter/config.json",
         weights=f"{RUN}/drafter/model.safetensors",
-        # what the directory needs to prove itself alone (eaglet.export.reference)
+        # what the directory needs to prove itself alone (eaglet.export.contract.reference)
         reference=f"{RUN}/drafter/reference.json",
         contract=report(
             f"{RUN}/drafter/contract.json",

@@ -1,7 +1,7 @@
 """SGLang's own EAGLE-3 loader run on an exported drafter, for the export contract's ``loader.sglang``.
 
 Run by the SGLang environment's interpreter (``envs/sglang/.venv``, made by envs/sglang/setup.sh), not
-eaglet's: it imports only the standard library, torch, safetensors and sglang. eaglet.export.sglang_check
+eaglet's: it imports only the standard library, torch, safetensors and sglang. eaglet.export.contract.sglang_check
 starts it and reads its JSON.
 
 SGLang cannot serve on this CPU (its CPU kernels are not on PyPI), but its drafter class and its

@@ -13,7 +13,7 @@ vLLM's own processes, as a deployment runs them.
 
     envs/vllm/.venv/bin/python src/eaglet/engines/vllm_check_runner.py --target MODEL_DIR \
         --prompts prompts.json --max-tokens 32 --out spec.json [--drafter DRAFTER_DIR --k 3]
-        [--more '[["DRAFTER2", "spec2.json"], ...]']   # more drafters, a fresh LLM each (eaglet.export.known_answer)
+        [--more '[["DRAFTER2", "spec2.json"], ...]']   # more drafters, a fresh LLM each (export.contract.known_answer)
         [--dtype float32] [--tensor-parallel-size 1] [--enable-expert-parallel] [--trust-remote-code]
 
 The serving flags are ``target.vllm`` and ``target.trust_remote_code`` (eaglet.target.load.vllm_runner_args);

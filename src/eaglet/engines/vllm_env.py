@@ -3,8 +3,8 @@
 vLLM's speculative-decoding counters.
 
 One copy of each, shared by the server (eaglet.engines.vllm_server), the export contract
-(eaglet.export.contract, eaglet.export.known_answer), the vLLM evaluation (eaglet.eval.evaluate_vllm) and the tests:
-three resolvers once disagreed on whether a half-installed venv counts (issue 16), and two counter
+(eaglet.export.contract: its vllm_checks and known_answer), the vLLM evaluation (eaglet.eval.evaluate_vllm)
+and the tests: three resolvers once disagreed on whether a half-installed venv counts (issue 16), and two counter
 parsers on several engines (one kept the last engine's value, one summed).
 
 Standard library only: the runner scripts (vllm_check_runner.py, vllm_eval_runner.py) import it
@@ -49,7 +49,7 @@ def vllm_python(env: str | os.PathLike | None = None) -> Path:
 
 def venv_python(env, env_var: str, default: str, what: str, setup: str, missing: type[Exception]) -> Path:
     """The interpreter of one of eaglet's separate environments (vLLM here, SGLang in
-    eaglet.export.sglang_check): ``env``, else ``$env_var``, else ``default``, as :func:`vllm_python`
+    eaglet.export.contract.sglang_check): ``env``, else ``$env_var``, else ``default``, as :func:`vllm_python`
     says; ``missing`` raised, naming ``setup``, when it is absent or its install never finished."""
     p = Path(env if env is not None else os.environ.get(env_var) or default)
     if not p.is_absolute() and not p.exists():

@@ -17,7 +17,7 @@ checks with ``vllm_check: false``) fails the export too unless ``accept_not_run`
         [--train-summary results/RUN/train/train_summary.json] [--speculators-out DIR] \
         [--config '{"vllm_check": true, "num_speculative_tokens": 3}'] [--log LOG]
 
-The formats and their writer (which layer ids go where, and why): eaglet.export.format.
+The formats and their writer (which layer ids go where, and why): eaglet.export.vllm_format.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pathlib import Path
 
 from eaglet.base import io
 from eaglet.engines import vllm_env
-from eaglet.export import contract, reference
-from eaglet.export.format import export_tensors, read_trained, speculators_config, vllm_config, write_dir
+from eaglet.export.contract import contract, reference
+from eaglet.export.vllm_format import export_tensors, read_trained, speculators_config, vllm_config, write_dir
 from eaglet.target.load import load_identity
 
 log = logging.getLogger("eaglet.export.export")
@@ -109,7 +109,7 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
         if spec.exists():
             shutil.rmtree(spec)
         stage_b.rename(spec)
-    # what the directory needs to prove itself without the trainer's file (eaglet.export.reference)
+    # what the directory needs to prove itself without the trainer's file (eaglet.export.contract.reference)
     chain = report.pop("reference_chain", None)
     why = chain.get("error") if chain else "the contract recorded no chain"
     if why:

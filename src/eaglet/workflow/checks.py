@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eaglet.export.record import VLLM_CHECKS
+from eaglet.export.contract.record import VLLM_CHECKS
 from eaglet.target.chat_template import chat_template_text, has_chat_template, no_template_message
 from eaglet.target.check import architecture, read_config, serving, text_config
 

@@ -90,5 +90,6 @@ def files(stage: str, launcher: bool = False, root: str = "src/eaglet") -> list[
     """The files of ``stage``'s closure (and the launcher's) with their packages' ``__init__.py``,
     as the rule's code inputs."""
     mods = closure(stage) | (closure(LAUNCHER) if launcher else set())
-    inits = {"__init__"} | {f"{m.rsplit('.', 1)[0]}.__init__" for m in mods if "." in m}
+    # every package on the way, a sub-package's parent too (export.contract.record: export, export.contract)
+    inits = {"__init__"} | {".".join(m.split(".")[:i]) + ".__init__" for m in mods for i in range(1, m.count(".") + 1)}
     return [f"{root}/{m.replace('.', '/')}.py" for m in sorted(mods | inits)]

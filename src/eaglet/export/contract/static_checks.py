@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from eaglet.base import io
-from eaglet.export.record import check
+from eaglet.export.contract.record import check
 
 ARCH_A = "LlamaForCausalLMEagle3"  # vLLM's registry maps it to Eagle3LlamaForCausalLM; SGLang's name
 ARCH_B = "Eagle3Speculator"

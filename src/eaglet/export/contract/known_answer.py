@@ -6,7 +6,7 @@ is weak or wired wrong. A drafter whose every first draft must be accepted turns
 export the way eaglet wrote it" into a number that is ~1 when right and ~0 when any piece is wrong.
 
 The drafter and the twin target it is built for (why a twin, and how the weights make the first
-draft right by construction and each breakage wrong): eaglet.export.twin. Here, the check:
+draft right by construction and each breakage wrong): eaglet.export.contract.twin. Here, the check:
 eaglet's own forward on the known-answer drafter, and the contract check ``vllm.known_answer``,
 which serves the twin with it in real vLLM-CPU. Only the first draft of a round is known, so
 vLLM's ``num_accepted_tokens_per_pos[0] / num_drafts`` must be ~1 (``MIN_FIRST_ACCEPT``).
@@ -23,9 +23,8 @@ from pathlib import Path
 
 from eaglet.base import io
 from eaglet.engines import vllm_env
-from eaglet.export import record as contract_record
-from eaglet.export import vllm_checks as contract_vllm
-from eaglet.export.twin import build_drafter, build_twin, chain, prompt_ids, unsupported, write_export
+from eaglet.export.contract import record, vllm_checks
+from eaglet.export.contract.twin import build_drafter, build_twin, chain, prompt_ids, unsupported, write_export
 from eaglet.target.load import vllm_runner_args
 
 MIN_FIRST_ACCEPT = 0.9          # the contract's bar on first-draft acceptance (by construction 1.0)
@@ -126,34 +125,34 @@ def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | P
     is the twin's known chain and first-draft acceptance >= MIN_FIRST_ACCEPT. Not run (with the
     reason) when no twin can be built for this target. ``drafter_dir``/``twin``: check a given
     (e.g. deliberately broken) export of an already built twin instead."""
-    name = contract_record.KNOWN_ANSWER
+    name = record.KNOWN_ANSWER
     why = unsupported(identity) if twin is None else None
     if why:
-        return contract_record.not_run(name, why)
+        return record.not_run(name, why)
     if not layer_ids:
-        return contract_record.not_run(name, "no trained layer ids to build the known answer with")
+        return record.not_run(name, "no trained layer ids to build the known answer with")
     try:
         py = vllm_env.vllm_python(python)
     except vllm_env.VllmEnvMissing as e:
-        return contract_record.check(name, False, {"error": f"vLLM environment not found or incomplete: {e}"})
+        return record.check(name, False, {"error": f"vLLM environment not found or incomplete: {e}"})
     built = twin is None
-    prompts = [contract_vllm.PROMPTS[i % len(contract_vllm.PROMPTS)] for i in range(n_prompts)]
+    prompts = [vllm_checks.PROMPTS[i % len(vllm_checks.PROMPTS)] for i in range(n_prompts)]
     work = Path(work_dir)
     try:
         if twin is None:
             twin, drafter_dir = prepare(identity, list(layer_ids), work, prompts, k=k, max_tokens=max_tokens)
     except (ValueError, RuntimeError, io.ArtifactError) as e:
-        return contract_record.check(name, False,
+        return record.check(name, False,
                                      {"error": f"building the known answer failed: {type(e).__name__}: {e}"})
-    spec = contract_vllm.run_vllm(twin["path"], drafter_dir, prompts, work_dir=work / "vllm", python=py, k=k,
+    spec = vllm_checks.run_vllm(twin["path"], drafter_dir, prompts, work_dir=work / "vllm", python=py, k=k,
                                   max_tokens=max_tokens, serving=twin_serving(serving))
     ok, det = judge(twin, prompts, spec, max_tokens)
     det.update(twin=twin["path"], drafter_dir=str(drafter_dir), layer_ids=list(layer_ids), k=k)
     if built:  # a SmolLM2-size twin is ~330 MB: build_twin(identity, dir) rebuilds it bit for bit (seed 0)
         for f in Path(twin["path"]).glob("*.safetensors"):
             f.unlink()
-        det["twin_weights"] = "removed after the run; eaglet.export.twin.build_twin rebuilds them (seed 0)"
-    return contract_record.check(name, ok, det)
+        det["twin_weights"] = "removed after the run; eaglet.export.contract.twin.build_twin rebuilds them (seed 0)"
+    return record.check(name, ok, det)
 
 
 def twin_serving(serving: dict | None) -> dict:
@@ -169,7 +168,7 @@ def run_batch(target_dir: str | Path, drafter_dirs: list[str | Path], prompts: l
               serving: dict | None = None) -> list[dict]:
     """Several drafters on one target in ONE runner process (a fresh ``LLM`` per drafter: the
     interpreter start and vLLM import, ~25-40 s of each run, are paid once). Each result is what
-    :func:`eaglet.export.vllm_checks.run_vllm` returns for one drafter (rc, token_ids, spec_decode, aux_layers,
+    :func:`eaglet.export.contract.vllm_checks.run_vllm` returns for one drafter (rc, token_ids, spec_decode, aux_layers,
     log); a run that did not finish has rc != 0 and the log tail."""
     import subprocess
     import time
@@ -178,7 +177,7 @@ def run_batch(target_dir: str | Path, drafter_dirs: list[str | Path], prompts: l
     work.mkdir(parents=True, exist_ok=True)
     pfile, logf = work / "prompts.json", work / "batch.log"
     pfile.write_text(json.dumps(prompts))
-    runner = vllm_env.copy_runner(contract_vllm.RUNNER, work)
+    runner = vllm_env.copy_runner(vllm_checks.RUNNER, work)
     outs = [work / f"spec{i}.json" for i in range(len(drafter_dirs))]
     for o in outs:
         o.unlink(missing_ok=True)

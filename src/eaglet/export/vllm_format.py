@@ -1,5 +1,5 @@
 """The exported drafter's two formats, written from the trainer's file (a library: the export stage
-eaglet.export.export and the known-answer check eaglet.export.known_answer write with it).
+eaglet.export.export and the known-answer check eaglet.export.contract.known_answer write with it).
 
 Format A (docs/eagle3.md §6, vLLM native and SGLang) → ``config.json`` + ``model.safetensors``:
 ``midlayer.*`` names, ``d2t`` offsets (int64), ``t2d`` (bool), no ``embed_tokens``, aux layer ids in
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from eaglet.base import io
 from eaglet.drafter.rope import legacy_fields
-from eaglet.export import static as contract_static
-from eaglet.export.static import VARIANTS, trained_config
+from eaglet.export.contract import static_checks
+from eaglet.export.contract.static_checks import VARIANTS, trained_config
 from eaglet.target.load import validate_layer_ids
 
 # Weights stay fp32 (the trainer's dtype): engines cast at load time, and the numeric parity
@@ -53,7 +53,7 @@ def _layer_config(cfg: dict, target_conf: dict, dtype: str) -> dict:
 def vllm_config(cfg: dict, identity: dict, target_conf: dict, dtype: str = DTYPE) -> dict:
     """config.json of format A (docs/eagle3.md §6)."""
     ids = list(cfg["layer_ids"])
-    conf = {"architectures": [contract_static.ARCH_A], **_layer_config(cfg, target_conf, dtype),
+    conf = {"architectures": [static_checks.ARCH_A], **_layer_config(cfg, target_conf, dtype),
             "draft_vocab_size": cfg["draft_vocab_size"]}
     if cfg["target_hidden_size"] != cfg["hidden_size"]:
         conf["target_hidden_size"] = cfg["target_hidden_size"]
@@ -71,7 +71,7 @@ def vllm_config(cfg: dict, identity: dict, target_conf: dict, dtype: str = DTYPE
 
 def speculators_config(cfg: dict, identity: dict, target_conf: dict, k: int, dtype: str = DTYPE) -> dict:
     """config.json of format B (vllm-project/speculators ``Eagle3Speculator``)."""
-    return {"architectures": [contract_static.ARCH_B], "speculators_model_type": "eagle3",
+    return {"architectures": [static_checks.ARCH_B], "speculators_model_type": "eagle3",
             "speculators_version": "0.3.0",
             "speculators_config": {
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
@@ -96,7 +96,7 @@ def read_trained(drafter_path: str | Path, identity: dict) -> tuple[dict, dict]:
     """The trainer's tensors and DrafterConfig, checked against the target."""
     cfg = trained_config(drafter_path)
     tensors = io.load_tensors(drafter_path)
-    want = set(contract_static.expected_tensors(_flat(cfg))) | {"d2t"}
+    want = set(static_checks.expected_tensors(_flat(cfg))) | {"d2t"}
     have = set(tensors)
     if have != want:
         raise io.ArtifactError(f"{drafter_path}: tensors missing {sorted(want - have)}, "
@@ -112,7 +112,7 @@ def read_trained(drafter_path: str | Path, identity: dict) -> tuple[dict, dict]:
 
 
 def _flat(cfg: dict) -> dict:
-    """A DrafterConfig in HF config field names, for contract_static.expected_tensors."""
+    """A DrafterConfig in HF config field names, for static_checks.expected_tensors."""
     return {"hidden_size": cfg["hidden_size"], "target_hidden_size": cfg["target_hidden_size"],
             "num_attention_heads": cfg["num_heads"], "num_key_value_heads": cfg["num_kv_heads"],
             "head_dim": cfg["head_dim"], "intermediate_size": cfg["intermediate_size"],

@@ -1,7 +1,7 @@
 """The known answer, constructed: a twin of the target and an EAGLE-3 drafter whose first draft is
-the twin's greedy token by construction, exported by eaglet.export.format's own writer, and copies of
+the twin's greedy token by construction, exported by eaglet.export.vllm_format's own writer, and copies of
 that export with one deliberate fault each (``BREAKAGES``). Why, and the check that serves them in
-vLLM: eaglet.export.known_answer.
+vLLM: eaglet.export.contract.known_answer.
 
 The alignment makes this impossible for an arbitrary target (docs/eagle3.md §3): at position t the
 drafter sees the target's aux states at t and the token x_{t+1}, and must propose x_{t+2}, the
@@ -44,7 +44,7 @@ Twins are built for plain decoder families whose weights use Llama's names and n
 
     twin = build_twin(identity, work / "twin")                   # HF checkpoint + known.json
     path = build_drafter(twin, identity, work / "d.safetensors", prompts, layer_ids=[2, 4, 7])
-    d = write_export(path, twin, work / "drafter")                 # format A dir (eaglet.export.format)
+    d = write_export(path, twin, work / "drafter")                 # format A dir (eaglet.export.vllm_format)
     bad = break_export(d, "d2t_shifted", work / "bad")
 """
 
@@ -179,7 +179,8 @@ def build_twin(identity: dict, out_dir: str | Path, seed: int = 0) -> dict:
     torch.save(pi, tmp / "pi.pt")
     shutil.rmtree(model_dir, ignore_errors=True)
     tmp.rename(model_dir)
-    ident = identity_of(model_dir, f"{identity.get('name', 'target')}-known-answer-twin", "eaglet.export.known_answer")
+    ident = identity_of(model_dir, f"{identity.get('name', 'target')}-known-answer-twin",
+                        "eaglet.export.contract.known_answer")
     ident["files"] = io.folder_manifest(model_dir)  # what load_identity checks on every read
     io.write_json(out / "identity.json", ident)
     return load_identity(out / "identity.json")
@@ -294,12 +295,13 @@ def build_drafter(twin: dict, identity: dict, path: str | Path, prompts: list[st
 
 def write_export(drafter_path: str | Path, twin: dict, out_dir: str | Path) -> Path:
     """Format A (config.json + model.safetensors) with eaglet.export.export's own writer."""
-    from eaglet.export import format as ex
+    from eaglet.export import vllm_format
 
-    tensors, cfg = ex.read_trained(drafter_path, twin)
+    tensors, cfg = vllm_format.read_trained(drafter_path, twin)
     target_conf = io.read_json(Path(twin["path"]) / "config.json")
     out = Path(out_dir)
-    ex.write_dir(out, ex.vllm_config(cfg, twin, target_conf), ex.export_tensors(tensors, cfg, "midlayer"))
+    vllm_format.write_dir(out, vllm_format.vllm_config(cfg, twin, target_conf),
+                          vllm_format.export_tensors(tensors, cfg, "midlayer"))
     return out
 
 
