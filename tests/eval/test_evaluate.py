@@ -12,7 +12,7 @@ import pytest
 from eaglet.base import datasets as eval_sets
 from eaglet.base import io
 from eaglet.drafter import chain
-from eaglet.eval import evaluate as ev
+from eaglet.eval import evaluate_speculative as ev
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -278,7 +278,8 @@ def test_a_lossy_loop_fails_the_stage(tiny_target, tiny_drafter, tmp_path, monke
 
 
 def test_cli_help():
-    r = subprocess.run([sys.executable, "-m", "eaglet.eval.evaluate", "--help"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "eaglet.eval.evaluate_speculative", "--help"], capture_output=True,
+                       text=True)
     assert r.returncode == 0 and "offline" in r.stdout
 
 
@@ -363,7 +364,7 @@ def test_hf_loop_auto_skips_a_target_too_big_and_the_summary_says_not_run(tmp_pa
 
     out = tmp_path / "eval"
     out.mkdir()
-    with caplog.at_level(logging.INFO, logger="eaglet.eval.evaluate"):
+    with caplog.at_level(logging.INFO, logger="eaglet.eval.evaluate_speculative"):
         # no drafter or identity is read: the paths do not exist
         off = ev.evaluate_offline(tmp_path / "none.safetensors", tmp_path / "none.json", ["mtbench"], out,
                                   hf_loop=run, hf_loop_reason=why)

@@ -67,7 +67,7 @@ def test_vllm_schedule_rotates_like_the_hf_loop_and_pairs_within_blocks():
     """Every block holds plain and every (k, T), rotated as the HF loop rotates its blocks; a speedup
     sample is plain s/token over spec s/token of one block at one temperature (at T > 0 the two
     outputs may differ in length), and per prompt the median of its samples."""
-    from eaglet.eval import evaluate as ev
+    from eaglet.eval import evaluate_speculative as ev
     from eaglet.eval import evaluate_vllm as evv
 
     for n in range(1, 6):
@@ -127,7 +127,7 @@ def offline_json(tiny_target, tiny_drafter, tmp_path_factory):
     """offline.json on the tiny target (the chain replay the vLLM stage is tested against)."""
     import torch
 
-    from eaglet.eval import evaluate as ev
+    from eaglet.eval import evaluate_speculative as ev
 
     held = tmp_path_factory.mktemp("heldout") / "heldout.parquet"
     io.write_conversations(held, [{"id": f"h{i}", "source": "heldout", "messages": [{"role": "user", "content": q}]}

@@ -141,7 +141,7 @@ def test_training_learns_and_writes_outputs(tiny_target, data, trained):
 
 
 def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_target, data, trained):
-    """The trainer's validation ``chain_tau_k`` is the exact greedy-chain τ: eaglet.eval.evaluate's
+    """The trainer's validation ``chain_tau_k`` is the exact greedy-chain τ: eaglet.eval.evaluate_speculative's
     offline simulator (the target's greedy continuation of each held-out prompt, K drafts from
     every position, the rounds replayed) with the saved drafter gives the same counts. The saved
     weights are those of the best validation chain τ, and that is what the summary reports."""

@@ -316,7 +316,7 @@ def test_vocab_and_drafter_are_checked_against_their_producers_record(tiny_targe
     """train refuses a vocab.safetensors, export and evaluate a drafter.safetensors, whose sha256
     is not the one its producing stage recorded (vocab.json, train_summary.json)."""
     from eaglet.data import freq, tokenize, vocab
-    from eaglet.eval import evaluate
+    from eaglet.eval import evaluate_speculative as evaluate
     from eaglet.export import export
     from eaglet.train import train
 
@@ -372,7 +372,8 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
 
     from eaglet.base import datasets as eval_sets
     from eaglet.data import freq, prompts, tokenize, vocab
-    from eaglet.eval import evaluate, evaluate_vllm
+    from eaglet.eval import evaluate_speculative as evaluate
+    from eaglet.eval import evaluate_vllm
     from eaglet.eval import summary as eval_summary
     from eaglet.generate import generate
     from eaglet.report import plots

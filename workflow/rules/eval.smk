@@ -47,7 +47,7 @@ HF_LOOP_GPUS = 1 if HF_LOOP and VLLM_GPUS else 0
 
 rule evaluate_offline:
     input:
-        code=stage_code("eval.evaluate", launcher=True),
+        code=stage_code("eval.evaluate_speculative", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -70,7 +70,7 @@ rule evaluate_offline:
         out=out_dir,
     shell:
         "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
-        " python -m eaglet.eval.evaluate offline --drafter {input.drafter:q} --identity {input.identity:q}"
+        " python -m eaglet.eval.evaluate_speculative offline --drafter {input.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --threads {threads} --log {log:q}"
 
@@ -78,7 +78,7 @@ rule evaluate_offline:
 # Timing: run alone (all cores), after the offline stage so the two never share the CPU.
 rule evaluate_speculative:
     input:
-        code=stage_code("eval.evaluate", launcher=True),
+        code=stage_code("eval.evaluate_speculative", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -101,7 +101,7 @@ rule evaluate_speculative:
         out=out_dir,
     shell:
         "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
-        " python -m eaglet.eval.evaluate speculative --drafter {input.drafter:q} --identity {input.identity:q}"
+        " python -m eaglet.eval.evaluate_speculative speculative --drafter {input.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --threads {threads} --log {log:q}"
 
@@ -215,13 +215,13 @@ rule evaluate_regenerated:
 
 
 # Each chat-template mode (evaluate.modes, e.g. Qwen3's enable_thinking on and off) measured offline
-# on the evaluation sets rendered its way (eaglet.eval.evaluate modes). After the timed stages.
+# on the evaluation sets rendered its way (eaglet.eval.evaluate_speculative modes). After the timed stages.
 MODES = EVAL["modes"]
 
 
 rule evaluate_modes:
     input:
-        code=stage_code("eval.evaluate", launcher=True),
+        code=stage_code("eval.evaluate_speculative", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -245,7 +245,7 @@ rule evaluate_modes:
         out=out_dir,
     shell:
         "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
-        " python -m eaglet.eval.evaluate modes --drafter {input.drafter:q} --identity {input.identity:q}"
+        " python -m eaglet.eval.evaluate_speculative modes --drafter {input.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --modes {params.modes:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --threads {threads} --log {log:q}"
 

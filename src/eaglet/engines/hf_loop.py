@@ -1,6 +1,6 @@
 """The HF evaluation loop: the target in-process with its KV cache, the drafter as proposer, and the
 per-prompt decoding eaglet measures with (docs/eagle3.md §7). A library shared by the evaluation stage
-(eaglet.eval.evaluate), the export contract's offline chain (eaglet.export.vllm_checks) and the known-answer
+(eaglet.eval.evaluate_speculative), the export contract's offline chain (eaglet.export.vllm_checks) and the known-answer
 check (eaglet.export.known_answer).
 
     ident, target, proposer, cfg, tok = setup(drafter_path, identity_path, threads=2)

@@ -114,7 +114,7 @@ def iomp_library(py: Path) -> Path | None:
 # --------------------------------------------------------------------------- the timing design
 def timing_order(configs: list, prompt_index: int, repeat: int) -> list:
     """The order of one timing block: ``configs`` rotated by prompt + repeat, so every configuration
-    takes every slot in turn. The HF loop's rotation (eaglet.eval.evaluate.timing_order), mirrored
+    takes every slot in turn. The HF loop's rotation (eaglet.eval.evaluate_speculative.timing_order), mirrored
     rather than imported: importing the HF loop's module would tie this stage's code identity to it
     (a test checks that the two agree)."""
     r = (prompt_index + repeat) % len(configs)

@@ -16,7 +16,7 @@ drafter drafts from every verified start:
 - T = 0: the exact greedy chain: how many of its k drafts match the text, replayed round by round
   (eaglet.drafter.chain.chain_replay), τ = 1 + accepted / rounds. Along the target's greedy text this
   is what serving accepts.
-- T > 0: the expected acceptance (eaglet.eval.evaluate.offline_sampling along the given texts): α =
+- T > 0: the expected acceptance (eaglet.eval.evaluate_speculative.offline_sampling along the given texts): α =
   Σ_x min(p(x), q(x)) per draft position, the expected chain Σ_{j<k} Π_{i<=j} α_i per start.
 
 τ per set and per domain with intervals over prompts; the rows go to the results matrix as engine
@@ -35,7 +35,7 @@ from eaglet.base import datasets, io
 from eaglet.drafter.chain import accepted_prefix, chain_replay, prompt_chain
 from eaglet.engines.hf_loop import setup
 from eaglet.eval import stats as eval_stats
-from eaglet.eval.evaluate import offline_sampling
+from eaglet.eval.evaluate_speculative import offline_sampling
 
 log = logging.getLogger("eaglet.eval.regenerated")
 

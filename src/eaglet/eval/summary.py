@@ -18,7 +18,7 @@ Recommendation: expected speedup(k) = τ(k) · c_target(1) / (c_target(k+1) + k 
 the offline acceptance length from every position (measured acceptance per position) and the costs
 the median measured forward times of the HF loop: one target decode step, one verify forward of
 k+1 tokens, one drafter step; so k breaks even at τ_k = (c_target(k+1) + k · c_draft) / c_target(1).
-A k pays when its measured speedup (median of paired timings, eaglet.eval.evaluate) is above 1 (the
+A k pays when its measured speedup (median of paired timings, eaglet.eval.evaluate_speculative) is above 1 (the
 prediction stands in where k was not timed). When no k pays, the recommendation is "do not
 speculate on this hardware", with each k's break-even τ beside the τ the drafter reaches; otherwise
 the paying k with the highest expected speedup, and whether its measured interval is conclusive.
@@ -346,7 +346,7 @@ def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_cur
     """``learning_curve``: eaglet.learning_curve.learning_curve's JSON (plan.learning_curve), carried
     into the summary. ``regenerated``: eaglet.eval.regenerated's JSON: its matrix rows (engine
     ``regen``) join the matrix, and what was regenerated (answers, tokens, tok/s) goes to
-    ``regenerated``. ``modes``: eaglet.eval.evaluate modes' JSON: each chat-template mode's figures
+    ``regenerated``. ``modes``: eaglet.eval.evaluate_speculative modes' JSON: each chat-template mode's figures
     go to ``modes``, its matrix rows (with their ``mode``) to ``modes_matrix``."""
     o = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
     out = Path(eval_dir)

@@ -1,12 +1,12 @@
 """Evaluate a trained drafter on the HF target: an exact offline acceptance simulator and a real
 speculative decoding loop with a lossless check (docs/eagle3.md §7).
 
-    python -m eaglet.eval.evaluate offline --drafter results/RUN/train/drafter.safetensors \
+    python -m eaglet.eval.evaluate_speculative offline --drafter results/RUN/train/drafter.safetensors \
         --identity resources/targets/NAME/identity.json --sets '["mtbench"]' \
         --config '{"num_prompts": 10, "max_new_tokens": 128, "k_values": [1, 2, 3, 4, 5]}' \
         --out-dir results/RUN/eval [--threads 2] [--log LOG]
-    python -m eaglet.eval.evaluate speculative ... (same flags)
-    python -m eaglet.eval.evaluate modes ... --modes '{"thinking": {"enable_thinking": true}, ...}'
+    python -m eaglet.eval.evaluate_speculative speculative ... (same flags)
+    python -m eaglet.eval.evaluate_speculative modes ... --modes '{"thinking": {"enable_thinking": true}, ...}'
 
 offline      greedy continuation of every prompt with the target (KV cache), capturing the aux
              hidden states at the drafter's layer ids; from every verified position the drafter
@@ -102,7 +102,7 @@ from eaglet.engines.hf_loop import (
 )
 from eaglet.eval import stats as eval_stats
 
-log = logging.getLogger("eaglet.eval.evaluate")
+log = logging.getLogger("eaglet.eval.evaluate_speculative")
 
 # Sized for the default run (SmolLM2-135M on 2 CPU cores): a few minutes in all.
 DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[1, 2, 3, 4, 5], tie_eps=1e-5,
