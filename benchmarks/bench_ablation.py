@@ -198,7 +198,7 @@ def hf_tau(drafter: Path, identity: str, prompts: int, max_new: int, k: int, tem
     from eaglet.base.datasets import load_prompts
     from eaglet.drafter.chain import rounds_tau
     from eaglet.engines.hf_loop import setup, speculative_sampling
-    from eaglet.eval.evaluate import run_generator
+    from eaglet.eval.hf_stage import run_generator
 
     t0 = time.time()
     _, target, proposer, _, tok = setup(drafter, identity, None)

@@ -19,7 +19,7 @@ Then a drafter is trained on each store by eaglet.train.train.train with identic
 ``--token-budget``, val_fraction 0.2: the held-out ids are the same for both). Reported: the
 trainer's validation chain τ (the exact greedy chain at k = ttt_steps over the held-out samples,
 each drafter on its own store; teacher-forced accuracies beside it), and, unless
-``--eval-prompts 0``, the offline τ of eaglet.eval.evaluate on that many MT-Bench prompts (the fp32
+``--eval-prompts 0``, the offline τ of eaglet.eval.evaluate_offline on that many MT-Bench prompts (the fp32
 target's real hidden states, identical for both drafters). A few dozen steps leave the drafter far
 from trained: the τ difference says whether fp8 storage visibly hurts this early, not what it costs a converged drafter.
 """
@@ -104,10 +104,10 @@ def compare_stores(bf16: Path, fp8: Path, head: train_setup.TargetHead) -> dict:
 
 
 def offline_tau(drafter: Path, identity: str, out: Path, prompts: int, max_new: int) -> dict:
-    from eaglet.eval import evaluate as ev
+    from eaglet.eval.evaluate_offline import evaluate_offline
 
-    res = ev.evaluate_offline(drafter, identity, ["mtbench"], out, num_prompts=prompts,
-                              max_new_tokens=max_new, k_values=[1, 2, 3])
+    res = evaluate_offline(drafter, identity, ["mtbench"], out, num_prompts=prompts,
+                           max_new_tokens=max_new, k_values=[1, 2, 3])
     o = res["overall"]
     tau = {int(k): v for k, v in o["tau"].items()}
     chain = {int(k): v for k, v in (o.get("tau_chain") or {}).items()}
@@ -242,7 +242,7 @@ def print_report(ident: dict, p: dict, m: dict) -> None:
     if evals:
         eb, e8 = evals["bfloat16"], evals["fp8"]
         k = max(eb["tau"])
-        print(f"offline τ (eaglet.eval.evaluate, every position, {eb['prompts']} MT-Bench prompts, "
+        print(f"offline τ (eaglet.eval.evaluate_offline, every position, {eb['prompts']} MT-Bench prompts, "
               f"{eb['new_tokens']} new tokens, fp32 target states): " + ", ".join(
                   f"k={j} bf16 {fmt(eb['tau'][j])} fp8 {fmt(e8['tau'][j])}" for j in sorted(eb["tau"])))
         if eb["tau"][k] is not None and e8["tau"][k] is not None:

@@ -1,4 +1,4 @@
-"""The evaluation summary's recommendation by hand (eaglet.eval.summary) and the statistics behind
+"""The evaluation summary's recommendation by hand (eaglet.eval.eval_summary) and the statistics behind
 it, on synthetic numbers (eaglet.eval.stats)."""
 
 import pytest
@@ -6,7 +6,7 @@ import pytest
 
 # --------------------------------------------------------------------------- summary
 def test_recommendation_follows_the_cost_model_by_hand():
-    from eaglet.eval.summary import recommend, verify_cost
+    from eaglet.eval.eval_summary import recommend, verify_cost
 
     offline = {"K": 3, "overall": {"tau": {"1": 1.8, "2": 2.3, "3": 2.5},
                                    "accept_rate_per_pos": [0.8, 0.5, 0.2]}}
@@ -40,7 +40,7 @@ def _measured(speedups: dict, costs=None) -> tuple[dict, dict]:
 
 def test_no_k_that_pays_means_do_not_speculate_with_break_even_tau():
     """The old rule recommended k = 1 beside a 0.66x speedup: argmax of a prediction, whatever it was."""
-    from eaglet.eval.summary import recommend
+    from eaglet.eval.eval_summary import recommend
 
     rec = recommend(*_measured({1: (0.66, 0.6, 0.7), 2: (0.55, 0.5, 0.6), 3: (0.48, 0.4, 0.52)}))
     assert rec["recommended_k"] is None and not rec["speculation_pays"]
@@ -62,41 +62,41 @@ def test_no_k_that_pays_means_do_not_speculate_with_break_even_tau():
 
 # --------------------------------------------------------------------------- statistics (synthetic numbers)
 def test_bootstrap_intervals_and_verdicts_on_synthetic_numbers():
-    from eaglet.eval import stats as st
+    from eaglet.eval import stats
 
     # the contended run's per-prompt speedups: no conclusion is possible
-    wild = st.speedup_interval([13.85, 15.72, 0.32, 0.9, 1.1, 0.5])
+    wild = stats.speedup_interval([13.85, 15.72, 0.32, 0.9, 1.1, 0.5])
     assert wild["lo"] < 1 < wild["hi"] and wild["conclusive"] is False and "spans 1" in wild["note"]
     assert wild["estimate"] == pytest.approx(1.0)  # the median of the prompts, not a mean of outliers
     # tight and above 1: conclusive; seeded, so the same numbers give the same interval
-    tight = st.speedup_interval([1.50, 1.52, 1.48, 1.51, 1.49, 1.50, 1.53])
+    tight = stats.speedup_interval([1.50, 1.52, 1.48, 1.51, 1.49, 1.50, 1.53])
     assert tight["conclusive"] is True and 1.48 <= tight["lo"] <= 1.50 <= tight["hi"] <= 1.53
-    assert st.speedup_interval([1.50, 1.52, 1.48, 1.51, 1.49, 1.50, 1.53]) == tight
+    assert stats.speedup_interval([1.50, 1.52, 1.48, 1.51, 1.49, 1.50, 1.53]) == tight
     # tight and below 1: conclusive too (it is slower)
-    assert st.speedup_interval([0.6, 0.62, 0.61, 0.63])["conclusive"] is True
+    assert stats.speedup_interval([0.6, 0.62, 0.61, 0.63])["conclusive"] is True
     # above 1 but wider than max_relative_width x the estimate: too noisy
-    noisy = st.speedup_interval([1.2, 3.0, 1.5, 2.8, 1.1, 3.3], max_rel_width=0.5)
+    noisy = stats.speedup_interval([1.2, 3.0, 1.5, 2.8, 1.1, 3.3], max_rel_width=0.5)
     assert noisy["lo"] > 1 and noisy["conclusive"] is False and "too noisy" in noisy["note"]
     # one prompt: no interval at all
-    one = st.speedup_interval([2.0])
+    one = stats.speedup_interval([2.0])
     assert one["lo"] is None and one["conclusive"] is False
     # τ pools prompts: 1 + Σ accepted / Σ rounds, by hand; the interval resamples prompts
-    assert st.pooled_tau([(3, 4), (1, 4)]) == pytest.approx(1 + 4 / 8)
-    t = st.tau_interval([(3, 4), (1, 4), (2, 4), (0, 4)])
+    assert stats.pooled_tau([(3, 4), (1, 4)]) == pytest.approx(1 + 4 / 8)
+    t = stats.tau_interval([(3, 4), (1, 4), (2, 4), (0, 4)])
     assert t["estimate"] == pytest.approx(1.375) and 1.0 <= t["lo"] < t["estimate"] < t["hi"] <= 1.75
     # every resample of identical prompts gives the same τ: a zero-width, conclusive interval
-    same = st.tau_interval([(2, 4)] * 5)
+    same = stats.tau_interval([(2, 4)] * 5)
     assert same["lo"] == same["hi"] == pytest.approx(1.5) and same["conclusive"] is True
 
 
 def test_two_proportion_z_by_hand():
-    from eaglet.eval import stats as st
+    from eaglet.eval import stats
 
     # 30/100 vs 50/100: pooled p 0.4, se sqrt(0.4 * 0.6 * 0.02)
-    assert st.two_proportion_z(30, 100, 50, 100) == pytest.approx(-0.2 / (0.4 * 0.6 * 0.02) ** 0.5)
-    assert st.two_proportion_z(0, 50, 0, 60) == 0.0 and st.two_proportion_z(3, 0, 1, 5) is None
-    assert st.z_critical(0.05, 1) == pytest.approx(1.959964, abs=1e-5)
-    assert st.z_critical(0.05, 10) == pytest.approx(2.807034, abs=1e-5)  # Bonferroni: 0.005 per side
+    assert stats.two_proportion_z(30, 100, 50, 100) == pytest.approx(-0.2 / (0.4 * 0.6 * 0.02) ** 0.5)
+    assert stats.two_proportion_z(0, 50, 0, 60) == 0.0 and stats.two_proportion_z(3, 0, 1, 5) is None
+    assert stats.z_critical(0.05, 1) == pytest.approx(1.959964, abs=1e-5)
+    assert stats.z_critical(0.05, 10) == pytest.approx(2.807034, abs=1e-5)  # Bonferroni: 0.005 per side
 
 
 def test_timings_on_a_busy_machine_are_not_conclusive():
@@ -108,8 +108,8 @@ def test_timings_on_a_busy_machine_are_not_conclusive():
     import time
 
     from eaglet.eval import stats
+    from eaglet.eval.eval_summary import recommend
     from eaglet.eval.stats import BUSY_SHARE, OtherLoad, busy_verdict
-    from eaglet.eval.summary import recommend
 
     # This process's own CPU is taken out, in the same window as everything else the CPUs did (under
     # `make test` the other worker's load comes and goes: two windows one after another differ by it).
@@ -146,14 +146,14 @@ def test_timings_on_a_busy_machine_are_not_conclusive():
 
 
 def test_results_matrix_concatenates_every_stage_and_prints_one_table():
-    from eaglet.eval import stats as eval_stats
-    from eaglet.eval.summary import results_matrix
+    from eaglet.eval import stats
+    from eaglet.eval.eval_summary import results_matrix
 
     iv = {"estimate": 1.5, "lo": 1.3, "hi": 1.7}
-    offline = {"matrix": eval_stats.matrix_rows(
+    offline = {"matrix": stats.matrix_rows(
         "chain", 0.0, [1, 3], {"prompts": 3, "tau": {"1": iv, "3": iv}}, {"mtbench": {"prompts": 3, "tau": {1: iv}}},
         {"mtbench/writing": {"set": "mtbench", "prompts": 1, "tau": {3: {"estimate": 1.2, "lo": None, "hi": None}}}})}
-    spec = {"matrix": [eval_stats.matrix_row("hf_loop", 1.0, 3, "all", "all", iv, 3)]}
+    spec = {"matrix": [stats.matrix_row("hf_loop", 1.0, 3, "all", "all", iv, 3)]}
     vllm = {"matrix": [{"engine": "vllm", "temperature": 1.0, "k": 3, "set": "all", "domain": "all", "tau": 1.45,
                         "ci": [1.2, 1.6], "prompts": 3}]}
     rows = results_matrix(offline, spec, vllm)
@@ -164,7 +164,7 @@ def test_results_matrix_concatenates_every_stage_and_prints_one_table():
         ("mtbench", "all", 1): (1.5, [1.3, 1.7]), ("mtbench", "all", 3): (None, None),
         ("mtbench", "mtbench/writing", 1): (None, None), ("mtbench", "mtbench/writing", 3): (1.2, None)}
     assert results_matrix(offline, None) == offline["matrix"] and results_matrix({"status": "not run"}) == []
-    table = eval_stats.matrix_table(rows).splitlines()
+    table = stats.matrix_table(rows).splitlines()
     assert table[0].split()[:6] == ["set", "domain", "k", "T", "engine", "tau"] and len(table) == 1 + len(rows)
     # domain x k x T x engine: the whole-run rows last, their k = 3 block ordered by T, then engine
     assert [line.split()[4] for line in table[-3:]] == ["chain", "hf_loop", "vllm"]

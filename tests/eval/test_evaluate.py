@@ -12,7 +12,11 @@ import pytest
 from eaglet.base import datasets as eval_sets
 from eaglet.base import io
 from eaglet.drafter import chain
-from eaglet.eval import evaluate as ev
+from eaglet.engines.hf_loop import speculative
+from eaglet.eval.evaluate_modes import evaluate_modes
+from eaglet.eval.evaluate_offline import evaluate_offline, offline_sampling
+from eaglet.eval.evaluate_speculative import LosslessError, evaluate_speculative, timing_order
+from eaglet.eval.options import hf_options
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,25 +54,25 @@ def test_chain_replay_and_tau_match_a_hand_computed_example():
     # accepted prefix of K=3 drafts from each round start g (index 0 unused); 10 tokens, max 10
     acc = [0, 2, 0, 1, 3, 0, 1, 0, 1, 0]
     # k=2: g=1 a=2 -> g=4 a=min(3,2)=2 -> g=7 a=0 -> g=8 k_eff=min(2,10-8-1)=1 a=1 -> g=10 stop
-    assert ev.chain_replay(acc, 10, 10, 2) == [(1, 2, 2), (4, 2, 2), (7, 2, 0), (8, 1, 1)]
-    assert ev.rounds_tau(ev.chain_replay(acc, 10, 10, 2)) == pytest.approx(1 + 5 / 4)
+    assert chain.chain_replay(acc, 10, 10, 2) == [(1, 2, 2), (4, 2, 2), (7, 2, 0), (8, 1, 1)]
+    assert chain.rounds_tau(chain.chain_replay(acc, 10, 10, 2)) == pytest.approx(1 + 5 / 4)
     # k=1: every round drafts 1 (the last possible start g=8 drafts min(1, 1))
-    r1 = ev.chain_replay(acc, 10, 10, 1)
+    r1 = chain.chain_replay(acc, 10, 10, 1)
     assert r1 == [(1, 1, 1), (3, 1, 1), (5, 1, 0), (6, 1, 1), (8, 1, 1)]
     # a continuation that ended at EOS (6 tokens of max 10): the last round can't pass the end
-    assert ev.chain_replay([0, 4, 0, 0, 0, 1], 6, 10, 4) == [(1, 4, 4)]
+    assert chain.chain_replay([0, 4, 0, 0, 0, 1], 6, 10, 4) == [(1, 4, 4)]
     # rounds without drafts (k_eff 0) do not count in τ
-    assert ev.rounds_tau([(1, 0, 0)]) is None
+    assert chain.rounds_tau([(1, 0, 0)]) is None
 
 
 def test_position_rates_and_all_position_tau_by_hand():
     acc, valid = [3, 0, 1, 2], [5, 5, 2, 1]
-    pr = ev.position_rates(acc, valid, 3)
+    pr = chain.position_rates(acc, valid, 3)
     assert pr["starts_per_pos"] == [4, 3, 2]
     assert pr["accept_rate_per_pos"] == [3 / 4, 1 / 3, 1 / 2]  # pos 2: starts 0, 1, 2 reach it
     assert pr["conditional_accept_per_pos"][1] == pytest.approx((1 / 3) / (3 / 4))
     # k=2 uses the starts with >= 2 positions left: accepted 3, 0, 1 capped at 2
-    assert ev.tau_all_positions(acc, valid, 2) == pytest.approx(1 + (2 + 0 + 1) / 3)
+    assert chain.tau_all_positions(acc, valid, 2) == pytest.approx(1 + (2 + 0 + 1) / 3)
     assert chain.accepted_prefix([5, 6, 7], [5, 6, 8]) == 2 and chain.accepted_prefix([5, 6], [5]) == 1
 
 
@@ -91,8 +95,8 @@ def stages(tiny_target, tiny_drafter, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval")
     ident = Path(tiny_target["path"]).parent / "identity.json"
     sets = ["mtbench", "humaneval", "math", heldout_parquet(tmp_path_factory.mktemp("heldout"))]
-    off = ev.evaluate_offline(tiny_drafter, ident, sets, out, threads=1, **OPTS)
-    spec = ev.evaluate_speculative(tiny_drafter, ident, sets, out, threads=1, **OPTS)
+    off = evaluate_offline(tiny_drafter, ident, sets, out, threads=1, **OPTS)
+    spec = evaluate_speculative(tiny_drafter, ident, sets, out, threads=1, **OPTS)
     return out, off, spec, sets
 
 
@@ -138,7 +142,7 @@ def test_speculative_stage_records_paired_interleaved_repeats(stages):
             assert sorted(map(str, b["order"])) == ["1", "2", "3", "greedy"]  # one block: all of them
             assert b["greedy_s"] > 0 and set(map(int, b["spec_s"])) == {1, 2, 3}
         assert blocks[0]["order"] != blocks[1]["order"]  # the order rotates between repeats
-        assert blocks[0]["order"] == ev.timing_order(["greedy", 1, 2, 3], i, 0)
+        assert blocks[0]["order"] == timing_order(["greedy", 1, 2, 3], i, 0)
         for k in ("1", "2", "3"):
             pairs = [b["greedy_s"] / b["spec_s"][k] for b in blocks]
             assert row["k"][k]["speedup_samples"] == pytest.approx(pairs)
@@ -153,15 +157,15 @@ def test_speculative_stage_records_paired_interleaved_repeats(stages):
 
 def test_timing_order_rotates_every_configuration_through_every_slot():
     cfgs = ["greedy", 1, 2, 3]
-    orders = [ev.timing_order(cfgs, 0, r) for r in range(4)]
+    orders = [timing_order(cfgs, 0, r) for r in range(4)]
     assert orders[0] == cfgs and orders[1] == [1, 2, 3, "greedy"]
     for slot in range(4):
         assert {o[slot] for o in orders} == set(cfgs)
-    assert ev.timing_order(cfgs, 1, 0) == ev.timing_order(cfgs, 0, 1)  # the next prompt starts one on
+    assert timing_order(cfgs, 1, 0) == timing_order(cfgs, 0, 1)  # the next prompt starts one on
 
 
 def test_tau_per_domain_with_intervals_in_the_stages_the_summary_and_the_report(stages, tmp_path):
-    from eaglet.eval.summary import summarise
+    from eaglet.eval.eval_summary import summarise
     from eaglet.report import plots
 
     out, off, spec, _ = stages
@@ -189,14 +193,14 @@ def test_tau_per_domain_with_intervals_in_the_stages_the_summary_and_the_report(
 def test_both_temperatures_in_the_matrix_the_sampling_figures_and_the_summary(stages):
     """T = 0 keeps today's figures; T = 1 adds the expected chain offline and the measured sampling
     loop, and every stage's matrix rows reach summary.json, per set, per domain, per k."""
-    from eaglet.eval import stats as eval_stats
-    from eaglet.eval.summary import summarise
+    from eaglet.eval import stats
+    from eaglet.eval.eval_summary import summarise
 
     out, off, spec, _ = stages
     assert off["options"]["temperatures"] == [0.0, 1.0] and [s["temperature"] for s in off["sampling"]] == [1.0]
     rows = json.loads((out / "offline.json").read_text())["matrix"] + \
         json.loads((out / "speculative.json").read_text())["matrix"]
-    assert all(tuple(r) == eval_stats.MATRIX_KEYS for r in rows)
+    assert all(tuple(r) == stats.MATRIX_KEYS for r in rows)
     cells = {(r["engine"], r["temperature"]) for r in rows}
     assert cells == {("chain", 0.0), ("expected", 1.0), ("hf_loop", 0.0), ("hf_loop", 1.0)}
     domains = set(off["domains"]) | {"all"}
@@ -242,12 +246,12 @@ def test_expected_acceptance_of_a_given_text_is_that_of_the_stage_s_own_sample(s
 
     out, off, _, sets = stages
     ident = Path(tiny_target["path"]).parent / "identity.json"
-    o = ev._options(OPTS)
+    o = hf_options(OPTS)
     _, target, proposer, _, tok = setup(tiny_drafter, ident, 1)
     prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"], {})[:2]
     mine = [p["sampling"]["1.0"] for p in off["per_prompt"][:2]]
     rows = [{} for _ in prompts]
-    got = ev.offline_sampling(target, proposer, prompts, rows, 3, 16, 1.0, o, texts=[m["tokens"] for m in mine])
+    got = offline_sampling(target, proposer, prompts, rows, 3, 16, 1.0, o, texts=[m["tokens"] for m in mine])
     for r, m in zip(rows, mine):
         assert r["sampling"]["1.0"]["tokens"] == m["tokens"]
         for k in (1, 2, 3):
@@ -255,35 +259,35 @@ def test_expected_acceptance_of_a_given_text_is_that_of_the_stage_s_own_sample(s
             assert n == n0 and a == pytest.approx(a0, rel=1e-4)
     assert got["temperature"] == 1.0 and got["overall"]["prompts"] == 2
     other = [m["tokens"][::-1] for m in mine]
-    ev.offline_sampling(target, proposer, prompts, rows, 3, 16, 1.0, o, texts=other)
+    offline_sampling(target, proposer, prompts, rows, 3, 16, 1.0, o, texts=other)
     assert rows[0]["sampling"]["1.0"]["tokens"] == other[0]
     assert rows[0]["sampling"]["1.0"]["expected"][1][0] != pytest.approx(mine[0]["expected"][1][0], rel=1e-4)
 
 
 def test_a_lossy_loop_fails_the_stage(tiny_target, tiny_drafter, tmp_path, monkeypatch):
-    real = ev.speculative
 
     def lossy(target, proposer, prompt, k, max_new):
-        r = real(target, proposer, prompt, k, max_new)
+        r = speculative(target, proposer, prompt, k, max_new)
         r["tokens"][3] = (r["tokens"][3] + 1) % 1000  # a rollback bug would look like this
         return r
 
-    monkeypatch.setattr(ev, "speculative", lossy)
+    monkeypatch.setattr("eaglet.eval.evaluate_speculative.speculative", lossy)
     ident = Path(tiny_target["path"]).parent / "identity.json"
-    with pytest.raises(ev.LosslessError, match="not lossless"):
-        ev.evaluate_speculative(tiny_drafter, ident, ["mtbench"], tmp_path, threads=1,
-                                num_prompts=1, max_new_tokens=8, k_values=[2])
+    with pytest.raises(LosslessError, match="not lossless"):
+        evaluate_speculative(tiny_drafter, ident, ["mtbench"], tmp_path, threads=1,
+                             num_prompts=1, max_new_tokens=8, k_values=[2])
     rep = json.loads((tmp_path / "speculative.failed.json").read_text())
     assert rep["lossless"]["mismatches"][0]["index"] == 3 and not (tmp_path / "speculative.json").exists()
 
 
 def test_cli_help():
-    r = subprocess.run([sys.executable, "-m", "eaglet.eval.evaluate", "--help"], capture_output=True, text=True)
-    assert r.returncode == 0 and "offline" in r.stdout
+    for stage in ("evaluate_offline", "evaluate_speculative", "evaluate_modes"):
+        r = subprocess.run([sys.executable, "-m", f"eaglet.eval.{stage}", "--help"], capture_output=True, text=True)
+        assert r.returncode == 0 and "--drafter" in r.stdout and "num_prompts" in r.stdout, (stage, r.stderr)
 
 
 def test_summary_writes_headline_agreement_and_plots(stages):
-    from eaglet.eval.summary import PLOTS, summarise
+    from eaglet.eval.eval_summary import PLOTS, summarise
 
     out, off, spec, _ = stages
     res = summarise(out)
@@ -305,7 +309,7 @@ def test_summary_plots_are_never_half_written(stages, tmp_path, monkeypatch):
     would otherwise see a finished file): plots go to a temporary file that is renamed."""
     import matplotlib.figure
 
-    from eaglet.eval.summary import PLOTS, summarise
+    from eaglet.eval.eval_summary import PLOTS, summarise
 
     out, _, _, _ = stages
     for f in out.iterdir():
@@ -325,7 +329,7 @@ def test_summary_plots_are_never_half_written(stages, tmp_path, monkeypatch):
 
 
 def test_summary_reports_a_replay_mismatch(stages, tmp_path):
-    from eaglet.eval.summary import agreement
+    from eaglet.eval.eval_summary import agreement
 
     out, _, _, _ = stages
     for f in ("offline_rounds.parquet", "offline_positions.parquet"):
@@ -345,7 +349,7 @@ def test_hf_loop_auto_skips_a_target_too_big_and_the_summary_says_not_run(tmp_pa
     first thing they log), and the summary reports the HF-loop figures as not run, not as a pass."""
     import logging
 
-    from eaglet.eval import summary as eval_summary
+    from eaglet.eval import eval_summary
     from eaglet.planner import plan
     from eaglet.workflow import summary
 
@@ -363,12 +367,12 @@ def test_hf_loop_auto_skips_a_target_too_big_and_the_summary_says_not_run(tmp_pa
 
     out = tmp_path / "eval"
     out.mkdir()
-    with caplog.at_level(logging.INFO, logger="eaglet.eval.evaluate"):
+    with caplog.at_level(logging.INFO, logger="eaglet.eval.evaluate_offline"):
         # no drafter or identity is read: the paths do not exist
-        off = ev.evaluate_offline(tmp_path / "none.safetensors", tmp_path / "none.json", ["mtbench"], out,
-                                  hf_loop=run, hf_loop_reason=why)
-        spec = ev.evaluate_speculative(tmp_path / "none.safetensors", tmp_path / "none.json", ["mtbench"], out,
-                                       hf_loop=run, hf_loop_reason=why)
+        off = evaluate_offline(tmp_path / "none.safetensors", tmp_path / "none.json", ["mtbench"], out,
+                               hf_loop=run, hf_loop_reason=why)
+        spec = evaluate_speculative(tmp_path / "none.safetensors", tmp_path / "none.json", ["mtbench"], out,
+                                    hf_loop=run, hf_loop_reason=why)
     assert caplog.records[0].getMessage() == f"HF loop not run (evaluate_offline): {why}"
     for res, name in ((off, "offline.json"), (spec, "speculative.json")):
         assert res["status"] == "not run" and io.read_json(out / name)["hf_loop_reason"] == why
@@ -392,7 +396,7 @@ def test_each_mode_is_the_offline_stage_rendered_its_way_and_a_switch_the_templa
     sets = [heldout_parquet(tmp_path)]
     opts = {**OPTS, "chat_template": QWEN3_TEMPLATE, "k_values": [1, 2], "temperatures": [0.0, 1.0]}
     modes = {"thinking": {"enable_thinking": True}, "no_thinking": {"enable_thinking": False}}
-    res = ev.evaluate_modes(tiny_drafter, ident, sets, tmp_path / "m", modes=modes, threads=1, **opts)
+    res = evaluate_modes(tiny_drafter, ident, sets, tmp_path / "m", modes=modes, threads=1, **opts)
     assert json.loads((tmp_path / "m" / "modes.json").read_text())["modes"].keys() == modes.keys()
     on, off = res["modes"]["thinking"], res["modes"]["no_thinking"]
     assert off["prompt_tail"].endswith("<think>\n\n</think>\n\n") and "</think>" not in on["prompt_tail"]
@@ -400,12 +404,12 @@ def test_each_mode_is_the_offline_stage_rendered_its_way_and_a_switch_the_templa
     assert {(r["mode"], r["engine"], r["temperature"]) for r in res["matrix"] if r["k"] == 2 and r["set"] == "all"} \
         == {(m, e, t) for m in modes for e, t in (("chain", 0.0), ("expected", 1.0))}
     # a mode is exactly the offline stage with that mode's keyword arguments
-    alone = ev.evaluate_offline(tiny_drafter, ident, sets, tmp_path / "o", threads=1,
-                                **{**opts, "chat_template_kwargs": {"enable_thinking": False}})
+    alone = evaluate_offline(tiny_drafter, ident, sets, tmp_path / "o", threads=1,
+                             **{**opts, "chat_template_kwargs": {"enable_thinking": False}})
     assert off["tau_chain"] == alone["overall"]["tau_chain"]
     assert off["expected"]["1.0"] == alone["sampling"][0]["overall"]["tau"]
     # the default tiny template has no thinking switch: two modes rendering alike are refused
     with pytest.raises(ValueError, match="render every prompt identically.*enable_thinking"):
-        ev.evaluate_modes(tiny_drafter, ident, sets, tmp_path / "x", modes=modes, threads=1,
-                          **{**opts, "chat_template": None})
+        evaluate_modes(tiny_drafter, ident, sets, tmp_path / "x", modes=modes, threads=1,
+                       **{**opts, "chat_template": None})
     assert not (tmp_path / "x" / "modes.json").exists()

@@ -67,14 +67,14 @@ def test_vllm_schedule_rotates_like_the_hf_loop_and_pairs_within_blocks():
     """Every block holds plain and every (k, T), rotated as the HF loop rotates its blocks; a speedup
     sample is plain s/token over spec s/token of one block at one temperature (at T > 0 the two
     outputs may differ in length), and per prompt the median of its samples."""
-    from eaglet.eval import evaluate as ev
-    from eaglet.eval import evaluate_vllm as evv
+    from eaglet.eval import evaluate_speculative, evaluate_vllm
 
     for n in range(1, 6):
         for i in range(7):
             for r in range(3):
-                assert evv.timing_order(list(range(n)), i, r) == ev.timing_order(list(range(n)), i, r)
-    blocks = evv.schedule(3, [2, 3], [0.0, 1.0], 2)
+                assert evaluate_vllm.timing_order(list(range(n)), i, r) == \
+                    evaluate_speculative.timing_order(list(range(n)), i, r)
+    blocks = evaluate_vllm.schedule(3, [2, 3], [0.0, 1.0], 2)
     assert [(b["prompt"], b["repeat"]) for b in blocks] == [(i, r) for i in range(3) for r in range(2)]
     want = {("plain", 0.0), ("plain", 1.0), ("k2", 0.0), ("k2", 1.0), ("k3", 0.0), ("k3", 1.0)}
     firsts = set()
@@ -89,7 +89,7 @@ def test_vllm_schedule_rotates_like_the_hf_loop_and_pairs_within_blocks():
         {"prompt": 0, "repeat": r, "calls": [
             _call("plain", 0.0, 2.0, [1] * 10), _call("k2", 0.0, 1.0 + r, [1] * 10, [5, 3], 6),
             _call("plain", 1.0, 2.0, [1] * 10), _call("k2", 1.0, 1.0, [2] * 5, [2, 0], 4)]} for r in range(3)]}
-    row, = evv.per_prompt_rows(run, PROMPTS)
+    row, = evaluate_vllm.per_prompt_rows(run, PROMPTS)
     assert row["speedup_samples"]["k2@T0"] == pytest.approx([2.0, 1.0, 2 / 3]) and row["speedup"]["k2@T0"] == 1.0
     assert row["speedup_samples"]["k2@T1"] == [1.0] * 3  # 0.2 s/token both sides
     assert row["counts"]["k2@T0"] == (24, 18) and row["counts"]["k2@T1"] == (6, 12)  # summed over repeats
@@ -100,20 +100,20 @@ def test_other_processes_cpu_share_comes_from_the_runners_readings_and_guards_th
     """vLLM computes in processes eaglet does not wait for, so the runner reads the CPUs' busy time
     and its own process tree's; other processes' share is the difference. Over the threshold, no
     speedup claims a conclusion, however narrow its interval."""
-    from eaglet.eval import evaluate_vllm as evv
+    from eaglet.eval import evaluate_vllm
 
     def reading(t, busy, tree):
         return {"t": t, "cpus": 2, "busy_s": busy, "tree_s": tree}
 
-    busy = evv.other_load({"start": reading(0, 0, 0), "end": reading(10, 15, 8)})  # (15 - 8) / (10 x 2)
+    busy = evaluate_vllm.other_load({"start": reading(0, 0, 0), "end": reading(10, 15, 8)})  # (15 - 8) / (10 x 2)
     assert busy["other_cpu_share"] == 0.35 and busy["busy"] and "too busy" in busy["note"]
-    quiet = evv.other_load({"start": reading(0, 0, 0), "end": reading(10, 19, 18)})
+    quiet = evaluate_vllm.other_load({"start": reading(0, 0, 0), "end": reading(10, 19, 18)})
     assert quiet["other_cpu_share"] == 0.05 and not quiet["busy"]
-    assert evv.other_load({})["other_cpu_share"] is None
+    assert evaluate_vllm.other_load({})["other_cpu_share"] is None
     rows = [{"speedup": {"k2@T0": x}, "speedup_samples": {"k2@T0": [x]}} for x in (1.50, 1.52, 1.49, 1.51)]
-    ok, = evv.speedups(rows, [2], [0.0], OPTS, quiet, False)
+    ok, = evaluate_vllm.speedups(rows, [2], [0.0], OPTS, quiet, False)
     assert ok["conclusive"] and ok["samples"] == 4
-    not_ok, = evv.speedups(rows, [2], [0.0], OPTS, busy, False)
+    not_ok, = evaluate_vllm.speedups(rows, [2], [0.0], OPTS, busy, False)
     assert not not_ok["conclusive"] and "too busy" in not_ok["note"]
 
 
@@ -127,7 +127,7 @@ def offline_json(tiny_target, tiny_drafter, tmp_path_factory):
     """offline.json on the tiny target (the chain replay the vLLM stage is tested against)."""
     import torch
 
-    from eaglet.eval import evaluate as ev
+    from eaglet.eval.evaluate_offline import evaluate_offline
 
     held = tmp_path_factory.mktemp("heldout") / "heldout.parquet"
     io.write_conversations(held, [{"id": f"h{i}", "source": "heldout", "messages": [{"role": "user", "content": q}]}
@@ -137,8 +137,8 @@ def offline_json(tiny_target, tiny_drafter, tmp_path_factory):
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # two threads spin-wait each other on a busy 2-core machine
     try:
-        ev.evaluate_offline(tiny_drafter, Path(tiny_target["path"]).parent / "identity.json", sets, out, threads=1,
-                            num_prompts=NUM, max_new_tokens=16, k_values=[1, 2, 3])
+        evaluate_offline(tiny_drafter, Path(tiny_target["path"]).parent / "identity.json", sets, out, threads=1,
+                         num_prompts=NUM, max_new_tokens=16, k_values=[1, 2, 3])
     finally:
         torch.set_num_threads(n)
     return out / "offline.json", sets

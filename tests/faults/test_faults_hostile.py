@@ -280,7 +280,7 @@ def test_hostile_config_strings_execute_nothing(tmp_path, monkeypatch):
     # generate, vocab (pinned), evaluation, tokenize and provenance (the whole config); the target's
     # and generate's backend settings are read from the files a run writes when it starts (intact
     # there: a preview writes them only under EAGLET_PREVIEW_SETTINGS).
-    assert {"eaglet.data.prompts", "eaglet.generate.generate", "eaglet.data.vocab", "eaglet.eval.evaluate",
+    assert {"eaglet.data.prompts", "eaglet.generate.generate", "eaglet.data.vocab", "eaglet.eval.evaluate_offline",
             "eaglet.eval.evaluate_vllm",
             "eaglet.data.tokenize", "eaglet.report.provenance"} <= modules, modules
     assert not (wf / "logs" / "smoke" / "config").exists()
@@ -292,7 +292,7 @@ def test_hostile_config_strings_execute_nothing(tmp_path, monkeypatch):
     assert json.loads(provenance[provenance.index("--config-json") + 1])["vocab"]["pinned"] == [evil]
     assert conf["target"]["chat_template"] in holding or f"--chat-template={conf['target']['chat_template']}" in holding
     assert f"--path={tmp_path / evil / 'data.jsonl'}" in holding and evil in holding
-    modes = next(c for c in calls if c[:3] == ["-m", "eaglet.eval.evaluate", "modes"])
+    modes = next(c for c in calls if c[:2] == ["-m", "eaglet.eval.evaluate_modes"])
     assert json.loads(modes[modes.index("--modes") + 1])["a"] == {"k": evil}
 
     # (2) A real job: the prompts rule reads the file at that path and records it.

@@ -141,12 +141,12 @@ def test_training_learns_and_writes_outputs(tiny_target, data, trained):
 
 
 def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_target, data, trained):
-    """The trainer's validation ``chain_tau_k`` is the exact greedy-chain τ: eaglet.eval.evaluate's
+    """The trainer's validation ``chain_tau_k`` is the exact greedy-chain τ: eaglet.eval.evaluate_offline's
     offline simulator (the target's greedy continuation of each held-out prompt, K drafts from
     every position, the rounds replayed) with the saved drafter gives the same counts. The saved
     weights are those of the best validation chain τ, and that is what the summary reports."""
     from eaglet.drafter.chain import chain_replay, rounds_tau
-    from eaglet.engines import hf_loop as ev
+    from eaglet.engines import hf_loop
     from eaglet.workflow.summary import lines as summary_lines
 
     K = PARAMS["ttt_steps"]
@@ -160,14 +160,14 @@ def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_
     assert s["best_val"]["tf_tau"] == best.tf_tau and "tau" not in s["best_val"]
 
     drafter, _, d2t, _ = load_drafter(tmp_path / "train" / "drafter.safetensors", tiny_target)
-    target = ev.Target(data["model"], LAYERS, eos_ids=set())
-    proposer = ev.EagleProposer(drafter, d2t)
+    target = hf_loop.Target(data["model"], LAYERS, eos_ids=set())
+    proposer = hf_loop.EagleProposer(drafter, d2t)
     ds = HiddenStateDataset(data["index"])
     rounds = {k: [] for k in range(1, K + 1)}
     P = 4  # the fixture's prompt length; the rest of each sample is the greedy continuation
     for i in (i for i, sid in enumerate(ds.ids) if is_val(sid, PARAMS["val_fraction"])):
         x = ds.sample(i)["input_ids"].tolist()
-        r = ev.offline_prompt(target, proposer, x[:P], K, len(x) - P)
+        r = hf_loop.offline_prompt(target, proposer, x[:P], K, len(x) - P)
         assert r["tokens"] == x[P:]  # the stored data is the target's greedy continuation
         accepted = [0] + [st["accepted"] for st in r["starts"]]
         for k in rounds:

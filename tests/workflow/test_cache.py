@@ -316,7 +316,7 @@ def test_vocab_and_drafter_are_checked_against_their_producers_record(tiny_targe
     """train refuses a vocab.safetensors, export and evaluate a drafter.safetensors, whose sha256
     is not the one its producing stage recorded (vocab.json, train_summary.json)."""
     from eaglet.data import freq, tokenize, vocab
-    from eaglet.eval import evaluate
+    from eaglet.eval import evaluate_offline
     from eaglet.export import export
     from eaglet.train import train
 
@@ -338,7 +338,7 @@ def test_vocab_and_drafter_are_checked_against_their_producers_record(tiny_targe
     io.write_json(d.with_name("train_summary.json"), {io.DIGESTS_KEY: io.record_digests(d.parent, [d.name])})
     flip_last_byte(d)
     with pytest.raises(io.ArtifactError, match=r"drafter\.safetensors: sha256 differs"):
-        evaluate.main(["offline", "--drafter", str(d), "--identity", str(ident), "--out-dir", str(tmp_path / "e")])
+        evaluate_offline.main(["--drafter", str(d), "--identity", str(ident), "--out-dir", str(tmp_path / "e")])
     with pytest.raises(SystemExit):
         export.main(["--drafter", str(d), "--identity", str(ident), "--out", str(tmp_path / "x"),
                      "--train-summary", str(d.with_name("train_summary.json")), "--log", str(tmp_path / "x.log")])
@@ -372,8 +372,7 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
 
     from eaglet.base import datasets as eval_sets
     from eaglet.data import freq, prompts, tokenize, vocab
-    from eaglet.eval import evaluate, evaluate_vllm
-    from eaglet.eval import summary as eval_summary
+    from eaglet.eval import eval_summary, evaluate_vllm, hf_stage
     from eaglet.generate import generate
     from eaglet.report import plots
 
@@ -434,9 +433,9 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
     # evaluate -> eval_summary (the stages' own writer, as when the HF loop is off)
     ev = tmp_path / "eval"
     o = {"hf_loop_reason": "test"}
-    evaluate.hf_loop_not_run("evaluate_offline", ev, o, "offline.json",
+    hf_stage.hf_loop_not_run("evaluate_offline", ev, o, "offline.json",
                              ("offline_positions.parquet", "offline_rounds.parquet"))
-    evaluate.hf_loop_not_run("evaluate_speculative", ev, o, "speculative.json", ("speculative_rounds.parquet",))
+    hf_stage.hf_loop_not_run("evaluate_speculative", ev, o, "speculative.json", ("speculative_rounds.parquet",))
     eval_summary.main(["--eval-dir", str(ev)])  # intact, it reads
     for name in eval_summary.RECORDED:
         original = (ev / name).read_bytes()

@@ -92,7 +92,8 @@ def test_a_rule_runs_a_module_of_its_rule_files_package():
         if r["stage"]:
             assert package_of(r["stage"]) == r["file"], f"rule {name} ({r['file']}.smk) runs eaglet.{r['stage']}"
     assert {"data.target_model", "data.prompts", "data.tokenize", "data.freq", "data.vocab", "features.extract",
-            "train.train", "export.export", "eval.evaluate", "eval.evaluate_vllm", "eval.summary",
+            "train.train", "export.export", "eval.evaluate_offline", "eval.evaluate_speculative", "eval.evaluate_modes",
+            "eval.evaluate_vllm", "eval.regenerated", "eval.eval_summary",
             "generate.generate", "report.plots", "report.provenance"} <= STAGES, STAGES
     assert STAGES <= set(code_inputs.modules())
 

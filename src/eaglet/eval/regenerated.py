@@ -16,7 +16,7 @@ drafter drafts from every verified start:
 - T = 0: the exact greedy chain: how many of its k drafts match the text, replayed round by round
   (eaglet.drafter.chain.chain_replay), τ = 1 + accepted / rounds. Along the target's greedy text this
   is what serving accepts.
-- T > 0: the expected acceptance (eaglet.eval.evaluate.offline_sampling along the given texts): α =
+- T > 0: the expected acceptance (eaglet.eval.evaluate_offline.offline_sampling along the given texts): α =
   Σ_x min(p(x), q(x)) per draft position, the expected chain Σ_{j<k} Π_{i<=j} α_i per start.
 
 τ per set and per domain with intervals over prompts; the rows go to the results matrix as engine
@@ -34,15 +34,18 @@ from pathlib import Path
 from eaglet.base import datasets, io
 from eaglet.drafter.chain import accepted_prefix, chain_replay, prompt_chain
 from eaglet.engines.hf_loop import setup
-from eaglet.eval import stats as eval_stats
-from eaglet.eval.evaluate import offline_sampling
+from eaglet.eval import stats
+from eaglet.eval.evaluate_offline import offline_sampling
+from eaglet.eval.options import resolve, target_load
 
 log = logging.getLogger("eaglet.eval.regenerated")
 
 ENGINE = "regen"
-DEFAULTS = dict(k_values=[1, 2, 3], seed=0, confidence=0.95, max_relative_width=0.5, chat_template=None,
-                chat_template_kwargs={}, hf_loop=True, hf_loop_reason=None, dtype="float32", device="auto",
-                trust_remote_code=False)
+# The settings it takes (eval.smk's REGEN_OPTS), by the schema settings that give their defaults
+# (eaglet.eval.options), beside the HF loop's verdict and reason (``regenerated_options``)
+SETTINGS = ("evaluate.k_values", "evaluate.seed", "evaluate.confidence", "evaluate.max_relative_width",
+            "target.chat_template", "generate.chat_template_kwargs", "target.dtype", "target.device",
+            "target.trust_remote_code")
 
 
 def texts(answers: str | Path, tok, template_kwargs: dict | None) -> dict[float, list[dict]]:
@@ -79,7 +82,7 @@ def greedy_along(target, proposer, prompt: list[int], tokens: list[int], K: int)
 
 
 def _ci(rows: list[dict], k: int, o: dict) -> dict:
-    return eval_stats.tau_interval([tuple(r["chain"][k]) for r in rows], o["confidence"], o["max_relative_width"])
+    return stats.tau_interval([tuple(r["chain"][k]) for r in rows], o["confidence"], o["max_relative_width"])
 
 
 def greedy_scores(target, proposer, rows: list[dict], ks: list[int], o: dict) -> dict:
@@ -100,12 +103,14 @@ def greedy_scores(target, proposer, rows: list[dict], ks: list[int], o: dict) ->
             "overall": group(rows), "sets": sets, "domains": domains}
 
 
+def regenerated_options(given: dict | None) -> dict:
+    # the HF loop's verdict and its reason come from the workflow; a direct call runs the loop
+    return resolve("regenerated", SETTINGS, given, extra={"hf_loop": True, "hf_loop_reason": None})
+
+
 def score(drafter: str | Path, identity: str | Path, answers: str | Path, out: str | Path,
           generation: str | Path | None = None, threads: int | None = None, **opts) -> dict:
-    o = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
-    unknown = set(o) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"regenerated: unknown options {sorted(unknown)}")
+    o = regenerated_options(opts)
     ks = sorted({int(k) for k in o["k_values"]})
     gen = io.read_json(generation) if generation else None
     texts_from = {"answers": str(answers), **({k: gen.get(k) for k in ("regenerated", "errors", "completion_tokens",
@@ -117,8 +122,7 @@ def score(drafter: str | Path, identity: str | Path, answers: str | Path, out: s
                "temperatures": [], "matrix": []}
         io.write_json(out, res)
         return res
-    load = {k: o[k] for k in ("dtype", "device", "trust_remote_code")}
-    _ident, target, proposer, _cfg, tok = setup(drafter, identity, threads, True, o["chat_template"], load)
+    _ident, target, proposer, _cfg, tok = setup(drafter, identity, threads, True, o["chat_template"], target_load(o))
     t0 = time.time()
     by_t = texts(answers, tok, o["chat_template_kwargs"])
     if not by_t:
@@ -139,7 +143,7 @@ def score(drafter: str | Path, identity: str | Path, answers: str | Path, out: s
             doms = r["domains"]
         r["answers"], r["tokens"] = len(rows), sum(len(x["tokens"]) for x in rows)
         results.append(r)
-        matrix += eval_stats.matrix_rows(ENGINE, temp, ks, ov, sets, doms)
+        matrix += stats.matrix_rows(ENGINE, temp, ks, ov, sets, doms)
         log.info("T=%g: %d answers, %d tokens, tau %s", temp, r["answers"], r["tokens"],
                  {k: round(ov["tau"][k]["estimate"] or 1, 3) for k in ks})
     res = {"stage": "evaluate_regenerated", "texts": texts_from, "k_values": ks, "temperatures": results,
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--identity", required=True)
     p.add_argument("--answers", required=True, help="generate_eval/conversations.parquet")
     p.add_argument("--generation", default=None, help="generate_eval/generate_summary.json (its figures are carried)")
-    p.add_argument("--config", default=None, help="JSON options: " + ", ".join(DEFAULTS))
+    p.add_argument("--config", default=None, help="JSON options: " + ", ".join(regenerated_options({})))
     p.add_argument("--out", required=True)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--log", default=None)

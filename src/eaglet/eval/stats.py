@@ -181,7 +181,7 @@ def z_critical(alpha: float, m: int) -> float:
 
 # --------------------------------------------------------------------------- the results matrix
 # One row per engine x temperature x k x set x domain, written by every evaluation stage (offline.json,
-# speculative.json, vllm.json: a list ``matrix``) and concatenated by eaglet.eval.summary. engine:
+# speculative.json, vllm.json: a list ``matrix``) and concatenated by eaglet.eval.eval_summary. engine:
 # "chain" (the exact greedy chain offline, T = 0), "expected" (Σ min(p, q) offline, T > 0),
 # "hf_loop" (measured in the HF loop), "vllm" (measured in vLLM). ``set``/``domain`` are ALL for
 # the rows over a whole set or over every prompt; ``ci`` is [lo, hi] over prompts or null.

@@ -1,7 +1,7 @@
 """The hidden-state shard format (docs/artifacts.md, "Hidden states"): writer and reader (the
 reader, HiddenStateDataset, lives in eaglet.hidden.reader and is re-exported here).
 
-Shared by ``eaglet.features.extract`` (writes) and ``eaglet.train.train`` / ``eaglet.eval.evaluate`` (read).
+Shared by ``eaglet.features.extract`` (writes) and ``eaglet.train.train`` / ``eaglet.eval.evaluate_offline`` (read).
 
 A shard folder holds ``chunk_{j:05d}.safetensors`` files, each the concatenated tokens of whole
 samples, and ``index.json``. While a shard is being written, ``progress.json`` (same fields,

@@ -141,7 +141,7 @@ def domain_table(summary: dict) -> str:
 
 def matrix_table(summary: dict) -> str:
     """summary.json's results matrix: τ per domain × k × T × engine with its interval over prompts
-    (eaglet.eval.summary gathers the rows; "all" = a whole set or every prompt)."""
+    (eaglet.eval.eval_summary gathers the rows; "all" = a whole set or every prompt)."""
     import html
 
     rows = summary.get("matrix") or []

@@ -1,7 +1,7 @@
-"""Summarise the evaluation: headline figures, offline-vs-real agreement, the draft-length
+"""Rule eval_summary: summarise the evaluation: headline figures, offline-vs-real agreement, the draft-length
 recommendation with the table behind it, and the plots for the report.
 
-    python -m eaglet.eval.summary --eval-dir results/RUN/eval [--vllm results/RUN/eval/vllm.json] \
+    python -m eaglet.eval.eval_summary --eval-dir results/RUN/eval [--vllm results/RUN/eval/vllm.json] \
         [--config '{"tie_eps": 1e-5, "headline_k": 3}'] [--log LOG]
 
 Reads offline.json, speculative.json (+ their rounds/positions Parquet) and, when given, vllm.json
@@ -18,7 +18,7 @@ Recommendation: expected speedup(k) = τ(k) · c_target(1) / (c_target(k+1) + k 
 the offline acceptance length from every position (measured acceptance per position) and the costs
 the median measured forward times of the HF loop: one target decode step, one verify forward of
 k+1 tokens, one drafter step; so k breaks even at τ_k = (c_target(k+1) + k · c_draft) / c_target(1).
-A k pays when its measured speedup (median of paired timings, eaglet.eval.evaluate) is above 1 (the
+A k pays when its measured speedup (median of paired timings, eaglet.eval.evaluate_speculative) is above 1 (the
 prediction stands in where k was not timed). When no k pays, the recommendation is "do not
 speculate on this hardware", with each k's break-even τ beside the τ the drafter reaches; otherwise
 the paying k with the highest expected speedup, and whether its measured interval is conclusive.
@@ -40,11 +40,18 @@ from pathlib import Path
 import pandas as pd
 
 from eaglet.base import io
-from eaglet.eval import stats as eval_stats
+from eaglet.eval import stats
+from eaglet.eval.options import resolve
 
-log = logging.getLogger("eaglet.eval.summary")
+log = logging.getLogger("eaglet.eval.eval_summary")
 
-DEFAULTS = dict(tie_eps=1e-5, headline_k=3, tau_goal=2.5, speedup_goal=1.5)
+# The settings it takes (eval.smk's rule eval_summary), by the schema settings that give their
+# defaults (eaglet.eval.options)
+SETTINGS = ("evaluate.tie_eps", "evaluate.headline_k")
+# The goals the headline is checked against (``goals``): offline τ at the headline k on MT-Bench,
+# the HF loop's best speedup; the project's, no settings
+TAU_GOAL = 2.5
+SPEEDUP_GOAL = 1.5
 PLOTS = ("tau_per_position.png", "tau_per_k.png", "speedup_vs_k.png")
 
 
@@ -112,7 +119,7 @@ def recommend(offline: dict, spec: dict) -> dict:
             cv = verify_cost(costs, k + 1)
             row["verify_over_step"] = cv / c1
             row["draft_over_step"] = cd / c1
-            row["break_even_tau"] = eval_stats.break_even_tau(cv, k, cd, c1)
+            row["break_even_tau"] = stats.break_even_tau(cv, k, cd, c1)
             if tau is not None:
                 row["predicted_speedup"] = tau * c1 / (cv + k * cd)
         # measured where timed (a median below 1 never pays, whatever its interval), else predicted
@@ -170,7 +177,7 @@ def results_matrix(*stages: dict | None) -> list[dict]:
 
 def _log_matrix(rows: list[dict]) -> None:
     if rows:
-        table = eval_stats.matrix_table(rows)
+        table = stats.matrix_table(rows)
         log.info("results matrix (tau; interval over prompts):\n%s", table)
         print(table)
 
@@ -206,9 +213,9 @@ def headline(offline: dict, spec: dict, vllm: dict | None, agree: dict, rec: dic
         h["vllm_plain_equals_hf_greedy"] = f"{ag['identical']}/{ag['prompts']} prompts" if ag else None
         h["vllm_agrees_with_offline"] = not vllm["disagreements"]
     mt = h["tau_offline"].get("mtbench")
-    h["goals"] = {f"tau_k{k}_mtbench>={o['tau_goal']}": None if mt is None else mt >= o["tau_goal"],
-                  f"speedup>={o['speedup_goal']}": None if h["best_speedup_hf_loop"] is None
-                  else h["best_speedup_hf_loop"] >= o["speedup_goal"]}
+    h["goals"] = {f"tau_k{k}_mtbench>={TAU_GOAL}": None if mt is None else mt >= TAU_GOAL,
+                  f"speedup>={SPEEDUP_GOAL}": None if h["best_speedup_hf_loop"] is None
+                  else h["best_speedup_hf_loop"] >= SPEEDUP_GOAL}
     return h
 
 
@@ -341,14 +348,18 @@ def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: di
     return res
 
 
+def summary_options(given: dict | None) -> dict:
+    return resolve("eval_summary", SETTINGS, given)
+
+
 def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_curve: str | Path | None = None,
               regenerated: str | Path | None = None, modes: str | Path | None = None, **opts) -> dict:
     """``learning_curve``: eaglet.learning_curve.learning_curve's JSON (plan.learning_curve), carried
     into the summary. ``regenerated``: eaglet.eval.regenerated's JSON: its matrix rows (engine
     ``regen``) join the matrix, and what was regenerated (answers, tokens, tok/s) goes to
-    ``regenerated``. ``modes``: eaglet.eval.evaluate modes' JSON: each chat-template mode's figures
+    ``regenerated``. ``modes``: eaglet.eval.evaluate_modes' JSON: each chat-template mode's figures
     go to ``modes``, its matrix rows (with their ``mode``) to ``modes_matrix``."""
-    o = {**DEFAULTS, **{k: v for k, v in opts.items() if v is not None}}
+    o = summary_options(opts)
     out = Path(eval_dir)
     offline, spec = io.read_json(out / "offline.json"), io.read_json(out / "speculative.json")
     vl = io.read_json(vllm) if vllm else None
@@ -406,7 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--regenerated", default=None,
                    help="regenerated.json (optional: the drafter along the target's regenerated answers)")
     p.add_argument("--modes", default=None, help="modes.json (optional: evaluate.modes, per chat-template mode)")
-    p.add_argument("--config", default=None, help="JSON options: " + ", ".join(DEFAULTS))
+    p.add_argument("--config", default=None, help="JSON options: " + ", ".join(summary_options({})))
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)

@@ -1,0 +1,193 @@
+"""Rule evaluate_offline: the exact offline acceptance simulator of a trained drafter on the HF
+target (docs/eagle3.md §7).
+
+    python -m eaglet.eval.evaluate_offline --drafter results/RUN/train/drafter.safetensors \
+        --identity resources/targets/NAME/identity.json --sets '["mtbench"]' \
+        --config '{"num_prompts": 10, "max_new_tokens": 128, "k_values": [1, 2, 3, 4, 5]}' \
+        --out-dir results/RUN/eval [--threads 2] [--log LOG]
+
+Greedy continuation of every prompt with the target (KV cache), capturing the aux hidden states at
+the drafter's layer ids; from every verified position the drafter drafts K = max(k_values) tokens
+(its own hidden states and tokens after step 0, as serving does) and the accepted prefix is
+counted. Writes offline.json (τ for every k from every position, per-position acceptance, and the
+chain replay: exactly what the real loop of evaluate_speculative accepts) and
+offline_positions.parquet / offline_rounds.parquet. τ gets an interval over prompts (seeded
+bootstrap, eaglet.eval.stats), per set and per domain (MT-Bench category, HumanEval, ...).
+
+Temperatures (``temperatures``, default [0.0, 1.0]; docs/eagle3.md §13). T = 0 is always evaluated
+as above: the exact greedy chain; those figures keep their places in offline.json. Each T > 0 adds
+an entry to the list ``sampling``: along the target's own sampled text at T (seeded from ``seed``,
+T and the prompt, eaglet.engines.hf_loop.expected_prompt), from every verified position the
+expected acceptance α = Σ min(p, q) of each draft position; expected τ per k, per draft position,
+per set and domain with intervals. The stage also writes ``matrix``: one row per engine, T, k, set
+and domain (eaglet.eval.stats.matrix_rows) that eval_summary concatenates with the other stages'.
+
+The settings (eaglet.eval.options), the conventions shared with the real loop and the outputs
+when the HF loop does not run (eaglet.eval.hf_stage) are the HF-loop stages' own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from eaglet.base import datasets as eval_sets
+from eaglet.base import io
+from eaglet.drafter.chain import (
+    chain_counts,
+    chain_replay,
+    expected_counts,
+    expected_position_rates,
+    expected_tau,
+    position_rates,
+    prompt_chain,
+    rounds_tau,
+    tau_all_positions,
+)
+from eaglet.engines.hf_loop import expected_prompt, offline_prompt, setup
+from eaglet.eval import stats
+from eaglet.eval.hf_stage import domains, frame, hf_loop_not_run, parser, run, run_generator, tau_ci, tau_se
+from eaglet.eval.options import hf_options, sampled_temperatures, target_load
+
+log = logging.getLogger("eaglet.eval.evaluate_offline")
+
+
+def _offline_stats(starts: list[dict], rounds_by_k: dict, K: int) -> dict:
+    acc, valid = [s["accepted"] for s in starts], [s["valid"] for s in starts]
+    return {"starts": len(starts),
+            "tau": {k: tau_all_positions(acc, valid, k) for k in range(1, K + 1)},
+            "tau_chain": {k: rounds_tau(r) for k, r in rounds_by_k.items()},
+            "tau_chain_se": {k: tau_se(r) for k, r in rounds_by_k.items()},
+            "rounds": {k: len(r) for k, r in rounds_by_k.items()},
+            "chain_per_pos": {k: chain_counts(r) for k, r in rounds_by_k.items()},
+            **position_rates(acc, valid, K)}
+
+
+def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path,
+                     threads: int | None = None, **opts) -> dict:
+    o = hf_options(opts)
+    if not o["hf_loop"]:
+        return hf_loop_not_run("evaluate_offline", out_dir, o, "offline.json",
+                               ("offline_positions.parquet", "offline_rounds.parquet"))
+    ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
+                                               target_load(o))
+    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+                                     o["chat_template_kwargs"])
+    res, pos_rows, round_rows = offline_results(target, proposer, prompts, o)
+    res = {"stage": "evaluate_offline", "drafter": str(drafter), "target": ident["name"],
+           "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "draft_vocab_size": cfg.draft_vocab_size,
+           "options": o, "sets_requested": sets, **res}
+    out = Path(out_dir)
+    io.write_parquet(out / "offline_positions.parquet", frame(pos_rows))
+    io.write_parquet(out / "offline_rounds.parquet", frame(round_rows))
+    # checked by eval_summary (io.verify_recorded)
+    res[io.DIGESTS_KEY] = io.record_digests(out, ["offline_positions.parquet", "offline_rounds.parquet"])
+    io.write_json(out / "offline.json", res)
+    log.info("offline: tau %s (all positions), chain %s", res["overall"]["tau"], res["overall"]["tau_chain"])
+    for smp in res["sampling"]:
+        log.info("offline T=%g: expected tau %s", smp["temperature"], smp["overall"]["tau"])
+    return res
+
+
+def offline_results(target, proposer, prompts: list[dict], o: dict) -> tuple[dict, list[dict], list[dict]]:
+    """The offline figures of ``prompts`` (tokenised as ``o`` renders them): the exact greedy chain
+    at T = 0, the expected chain at each T > 0, and their matrix rows; with the per-position and
+    per-round rows (offline_positions / offline_rounds.parquet)."""
+    K, max_new, eps = max(o["k_values"]), o["max_new_tokens"], o["tie_eps"]
+    t0 = time.time()
+    pos_rows, round_rows, per_set = [], [], defaultdict(lambda: {"starts": [], "rounds": defaultdict(list)})
+    target_ties, per_prompt = 0, []
+    for i, p in enumerate(prompts):
+        r = offline_prompt(target, proposer, p["prompt_ids"], K, max_new)
+        row = {"set": p["set"], "domain": p["domain"], "id": p["id"], "prompt_tokens": len(p["prompt_ids"]),
+               "tokens": r["tokens"], "chain": {}}  # the greedy continuation, for evaluate_vllm
+        per_prompt.append(row)
+        target_ties += sum(m < eps for m in r["target_margins"])
+        for s in r["starts"]:
+            pos_rows.append({"set": p["set"], "id": p["id"], **s})
+        accepted = [0] + [s["accepted"] for s in r["starts"]]
+        for k in o["k_values"]:
+            rr = chain_replay(accepted, len(r["tokens"]), max_new, k)
+            row["chain"][k] = prompt_chain(rr)
+            per_set[p["set"]]["rounds"][k] += rr
+            round_rows += [{"set": p["set"], "id": p["id"], "k": k, "g": g, "k_eff": ke, "accepted": a}
+                           for g, ke, a in rr]
+        per_set[p["set"]]["starts"] += r["starts"]
+        log.info("offline %d/%d %s %s: %d tokens, tau(k=%d) %.2f", i + 1, len(prompts), p["set"], p["id"],
+                 len(r["tokens"]), min(3, K), tau_all_positions([s["accepted"] for s in r["starts"]],
+                                                                [s["valid"] for s in r["starts"]], min(3, K)) or 1)
+    all_starts = [s for v in per_set.values() for s in v["starts"]]
+    all_rounds = {k: [x for v in per_set.values() for x in v["rounds"][k]] for k in o["k_values"]}
+    res = {"K": K, "prompts": len(prompts), "new_tokens": len(all_starts) + len(prompts),
+           "sets": {name: {"prompts": sum(p["set"] == name for p in prompts),
+                           **_offline_stats(v["starts"], v["rounds"], K),
+                           "tau_chain_ci": tau_ci([q for q in per_prompt if q["set"] == name], "chain",
+                                                   o["k_values"], o)}
+                    for name, v in per_set.items()},
+           "overall": {**_offline_stats(all_starts, all_rounds, K),
+                       "tau_chain_ci": tau_ci(per_prompt, "chain", o["k_values"], o)},
+           "domains": domains(per_prompt, "chain", o["k_values"], o),
+           "ties": {"tie_eps": eps, "target_near_ties": target_ties,
+                    "drafter_near_ties": sum(s["drafter_margin"] < eps for s in all_starts)},
+           "seconds": round(time.time() - t0, 2), "per_prompt": per_prompt}
+    res["sampling"] = [offline_sampling(target, proposer, prompts, per_prompt, K, max_new, t, o)
+                       for t in sampled_temperatures(o)]
+    res["matrix"] = offline_matrix(res, o)
+    return res, pos_rows, round_rows
+
+
+def _expected_stats(starts: list[dict], K: int) -> dict:
+    alphas, valid = [s["alpha"] for s in starts], [s["valid"] for s in starts]
+    return {"starts": len(starts), "tau": {k: expected_tau(alphas, valid, k) for k in range(1, K + 1)},
+            **expected_position_rates(alphas, valid, K)}
+
+
+def offline_sampling(target, proposer, prompts: list[dict], per_prompt: list[dict], K: int, max_new: int,
+                     temp: float, o: dict, texts: list[list[int]] | None = None) -> dict:
+    """Expected acceptance at ``temp`` along each prompt's sampled text; the text and the per-prompt
+    (Σ expected accepted, starts) go into ``per_prompt[i]["sampling"][str(temp)]``. ``texts``: one
+    continuation (token ids) per prompt produced elsewhere (e.g. vLLM's at ``temp``) instead of the
+    target's own seeded samples."""
+    rows, starts = [], defaultdict(list)
+    t0 = time.time()
+    for i, p in enumerate(prompts):
+        e = expected_prompt(target, proposer, p["prompt_ids"], K, temp, max_new,
+                            run_generator(o["seed"], "offline", temp, i), tokens=texts[i] if texts else None)
+        alphas, valid = [s["alpha"] for s in e["starts"]], [s["valid"] for s in e["starts"]]
+        exp = {k: list(expected_counts(alphas, valid, k)) for k in range(1, K + 1)}
+        per_prompt[i].setdefault("sampling", {})[str(temp)] = {"tokens": e["tokens"], "expected": exp}
+        rows.append({"set": p["set"], "domain": p["domain"], "expected": exp})
+        starts[p["set"]] += e["starts"]
+    ks = o["k_values"]
+    return {"temperature": temp, "seed": o["seed"], "text": "given" if texts else "sampled by the target, seeded",
+            "estimate": "expected acceptance along the text: alpha = sum_x min(p(x), q(x)), "
+                        "expected accepted at k = sum_{j<k} prod_{i<=j} alpha_i, tau = 1 + mean over starts",
+            "sets": {s: {"prompts": sum(r["set"] == s for r in rows), **_expected_stats(v, K),
+                         "tau_ci": tau_ci([r for r in rows if r["set"] == s], "expected", ks, o)}
+                     for s, v in starts.items()},
+            "overall": {"prompts": len(rows), **_expected_stats([x for v in starts.values() for x in v], K),
+                        "tau_ci": tau_ci(rows, "expected", ks, o)},
+            "domains": domains(rows, "expected", ks, o), "seconds": round(time.time() - t0, 2)}
+
+
+def offline_matrix(res: dict, o: dict) -> list[dict]:
+    """Matrix rows of the offline stage: the exact chain at T = 0, the expected chain at each T > 0."""
+    ks = o["k_values"]
+    rows = stats.matrix_rows(
+        "chain", 0.0, ks, {"prompts": res["prompts"], "tau": res["overall"]["tau_chain_ci"]},
+        {s: {"prompts": v["prompts"], "tau": v["tau_chain_ci"]} for s, v in res["sets"].items()}, res["domains"])
+    for smp in res["sampling"]:
+        rows += stats.matrix_rows(
+            "expected", smp["temperature"], ks, {"prompts": smp["overall"]["prompts"], "tau": smp["overall"]["tau_ci"]},
+            {s: {"prompts": v["prompts"], "tau": v["tau_ci"]} for s, v in smp["sets"].items()}, smp["domains"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(evaluate_offline, parser(__doc__).parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
