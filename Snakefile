@@ -16,10 +16,12 @@ include: "workflow/rules/eval.smk"
 include: "workflow/rules/report.smk"
 
 
-# The settings files of the cached stages are written when a run starts, never by a preview
-# (common.smk, settings_file).
+# Written when a run starts, never by a preview: the settings files of the cached stages
+# (eaglet.workflow.params.SettingsFiles), and what the parse resolved, with the reasons
+# (eaglet.workflow.resolve.Resolved.record).
 onstart:
-    write_settings_files()
+    SETTINGS_FILES.write()
+    R.write_record(f"{LOGS}/resolved.json")
 
 
 rule all:

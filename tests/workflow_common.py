@@ -42,7 +42,7 @@ def planned(out: str) -> list[dict]:
 
 def flag_json(shell: str, flag: str):
     """The JSON a planned job's command line hands its stage after ``flag`` (settings reach the
-    uncached stages inline: workflow/rules/common.smk, settings)."""
+    uncached stages inline: eaglet.workflow.params.settings)."""
     words = shlex.split(shell)
     return json.loads(words[words.index(flag) + 1])
 

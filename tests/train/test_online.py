@@ -269,6 +269,18 @@ def test_dry_run_shows_the_storage_choice(tiny_target, tmp_path):
         assert ("extract_hidden_states" in jobs(out)) == want.startswith("offline"), budget
         if "fp8" in want:
             assert "extract.dtype=\"fp8\"" in out or "--dtype fp8" in out
+        # the trainer gets the choice; the config stays as written (provenance records it so, with
+        # what was resolved and why beside it: eaglet.workflow.resolve)
+        by_rule = {j["rule"]: j for j in planned(out)}
+        mode = want.split()[0]
+        assert flag_json(by_rule["train"]["shell"], "--params")["hidden_states"] == mode
+        written = flag_json(by_rule["provenance"]["shell"], "--config-json")
+        resolved = flag_json(by_rule["provenance"]["shell"], "--resolved-json")
+        assert (written["train"]["hidden_states"], written["extract"]["dtype"]) == ("offline", "bfloat16"), budget
+        assert written["storage"]["budget_gb"] == budget
+        assert resolved["storage"]["hidden_states"] == mode
+        assert resolved["storage"]["why"].startswith(f"storage: chose {want}: "), resolved["storage"]
+    assert not (tmp_path / "wf/logs/smoke/resolved.json").exists()  # written when a run starts, never by -n
     code, out = _dry_run(tmp_path, tiny_target, {"storage": {"budget_gb": d_on * 0.9e-3}})
     assert code != 0 and "storage.budget_gb" in out and "fits no storage choice" in out
     assert "rule " not in out  # refused before any job is planned

@@ -26,6 +26,26 @@ def test_the_smoke_run_proves_its_labels_parity_rope_and_offline_tau(finished_ru
                       norm_class="LlamaRMSNorm")
 
 
+def test_the_run_records_what_the_parse_resolved(finished_run):
+    """A run writes logs/<run>/resolved.json when it starts (the Snakefile's onstart), with the
+    storage choice and its reason, the layer ids and the autocast and why, and provenance.json holds
+    the same record beside the config as written."""
+    import json
+
+    from eaglet.base.capability import resolve_autocast
+
+    a, _ = finished_run
+    rec = json.loads((a / "logs/smoke/resolved.json").read_text())
+    # the first run's parse came before target_model built the target: no size, so as configured
+    assert (rec["storage"]["hidden_states"], rec["storage"]["dtype"]) == ("offline", "bfloat16")
+    assert rec["storage"]["why"].startswith("storage: no storage.budget_gb: train.hidden_states offline")
+    assert rec["layer_ids"] == [2, 4, 5] and rec["layer_ids_why"] == "vLLM's default for the target"
+    assert [rec["train_autocast"], rec["train_autocast_why"]] == list(resolve_autocast("auto", on_gpu=False))
+    prov = json.loads((a / "results/smoke/provenance.json").read_text())
+    assert prov["resolved"] == rec
+    assert prov["config"]["train"]["autocast"] == "auto" and prov["config"]["extract"]["target_dtype"] == "auto"
+
+
 def test_nothing_to_do_after_a_finished_run(finished_run):
     a, cache = finished_run
     _, out = smk(a, cache, "-n")

@@ -1,24 +1,6 @@
 # Target materialisation and the data stages: prompts -> tokenize -> token_freq -> vocab_map.
-
-
-# What defines the built target: the source it comes from, by content (target_files), and how it is
-# built from it. A tiny target: its spec and the GGUF its tokenizer comes from (llama); a local
-# folder (read in place): the folder and trust_remote_code; a packaged GGUF: the file and dtype.
-_T = config["target"]
-if _T["tiny"] is not None:
-    TARGET_SOURCE = {
-        "tiny": _T["tiny"],
-        "dtype": _T["dtype"],
-        "files": target_files(_T),
-    }
-elif _T["path"]:
-    TARGET_SOURCE = {
-        "path": _T["path"],
-        "trust_remote_code": _T["trust_remote_code"],
-        "files": target_files(_T),
-    }
-else:
-    TARGET_SOURCE = {"dtype": _T["dtype"], "files": target_files(_T)}
+from eaglet.base.datasets import SHAREGPT
+from eaglet.target.load import packaged_file_identity
 
 
 rule target_model:
@@ -36,9 +18,10 @@ rule target_model:
     conda:
         "../../envs/eaglet.yaml"
     params:
-        # what defines the checkpoint, one entry per key; the job's settings (with the chat
-        # template it checks) come from a file, so target.device or target.vllm.* rerun nothing here
-        **key_params("target", TARGET_SOURCE),
+        # what defines the checkpoint (R.target_source: its source by content, and how it is built),
+        # one entry per key; the job's settings (with the chat template it checks) come from a
+        # file, so target.device or target.vllm.* rerun nothing here
+        **key_params("target", R.target_source),
         config=settings_file(
             f"logs/target_model/{config['target']['name']}.config.json",
             config["target"],
@@ -93,7 +76,7 @@ rule prompts:
 rule tokenize:
     input:
         code=stage_code("data.tokenize"),
-        conversations=conversations_for_tokenize(),
+        conversations=R.tokenize_conversations,
         identity=TARGET_ID,
     output:
         tokens=f"{RUN}/tokenize/tokens.parquet",
@@ -114,8 +97,8 @@ rule tokenize:
         max_length=config["tokenize"]["max_length"],
         overlong=config["tokenize"]["overlong"],
         batch_size=config["tokenize"]["batch_size"],
-        chat_template=verbatim(CHAT_TEMPLATE),
-        chat_template_kwargs=as_json(CHAT_TEMPLATE_KWARGS),
+        chat_template=verbatim(R.chat_template),
+        chat_template_kwargs=as_json(R.chat_template_kwargs),
         think_markers=as_json(config["tokenize"]["think_markers"]),
     shell:
         "python -m eaglet.data.tokenize --conversations {input.conversations:q} --target {input.identity:q}"
@@ -177,9 +160,9 @@ rule vocab_map:
         pin_special=config["vocab"]["pin_special_tokens"],
         pinned=as_json(config["vocab"]["pinned"]),
         curve_points=config["vocab"]["curve_points"],
-        chat_template=verbatim(CHAT_TEMPLATE),
+        chat_template=verbatim(R.chat_template),
         # the reasoning frame is pinned as tokenize renders it
-        chat_template_kwargs=as_json(CHAT_TEMPLATE_KWARGS),
+        chat_template_kwargs=as_json(R.chat_template_kwargs),
         think_markers=as_json(config["tokenize"]["think_markers"]),
     shell:
         "python -m eaglet.data.vocab --counts {input.counts:q} --target {input.identity:q}"

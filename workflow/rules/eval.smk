@@ -1,6 +1,8 @@
 # Evaluation (docs/eagle3.md §7): the exact offline acceptance simulator, the real speculative loop on
 # the HF target (speed + lossless check), vLLM serving with and without the drafter, and a summary
 # with the draft-length recommendation and plots. Measurements, so never cached.
+from eaglet.base.datasets import PACKAGED
+from eaglet.target.load import packaged_file_identity
 
 EVAL = config["evaluate"]
 EVAL_DIR = f"{RUN}/eval"
@@ -24,12 +26,12 @@ EVAL_OPTS = {
         "seed",
     )
 } | {
-    "chat_template": CHAT_TEMPLATE or None,
-    "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
+    "chat_template": R.chat_template or None,
+    "chat_template_kwargs": R.chat_template_kwargs,
     # the HF loop: run or not (eaglet.planner.plan.hf_loop at parse time, logged), on the target's dtype/device
-    "hf_loop": HF_LOOP,
-    "hf_loop_reason": HF_LOOP_WHY,
-    **TARGET_LOAD,
+    "hf_loop": R.hf_loop,
+    "hf_loop_reason": R.hf_loop_why,
+    **R.target_load,
 }
 # The settings that define the measurements, compared one by one (key_params): all but the HF
 # loop's reason, which follows from hf_loop.
@@ -37,12 +39,12 @@ EVAL_KEYS = [k for k in EVAL_OPTS if k != "hf_loop_reason"]
 # The packaged evaluation sets by content (version + recorded sha256): another package version
 # reruns the evaluation; a .parquet set is an input file.
 EVAL_DATA = {
-    s: packaged_file_identity(*PACKAGED_SETS[s])
+    s: packaged_file_identity(*PACKAGED[s])
     for s in EVAL_SETS
-    if s in PACKAGED_SETS
+    if s in PACKAGED
 }
 # The HF loop on a GPU machine (CUDA vLLM build) takes one GPU through eaglet.planner.gpu_slots.
-HF_LOOP_GPUS = 1 if HF_LOOP and VLLM_GPUS else 0
+HF_LOOP_GPUS = 1 if R.hf_loop and R.vllm_gpus else 0
 
 
 rule evaluate_offline:
@@ -122,9 +124,9 @@ EVAL_VLLM_OPTS = {
         )
     },
     **{k: v for k, v in EVAL["vllm"].items() if k != "enabled"},
-    "chat_template": CHAT_TEMPLATE or None,
-    "chat_template_kwargs": CHAT_TEMPLATE_KWARGS,
-    "serving": SERVING,
+    "chat_template": R.chat_template or None,
+    "chat_template_kwargs": R.chat_template_kwargs,
+    "serving": R.serving,
 }
 # what defines vLLM's measurements: all but how long a run may take
 EVAL_VLLM_KEYS = [k for k in EVAL_VLLM_OPTS if k != "timeout_s"]
@@ -148,7 +150,7 @@ rule evaluate_vllm:
     threads: workflow.cores
     resources:
         # vLLM's tensor-parallel GPUs (target.vllm), taken through eaglet.planner.gpu_slots
-        gpu=VLLM_GPUS,
+        gpu=R.vllm_gpus,
     params:
         **key_params("evaluate_vllm", EVAL_VLLM_OPTS, EVAL_VLLM_KEYS),
         **key_params("set", EVAL_DATA),

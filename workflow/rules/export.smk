@@ -5,7 +5,7 @@
 EXPORT_SPECULATORS = config["export"]["speculators"]
 # target.vllm + trust_remote_code for the real-vLLM checks, target.dtype/device for the
 # in-process offline chain: the same settings as every other stage
-EXPORT = config["export"] | {"serving": SERVING, "target_load": TARGET_LOAD}
+EXPORT = config["export"] | {"serving": R.serving, "target_load": R.target_load}
 
 
 rule export:

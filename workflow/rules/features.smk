@@ -4,24 +4,8 @@
 # progress lives in the sibling `shard_<i>.partial/` (not an output, so Snakemake does not delete
 # it before a rerun): a killed shard resumes from its last complete chunk.
 
-# The dtype of the target's forward here (extract.target_dtype), decided now, with the reason: auto
-# = bf16 on a GPU job, else bf16 where the CPU computes it natively (AMX or avx512_bf16), fp32 on
-# AVX2-only CPUs (eaglet.base.capability, issue 15).
-from eaglet.base import capability
-
-EXTRACT_ON_GPU = (
-    config["extract"]["gpus_per_shard"] > 0 or config["target"]["device"] == "cuda"
-)
-EXTRACT_TARGET_DTYPE, EXTRACT_TARGET_DTYPE_WHY = capability.resolve_target_dtype(
-    config["extract"]["target_dtype"], on_gpu=EXTRACT_ON_GPU
-)
-logger.info(
-    f"extraction target forward: {EXTRACT_TARGET_DTYPE} ({EXTRACT_TARGET_DTYPE_WHY})"
-)
-EXTRACT_LOAD = TARGET_LOAD | {
-    "dtype": EXTRACT_TARGET_DTYPE,
-    "dtype_reason": EXTRACT_TARGET_DTYPE_WHY,
-}
+# The dtype of the target's forward here (extract.target_dtype) is decided at parse time, with the
+# reason (R.extract_load, eaglet.workflow.resolve); so are the layer ids and the storage dtype.
 
 
 rule extract_hidden_states:
@@ -40,23 +24,24 @@ rule extract_hidden_states:
         "../../envs/eaglet.yaml"
     # The cores split over the shards that run side by side (Snakemake sets OMP/MKL threads from
     # this; without it a CPU shard runs its forward pass on one core).
-    threads: max(1, workflow.cores // len(EXTRACT_SHARDS))
+    threads: max(1, workflow.cores // len(R.extract_shards))
     resources:
         gpu=config["extract"]["gpus_per_shard"],
     params:
-        **key_params("load", EXTRACT_LOAD, ["dtype", "device", "trust_remote_code"]),
+        **key_params("load", R.extract_load, ["dtype", "device", "trust_remote_code"]),
         # where the forward runs (a GPU's numbers are not a CPU's; target.device auto follows it)
-        on_gpu=EXTRACT_ON_GPU,
+        on_gpu=R.extract_on_gpu,
         # Shard index and count in params: otherwise every shard hits one cache entry.
         shard=lambda wildcards: int(wildcards.shard),
-        num_shards=len(EXTRACT_SHARDS),
+        num_shards=len(R.extract_shards),
         digest=target_digest,
-        layer_ids=as_json(LAYER_IDS),
-        dtype=config["extract"]["dtype"],
+        layer_ids=as_json(R.layer_ids),
+        # extract.dtype as resolved (storage.budget_gb may choose fp8)
+        dtype=R.storage.dtype,
         token_budget=config["extract"]["token_budget"],
         chunk_mb=config["extract"]["chunk_mb"],
         # how the target is loaded: extract.target_dtype (resolved), target.device, target.trust_remote_code
-        load=settings(EXTRACT_LOAD),
+        load=settings(R.extract_load),
     shell:
         "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
         " python -m eaglet.features.extract --tokens {input.tokens:q} --identity {input.identity:q}"
@@ -67,7 +52,7 @@ rule extract_hidden_states:
 
 
 # Online training (train.hidden_states online) stores no hidden states: no extract job then.
-if not ONLINE:
+if not R.storage.online:
     FINAL_OUTPUTS.extend(
-        expand(rules.extract_hidden_states.output.shard, shard=EXTRACT_SHARDS)
+        expand(rules.extract_hidden_states.output.shard, shard=R.extract_shards)
     )

@@ -1,8 +1,10 @@
 # Synthetic generation: the target regenerates the assistant turns of the training prompts.
 # Included after data.smk's prompts rule; tokenize reads its output when generate.enabled.
+from eaglet.base.datasets import PACKAGED
+from eaglet.target.load import packaged_file_identity
 
-# The server's dtype, tensor/expert parallelism and trust_remote_code are target.vllm's (SERVING),
-# the local backend's dtype and device the target's (TARGET_LOAD): one source for every stage.
+# The server's dtype, tensor/expert parallelism and trust_remote_code are target.vllm's (R.serving),
+# the local backend's dtype and device the target's (R.target_load): one source for every stage.
 # The token limit a sample meets downstream: tokenize's cut, and the server's context for the vllm
 # backend. generate drops prompts that leave no room for an answer under it before generating
 # (eaglet.generate.generate.over_limit); a param, so a changed tokenize.max_length reruns generate.
@@ -14,18 +16,14 @@ GENERATE_MAX_LENGTH = min(
         else []
     )
 )
-if config["data"]["mix"] < 1 and not config["generate"]["enabled"]:
-    raise ValueError(
-        f"data.mix: {config['data']['mix']} asks for a share of regenerated responses, but "
-        "generate.enabled is false (nothing is regenerated); set data.mix: 1 or enable generate"
-    )
+# (data.mix < 1 without generate.enabled is refused at parse time: eaglet.workflow.checks.settings_consistent)
 GENERATE = config["generate"] | {
-    "vllm": config["generate"]["vllm"] | SERVING,
-    "target_load": TARGET_LOAD,
+    "vllm": config["generate"]["vllm"] | R.serving,
+    "target_load": R.target_load,
     "max_length": GENERATE_MAX_LENGTH,
     "mix": config["data"]["mix"],
 }
-GENERATE_GPUS = VLLM_GPUS if config["generate"]["backend"] == "vllm" else 0
+GENERATE_GPUS = R.vllm_gpus if config["generate"]["backend"] == "vllm" else 0
 # What defines the data is in params, so in the cache key; the stage reads all its settings from
 # its config file, so the backend's (servers, concurrency, timeouts, memory), which change how the
 # data is made and not what it is, stay out of the key and the rerun triggers. The engine that
@@ -88,7 +86,7 @@ rule generate:
         **key_params("generate", GENERATE, GENERATE_DATA_KEYS),
         digest=target_digest,
         config=settings_file(f"{LOGS}/config/generate.json", GENERATE),
-        chat_template=verbatim(CHAT_TEMPLATE),
+        chat_template=verbatim(R.chat_template),
         out=out_dir,
     shell:
         "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
@@ -138,9 +136,9 @@ rule eval_prompts:
         **key_params(
             "set",
             {
-                s: packaged_file_identity(*PACKAGED_SETS[s])
+                s: packaged_file_identity(*PACKAGED[s])
                 for s in REGEN_SETS
-                if s in PACKAGED_SETS
+                if s in PACKAGED
             },
         ),
         sets=as_json(REGEN_SETS),
@@ -177,7 +175,7 @@ rule generate_eval:
         **key_params("generate_eval", GENERATE_EVAL, GENERATE_DATA_KEYS),
         digest=target_digest,
         config=settings_file(f"{LOGS}/config/generate_eval.json", GENERATE_EVAL),
-        chat_template=verbatim(CHAT_TEMPLATE),
+        chat_template=verbatim(R.chat_template),
         out=out_dir,
     shell:
         "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"

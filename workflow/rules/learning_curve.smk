@@ -3,6 +3,9 @@
 # their costs on this hardware and the check that the fractions predict the full data.
 # Off by default (each fraction is one more training job): the rules exist, the run asks for
 # them only with plan.learning_curve: true.
+import json
+
+from eaglet.workflow.resolve import thaw
 
 PLAN = config["plan"]
 LC_DIR = f"{RUN}/learning_curve"
@@ -25,7 +28,7 @@ use rule train as train_fraction with:
             | {
                 "data_fraction": lambda wildcards: f"data_fraction={wildcards.frac}",
                 "train": lambda wildcards, output: json.dumps(
-                    train_params() | {"data_fraction": float(wildcards.frac)},
+                    thaw(R.train) | {"data_fraction": float(wildcards.frac)},
                     sort_keys=True,
                 ),
             }
@@ -41,11 +44,11 @@ rule learning_curve:
         ),
         **(
             {}
-            if ONLINE
+            if R.storage.online
             else {
                 "hidden": expand(
                     f"{RUN}/extract/shard_{{shard}}",
-                    shard=range(config["extract"]["shards"]),
+                    shard=R.extract_shards,
                 )
             }
         ),

@@ -1,6 +1,7 @@
 # Report assets: plots and tables drawn from the stage artifacts, and the provenance manifest
 # (versions, git describe, hardware, target digest, config, wall time per stage) that Snakemake's
 # own report lacks for `python -m` rules. Included last: provenance waits for every other output.
+from eaglet.base.io import digest_of
 
 
 rule plots:
@@ -52,7 +53,7 @@ FINAL_OUTPUTS.extend(rules.plots.output)
 # format the model hubs read; base_model is target.hub_id (else the target's name).
 CARD = {
     "base_model": config["target"]["hub_id"],
-    "serving": SERVING,
+    "serving": R.serving,
     "shown_dir": f"{RUN}/drafter",
 }
 
@@ -110,12 +111,14 @@ rule provenance:
     params:
         run=lambda wildcards, output: str(Path(output[0]).parent),
         # the config's digest is compared (a changed key reruns provenance in one short line); the
-        # config itself reaches the job as a derived param (common.smk, settings)
-        config_digest=eaglet_io.digest_of(config),
+        # config as written, and what the parse resolved from it with the reasons (R.record()),
+        # reach the job as derived params (eaglet.workflow.params.settings)
+        config_digest=digest_of(config),
         config=settings(config),
+        resolved=settings(R.record()),
     shell:
         "python -m eaglet.report.provenance --run-dir {params.run:q} --target {input.identity:q}"
-        " --config-json {params.config:q} --out {output:q} 2> {log:q}"
+        " --config-json {params.config:q} --resolved-json {params.resolved:q} --out {output:q} 2> {log:q}"
 
 
 FINAL_OUTPUTS.append(rules.provenance.output[0])

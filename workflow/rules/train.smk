@@ -3,32 +3,31 @@
 # job (online, eaglet.train.online: no extract job in the DAG; see eaglet.planner.storage for the choice).
 # Checkpoints live in train/checkpoints/, which is not an output, so Snakemake does not delete it
 # before a rerun: a killed training job resumes from its latest checkpoint.
+from eaglet.workflow import train_job
 
-# The training job's params, shared with the learning curve's train_fraction (learning_curve.smk).
+# The training job's params, shared with the learning curve's train_fraction (learning_curve.smk):
+# train.* as resolved (R.train: train.hidden_states and train.autocast decided at parse time), the
+# keys that define the drafter one by one (R.train_keys), and online the target's settings.
 TRAIN_PARAMS = dict(
-    **key_params(
-        "train",
-        train_params(),
-        [k for k in train_params() if k not in TRAIN_NOT_DEFINING],
-    ),
+    **key_params("train", R.train, R.train_keys),
     **(
-        key_params("online", ONLINE_SETTINGS, ["layer_ids", "dtype", "target_load"])
-        if ONLINE
+        key_params("online", R.online, ["layer_ids", "dtype", "target_load"])
+        if R.storage.online
         else {}
     ),
     out=out_dir,
-    train=settings(train_params()),
-    data=train_data_args,
+    train=settings(R.train),
+    data=train_job.data_args(R),
     # the storage statement, the job's first log line (a file: a log line is no cache key)
-    note=settings(storage.job_note(config, STORAGE_LINES)),
-    launcher=train_launcher,
+    note=settings(R.train_note),
+    launcher=train_job.launcher(config["train"]),
 )
 
 
 rule train:
     input:
         code=stage_code("train.train", launcher=True),
-        hidden=train_hidden_input,
+        hidden=train_job.hidden_input(R),
         vocab=f"{RUN}/vocab_map/vocab.safetensors",
         identity=TARGET_ID,
     output:
@@ -48,7 +47,7 @@ rule train:
     threads: workflow.cores
     # gpu: every GPU of the job (train.gpus on each of train.nodes)
     resources:
-        **train_resources(),
+        **train_job.resources(config["train"]),
         gpu=config["train"]["gpus"] * config["train"]["nodes"],
     params:
         **TRAIN_PARAMS,

@@ -1,9 +1,12 @@
 """Provenance manifest for the HTML report: what Snakemake's report does not hold for
 ``python -m`` rules — package versions, the workflow's git describe, the hardware, the target's
-identity digest, the config, and the wall time of every stage of this run.
+identity digest, the config as written, what the parse resolved from it with the reasons
+(eaglet.workflow.resolve: the storage choice, the layer ids, the dtypes; logs/<run>/resolved.json),
+and the wall time of every stage of this run.
 
     python -m eaglet.report.provenance --run-dir results/smollm2 --target resources/targets/x/identity.json \
-        --config-json "$(cat config.json)" --out results/smollm2/provenance.json
+        --config-json "$(cat config.json)" --resolved-json @logs/smollm2/resolved.json \
+        --out results/smollm2/provenance.json
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ def hardware() -> dict:
             "platform": platform.platform(), "python": platform.python_version()}
 
 
-def manifest(run_dir: str | Path, identity: str | Path | None, config: dict) -> dict:
+def manifest(run_dir: str | Path, identity: str | Path | None, config: dict, resolved: dict | None = None) -> dict:
     run_dir = Path(run_dir)
     ident = io.read_json(identity) if identity and Path(identity).exists() else None
     return {
@@ -84,6 +87,7 @@ def manifest(run_dir: str | Path, identity: str | Path | None, config: dict) -> 
         "target": {k: ident[k] for k in ("name", "source", "digest", "architecture", "num_layers",
                                           "hidden_size", "vocab_size") if k in ident} if ident else None,
         "config": config,
+        "resolved": resolved,
         "stage_wall_times": stage_times(run_dir),
     }
 
@@ -92,10 +96,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run-dir", required=True)
     p.add_argument("--target", default=None, help="the target's identity.json")
-    p.add_argument("--config-json", default="{}", help="the workflow's config: JSON, or @FILE")
+    p.add_argument("--config-json", default="{}", help="the workflow's config as written: JSON, or @FILE")
+    p.add_argument("--resolved-json", default=None,
+                   help="what the parse resolved (eaglet.workflow.resolve.Resolved.record): JSON, or @FILE")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    io.write_json(a.out, manifest(a.run_dir, a.target, io.parse_json_arg(a.config_json, {})))
+    io.write_json(a.out, manifest(a.run_dir, a.target, io.parse_json_arg(a.config_json, {}),
+                                  io.parse_json_arg(a.resolved_json)))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The target's layer count before anything is built, and the run's aux layer ids resolved from it:
-read by the workflow alone at parse time (workflow/rules/common.smk), so that the layer ids are a
+read by the workflow alone at parse time (eaglet.workflow.resolve), so that the layer ids are a
 plain param (compared by Snakemake's rerun trigger, in the cache key) and an id >= N stops
 `snakemake -n` for every kind of target. No stage imports this module: the tiny families' specs it
 reads are no code input of the stages.

@@ -1,6 +1,7 @@
-"""The workflow's parse-time check of a whole config against the target it names and the engine
-installed (workflow/rules/common.smk): ``snakemake -n`` already refuses a run that cannot succeed,
-naming the config key. Files only: no torch, no transformers, no vLLM import."""
+"""The workflow's parse-time checks (eaglet.workflow.resolve, at the parse of workflow/rules/common.smk):
+of a whole config against the target it names and the engine installed, and of keys that contradict
+one another; ``snakemake -n`` already refuses a run that cannot succeed, naming the config key.
+Files only: no torch, no transformers, no vLLM import."""
 
 from __future__ import annotations
 
@@ -60,6 +61,24 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
     lines.append(line)
     _refuse_unserved(status, line, config, ev)
     return lines
+
+
+def settings_consistent(config: dict) -> None:
+    """Refuse keys the schema accepts one by one but that contradict one another, naming them."""
+    if config["train"]["hidden_states"] == "online":
+        # no extract job runs online: its own keys say nothing then
+        for key, unused in (("shards", 1), ("gpus_per_shard", 0)):
+            if config["extract"][key] != unused:
+                raise ValueError(
+                    f"extract.{key}: {config['extract'][key]} has no effect with train.hidden_states: online "
+                    "(no extract job runs; the target runs in the training job, on its train.gpus): "
+                    f"set it to {unused} or train offline"
+                )
+    if config["data"]["mix"] < 1 and not config["generate"]["enabled"]:
+        raise ValueError(
+            f"data.mix: {config['data']['mix']} asks for a share of regenerated responses, but "
+            "generate.enabled is false (nothing is regenerated); set data.mix: 1 or enable generate"
+        )
 
 
 def _refuse_unserved(status: str, line: str, config: dict, ev: dict) -> None:

@@ -1,0 +1,249 @@
+"""The config resolved once, at parse time (workflow/rules/common.smk: ``R = resolve(config)``):
+what the schema cannot say and the rule files read, decided here in one place, each decision with
+its reason, into a frozen ``Resolved`` the rule files read as ``R.<field>``.
+
+The config the user wrote (validated, defaults filled) is never rewritten: a value decided here
+(the storage choice, ``auto`` dtypes, the layer ids) lives in ``Resolved``, and the stages receive
+it from there. ``Resolved.lines()`` are what ``snakemake -n`` logs; ``Resolved.record()`` is what
+was resolved, with the reasons, as JSON (written to ``logs/<run>/resolved.json`` when a run starts,
+and into the run's provenance record).
+
+Nothing is validated twice: each decision is the existing function's (eaglet.workflow.checks,
+eaglet.planner.storage, eaglet.planner.plan, eaglet.target.shape, eaglet.base.capability, ...).
+
+    R = resolve(config)          # a validated config, in the workflow's folder
+    R.storage.mode, R.layer_ids  # "offline", (2, 4, 5)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from eaglet.base.capability import resolve_autocast, resolve_target_dtype
+from eaglet.base.io import write_settings
+from eaglet.planner import plan, storage
+from eaglet.target.chat_template import chat_template_text
+from eaglet.target.load import serving
+from eaglet.target.shape import layer_ids
+from eaglet.workflow import checks
+from eaglet.workflow.inputs import target_source
+
+
+def freeze(value: Any) -> Any:
+    """``value`` read-only all the way down: dicts as MappingProxyType, lists as tuples."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """A plain copy of a frozen value (dicts and lists, as the config holds them): what JSON, the
+    params and the stages' settings are made of."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [thaw(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Where the hidden states live (eaglet.planner.storage, issue 17): stored by extract (offline)
+    or computed in the training job (online). ``storage.budget_gb`` picks bf16 offline, fp8 offline
+    or online, in that order, to fit; without a budget, train.hidden_states and extract.dtype as
+    configured. The DAG (no extract job online), the params and the memory plan all follow it."""
+
+    mode: str  # train.hidden_states, resolved: offline | online
+    dtype: str  # extract.dtype, resolved (online: how the states are rounded, as offline would store them)
+    lines: tuple[str, ...]  # the sizes and costs of each choice, and the choice with its reason (logged)
+    why: str  # the choice's reason: the last line, or why nothing was chosen before the target's shape is known
+
+    @property
+    def online(self) -> bool:
+        return self.mode == "online"
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where a run writes: its results and logs, and the target's folder and identity."""
+
+    run: str  # results/<run>
+    logs: str  # logs/<run>
+    target_dir: str  # resources/targets/<target.name>
+    target_id: str  # its identity.json (written once by target_model)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Everything decided at parse time that the rule files read; see the module docstring."""
+
+    paths: Paths
+    # the parse-time check of the config against its target and the installed vLLM (eaglet.workflow.checks)
+    check_lines: tuple[str, ...]
+    storage: Storage
+    # the memory plan (eaglet.planner.plan): hidden-state disk and the peak GPU memory of each job, in
+    # one line; a job that cannot fit resources.gpu_memory_gb stops the run here, not hours into it
+    plan_lines: tuple[str, ...]
+    # How the target is run, one place for every stage (issue 14): in-process loads (extract, the HF
+    # evaluation loop, the contract's offline chain, generate's local backend) read target_load; every
+    # vLLM engine (generate's server, the contract's check, evaluate_vllm) reads serving.
+    target_load: Mapping
+    serving: Mapping
+    # GPUs of a job that serves the target with vLLM: its tensor parallelism with the CUDA build.
+    vllm_gpus: int
+    # The HF evaluation loop runs only for a target that fits one process; `-n` says why not.
+    hf_loop: bool
+    hf_loop_why: str
+    # The template's text (not its path) is a param of every stage that renders conversations, so it
+    # is in their cache keys; "" = the checkpoint's own.
+    chat_template: str
+    # The template's keyword arguments as the target is served (generate.chat_template_kwargs, e.g.
+    # Qwen3's enable_thinking): generate sends them to the server, tokenize and evaluate render with
+    # them, so training sequences and evaluation prompts are the served ones (vocab_map pins the
+    # reasoning frame so rendered).
+    chat_template_kwargs: Mapping
+    # Aux layer ids in vLLM convention, resolved now from the target's config (extract.layer_ids, or
+    # vLLM's default for the target's layer count): a plain param, so a change reruns extraction and
+    # everything after it, and an id >= N stops `snakemake -n` (a param computed from an input file is
+    # never compared by Snakemake's rerun trigger).
+    layer_ids: tuple[int, ...]
+    layer_ids_why: str
+    extract_shards: tuple[int, ...]
+    # The dtype of the target's forward in extraction (extract.target_dtype), with the reason: auto =
+    # bf16 on a GPU job, else bf16 where the CPU computes it natively (AMX or avx512_bf16), fp32 on
+    # AVX2-only CPUs (eaglet.base.capability, issue 15). Where the forward runs is a param too (a GPU's
+    # numbers are not a CPU's; target.device auto follows it).
+    extract_on_gpu: bool
+    extract_target_dtype: str
+    extract_target_dtype_why: str
+    # how extraction loads the target: target_load with its dtype resolved
+    extract_load: Mapping
+    # train.autocast decided now, with the reason (eaglet.base.capability.resolve_autocast): auto = bf16
+    # autocast on a GPU job and on a CPU with bf16 units, fp32 elsewhere. The resolved value is the
+    # trainer's param, so a drafter trained on one kind of CPU is no cache hit for the other.
+    train_autocast: str
+    train_autocast_why: str
+    # train.* for eaglet.train.train, less how its ranks are launched: nodes and rdzv_port reach the
+    # cache key through the launcher param instead, so a one-node config keeps its old key; with
+    # train.hidden_states and train.autocast resolved.
+    train: Mapping
+    # the train.* keys that define the drafter (its params): all but eaglet.planner.plan.TRAIN_NOT_DEFINING,
+    # which the trainer still reads from its settings
+    train_keys: tuple[str, ...]
+    # the storage statement, the training job's first log line (eaglet.planner.storage.job_note)
+    train_note: Mapping
+    # Online: the tokens, the aux layer ids and storage rounding (extract's keys) and how the target is
+    # loaded (the target section), handed to the trainer as one settings file.
+    online: Mapping
+    # What defines the built target (eaglet.workflow.inputs.target_source): the source it comes from,
+    # by content, and how it is built from it.
+    target_source: Mapping
+    # tokenize's input: the regenerated conversations when generation is on, the source ones otherwise
+    tokenize_conversations: str
+
+    def lines(self) -> list[str]:
+        """What `snakemake -n` logs of the resolution, in the order it was decided."""
+        return [
+            *self.check_lines,
+            *self.storage.lines,
+            *self.plan_lines,
+            f"evaluation HF loop: {'runs' if self.hf_loop else 'NOT RUN'} ({self.hf_loop_why})",
+            f"aux layer ids: {list(self.layer_ids)}"
+            + ("" if self.layer_ids_why == LAYER_IDS_SET else f" ({self.layer_ids_why})"),
+            f"training autocast: {self.train_autocast} ({self.train_autocast_why})",
+            f"extraction target forward: {self.extract_target_dtype} ({self.extract_target_dtype_why})",
+        ]
+
+    def record(self) -> dict:
+        """What was resolved, with the reasons, as plain JSON-able data (logs/<run>/resolved.json)."""
+        out = {f.name: thaw(getattr(self, f.name)) for f in fields(self) if f.name not in ("paths", "storage")}
+        out["paths"] = {f.name: getattr(self.paths, f.name) for f in fields(self.paths)}
+        out["storage"] = {"hidden_states": self.storage.mode, "dtype": self.storage.dtype,
+                          "why": self.storage.why, "lines": list(self.storage.lines)}
+        return out
+
+    def write_record(self, path: str | Path) -> None:
+        """The record as a JSON file (the Snakefile's onstart: a run, never a preview)."""
+        write_settings(path, json.dumps(self.record(), indent=2, sort_keys=True) + "\n")
+
+
+LAYER_IDS_SET = "extract.layer_ids"
+LAYER_IDS_DEFAULT = "vLLM's default for the target"
+
+
+def storage_why(mode: str, dtype: str, lines: list[str]) -> str:
+    """The reason of a storage choice (eaglet.planner.storage.decide's last line): without the
+    target's shape (a built target before target_model has run), no budget is allowed, so the keys
+    are as configured."""
+    if lines:
+        return lines[-1]
+    return (f"storage: no storage.budget_gb: train.hidden_states {mode}"
+            + (f", extract.dtype {dtype}" if mode == "offline" else "")
+            + " as configured (the target's size is known once target_model has built it)")
+
+
+def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
+    """Resolve a validated workflow config (``snakemake.utils.validate(..., set_default=True)``) in
+    the workflow folder ``workdir``; ``config`` is left as it is. Raises ValueError naming the key
+    when the run cannot succeed (each check is the named function's)."""
+    lines = checks.parse_time(config, workdir)
+    checks.settings_consistent(config)
+    mode, dtype, storage_lines = storage.decide(config, plan.parse_time_shapes(config, workdir))
+    # The config as the jobs read it: the user's with the storage choice in, a copy (the memory plan,
+    # the trainer's params and its note follow the choice; the config stays as written).
+    chosen = copy.deepcopy(config)
+    chosen["train"]["hidden_states"], chosen["extract"]["dtype"] = mode, dtype
+    plan_lines = plan.parse_time(chosen, workdir)
+
+    t = config["target"]
+    target_load = {k: t[k] for k in ("dtype", "device", "trust_remote_code")}
+    serve = serving(t)
+    run, target_dir = f"results/{config['run']}", f"resources/targets/{t['name']}"
+    runs_hf_loop, hf_loop_why = plan.hf_loop(config)
+    template = chat_template_text(t["chat_template"], workdir) or ""
+    ids = layer_ids(config)
+    extract_on_gpu = config["extract"]["gpus_per_shard"] > 0 or t["device"] == "cuda"
+    target_dtype, target_dtype_why = resolve_target_dtype(config["extract"]["target_dtype"], on_gpu=extract_on_gpu)
+    autocast, autocast_why = resolve_autocast(config["train"].get("autocast", "auto"),
+                                              on_gpu=int(config["train"]["gpus"] or 0) > 0)
+    train = {k: v for k, v in chosen["train"].items() if k not in ("nodes", "rdzv_port")} | {"autocast": autocast}
+    source = target_source(t)
+    return Resolved(
+        paths=Paths(run=run, logs=f"logs/{config['run']}", target_dir=target_dir,
+                    target_id=f"{target_dir}/identity.json"),
+        check_lines=tuple(lines),
+        storage=Storage(mode, dtype, tuple(storage_lines), storage_why(mode, dtype, storage_lines)),
+        plan_lines=tuple(plan_lines),
+        target_load=freeze(target_load),
+        serving=freeze(serve),
+        vllm_gpus=serve["tensor_parallel_size"] if config["generate"]["vllm"]["package"] == "vllm" else 0,
+        hf_loop=runs_hf_loop,
+        hf_loop_why=hf_loop_why,
+        chat_template=template,
+        chat_template_kwargs=freeze(config["generate"]["chat_template_kwargs"]),
+        layer_ids=tuple(ids),
+        layer_ids_why=LAYER_IDS_SET if config["extract"]["layer_ids"] else LAYER_IDS_DEFAULT,
+        extract_shards=tuple(range(config["extract"]["shards"])),
+        extract_on_gpu=extract_on_gpu,
+        extract_target_dtype=target_dtype,
+        extract_target_dtype_why=target_dtype_why,
+        extract_load=freeze(target_load | {"dtype": target_dtype, "dtype_reason": target_dtype_why}),
+        train_autocast=autocast,
+        train_autocast_why=autocast_why,
+        train=freeze(train),
+        train_keys=tuple(k for k in train if k not in plan.TRAIN_NOT_DEFINING),
+        train_note=freeze(storage.job_note(chosen, storage_lines)),
+        online=freeze({"tokens": f"{run}/tokenize/tokens.parquet",  # rules.tokenize.output.tokens
+                       "layer_ids": ids, "dtype": dtype, "target_load": target_load}),
+        target_source=freeze(source),
+        tokenize_conversations=(f"{run}/generate/conversations.parquet" if config["generate"]["enabled"]
+                                else f"{run}/prompts/train.parquet"),
+    )
