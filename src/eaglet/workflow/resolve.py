@@ -33,6 +33,7 @@ from eaglet.target.load import serving
 from eaglet.target.shape import layer_ids
 from eaglet.workflow import checks
 from eaglet.workflow.inputs import target_source
+from eaglet.workflow.paths import Paths
 
 
 def freeze(value: Any) -> Any:
@@ -69,16 +70,6 @@ class Storage:
     @property
     def online(self) -> bool:
         return self.mode == "online"
-
-
-@dataclass(frozen=True)
-class Paths:
-    """Where a run writes: its results and logs, and the target's folder and identity."""
-
-    run: str  # results/<run>
-    logs: str  # logs/<run>
-    target_dir: str  # resources/targets/<target.name>
-    target_id: str  # its identity.json (written once by target_model)
 
 
 @dataclass(frozen=True)
@@ -206,19 +197,19 @@ def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
     t = config["target"]
     target_load = {k: t[k] for k in ("dtype", "device", "trust_remote_code")}
     serve = serving(t)
-    run, target_dir = f"results/{config['run']}", f"resources/targets/{t['name']}"
     runs_hf_loop, hf_loop_why = plan.hf_loop(config)
     template = chat_template_text(t["chat_template"], workdir) or ""
     ids = layer_ids(config)
     extract_on_gpu = config["extract"]["gpus_per_shard"] > 0 or t["device"] == "cuda"
     target_dtype, target_dtype_why = resolve_target_dtype(config["extract"]["target_dtype"], on_gpu=extract_on_gpu)
-    autocast, autocast_why = resolve_autocast(config["train"].get("autocast", "auto"),
+    autocast, autocast_why = resolve_autocast(config["train"]["autocast"],
                                               on_gpu=int(config["train"]["gpus"] or 0) > 0)
     train = {k: v for k, v in chosen["train"].items() if k not in ("nodes", "rdzv_port")} | {"autocast": autocast}
     source = target_source(t)
+    paths = Paths.of(config)
+    run = paths.run
     return Resolved(
-        paths=Paths(run=run, logs=f"logs/{config['run']}", target_dir=target_dir,
-                    target_id=f"{target_dir}/identity.json"),
+        paths=paths,
         check_lines=tuple(lines),
         storage=Storage(mode, dtype, tuple(storage_lines), storage_why(mode, dtype, storage_lines)),
         plan_lines=tuple(plan_lines),

@@ -29,8 +29,10 @@ import argparse
 import ast
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from eaglet.workflow.paths import Paths
 
 REPO = Path(__file__).resolve().parents[3]
 RULES_DIR = "workflow/rules"
@@ -46,6 +48,9 @@ HEADER = re.compile(r"^(\s*)(?:(rule|checkpoint)\s+(\w+)\s*:|use\s+rule\s+(\S+)\
 DIRECTIVE = re.compile(r"^(\s+)(\w+)\s*:(.*)$")
 INCLUDE = re.compile(r"""^include:\s*["']([^"']+)["']""", re.M)
 ASSIGN = re.compile(r"^([A-Za-z_]\w*)\s*=\s*(.+)$")
+RESOLVED_PATH = re.compile(r"R\.paths\.(\w+)")
+# The run's paths (eaglet.workflow.paths.Paths) with placeholders for the config values they hold.
+PLACEHOLDER_PATHS = asdict(Paths.of({"run": "<run>", "target": {"name": "<target.name>"}}))
 MODULE = re.compile(r"-m\s+(eaglet(?:\.\w+)+)(?:\s+([a-z_][\w-]*)\b(?![.=]))?")
 WILDCARD = re.compile(r"\{(\w+)(?:,[^{}]*)?\}")
 
@@ -119,6 +124,9 @@ def assignments(files: list[Path]) -> dict[str, ast.expr]:
                 continue
             if isinstance(value, ast.JoinedStr) or (isinstance(value, ast.Constant) and isinstance(value.value, str)):
                 out[m.group(1)] = value
+            elif (bound := RESOLVED_PATH.fullmatch(m.group(2).strip())) and bound.group(1) in PLACEHOLDER_PATHS:
+                # a run path bound from the resolved config (common.smk: RUN = R.paths.run)
+                out[m.group(1)] = ast.Constant(PLACEHOLDER_PATHS[bound.group(1)])
     return out
 
 
