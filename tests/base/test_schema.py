@@ -263,8 +263,8 @@ def test_an_unknown_setting_is_named_with_its_path():
 
 
 def test_settings_fill_defaults_and_refuse_unknown_keys_naming_the_stage():
-    """settings(): the given values over the section's defaults; a key the section does not have is
-    refused, naming the stage; extra keys are taken, left-out ones neither filled nor taken."""
+    """A stage's settings are the given values over the section's defaults; a key the section does not
+    have is refused, naming the stage; extra keys are taken, left-out ones neither filled nor taken."""
     s = schema.settings("export", {"vllm_check": False}, "export")
     assert s == schema.defaults("export") | {"vllm_check": False} and s["vllm_check"] is False
     with pytest.raises(ValueError, match=r"^export settings: unknown keys \['vllm_chek'\]"):
