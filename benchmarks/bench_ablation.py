@@ -144,9 +144,9 @@ def option_params(name: str) -> dict:
             params.update(OPTIONS[part])
             continue
         key, sep, value = part.partition("=")
-        if not sep or key not in tr.DEFAULTS:
+        if not sep or key not in tr.resolve_params({}):
             raise SystemExit(f"unknown option {part!r}: known {list(OPTIONS)}, or key=value with a train "
-                             f"param key ({sorted(tr.DEFAULTS)})")
+                             f"param key ({sorted(tr.resolve_params({}))})")
         try:
             params[key] = json.loads(value)
         except json.JSONDecodeError:

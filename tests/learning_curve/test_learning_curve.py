@@ -9,7 +9,7 @@ import pytest
 from eaglet.learning_curve import curve_fit
 from eaglet.learning_curve import learning_curve as lc
 from eaglet.train.data import in_fraction, is_val, plan_micro_batches
-from eaglet.train.train import DEFAULTS
+from eaglet.train.train import resolve_params
 
 
 def synthetic_points(true_tau, tokens: list[int], n_seq: int, rounds: int, seed: int) -> list[dict]:
@@ -102,7 +102,7 @@ def test_fractions_are_nested_and_leave_validation_alone():
     quarter = {s for s in ids if in_fraction(s, 0.25)}
     half = {s for s in ids if in_fraction(s, 0.5)}
     assert quarter < half and abs(len(quarter) - 500) < 80 and abs(len(half) - 1000) < 100
-    p = dict(DEFAULTS, data_fraction=0.5, epochs=1, token_budget=64)
+    p = resolve_params({"data_fraction": 0.5, "epochs": 1, "token_budget": 64})
     _micro, train_idx, val_idx = plan_micro_batches(ids, [8] * len(ids), p)
     _m, full_train, full_val = plan_micro_batches(ids, [8] * len(ids), dict(p, data_fraction=1.0))
     assert val_idx == full_val and set(train_idx) < set(full_train)

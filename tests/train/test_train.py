@@ -289,18 +289,24 @@ def test_ddp_gloo_matches_single_process(tiny_target, data, tmp_path):
 
 def test_every_trainer_setting_is_a_config_key():
     """What the trainer's messages tell a user to set (train.accept_unchecked_labels, ...) must be
-    settable: each of its defaults is a key of the workflow's train section, with the same default."""
+    settable: each of its settings is a key of the workflow's train section, with the same default
+    (the trainer reads them from the schema: eaglet.base.schema), and every key of the section is the
+    trainer's but the launcher's (nodes, rdzv_port)."""
     from pathlib import Path
 
     import yaml
 
-    from eaglet.train.train import DEFAULTS
+    from eaglet.train.train import LAUNCH_KEYS
 
     schema = yaml.safe_load((Path(__file__).resolve().parents[2] / "workflow/schemas/config.schema.yaml").read_text())
     props = schema["properties"]["train"]["properties"]
-    assert set(DEFAULTS) <= set(props), sorted(set(DEFAULTS) - set(props))
-    for k, v in DEFAULTS.items():
+    p = resolve_params({})
+    assert set(p) <= set(props), sorted(set(p) - set(props))
+    assert set(props) - set(p) == set(LAUNCH_KEYS) == {"nodes", "rdzv_port"}
+    for k, v in p.items():
         assert props[k].get("default") == v, (k, props[k].get("default"), v)
+    with pytest.raises(ValueError, match="unknown keys.*nodes"):
+        resolve_params({"nodes": 2})  # the launcher's, not the trainer's
 
 
 def test_a_data_fraction_trains_on_fewer_samples_and_records_its_validation_chain(tiny_target, data, tmp_path):

@@ -80,16 +80,16 @@ def allowed(path: str) -> tuple:
     return tuple(n["enum"])
 
 
-def settings(path: str, given: dict | None, name: str | None = None, extra: tuple[str, ...] = ()) -> dict:
+def settings(path: str, given: dict | None, name: str | None = None, extra: tuple[str, ...] = (),
+             leave_out: tuple[str, ...] = ()) -> dict:
     """``given`` over the section's defaults, refusing a key the section does not have (``extra``:
-    keys a stage takes beside the section's, from another section or the workflow); the message
-    names the stage (``name``) and the keys it knows."""
-    base = defaults(path)
+    keys a stage takes beside the section's, from another section or the workflow; ``leave_out``:
+    keys of the section the stage does not take, neither filled nor accepted); the message names
+    the stage (``name``) and the keys it knows."""
+    base = {k: v for k, v in defaults(path).items() if k not in leave_out}
     given = dict(given or {})
-    unknown = set(given) - set(base) - set(extra) - set(node(path)["properties"])
+    known = (set(node(path)["properties"]) - set(leave_out)) | set(extra)
+    unknown = set(given) - known
     if unknown:
-        raise ValueError(
-            f"{name or path} settings: unknown keys {sorted(unknown)} "
-            f"(known: {sorted(set(base) | set(extra) | set(node(path)['properties']))})"
-        )
+        raise ValueError(f"{name or path} settings: unknown keys {sorted(unknown)} (known: {sorted(known)})")
     return base | given

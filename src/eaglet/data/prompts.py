@@ -18,7 +18,7 @@ import random
 from collections import Counter
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import io, schema
 
 log = logging.getLogger("eaglet.data.prompts")
 
@@ -135,9 +135,11 @@ def trim(messages: list[dict], max_turns: int | None) -> list[dict]:
     return messages
 
 
-def build_prompts(source: str = "sharegpt", path: str | None = None, n: int = 1000, heldout: int = 40,
-                  seed: int = 0, max_turns: int | None = None, split: str = "train") -> dict:
-    """Return {"train": rows, "heldout": rows, "summary": {...}}."""
+def build_prompts(source: str = schema.default("prompts.source"), path: str | None = None,
+                  n: int = schema.default("prompts.n"), heldout: int = schema.default("prompts.heldout"),
+                  seed: int = schema.default("prompts.seed"), max_turns: int | None = None,
+                  split: str = schema.default("prompts.split")) -> dict:
+    """Return {"train": rows, "heldout": rows, "summary": {...}} (the defaults: the prompts section's)."""
     if source == "sharegpt":
         src_path, name = sharegpt_path(), "sharegpt"
         records, skipped = read_records(src_path)
@@ -191,12 +193,12 @@ def build_prompts(source: str = "sharegpt", path: str | None = None, n: int = 10
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--source", default="sharegpt", choices=["sharegpt", "file", "datasets"])
+    p.add_argument("--source", default=schema.default("prompts.source"), choices=schema.allowed("prompts.source"))
     p.add_argument("--path", default=None)
-    p.add_argument("--split", default="train")
-    p.add_argument("--n", type=int, default=1000)
-    p.add_argument("--heldout", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", default=schema.default("prompts.split"))
+    p.add_argument("--n", type=int, default=schema.default("prompts.n"))
+    p.add_argument("--heldout", type=int, default=schema.default("prompts.heldout"))
+    p.add_argument("--seed", type=int, default=schema.default("prompts.seed"))
     p.add_argument("--max-turns", type=int, default=None)
     p.add_argument("--out-dir", required=True)
     p.add_argument("--log", default=None)

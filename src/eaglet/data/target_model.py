@@ -24,7 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import io, schema
 from eaglet.target.load import DEFAULT_GGUF, identity_of, package_file
 
 log = logging.getLogger("eaglet.data.target_model")
@@ -33,12 +33,12 @@ log = logging.getLogger("eaglet.data.target_model")
 def _load_tokenizer_source(cfg: dict):
     from transformers import AutoTokenizer
 
+    from eaglet.target import families
+
     if cfg.get("path") and cfg.get("tiny") is None:
         return AutoTokenizer.from_pretrained(cfg["path"], trust_remote_code=bool(cfg.get("trust_remote_code")))
-    family = (cfg.get("tiny") or {}).get("family", "llama")
+    family = (cfg.get("tiny") or {}).get("family", families.DEFAULT_FAMILY)
     if cfg.get("tiny") is not None and family != "llama":
-        from eaglet.target import families
-
         return families.build_tokenizer(family)
     pkg = cfg.get("gguf_package") or DEFAULT_GGUF[0]
     fname = cfg.get("gguf_file") or DEFAULT_GGUF[1]
@@ -50,14 +50,13 @@ def _build_model(cfg: dict, tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, cfg.get("dtype", "float32"))
+    dtype = getattr(torch, cfg.get("dtype", schema.default("target.dtype")))
     if cfg.get("tiny") is not None:
         from eaglet.target import families
 
         t = dict(cfg["tiny"])
-        family = t.pop("family", "llama")
-        seed = int(t.pop("seed", 0))
-        return families.build_model(family, tokenizer, seed=seed, **t).to(dtype)
+        family = t.pop("family", families.DEFAULT_FAMILY)
+        return families.build_model(family, tokenizer, **t).to(dtype)  # target.tiny.seed: build_model's
     if cfg.get("path"):
         return AutoModelForCausalLM.from_pretrained(cfg["path"], dtype=dtype,
                                                     trust_remote_code=bool(cfg.get("trust_remote_code")))

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglet.base import io
+from eaglet.base import io, schema
 from eaglet.target import reasoning
 
 log = logging.getLogger("eaglet.data.tokenize")
@@ -226,8 +226,10 @@ def mask_matches(masked_text: str, messages: list[dict], shown: list[str] = ()) 
             and all(r in masked_text for r in shown))
 
 
-def tokenize_rows(tokenizer, rows: list[dict], max_length: int = 2048, overlong: str = "truncate",
-                  batch_size: int = 256, fmt: reasoning.Format | None = None, renderer: Renderer | None = None,
+def tokenize_rows(tokenizer, rows: list[dict], max_length: int = schema.default("tokenize.max_length"),
+                  overlong: str = schema.default("tokenize.overlong"),
+                  batch_size: int = schema.default("tokenize.batch_size"), fmt: reasoning.Format | None = None,
+                  renderer: Renderer | None = None,
                   template_kwargs: dict | None = None) -> tuple[list[dict], Counter, Counter]:
     """Return (tokenized rows, skip counts by reason, tokenized count by source). ``renderer``:
     one to reuse across calls (the benchmark's batches), else a new one rendering with
@@ -321,8 +323,9 @@ def write_tokens(path: str | Path, kept: list[dict]) -> None:
     io.write_parquet(path, table)
 
 
-def run(conversations: str | Path, target: str | Path, out_dir: str | Path, max_length: int = 2048,
-        overlong: str = "truncate", batch_size: int = 256, chat_template: str | None = None,
+def run(conversations: str | Path, target: str | Path, out_dir: str | Path,
+        max_length: int = schema.default("tokenize.max_length"), overlong: str = schema.default("tokenize.overlong"),
+        batch_size: int = schema.default("tokenize.batch_size"), chat_template: str | None = None,
         chat_template_kwargs: dict | None = None, think_markers: list[str] | None = None) -> dict:
     """``chat_template``: ``target.chat_template`` (text or file), else the checkpoint's own;
     ``chat_template_kwargs``: the template's keyword arguments as the target is served with them;
@@ -370,9 +373,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--conversations", required=True)
     p.add_argument("--target", required=True, help="the target's identity.json (its tokenizer is used)")
     p.add_argument("--out-dir", required=True)
-    p.add_argument("--max-length", type=int, default=2048)
-    p.add_argument("--overlong", choices=["skip", "truncate"], default="truncate")
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--max-length", type=int, default=schema.default("tokenize.max_length"))
+    p.add_argument("--overlong", choices=schema.allowed("tokenize.overlong"),
+                   default=schema.default("tokenize.overlong"))
+    p.add_argument("--batch-size", type=int, default=schema.default("tokenize.batch_size"))
     p.add_argument("--chat-template", default="", help="target.chat_template: Jinja text or a file ('' = the target's)")
     p.add_argument("--chat-template-kwargs", default="{}",
                    help="JSON object: the chat template's keyword arguments as served (generate.chat_template_kwargs)")

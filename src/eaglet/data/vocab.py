@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglet.base import io
+from eaglet.base import io, schema
 from eaglet.target import reasoning
 
 log = logging.getLogger("eaglet.data.vocab")
@@ -127,7 +127,8 @@ def coverage_curve(counts: np.ndarray, points: int) -> list[dict]:
 
 
 def run(counts_path: str | Path, target: str | Path, out_dir: str | Path, draft_vocab_size: int,
-        pin_special: bool = True, pinned: list[str] | None = None, curve_points: int = 64,
+        pin_special: bool = schema.default("vocab.pin_special_tokens"), pinned: list[str] | None = None,
+        curve_points: int = schema.default("vocab.curve_points"),
         chat_template: str | None = None, chat_template_kwargs: dict | None = None,
         think_markers: list[str] | None = None) -> dict:
     """``chat_template``: ``target.chat_template``, whose marker tokens are pinned like the checkpoint's;
@@ -180,9 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--counts", required=True)
     p.add_argument("--target", required=True, help="the target's identity.json (its tokenizer is used)")
     p.add_argument("--draft-vocab-size", type=int, required=True)
-    p.add_argument("--pin-special", type=lambda s: s.lower() in ("1", "true", "yes"), default=True)
+    p.add_argument("--pin-special", type=lambda s: s.lower() in ("1", "true", "yes"),
+                   default=schema.default("vocab.pin_special_tokens"))
     p.add_argument("--pinned", default="[]", help="JSON list of extra strings to pin")
-    p.add_argument("--curve-points", type=int, default=64)
+    p.add_argument("--curve-points", type=int, default=schema.default("vocab.curve_points"))
     p.add_argument("--chat-template", default="", help="target.chat_template: Jinja text or a file ('' = the target's)")
     p.add_argument("--chat-template-kwargs", default="{}",
                    help="JSON object: the chat template's keyword arguments as served (generate.chat_template_kwargs)")

@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eaglet.base import schema
 from eaglet.drafter import chain
 from eaglet.drafter.model import Eagle3Drafter
 
-# The recipe's options (train params; eaglet.train.train DEFAULTS holds their defaults).
+# The recipe's options (train params; their defaults and allowed values: the config schema, read
+# through eaglet.base.schema: schema.allowed("train.loss") are the losses step_loss computes).
 DRAFTER_OPTIONS = ("norm_before_fc", "norm_before_residual", "norm_output")  # DrafterConfig fields
-LOSSES = ("soft_ce", "kl", "lk_lambda", "lk_alpha")
 LK = ("lk_lambda", "lk_alpha")  # the acceptance-targeted losses (arXiv 2602.23881): need the target's mass
 
 
@@ -23,8 +24,8 @@ def check_recipe(p: dict) -> None:
     for key in DRAFTER_OPTIONS + ("freeze_lm_head",):
         if not isinstance(p[key], bool):
             raise ValueError(f"train.{key}: {p[key]!r} is not true or false")
-    if p["loss"] not in LOSSES:
-        raise ValueError(f"train.loss: {p['loss']!r} not one of {LOSSES}")
+    if p["loss"] not in schema.allowed("train.loss"):
+        raise ValueError(f"train.loss: {p['loss']!r} not one of {schema.allowed('train.loss')}")
     if not 0 <= float(p["kl_scale"]) <= 1 or float(p["kl_decay"]) < 0:
         raise ValueError(f"train.kl_scale must be in [0, 1] and train.kl_decay >= 0, got {p['kl_scale']}, "
                          f"{p['kl_decay']}")
@@ -93,8 +94,8 @@ class TTTObjective(nn.Module):
     def __init__(self, drafter: Eagle3Drafter, steps: int, gamma: float, loss: str = "soft_ce",
                  kl_scale: float = 1.0, kl_decay: float = 3.0):
         super().__init__()
-        if loss not in LOSSES:
-            raise ValueError(f"loss {loss!r} not one of {LOSSES}")
+        if loss not in schema.allowed("train.loss"):
+            raise ValueError(f"loss {loss!r} not one of {schema.allowed('train.loss')}")
         self.drafter, self.steps, self.gamma, self.loss = drafter, steps, gamma, loss
         self.kl_scale, self.kl_decay = kl_scale, kl_decay
 

@@ -48,7 +48,7 @@ import torch
 from eaglet.base import io
 from eaglet.drafter.chain import accepted_prefix, overlap
 from eaglet.drafter.model import KVCache, load_drafter
-from eaglet.target.load import job_device, load_identity, load_model, load_tokenizer, stop_ids
+from eaglet.target.load import job_device, load_identity, load_model, load_tokenizer, stop_ids, target_load
 
 log = logging.getLogger("eaglet.engines.hf_loop")
 
@@ -441,8 +441,8 @@ def expected_prompt(target: Target, proposer: EagleProposer, prompt: list[int], 
 # --------------------------------------------------------------------------- setup
 def setup(drafter_path, identity_path, threads, stop_at_eos=True, chat_template=None, load: dict | None = None):
     """Target, drafter and tokenizer. ``load``: dtype, device, trust_remote_code of the target
-    (the target section of the config; default fp32 on the job's device)."""
-    ld = {"dtype": "float32", "device": "auto", "trust_remote_code": False, **(load or {})}
+    (the target section of the config; missing keys: its defaults, eaglet.target.load.target_load)."""
+    ld = target_load(load)
     if threads:
         torch.set_num_threads(int(threads))
     ident = load_identity(identity_path)

@@ -27,7 +27,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import io, schema
 from eaglet.engines import vllm_env
 from eaglet.export.contract import contract, reference
 from eaglet.export.vllm_format import export_tensors, read_trained, speculators_config, vllm_config, write_dir
@@ -35,8 +35,10 @@ from eaglet.target.load import load_identity
 
 log = logging.getLogger("eaglet.export.export")
 
-DEFAULTS = dict(speculators=False, vllm_check=True, vllm_check_prompts=4, vllm_check_max_tokens=32,
-                num_speculative_tokens=3, accept_not_run=(), serving=None, target_load=None)
+# Beside the export section (its defaults: the config schema, eaglet.base.schema), what the workflow
+# hands the stage from the target section: how vLLM serves the target (eaglet.target.load.serving)
+# and how the offline chain loads it (dtype, device, trust_remote_code); None = the target's defaults.
+TARGET_KEYS = ("serving", "target_load")
 OUTPUTS = ("config.json", "model.safetensors", "reference.json", "contract.json")
 
 
@@ -50,10 +52,7 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
            work_dir: str | Path | None = None, vllm_python: str | None = None, **opts) -> dict:
     """Write and check format A (and B when ``speculators``); return the contract report.
     Raises ContractError (after writing ``contract.failed.json``) when any check fails."""
-    o = {**DEFAULTS, **opts}
-    unknown = set(o) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"export: unknown options {sorted(unknown)}")
+    o = {key: None for key in TARGET_KEYS} | schema.settings("export", opts, "export", extra=TARGET_KEYS)
     identity = load_identity(identity_path)
     identity["identity_path"] = str(identity_path)  # the contract's offline chain loads the target from it
     identity["path"] = str(Path(identity["path"]).resolve())

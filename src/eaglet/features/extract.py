@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import io
+from eaglet.base import io, schema
 from eaglet.hidden.dtypes import bytes_per_token, storage_dtype
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.hidden.store import ShardWriter
@@ -50,9 +50,12 @@ __all__ = ["extract", "assign_shards", "make_batches", "HiddenStateDataset"]
 
 log = logging.getLogger("eaglet.features.extract")
 def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int = 1,
-            layer_ids: list[int] | None = None, dtype: str = "bfloat16", token_budget: int = 16384,
-            chunk_mb: float = 512, device: str = "auto", work_dir=None, model_dtype: str | None = None,
-            progress: bool = True, trust_remote_code: bool = False, dtype_reason: str | None = None) -> dict:
+            layer_ids: list[int] | None = None, dtype: str = schema.default("extract.dtype"),
+            token_budget: int = schema.default("extract.token_budget"),
+            chunk_mb: float = schema.default("extract.chunk_mb"), device: str = schema.default("target.device"),
+            work_dir=None, model_dtype: str | None = None, progress: bool = True,
+            trust_remote_code: bool = schema.default("target.trust_remote_code"),
+            dtype_reason: str | None = None) -> dict:
     """Extract one shard; return its index dict (also written to ``out_dir/index.json``).
     ``model_dtype`` (``target.dtype``; None = bf16 on a GPU, fp32 on the CPU), ``device``
     (``target.device``) and ``trust_remote_code`` say how the target is loaded."""
@@ -182,10 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shard", type=int, default=0)
     p.add_argument("--num-shards", type=int, default=1)
     p.add_argument("--layer-ids", default=None, help="JSON list in vLLM convention; null = default")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 | float32 | fp8")
-    p.add_argument("--token-budget", type=int, default=16384, help="padded tokens per batch")
-    p.add_argument("--chunk-mb", type=float, default=512, help="max chunk file size")
-    p.add_argument("--device", default="auto", help="target.device: auto (cuda when the job has a GPU), cpu, cuda")
+    p.add_argument("--dtype", default=schema.default("extract.dtype"), help=" | ".join(schema.allowed("extract.dtype")))
+    p.add_argument("--token-budget", type=int, default=schema.default("extract.token_budget"),
+                   help="padded tokens per batch")
+    p.add_argument("--chunk-mb", type=float, default=schema.default("extract.chunk_mb"), help="max chunk file size")
+    p.add_argument("--device", default=schema.default("target.device"),
+                   help="target.device: auto (cuda when the job has a GPU), cpu, cuda")
     p.add_argument("--target-load", default=None,
                    help='JSON {"dtype", "device", "trust_remote_code"}: the target section\'s (overrides --device); '
                         'default dtype bf16 on a GPU, fp32 on the CPU')

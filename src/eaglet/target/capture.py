@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from eaglet.base import io
+from eaglet.base import io, schema
 from eaglet.target import load as target
 
 log = logging.getLogger("eaglet.features.extract")
@@ -129,7 +129,7 @@ def reference_positions(lengths: list[int], per_batch: int) -> torch.Tensor:
 
 def pick_device(device: str) -> str:
     """``target.device`` for this job (eaglet.target.load.job_device); an explicit ``cuda:1`` stays."""
-    return target.job_device(device) if device in ("auto", "cpu", "cuda") else device
+    return target.job_device(device) if device in schema.allowed("target.device") else device
 
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import functools
 
+from eaglet.base import schema
 from eaglet.target.family_templates import (
     DEEPSEEK_V3_TEMPLATE,
     GEMMA3_TEMPLATE,
@@ -135,20 +136,24 @@ TOKENIZERS: dict[str, dict] = {
 }
 TOKENIZERS["qwen3_moe"] = TOKENIZERS["qwen3"]
 
-FAMILIES: tuple[str, ...] = ("llama", "llama3", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "deepseek_v3",
-                             "gpt_oss")
+# The families target.tiny.family allows (the config schema's list, eaglet.base.schema), each with its
+# entry in FAMILY_CONFIGS / TOKENIZERS (tests/target/test_families.py builds every one).
+FAMILIES: tuple[str, ...] = schema.allowed("target.tiny.family")
+# The family of a target.tiny that names none. Not in the schema: target.tiny defaults to null, and
+# validating with set_default would set a default key inside that null (see the schema's comment).
+DEFAULT_FAMILY = "llama"
 
-# The historical tiny Llama (see target.py): 2 heads x 64 fit vLLM's CPU attention kernels.
-LLAMA_DEFAULTS = dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=256)
+# The historical tiny Llama's config (see target.py): 2 heads x 64 fit vLLM's CPU attention kernels.
+TINY_LLAMA = dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=2,
+                  num_key_value_heads=1, intermediate_size=256)
 
 
 def tiny_num_layers(tiny: dict) -> int:
     """The layer count of ``target.tiny`` without building it (the workflow resolves the aux
     layer ids at parse time): an override, else the family's tiny default."""
-    family = tiny.get("family", "llama")
+    family = tiny.get("family", DEFAULT_FAMILY)
     _check(family)
-    base = LLAMA_DEFAULTS if family == "llama" else FAMILY_CONFIGS[family]
+    base = TINY_LLAMA if family == "llama" else FAMILY_CONFIGS[family]
     return int(tiny.get("num_hidden_layers", base["num_hidden_layers"]))
 
 
@@ -249,7 +254,7 @@ def build_model(family: str, tokenizer, seed: int = 0, **overrides):
         # config, same init order.
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        t = {**LLAMA_DEFAULTS, **overrides}
+        t = {**TINY_LLAMA, **overrides}
         torch.manual_seed(int(seed))
         conf = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=4096,
                            tie_word_embeddings=False, rope_theta=10000.0,

@@ -7,7 +7,8 @@ eaglet.data.target_model).
     model = load_model(ident["path"], dtype="bfloat16", device=job_device("auto"))
 
 ``identity_of`` computes what identity.json records (digest, shapes, family facts); ``serving`` and
-``vllm_runner_args`` are how every vLLM engine serves the target (``target.vllm``).
+``vllm_runner_args`` are how every vLLM engine serves the target (``target.vllm``); ``target_load``
+how a stage loads it in-process (``target.dtype``, ``device``, ``trust_remote_code``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eaglet.base import io
+from eaglet.base import io, schema
 
 if TYPE_CHECKING:  # torch is imported where a function needs it: the workflow imports this at parse time
     import torch
@@ -440,23 +441,37 @@ def job_device(setting: str = "auto") -> str:
     return "cuda" if has_gpu else "cpu"
 
 
-# Defaults of target.vllm: the vLLM-CPU settings every runner used to hard-code.
-VLLM_SERVING = {"tensor_parallel_size": 1, "enable_expert_parallel": False, "dtype": "float32",
-                "trust_remote_code": False}
+# The target section's settings that say how a stage loads the target in-process (extract, the HF
+# evaluation loop, the contract's offline chain, generate's local backend, online training): the
+# workflow hands them to a stage as ``target_load``.
+LOAD_KEYS = ("dtype", "device", "trust_remote_code")
+
+
+def target_load(given: dict | None) -> dict:
+    """``given`` (a stage's ``target_load``) over the target section's defaults of LOAD_KEYS (the
+    config schema: fp32 on the job's device, no remote code)."""
+    return {k: schema.default(f"target.{k}") for k in LOAD_KEYS} | (given or {})
+
+
+def _serving_defaults() -> dict:
+    """target.vllm's defaults (the vLLM-CPU settings every runner used to hard-code) and
+    target.trust_remote_code's, from the config schema."""
+    return schema.defaults("target.vllm") | {"trust_remote_code": schema.default("target.trust_remote_code")}
 
 
 def serving(target_cfg: dict) -> dict:
     """How vLLM serves the target, from the target section of the config: ``target.vllm`` plus
     ``target.trust_remote_code``. The single source every vLLM engine reads (generate's server,
     the contract's check, the known-answer run, evaluate_vllm)."""
-    return {**VLLM_SERVING, **(target_cfg.get("vllm") or {}),
-            "trust_remote_code": bool(target_cfg.get("trust_remote_code", False))}
+    d = _serving_defaults()
+    return {**d, **(target_cfg.get("vllm") or {}),
+            "trust_remote_code": bool(target_cfg.get("trust_remote_code", d["trust_remote_code"]))}
 
 
 def vllm_runner_args(serve: dict | None) -> list[str]:
     """The flags of eaglet's vLLM runners (vllm_check_runner.py, vllm_eval_runner.py) for a
-    ``serving`` dict; missing keys are the vLLM-CPU defaults."""
-    s = {**VLLM_SERVING, **(serve or {})}
+    ``serving`` dict; missing keys are target.vllm's defaults (vLLM-CPU's)."""
+    s = {**_serving_defaults(), **(serve or {})}
     args = ["--dtype", str(s["dtype"]), "--tensor-parallel-size", str(int(s["tensor_parallel_size"]))]
     if s["enable_expert_parallel"]:
         args.append("--enable-expert-parallel")

@@ -29,14 +29,11 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from eaglet.base import io
+from eaglet.base import io, schema
 from eaglet.target.load import read_target_tensor
 
 log = logging.getLogger("eaglet.train.labels")
 
-# Top-1 agreement demanded between the reconstruction and the real model, on positions whose real
-# top-1/top-2 logit margin exceeds what storage rounding of the stored state can move.
-MIN_AGREEMENT = 0.99
 # Largest logit change rounding of the stored final state can cause, per storage dtype (measured on
 # SmolLM2 and the tiny family models: bf16 moves a logit by < 0.1, fp8 e4m3 by < 1).
 STORAGE_MARGIN = {"float32": 1e-3, "bfloat16": 0.25, "float8_e4m3fn": 2.0}
@@ -234,14 +231,16 @@ def reference_rows(refs: list[list], limit: int = 512) -> list[list]:
 
 
 def check_against_reference(head: TargetHead, refs: list[list], final_of, storage_dtype: str,
-                            min_agreement: float = MIN_AGREEMENT) -> dict:
+                            min_agreement: float | None = None) -> dict:
     """Compare the reconstructed top-1 with the real model's on recorded positions.
 
     ``refs``: rows ``[sample_id, position, real_top1, real_margin]`` (eaglet.features.extract);
     ``final_of(sample_id) -> final_TH`` reads a stored sample. Positions whose real margin is
     within what storage rounding can move are reported but not judged. Returns the record; raises
-    LabelMismatch when the agreement is below ``min_agreement``; ``ok`` is None (not run) when
-    fewer than MIN_POSITIONS positions could be judged."""
+    LabelMismatch when the agreement is below ``min_agreement`` (None: train.label_min_agreement's
+    default); ``ok`` is None (not run) when fewer than MIN_POSITIONS positions could be judged."""
+    if min_agreement is None:
+        min_agreement = schema.default("train.label_min_agreement")
     margin_min = STORAGE_MARGIN.get(storage_dtype, 2.0)
     by_id: dict[str, list] = {}
     for r in reference_rows(refs):

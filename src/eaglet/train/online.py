@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from eaglet.base import schema
 from eaglet.hidden.dtypes import storage_dtype
 from eaglet.hidden.store import storage_round
 from eaglet.target import capture
@@ -145,19 +146,20 @@ def open_source(online: dict, identity: dict, device: torch.device, token_budget
     device, trust_remote_code). The target runs on the rank's GPU, or on the CPU without one (or with
     ``target.device: cpu``)."""
     ld = online.get("target_load") or {}
-    setting = ld.get("device", "auto")
+    setting = ld.get("device", schema.default("target.device"))
     if setting == "cuda" and device.type != "cuda":
         raise ValueError("target.device: cuda, but train.gpus is 0: online training runs the target on "
                          "the training ranks' GPUs (set train.gpus, or target.device: auto)")
     dev = "cpu" if setting == "cpu" else str(device)
-    return OnlineHiddenStates(online["tokens"], identity, online.get("layer_ids"), online.get("dtype", "bfloat16"),
-                              dev, ld.get("dtype"), bool(ld.get("trust_remote_code")), token_budget)
+    return OnlineHiddenStates(online["tokens"], identity, online.get("layer_ids"),
+                              online.get("dtype", schema.default("extract.dtype")), dev, ld.get("dtype"),
+                              bool(ld.get("trust_remote_code")), token_budget)
 
 
 def check_settings(mode: str, online: dict | None) -> None:
     """``train.hidden_states`` against what the trainer was given."""
-    if mode not in ("offline", "online"):
-        raise ValueError(f"train.hidden_states: {mode!r} not 'offline' or 'online'")
+    if mode not in schema.allowed("train.hidden_states"):
+        raise ValueError(f"train.hidden_states: {mode!r} not one of {schema.allowed('train.hidden_states')}")
     if mode == "online" and not online:
         raise ValueError("train.hidden_states: online needs the tokens file and extract settings (--online)")
     if mode == "offline" and online:

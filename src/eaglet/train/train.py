@@ -52,11 +52,10 @@ import os
 import time
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import io, schema
 from eaglet.drafter.model import save_drafter
 from eaglet.drafter.ttt import check_recipe
 from eaglet.hidden.reader import HiddenStateDataset
-from eaglet.train import labels
 
 # the phases' parts, in their own modules (re-exported: tests and benchmarks import them from here)
 from eaglet.train.loop import Batches, after_step, autocast_on, train_step
@@ -64,63 +63,19 @@ from eaglet.train.setup import TrainRun, plan_run, resume, setup
 
 log = logging.getLogger("eaglet.train.train")
 
-AUTOCAST = ("auto", "bfloat16", "float32")
-DEFAULTS = dict(
-    ttt_steps=7,            # EAGLE/SpecForge unroll; speculators/ModelOpt use 3
-    gamma=0.8,              # step weight gamma^k (EAGLE/SpecForge)
-    epochs=1.0,
-    lr=1e-4,
-    warmup_ratio=0.015,
-    weight_decay=0.0,
-    grad_clip=0.5,
-    token_budget=8192,      # padded tokens (B x T_max) per micro-batch
-    grad_accum=1,           # micro-batches per optimizer step and rank
-    lm_head_init="target",  # "target": the target's head rows (speculators); "random" (SpecForge)
-    freeze_lm_head=False,   # keep the head at the target's rows (speculators); needs lm_head_init target
-    norm_before_fc=False,   # RMSNorm over concat(aux) before fc (EAGLE-3.1, speculators, SpecForge)
-    norm_before_residual=False,  # residual = hidden_norm(hidden) (speculators; vLLM norm_before_residual)
-    norm_output=False,      # next draft step reads norm(h), not the pre-norm h (speculators; vLLM norm_output)
-    loss="lk_alpha",        # -log acceptance: measured ahead of soft CE at T = 1 and level at T = 0 on SmolLM2
-                            # (docs/studies.md); "soft_ce" or "kl" (same gradient; the loss value differs by
-                            # the target entropy); "lk_lambda" (eaglet.drafter.ttt.step_loss)
-    kl_scale=1.0,           # lk_lambda: KL weight w = kl_scale exp(-kl_decay mean α)
-    kl_decay=3.0,
-    select_temperature=0.0,  # the kept weights: best validation chain_tau (0) or expected tau at T = 1 (1)
-    noise_std=0.0,          # Gaussian noise added to the aux states (training only)
-    oov_rule="greedy",      # "greedy": drop positions whose target argmax is outside the draft
-                            # vocab (reads the other head rows too, no_grad); "label": use the
-                            # next token instead (same on target-generated data; draft rows only)
-    checkpoint_every=200,
-    keep_checkpoints=1,
-    val_fraction=0.05,
-    data_fraction=1.0,      # train on this nested fraction of the training samples (the learning curve)
-    val_every=100,
-    val_max_batches=None,
-    max_steps=None,         # cap on optimizer steps (smoke runs, tests)
-    seed=0,
-    gpus=0,
-    label_min_agreement=labels.MIN_AGREEMENT,  # top-1 agreement of the labels with the real model
-    accept_unchecked_labels=False,  # train even when the label check could not run (no references)
-    hidden_states="offline",  # "offline": read extract's shards; "online": run the target here (eaglet.train.online)
-    autocast="auto",        # the drafter's forward under bf16 autocast: "auto" = on CUDA and on CPUs with
-                            # bf16 units (eaglet.base.capability); "bfloat16" = on any device; "float32" = never
-)
+# train.* minus these two are the trainer's settings, with the schema's defaults (eaglet.base.schema):
+# nodes and rdzv_port say how its ranks are launched (eaglet.planner.gpu_slots.train_launch, the
+# workflow's launcher param), so the workflow leaves them out of the trainer's params.
+LAUNCH_KEYS = ("nodes", "rdzv_port")
 
 
 def resolve_params(params: dict | None) -> dict:
-    p = dict(DEFAULTS)
-    unknown = set(params or {}) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"train params: unknown keys {sorted(unknown)} (known: {sorted(DEFAULTS)})")
-    p.update(params or {})
-    if p["lm_head_init"] not in ("target", "random"):
-        raise ValueError(f"train.lm_head_init: {p['lm_head_init']!r} not 'target' or 'random'")
-    if p["oov_rule"] not in ("greedy", "label"):
-        raise ValueError(f"train.oov_rule: {p['oov_rule']!r} not 'greedy' or 'label'")
-    if p["autocast"] not in AUTOCAST:
-        raise ValueError(f"train.autocast: {p['autocast']!r} not one of {AUTOCAST}")
-    if p["hidden_states"] not in ("offline", "online"):
-        raise ValueError(f"train.hidden_states: {p['hidden_states']!r} not 'offline' or 'online'")
+    """The train section over the schema's defaults (less LAUNCH_KEYS), refusing unknown keys and
+    values the schema does not allow."""
+    p = schema.settings("train", params, "train", leave_out=LAUNCH_KEYS)
+    for key in ("lm_head_init", "oov_rule", "autocast", "hidden_states"):
+        if p[key] not in schema.allowed(f"train.{key}"):
+            raise ValueError(f"train.{key}: {p[key]!r} not one of {schema.allowed(f'train.{key}')}")
     check_recipe(p)
     return p
 

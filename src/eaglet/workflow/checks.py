@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eaglet.base import schema
 from eaglet.export.contract.record import VLLM_CHECKS
 from eaglet.target.chat_template import chat_template_text, has_chat_template, no_template_message
 from eaglet.target.check import architecture, read_config, serving, text_config
@@ -17,7 +18,7 @@ def unaccepted_not_run(export: dict) -> list[str]:
     """Contract checks the config already says will not run (the real-vLLM ones with
     ``export.vllm_check: false``; format B's always) that ``export.accept_not_run`` does not list.
     Each would fail the export at the end of the run, after training."""
-    off = [] if export.get("vllm_check", True) else list(VLLM_CHECKS)
+    off = [] if export.get("vllm_check", schema.default("export.vllm_check")) else list(VLLM_CHECKS)
     if export.get("speculators"):  # format B is never run in real vLLM
         off += [f"speculators.{n}" for n in VLLM_CHECKS]
     accepted = set(export.get("accept_not_run") or ())
@@ -37,7 +38,7 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
                          "export.accept_not_run, or turn the check on")
     template = chat_template_text(t.get("chat_template"), workdir)
     ev = config.get("evaluate", {}).get("vllm", {})
-    env = Path(workdir) / ev.get("env", "envs/vllm/.venv")
+    env = Path(workdir) / ev.get("env", schema.default("evaluate.vllm.env"))
     if not t.get("path") or t.get("tiny") is not None:
         # A built or GGUF target is known once the first job (target_model) has made it: that job
         # checks the template and says whether vLLM serves it; later runs read what it recorded.

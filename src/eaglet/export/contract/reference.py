@@ -130,9 +130,9 @@ def reference_chain(drafter, identity: dict, prompt_ids: list[list[int]] | None,
     continuations, along the HF target's own greedy ones (max_tokens + k - 1 tokens); without
     prompt ids, ``prompts`` tokenised as vLLM tokenises a text prompt."""
     from eaglet.engines import hf_loop
-    from eaglet.target.load import job_device, load_model
+    from eaglet.target.load import job_device, load_model, target_load
 
-    ld = {"dtype": "float32", "device": "auto", "trust_remote_code": False, **(load or {})}
+    ld = target_load(load)
     if Path(drafter).is_dir():
         model, cfg, d2t = load_exported(drafter, identity)
     else:
