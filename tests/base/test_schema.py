@@ -29,27 +29,16 @@ from eaglet.base import schema
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "eaglet"
 
-# Issue 42: the eval modules are converted by another branch of the same step (eval/evaluate.py split
-# by the rule each part serves). Here they still hold their own DEFAULTS: the test asserts that they
-# do, so that the set must be emptied (and the modules checked like every other) once the branches
-# are merged. EMPTY THIS SET AFTER THE MERGE.
-EXPECTED_ELSEWHERE = {
-    "eaglet.eval.evaluate",
-    "eaglet.eval.evaluate_vllm",
-    "eaglet.eval.regenerated",
-    "eaglet.eval.summary",
-}
-
 # ``.get(key, default)`` on a file eaglet wrote or reads, not on the config: the default says what a
 # file written before the key existed meant (each entry must still be found, so none goes stale).
 FILE_FORMAT_GETS = {
     # a drafter config / exported config.json from before the architecture variants: all off
-    ("eaglet.export.format", "norm_before_fc"): "drafter config",
-    ("eaglet.export.format", "norm_before_residual"): "drafter config",
-    ("eaglet.export.format", "norm_output"): "drafter config",
-    ("eaglet.export.static", "norm_before_fc"): "exported config.json as vLLM reads it",
-    ("eaglet.export.static", "norm_before_residual"): "exported config.json as vLLM reads it",
-    ("eaglet.export.static", "norm_output"): "exported config.json as vLLM reads it",
+    ("eaglet.export.vllm_format", "norm_before_fc"): "drafter config",
+    ("eaglet.export.vllm_format", "norm_before_residual"): "drafter config",
+    ("eaglet.export.vllm_format", "norm_output"): "drafter config",
+    ("eaglet.export.contract.static_checks", "norm_before_fc"): "exported config.json as vLLM reads it",
+    ("eaglet.export.contract.static_checks", "norm_before_residual"): "exported config.json as vLLM reads it",
+    ("eaglet.export.contract.static_checks", "norm_output"): "exported config.json as vLLM reads it",
     # train_summary.json from before data_fraction: the full data
     ("eaglet.learning_curve.learning_curve", "data_fraction"): "train_summary.json",
     # identity.json from before trust_remote_code was recorded: no remote code
@@ -173,18 +162,8 @@ def test_no_module_holds_a_default_or_allowed_value_of_its_own():
     """No module of src/eaglet holds a setting's default or allowed values of its own (a DEFAULTS
     dict, a copy of a schema enum, a section's defaults filled by hand, a ``.get`` default equal to
     the schema's): they are read from the schema (eaglet.base.schema)."""
-    found = [line for m, f in _modules().items() if m not in EXPECTED_ELSEWHERE
-             for line in findings(f.read_text(), m)]
+    found = [line for m, f in _modules().items() for line in findings(f.read_text(), m)]
     assert not found, "settings written outside the schema (read them with eaglet.base.schema):\n" + "\n".join(found)
-
-
-@pytest.mark.parametrize("module", sorted(EXPECTED_ELSEWHERE))
-def test_modules_expected_elsewhere_still_hold_their_copies(module):
-    """The modules left to the other branch of issue 42 do still hold copies: once they are fixed,
-    EXPECTED_ELSEWHERE must be emptied, so that they are checked like the others."""
-    f = _modules().get(module)
-    assert f is not None, f"{module} is gone: take it out of EXPECTED_ELSEWHERE"
-    assert findings(f.read_text(), module), f"{module} holds no copy any more: take it out of EXPECTED_ELSEWHERE"
 
 
 def test_file_format_gets_are_still_there():
