@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from eaglet.base import io  # noqa: E402
+from eaglet.base import artifacts as io  # noqa: E402
 from eaglet.train import train as tr  # noqa: E402
 
 # One option per row, on top of BASE (speculators' eagle3 defaults, issue 15 / docs/eagle3.md §11).

@@ -35,7 +35,8 @@ import torch  # noqa: E402
 from bench_train import config_params, data_args, store  # noqa: E402
 from paired import spread_note  # noqa: E402
 
-from eaglet.base import capability, io  # noqa: E402
+from eaglet.base import artifacts as io  # noqa: E402
+from eaglet.base import capability  # noqa: E402
 from eaglet.train import train as tr  # noqa: E402
 
 MODES = ("float32", "bfloat16")

@@ -34,7 +34,7 @@ import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.paired import spread_note  # noqa: E402
-from eaglet.base import io  # noqa: E402
+from eaglet.base import artifacts as io  # noqa: E402
 from eaglet.features import extract as ex  # noqa: E402
 from eaglet.target import load as target  # noqa: E402
 

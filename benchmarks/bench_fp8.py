@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from eaglet.base import io  # noqa: E402
+from eaglet.base import artifacts as io  # noqa: E402
 from eaglet.features import extract as ex  # noqa: E402
 from eaglet.hidden.dtypes import bytes_per_token  # noqa: E402
 from eaglet.hidden.reader import HiddenStateDataset  # noqa: E402

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from eaglet.base import io  # noqa: E402
+from eaglet.base import artifacts as io  # noqa: E402
 from eaglet.engines import vllm_server  # noqa: E402
 from eaglet.generate.generate import generate, plan_turns  # noqa: E402
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_ablation import BASE  # noqa: E402
 
-from eaglet.base import io  # noqa: E402
+from eaglet.base import artifacts as io  # noqa: E402
 from eaglet.base.job_records import stage_times  # noqa: E402
 from eaglet.train import train as tr  # noqa: E402
 

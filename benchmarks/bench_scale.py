@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from eaglet.base import io  # noqa: E402
+from eaglet.base import artifacts as io  # noqa: E402
 from eaglet.data import tokenize  # noqa: E402
 from eaglet.features import extract as ex  # noqa: E402
 from eaglet.target import capture  # noqa: E402

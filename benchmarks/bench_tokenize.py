@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.paired import spread_note  # noqa: E402
-from eaglet.base import io  # noqa: E402
+from eaglet.base import artifacts as io  # noqa: E402
 from eaglet.data import prompts, tokenize  # noqa: E402
 from eaglet.target import reasoning  # noqa: E402
 from eaglet.target.load import load_identity, load_tokenizer  # noqa: E402

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from eaglet.base import io  # noqa: E402
+from eaglet.base import artifacts as io  # noqa: E402
 from eaglet.drafter.ttt import LK  # noqa: E402
 from eaglet.hidden.reader import HiddenStateDataset  # noqa: E402
 from eaglet.hidden.store import ShardWriter  # noqa: E402

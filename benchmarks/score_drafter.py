@@ -33,7 +33,7 @@ from bench_mix import stores, val_stores  # noqa: E402
 
 def score(run: Path, val: list[str], identity: dict, params: dict) -> dict:
     """The trainer's validation row for the run's kept weights on the ``val`` stores."""
-    from eaglet.base import io
+    from eaglet.base import artifacts as io
     from eaglet.drafter.model import load_drafter
     from eaglet.train.loop import Batches, validate
     from eaglet.train.setup import plan_run, setup

@@ -14,7 +14,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 
 TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "tea", "bees", "glass", "trains", "maps",
           "snow", "clocks", "salt", "owls", "bridges", "paper"]

@@ -8,7 +8,7 @@ import sys
 import pyarrow as pa
 import torch
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.hidden.store import ShardWriter
 
 LAYERS = [2, 4, 5]

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 
 SIZE = 1 << 20
 

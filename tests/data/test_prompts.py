@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.data import prompts
 
 

@@ -7,7 +7,7 @@ import copy
 import numpy as np
 import pytest
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.data import tokenize
 from eaglet.target import reasoning
 from eaglet.target.load import load_identity, load_tokenizer

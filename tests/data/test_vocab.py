@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.data import freq, vocab
 from eaglet.target.load import load_identity, load_tokenizer
 

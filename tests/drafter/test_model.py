@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.drafter.model import (
     DrafterConfig,
     Eagle3Drafter,

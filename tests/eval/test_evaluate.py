@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from eaglet.base import artifacts as io
 from eaglet.base import datasets as eval_sets
-from eaglet.base import io
 from eaglet.drafter import chain
 from eaglet.eval import evaluate as ev
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 
 
 # --------------------------------------------------------------------------- the runner's output, synthetic

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import make_random_drafter, vllm_env_or_skip
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.engines import vllm_env
 from eaglet.export import contract
 from eaglet.export import vllm_checks as contract_vllm

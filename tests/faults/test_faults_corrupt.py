@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import make_random_drafter
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from faults_common import corrupt_parquet, generate_run, identity_path
 
 pytestmark = pytest.mark.faults

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from conftest import REPO, clone
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from faults_common import _smk
 
 pytestmark = pytest.mark.faults

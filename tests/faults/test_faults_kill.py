@@ -24,7 +24,7 @@ import yaml
 
 from canned_server import Canned
 from conftest import REPO, clone
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from faults_common import _smk, corrupt_parquet
 
 pytestmark = pytest.mark.faults

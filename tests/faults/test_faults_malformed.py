@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from canned_server import Canned
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from faults_common import generate_run, identity_path
 
 pytestmark = pytest.mark.faults

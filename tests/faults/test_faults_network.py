@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 
 from canned_server import assistant_texts, make_conversations
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from faults_common import generate_run, identity_path
 from faulty_proxy import FaultyProxy, messages_key
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.features.extract import assign_shards, extract, make_batches
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.target import load as target

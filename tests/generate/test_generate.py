@@ -17,7 +17,7 @@ import pytest
 
 from canned_server import Canned, assistant_texts, make_conversations
 from conftest import vllm_env_or_skip
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.engines.vllm_server import free_port
 from eaglet.generate.generate import generate, plan_turns, transient
 

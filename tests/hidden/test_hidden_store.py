@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.hidden.store import ShardWriter, fp8_encode
 

@@ -83,7 +83,7 @@ def test_curve_refuses_points_on_other_sequences():
 
 
 def test_costs_scale_with_the_data_and_say_what_was_not_measured(tmp_path):
-    from eaglet.base import io
+    from eaglet.base import artifacts as io
 
     idx = tmp_path / "index.json"
     io.write_json(idx, {"chunks": [{"bytes": 1000}, {"bytes": 500}]})

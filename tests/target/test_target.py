@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.data.target_model import materialise
 from eaglet.target.load import default_layer_ids, identity_of, load_identity, load_tokenizer, validate_layer_ids
 

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from conftest import VLLM_ENV, clone
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.data.target_model import materialise
 from eaglet.export import contract
 from eaglet.target import chat_template

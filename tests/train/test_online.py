@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import kill_when_written, slowed_trainer
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.features.extract import extract
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.hidden.store import storage_round

@@ -11,7 +11,7 @@ import torch
 from test_train import LAYERS, data  # noqa: F401  (the tiny target's real hidden-state store)
 
 from conftest import make_random_drafter
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_drafter, load_target_embedding
 from eaglet.drafter.ttt import TTTObjective
 from eaglet.export import contract

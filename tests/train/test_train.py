@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import kill_when_written, slowed_trainer
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.drafter.model import load_drafter
 from eaglet.drafter.ttt import TTTObjective, is_better, rest_positions, tf_tau, valid_positions
 from eaglet.hidden.reader import HiddenStateDataset

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import REPO, clone, make_random_drafter
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.data.target_model import materialise
 from workflow_common import planned_jobs
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from canned_server import make_conversations
-from eaglet.base import io
-from eaglet.base.io import setting_changes
+from eaglet.base import artifacts as io
+from eaglet.base.artifacts import setting_changes
 from eaglet.features.extract import extract
 from eaglet.generate.generate import engine_key, generate, parts_key, resolve_config
 from eaglet.generate.parts import prepare_parts

@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from conftest import clone
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.planner.gpu_slots import train_launch
 from train_common import PARAMS, hidden_data, train_cmd
 

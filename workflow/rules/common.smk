@@ -19,7 +19,7 @@ validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from eaglet.base import capability
 from eaglet.workflow import code_inputs
-from eaglet.base import io as eaglet_io
+from eaglet.base import artifacts as eaglet_io
 from eaglet.target import chat_template
 from eaglet.workflow import checks as workflow_checks
 from eaglet.target import shape as target_shape

@@ -37,7 +37,7 @@ import logging
 from collections import Counter
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 
 log = logging.getLogger("eaglet.base.datasets")
 

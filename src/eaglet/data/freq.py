@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 
 log = logging.getLogger("eaglet.data.freq")
 

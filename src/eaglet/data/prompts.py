@@ -18,7 +18,7 @@ import random
 from collections import Counter
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 
 log = logging.getLogger("eaglet.data.prompts")
 

@@ -24,7 +24,7 @@ import os
 import shutil
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.target.load import DEFAULT_GGUF, identity_of, package_file
 
 log = logging.getLogger("eaglet.data.target_model")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.target import reasoning
 
 log = logging.getLogger("eaglet.data.tokenize")

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.drafter.rope import Rotary, drafter_rope
 
 # the TTT attention lives in its own module; re-exported (tests and eaglet.planner.plan's notes name it here)

@@ -44,7 +44,7 @@ from collections import defaultdict
 
 import torch
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.drafter.chain import accepted_prefix, overlap
 from eaglet.drafter.model import KVCache, load_drafter
 from eaglet.target.load import job_device, load_identity, load_model, load_tokenizer, stop_ids

@@ -77,8 +77,8 @@ from pathlib import Path
 
 import torch
 
+from eaglet.base import artifacts as io
 from eaglet.base import datasets as eval_sets
-from eaglet.base import io
 from eaglet.drafter.chain import (
     chain_counts,
     chain_replay,

@@ -80,8 +80,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from eaglet.base import artifacts as io
 from eaglet.base import datasets as eval_sets
-from eaglet.base import io
 from eaglet.engines import vllm_env
 from eaglet.eval import stats as eval_stats
 from eaglet.target.load import load_identity, load_tokenizer, stop_ids, vllm_runner_args

@@ -31,7 +31,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from eaglet.base import datasets, io
+from eaglet.base import artifacts as io
+from eaglet.base import datasets
 from eaglet.drafter.chain import accepted_prefix, chain_replay, prompt_chain
 from eaglet.engines.hf_loop import setup
 from eaglet.eval import stats as eval_stats

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.eval import stats as eval_stats
 
 log = logging.getLogger("eaglet.eval.summary")

@@ -53,7 +53,7 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.engines import vllm_env
 from eaglet.export import reference
 from eaglet.export import vllm_checks as vllm_checks_mod

@@ -27,7 +27,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.engines import vllm_env
 from eaglet.export import contract, reference
 from eaglet.export.format import export_tensors, read_trained, speculators_config, vllm_config, write_dir

@@ -18,7 +18,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.drafter.rope import legacy_fields
 from eaglet.export import static as contract_static
 from eaglet.export.static import VARIANTS, trained_config

@@ -21,7 +21,7 @@ import json
 import re
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.engines import vllm_env
 from eaglet.export import record as contract_record
 from eaglet.export import vllm_checks as contract_vllm

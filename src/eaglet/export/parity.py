@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.export.record import check
 from eaglet.export.static import dims, effective_config, read_export, variants
 

@@ -36,7 +36,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.drafter.chain import chain_along
 
 FILE = "reference.json"

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.target.load import read_target_tensor
 
 SUPPORTED = ("llama", "qwen2", "qwen3")  # Llama parameter names, w * x RMSNorm, o_proj, gate/up/down

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.hidden.dtypes import bytes_per_token, storage_dtype
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.hidden.store import ShardWriter

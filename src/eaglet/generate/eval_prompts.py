@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from eaglet.base import datasets, io
+from eaglet.base import artifacts as io
+from eaglet.base import datasets
 
 log = logging.getLogger("eaglet.generate.eval_prompts")
 

@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.generate.backends import dispatch as _dispatch
 from eaglet.generate.parts import PartSink, load_parts, prepare_parts
 from eaglet.generate.turns import (

@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 
 log = logging.getLogger("eaglet.generate.generate")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import zlib
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 
 RETRY_STATUS = (408, 429)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 
 HEADER_KEYS = ("shard", "num_shards", "layer_ids", "final_layer", "final_is_prenorm", "dtype",
                "hidden_size", "target_digest")

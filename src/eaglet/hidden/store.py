@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import io
-from eaglet.base.io import setting_changes
+from eaglet.base import artifacts as io
+from eaglet.base.artifacts import setting_changes
 from eaglet.hidden.dtypes import bytes_per_token, storage_dtype
 
 log = logging.getLogger("eaglet.hidden.store")

@@ -30,7 +30,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.learning_curve.curve_fit import (
     check,
     curve,

@@ -23,7 +23,7 @@ import json
 import logging
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 
 log = logging.getLogger("eaglet.report.card")
 

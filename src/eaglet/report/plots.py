@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 
 
 def _plt():

@@ -15,7 +15,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.base.job_records import stage_times
 
 PACKAGES = ("eaglet", "torch", "transformers", "safetensors", "tokenizers", "snakemake", "pyarrow",

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.target import load as target
 
 log = logging.getLogger("eaglet.features.extract")

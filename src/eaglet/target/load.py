@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 
 if TYPE_CHECKING:  # torch is imported where a function needs it: the workflow imports this at parse time
     import torch

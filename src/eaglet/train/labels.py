@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.target.load import read_target_tensor
 
 log = logging.getLogger("eaglet.train.labels")

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_target_embedding
 from eaglet.drafter.ttt import TTTObjective, drafter_options, freeze_head
 from eaglet.hidden.reader import HiddenStateDataset

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import io
-from eaglet.base.io import setting_changes
+from eaglet.base import artifacts as io
+from eaglet.base.artifacts import setting_changes
 
 log = logging.getLogger("eaglet.train.train")
 

@@ -52,7 +52,7 @@ import os
 import time
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base import artifacts as io
 from eaglet.drafter.model import save_drafter
 from eaglet.drafter.ttt import check_recipe
 from eaglet.hidden.reader import HiddenStateDataset
