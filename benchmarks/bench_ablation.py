@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from eaglet.base import artifacts as io  # noqa: E402
+from eaglet.base.tensors import save_tensors  # noqa: E402
 from eaglet.train import train as tr  # noqa: E402
 
 # One option per row, on top of BASE (speculators' eagle3 defaults, issue 15 / docs/eagle3.md §11).
@@ -128,7 +128,7 @@ def tiny_store(out: Path, n: int, new_tokens: int) -> tuple[list[str], str, dict
     used = counts.argsort(descending=True)[:vd].sort().values
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[used] = True
-    io.save_tensors(out / "vocab.safetensors", {"d2t": used - torch.arange(vd), "t2d": t2d})
+    save_tensors(out / "vocab.safetensors", {"d2t": used - torch.arange(vd), "t2d": t2d})
     return [str(out / "shard_0" / "index.json")], str(out / "vocab.safetensors"), ident, \
         f"tiny in-process Llama target ({n} greedy continuations, {new_tokens} new tokens max)"
 

@@ -35,8 +35,8 @@ import torch  # noqa: E402
 from bench_train import config_params, data_args, store  # noqa: E402
 from paired import spread_note  # noqa: E402
 
-from eaglet.base import artifacts as io  # noqa: E402
 from eaglet.base import capability  # noqa: E402
+from eaglet.base.logs import setup_logging  # noqa: E402
 from eaglet.train import train as tr  # noqa: E402
 
 MODES = ("float32", "bfloat16")
@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
-    io.setup_logging()
+    setup_logging()
 
     conf, ident, params = config_params(a, a.steps)
     tr.resolve_params(params)

@@ -34,7 +34,8 @@ import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.paired import spread_note  # noqa: E402
-from eaglet.base import artifacts as io  # noqa: E402
+from eaglet.base.files import read_parquet, write_parquet  # noqa: E402
+from eaglet.base.logs import setup_logging  # noqa: E402
 from eaglet.features import extract as ex  # noqa: E402
 from eaglet.target import load as target  # noqa: E402
 
@@ -49,7 +50,7 @@ def make_tokens(path: Path, n: int, length: int, vocab: int, seed: int = 0) -> N
     schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("input_ids", pa.list_(pa.int32())),
                         ("loss_mask", pa.list_(pa.int8())), ("num_tokens", pa.int32()),
                         ("num_assistant_tokens", pa.int32())])
-    io.write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
+    write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
 
 
 def sync(dev: str) -> None:
@@ -80,7 +81,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=8, help="pairs of (bare, stage) runs")
     p.add_argument("--device", default="auto")
     a = p.parse_args()
-    io.setup_logging()
+    setup_logging()
     ident = target.load_identity(a.identity)
     dev = ex.pick_device(a.device)
     mdtype = "bfloat16" if dev.startswith("cuda") else "float32"
@@ -89,7 +90,7 @@ def main() -> None:
         tokens = Path(a.tokens) if a.tokens else tmp / "tokens.parquet"
         if not a.tokens:
             make_tokens(tokens, a.n, a.length, ident["vocab_size"])
-        inputs = io.read_parquet(tokens, columns=["input_ids"]).column("input_ids").to_pylist()
+        inputs = read_parquet(tokens, columns=["input_ids"]).column("input_ids").to_pylist()
         ntok = sum(len(r) for r in inputs)
         ngpu = torch.cuda.device_count() if dev.startswith("cuda") else 0
         t0 = time.perf_counter()

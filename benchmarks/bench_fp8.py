@@ -38,7 +38,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from eaglet.base import artifacts as io  # noqa: E402
+from eaglet.base.conversations import write_conversations  # noqa: E402
+from eaglet.base.files import read_parquet, write_parquet  # noqa: E402
+from eaglet.base.logs import quiet_third_party, setup_logging  # noqa: E402
+from eaglet.base.tensors import load_tensors  # noqa: E402
 from eaglet.features import extract as ex  # noqa: E402
 from eaglet.hidden.dtypes import bytes_per_token  # noqa: E402
 from eaglet.hidden.reader import HiddenStateDataset  # noqa: E402
@@ -52,14 +55,14 @@ def subset_tokens(src: Path, dst: Path, n: int, identity: str) -> tuple[int, str
     """The first n samples of ``src`` into ``dst``; without ``src``, n ShareGPT conversations
     (their original answers, not the target's) through the tokenize stage."""
     if src.exists():
-        table = io.read_parquet(src)
+        table = read_parquet(src)
         table = table.slice(0, min(n, table.num_rows))
-        io.write_parquet(dst, table)
+        write_parquet(dst, table)
         return table.num_rows, f"first of {src}"
     from eaglet.data import prompts, tokenize
 
     rows = prompts.build_prompts("sharegpt", n=n, heldout=0, seed=0, max_turns=2)["train"]
-    io.write_conversations(dst.parent / "conv.parquet", rows)
+    write_conversations(dst.parent / "conv.parquet", rows)
     meta = tokenize.run(dst.parent / "conv.parquet", identity, dst.parent, max_length=1024)
     return meta["samples_processed"], f"{src} missing: ShareGPT seed 0 through eaglet.data.tokenize"
 
@@ -142,8 +145,8 @@ def main() -> None:
     a = parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    io.setup_logging()
-    io.quiet_third_party()
+    setup_logging()
+    quiet_third_party()
 
     import yaml
 
@@ -190,7 +193,7 @@ def measure(a: argparse.Namespace, ident: dict, p: dict, vd: int) -> dict:
         m = extract_both(a, ident, tokens, tmp)
         stores = m["stores"]
 
-        vt = io.load_tensors(vocab, ["t2d"])
+        vt = load_tensors(vocab, ["t2d"])
         head = train_setup.TargetHead(ident, vt["t2d"].bool(), True, False, "cpu")
         cmp = compare_stores(stores["bfloat16"], stores["fp8"], head)
         del head

@@ -47,7 +47,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from eaglet.base import artifacts as io  # noqa: E402
+from eaglet.base.conversations import read_conversations, write_conversations  # noqa: E402
+from eaglet.base.files import read_parquet, write_parquet  # noqa: E402
+from eaglet.base.logs import quiet_third_party, setup_logging  # noqa: E402
 from eaglet.data import tokenize  # noqa: E402
 from eaglet.features import extract as ex  # noqa: E402
 from eaglet.target import capture  # noqa: E402
@@ -105,13 +107,13 @@ def report(stage: str, wall: dict, cpu: dict, tok1: int, tok2: int, extra: str =
 def conversation_pool(path: str | None, n: int, dst: Path) -> str:
     """The pool of conversations (3n, or all of --conversations) into dst/pool.parquet."""
     if path:
-        rows, src = io.read_conversations(path)[:3 * n], path
+        rows, src = read_conversations(path)[:3 * n], path
     else:
         from eaglet.data import prompts
 
         rows = prompts.build_prompts("sharegpt", n=3 * n, heldout=0, seed=0, max_turns=2)["train"]
         src = "ShareGPT (eaglet.data.prompts, seed 0, max_turns 2)"
-    io.write_conversations(dst / "pool.parquet", rows)
+    write_conversations(dst / "pool.parquet", rows)
     return f"pool of {len(rows)} conversations from {src}"
 
 
@@ -151,8 +153,8 @@ def main() -> None:
     a, stages = parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    io.setup_logging()
-    io.quiet_third_party()
+    setup_logging()
+    quiet_third_party()
 
     import yaml
 
@@ -191,13 +193,13 @@ def prepare_pool(a: argparse.Namespace, tmp: Path, max_len: int, overlong: str):
     print(f"input: {conversation_pool(a.conversations, a.n_tokenize, tmp)}", flush=True)
     # The warm-up of tokenize, and every conversation's token count (0: skipped by the stage).
     tokenize.run(tmp / "pool.parquet", a.identity, tmp / "tok_pool", max_len, overlong)
-    pool_tok = io.read_parquet(tmp / "tok_pool/tokens.parquet")
+    pool_tok = read_parquet(tmp / "tok_pool/tokens.parquet")
     ntok = dict(zip(pool_tok.column("id").to_pylist(), pool_tok.column("num_tokens").to_pylist()))
-    conv = io.read_conversations(tmp / "pool.parquet")
+    conv = read_conversations(tmp / "pool.parquet")
     n1 = min(a.n_tokenize, len(conv))
     n2 = prefix_closest([ntok.get(r["id"], 0) for r in conv], n1)
-    io.write_conversations(tmp / "conv_1x.parquet", conv[:n1])
-    io.write_conversations(tmp / "conv_2x.parquet", conv[:n2])
+    write_conversations(tmp / "conv_1x.parquet", conv[:n1])
+    write_conversations(tmp / "conv_2x.parquet", conv[:n2])
     return pool_tok
 
 
@@ -218,8 +220,8 @@ def scale_extract(a: argparse.Namespace, stages: list[str], pool_tok, tmp: Path,
     """extract on prefixes of the pool's tokens; its 1x and 2x stores are train's inputs."""
     e1 = min(a.n_extract, pool_tok.num_rows)
     e2 = prefix_closest(pool_tok.column("num_tokens").to_pylist(), e1)
-    io.write_parquet(tmp / "tokens_1x.parquet", pool_tok.slice(0, e1))
-    io.write_parquet(tmp / "tokens_2x.parquet", pool_tok.slice(0, e2))
+    write_parquet(tmp / "tokens_1x.parquet", pool_tok.slice(0, e1))
+    write_parquet(tmp / "tokens_2x.parquet", pool_tok.slice(0, e2))
     dev = ex.pick_device(a.device)
     dtype, budget = ecfg.get("dtype", "bfloat16"), a.extract_budget or int(ecfg.get("token_budget", 16384))
 
@@ -228,7 +230,7 @@ def scale_extract(a: argparse.Namespace, stages: list[str], pool_tok, tmp: Path,
                           dtype=dtype, token_budget=budget, device=dev, progress=False)
 
     def ext_warm() -> None:
-        io.write_parquet(tmp / "tokens_w.parquet", pool_tok.slice(0, 2))
+        write_parquet(tmp / "tokens_w.parquet", pool_tok.slice(0, 2))
         ex.extract(tmp / "tokens_w.parquet", a.identity, tmp / "ext_w", dtype=dtype,
                    token_budget=budget, device=dev, progress=False)  # loads the target once
 
@@ -300,8 +302,8 @@ def scale_generate(a, base_url: str, model: str, tmp: Path) -> None:
     from eaglet.generate.generate import generate
 
     rows = default_rows(2 * a.n_generate)
-    io.write_conversations(tmp / "gen_1x.parquet", rows[:a.n_generate])
-    io.write_conversations(tmp / "gen_2x.parquet", rows)
+    write_conversations(tmp / "gen_1x.parquet", rows[:a.n_generate])
+    write_conversations(tmp / "gen_2x.parquet", rows)
     cfg = {"backend": "openai", "base_urls": [base_url], "model": model, "concurrency": a.concurrency,
            "max_tokens": a.max_tokens, "temperature": 0.0}
 
@@ -309,7 +311,7 @@ def scale_generate(a, base_url: str, model: str, tmp: Path) -> None:
         return generate(tmp / f"gen_{k}x.parquet", a.identity, tmp / f"gen_{k}x_{r}", cfg)
 
     def warm() -> None:
-        io.write_conversations(tmp / "gen_w.parquet", rows[:2])
+        write_conversations(tmp / "gen_w.parquet", rows[:2])
         generate(tmp / "gen_w.parquet", a.identity, tmp / "gen_w", {**cfg, "max_tokens": 8})
 
     wall, cpu, res = alternate(run, a.heavy_repeats, warmup=warm)

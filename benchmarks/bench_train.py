@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT / "src"))
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from eaglet.base import artifacts as io  # noqa: E402
+from eaglet.base.logs import setup_logging  # noqa: E402
+from eaglet.base.tensors import load_tensors, save_tensors  # noqa: E402
 from eaglet.drafter.ttt import LK  # noqa: E402
 from eaglet.hidden.reader import HiddenStateDataset  # noqa: E402
 from eaglet.hidden.store import ShardWriter  # noqa: E402
@@ -83,7 +84,7 @@ def synthetic(ident: dict, out: Path, n: int, length: int, vd: int) -> tuple[lis
     w.finish()
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[:vd] = True
-    io.save_tensors(out / "vocab.safetensors", {"d2t": torch.zeros(vd, dtype=torch.int64), "t2d": t2d})
+    save_tensors(out / "vocab.safetensors", {"d2t": torch.zeros(vd, dtype=torch.int64), "t2d": t2d})
     return [str(out / "shard_0")], str(out / "vocab.safetensors")
 
 
@@ -128,7 +129,7 @@ def main() -> None:
     data_args(ap)
     ap.add_argument("--steps", type=int, default=4)
     a = ap.parse_args()
-    io.setup_logging()
+    setup_logging()
 
     conf, ident, params = config_params(a, a.steps + 1)
     device = torch.device("cuda" if params.get("gpus") else "cpu")
@@ -143,7 +144,7 @@ def main() -> None:
         peak = max(peak0, matmul_peak(device, n_mm, dtype=dtype))
 
         ds = HiddenStateDataset(hidden, verify="header")
-        vd = len(io.load_tensors(vocab_path, ["d2t"])["d2t"])
+        vd = len(load_tensors(vocab_path, ["d2t"])["d2t"])
         micro, _, _ = train_data.plan_micro_batches(ds.ids, list(ds.num_tokens), p)
         M = p["grad_accum"]
         rows = pd.read_parquet(out / "metrics.parquet")

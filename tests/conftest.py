@@ -267,11 +267,12 @@ def make_random_drafter(identity: dict, path, draft_vocab_size: int = 1024, laye
 @pytest.fixture(scope="session")
 def tiny_drafter(tiny_target, tmp_path_factory):
     """A random drafter.safetensors (trainer format, V_d 1024, layer ids [2, 4, 5]) for tiny_target."""
-    from eaglet.base import artifacts as io
+    from eaglet.base.digests import DIGESTS_KEY, record_digests
+    from eaglet.base.files import write_json
 
     path = make_random_drafter(tiny_target, tmp_path_factory.mktemp("tiny_drafter") / "drafter.safetensors")
     # the digest record the train stage writes beside its drafter (the export/evaluate CLIs check it)
-    io.write_json(path.with_name("train_summary.json"), {io.DIGESTS_KEY: io.record_digests(path.parent, [path.name])})
+    write_json(path.with_name("train_summary.json"), {DIGESTS_KEY: record_digests(path.parent, [path.name])})
     return path
 
 

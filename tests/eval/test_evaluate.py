@@ -9,8 +9,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from eaglet.base import artifacts as io
 from eaglet.base import datasets as eval_sets
+from eaglet.base.conversations import write_conversations
+from eaglet.base.files import read_json, read_parquet, write_parquet
 from eaglet.drafter import chain
 from eaglet.eval import evaluate as ev
 
@@ -37,7 +38,7 @@ def test_parquet_set_is_the_prompt_up_to_the_last_user_turn(tmp_path):
         {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
         {"role": "assistant", "content": "a2"}]},
         {"id": "b", "source": "s", "messages": [{"role": "assistant", "content": "orphan"}]}]
-    io.write_conversations(tmp_path / "c.parquet", rows)
+    write_conversations(tmp_path / "c.parquet", rows)
     got = eval_sets.load_set(str(tmp_path / "c.parquet"))
     assert [r["id"] for r in got] == ["a"]  # no user turn: nothing to answer
     assert [m["content"] for m in got[0]["messages"]] == ["sys", "u1", "a1", "u2"]
@@ -82,7 +83,7 @@ N_PROMPTS = sum(NUM.values())
 def heldout_parquet(folder: Path) -> str:
     rows = [{"id": f"h{i}", "source": "heldout", "messages": [{"role": "user", "content": q}]}
             for i, q in enumerate(["Name three rivers in Europe.", "Why is the sky blue?"])]
-    io.write_conversations(folder / "heldout.parquet", rows)
+    write_conversations(folder / "heldout.parquet", rows)
     return str(folder / "heldout.parquet")
 
 
@@ -332,7 +333,7 @@ def test_summary_reports_a_replay_mismatch(stages, tmp_path):
         (tmp_path / f).write_bytes((out / f).read_bytes())
     b = pd.read_parquet(out / "speculative_rounds.parquet")
     b.loc[0, "accepted"] += 1  # the real loop accepted a token the simulator did not
-    io.write_parquet(tmp_path / "speculative_rounds.parquet", b)
+    write_parquet(tmp_path / "speculative_rounds.parquet", b)
     ag = agreement(tmp_path, 1e-5)
     assert not ag["pass"] and len(ag["differing"]) == 1 and ag["differing"][0]["round"] == 0
 
@@ -371,15 +372,15 @@ def test_hf_loop_auto_skips_a_target_too_big_and_the_summary_says_not_run(tmp_pa
                                        hf_loop=run, hf_loop_reason=why)
     assert caplog.records[0].getMessage() == f"HF loop not run (evaluate_offline): {why}"
     for res, name in ((off, "offline.json"), (spec, "speculative.json")):
-        assert res["status"] == "not run" and io.read_json(out / name)["hf_loop_reason"] == why
+        assert res["status"] == "not run" and read_json(out / name)["hf_loop_reason"] == why
     for name in ("offline_positions.parquet", "offline_rounds.parquet", "speculative_rounds.parquet"):
-        assert io.read_parquet(out / name).num_rows == 0
+        assert read_parquet(out / name).num_rows == 0
     res = eval_summary.summarise(out)
     h = res["headline"]
     assert h["hf_loop"] == "not run" and h["hf_loop_reason"] == why
     assert h["lossless_hf_loop"] is None and h["offline_matches_real_loop"] is None and h["recommended_k"] is None
     assert all(Path(p).stat().st_size > 0 for p in res["plots"])
-    line = summary._evaluate(io.read_json(out / "summary.json"))
+    line = summary._evaluate(read_json(out / "summary.json"))
     assert "HF loop NOT RUN" in line and "lossless: HF loop not run" in line and "yes" not in line
 
 

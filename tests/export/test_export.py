@@ -11,7 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import make_random_drafter, vllm_env_or_skip
-from eaglet.base import artifacts as io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import DIGESTS_KEY, record_digests
+from eaglet.base.tensors import load_tensors, save_tensors, tensor_metadata
 from eaglet.engines import vllm_env
 from eaglet.export import contract
 from eaglet.export import vllm_checks as contract_vllm
@@ -80,7 +82,7 @@ def test_contract_json_records_every_check(exported):
         [(n, True) for n in NO_VLLM] + [(f"speculators.{n}", True) for n in NO_VLLM])
     assert written["train_chain_tau"] == 1.23  # the validation chain τ at the k vLLM runs (4)
     # the digests evaluate_vllm checks the exported files against before vLLM loads them
-    assert written[io.DIGESTS_KEY] == io.record_digests(out, ["config.json", "model.safetensors", "reference.json"])
+    assert written[DIGESTS_KEY] == record_digests(out, ["config.json", "model.safetensors", "reference.json"])
     # and what the directory needs to prove itself alone (eaglet.export.reference)
     assert written["reference"]["chain_not_recorded"] is None and written["reference"]["chain_tau"] >= 1.0
     assert not (out / ".staging").exists() and not (out / "contract.failed.json").exists()
@@ -111,7 +113,7 @@ def test_failing_export_leaves_nothing_complete(tiny_target, tiny_drafter, tmp_p
     t = load_file(tiny_drafter)
     t["d2t"][1] = t["d2t"][0] - 1
     bad = tmp_path / "bad.safetensors"
-    io.save_tensors(bad, t, metadata=io.tensor_metadata(tiny_drafter))
+    save_tensors(bad, t, metadata=tensor_metadata(tiny_drafter))
     with pytest.raises(ContractError, match="static.vocab_map"):
         export(bad, out, _ident(tiny_target), vllm_check=False, accept_not_run=NO_VLLM)
     assert sorted(p.name for p in out.iterdir()) == ["contract.failed.json"]
@@ -164,7 +166,7 @@ def test_the_log_says_not_run_and_the_report_shows_it_red(tiny_target, tiny_draf
 def test_export_refuses_a_drafter_for_another_target(tiny_target, tmp_path):
     other = {**tiny_target, "digest": "0" * 64}
     path = make_random_drafter(other, tmp_path / "d.safetensors", draft_vocab_size=64)
-    with pytest.raises(io.ArtifactError, match="d.safetensors: trained for target digest 000000"):
+    with pytest.raises(ArtifactError, match="d.safetensors: trained for target digest 000000"):
         export(path, tmp_path / "out", _ident(tiny_target), vllm_check=False)
 
 
@@ -173,8 +175,8 @@ def test_export_refuses_missing_trained_tensors(tiny_target, tiny_drafter, tmp_p
     t = load_file(tiny_drafter)
     del t["fc.weight"]
     bad = tmp_path / "bad.safetensors"
-    io.save_tensors(bad, t, metadata=io.tensor_metadata(tiny_drafter))
-    with pytest.raises(io.ArtifactError, match=r"bad.safetensors: tensors missing \['fc.weight'\]"):
+    save_tensors(bad, t, metadata=tensor_metadata(tiny_drafter))
+    with pytest.raises(ArtifactError, match=r"bad.safetensors: tensors missing \['fc.weight'\]"):
         export(bad, tmp_path / "out", _ident(tiny_target), vllm_check=False)
 
 
@@ -275,7 +277,7 @@ def test_permuted_lm_head_fails_vllm_acceptance_and_the_directory_alone(vllm_exp
     shutil.copytree(out, bad)
     t = load_file(bad / "model.safetensors")
     t["lm_head.weight"] = t["lm_head.weight"].roll(1, 0).contiguous()
-    io.save_tensors(bad / "model.safetensors", t, metadata={"format": "pt"})
+    save_tensors(bad / "model.safetensors", t, metadata={"format": "pt"})
     report = tmp_path / "alone.json"
     p = subprocess.run([sys.executable, "-m", "eaglet.export.contract", str(bad),
                         "--identity", str(_ident(tiny_target)), "--vllm", "--out", str(report)],
@@ -298,9 +300,9 @@ def test_vllm_load_failure_puts_the_engine_error_in_the_record_and_the_message(t
     process: test_contract's canned log) is in contract.failed.json and in the ContractError
     message; the plain run is not started for nothing."""
     vllm_env.vllm_python()  # VllmEnvMissing fails the test: it needs envs/vllm/setup.sh
-    meta = json.loads(io.tensor_metadata(tiny_drafter)["eaglet"])
+    meta = json.loads(tensor_metadata(tiny_drafter)["eaglet"])
     broken = tmp_path / "broken.safetensors"
-    io.save_tensors(broken, io.load_tensors(tiny_drafter),
+    save_tensors(broken, load_tensors(tiny_drafter),
                     metadata={"eaglet": json.dumps({**meta, "intermediate_size": 2 * meta["intermediate_size"]})})
     out = tmp_path / "drafter"
     with pytest.raises(ContractError) as e:

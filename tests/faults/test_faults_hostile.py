@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from conftest import REPO, clone
-from eaglet.base import artifacts as io
+from eaglet.base.files import read_json
 from faults_common import _smk
 
 pytestmark = pytest.mark.faults
@@ -302,7 +302,7 @@ def test_hostile_config_strings_execute_nothing(tmp_path, monkeypatch):
         {"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}) + "\n" for i in range(12)))
     code, out = _smk(wf, "results/smoke/prompts/summary.json", configfile="config/evil.yaml")
     assert code == 0, out[-3000:]
-    assert io.read_json(wf / "results/smoke/prompts/summary.json")["path"] == str(src)
+    assert read_json(wf / "results/smoke/prompts/summary.json")["path"] == str(src)
     assert not list(tmp_path.glob("PWNED*")) and not list(wf.rglob("PWNED*"))
 
 

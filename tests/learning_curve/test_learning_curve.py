@@ -83,10 +83,10 @@ def test_curve_refuses_points_on_other_sequences():
 
 
 def test_costs_scale_with_the_data_and_say_what_was_not_measured(tmp_path):
-    from eaglet.base import artifacts as io
+    from eaglet.base.files import write_json
 
     idx = tmp_path / "index.json"
-    io.write_json(idx, {"chunks": [{"bytes": 1000}, {"bytes": 500}]})
+    write_json(idx, {"chunks": [{"bytes": 1000}, {"bytes": 500}]})
     times = [{"rule": "generate", "seconds": 60.0}, {"rule": "train", "seconds": 30.0},
              {"rule": "train", "seconds": 10.0}]
     costs = lc.measured_costs(tmp_path, "generate_summary.json", [str(idx)], times)

@@ -14,7 +14,9 @@ import torch
 import yaml
 
 from conftest import VLLM_ENV, clone
-from eaglet.base import artifacts as io
+from eaglet.base.conversations import read_conversations, write_conversations
+from eaglet.base.digests import folder_manifest
+from eaglet.base.files import write_json
 from eaglet.data.target_model import materialise
 from eaglet.export import contract
 from eaglet.target import chat_template
@@ -68,8 +70,8 @@ def base_target(tmp_path_factory):
     conf.pop("chat_template", None)
     (model_dir / "tokenizer_config.json").write_text(json.dumps(conf))
     assert not chat_template.has_chat_template(model_dir)
-    io.write_json(out / "identity.json", {**identity_of(model_dir, "base", "test"),
-                                          "files": io.folder_manifest(model_dir)})
+    write_json(out / "identity.json", {**identity_of(model_dir, "base", "test"),
+                                          "files": folder_manifest(model_dir)})
     return out / "identity.json", template, chain
 
 
@@ -117,7 +119,7 @@ def test_generate_stops_at_the_turn_end_and_keeps_special_tokens(base_target, tm
     from eaglet.generate.generate import generate
 
     ident, template, chain = base_target
-    io.write_conversations(tmp_path / "in.parquet", [
+    write_conversations(tmp_path / "in.parquet", [
         {"id": "a", "source": "t", "messages": [{"role": "user", "content": "Hi"},
                                                   {"role": "assistant", "content": "x"}]}])
     cfg = {"backend": "local", "max_tokens": 12, "turns": "last"}
@@ -125,7 +127,7 @@ def test_generate_stops_at_the_turn_end_and_keeps_special_tokens(base_target, tm
         generate(tmp_path / "in.parquet", ident, tmp_path / "none", cfg)
     s = generate(tmp_path / "in.parquet", ident, tmp_path / "out", cfg, chat_template=template)
     assert s["errors"] == 0 and s["finish_reasons"] == {"stop": 1}, s
-    reply = io.read_conversations(tmp_path / "out" / "conversations.parquet")[0]["messages"][-1]["content"]
+    reply = read_conversations(tmp_path / "out" / "conversations.parquet")[0]["messages"][-1]["content"]
     # stopped at <|im_end|> (the base model's EOS never came); <|im_start|> the model wrote is kept
     assert reply == "Hello<|im_start|> world"
 

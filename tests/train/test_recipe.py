@@ -11,7 +11,7 @@ import torch
 from test_train import LAYERS, data  # noqa: F401  (the tiny target's real hidden-state store)
 
 from conftest import make_random_drafter
-from eaglet.base import artifacts as io
+from eaglet.base.tensors import load_tensors
 from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_drafter, load_target_embedding
 from eaglet.drafter.ttt import TTTObjective
 from eaglet.export import contract
@@ -199,7 +199,7 @@ def test_export_writes_the_fields_vllm_reads_and_parity_holds(tiny_target, tmp_p
     conf = json.loads((out / "config.json").read_text())
     for f in VARIANTS:
         assert conf.get(f, False) is flags.get(f, False), f
-    names = set(io.load_tensors(out / "model.safetensors"))
+    names = set(load_tensors(out / "model.safetensors"))
     assert ("input_norm.weight" in names) is flags.get("norm_before_fc", False)
     spec = json.loads((out.parent / "drafter_speculators" / "config.json").read_text())
     assert all(spec[f] is flags.get(f, False) for f in VARIANTS)  # format B: every flag explicit

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import kill_when_written, slowed_trainer
-from eaglet.base import artifacts as io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import DIGESTS_KEY, record_digests
+from eaglet.base.tensors import load_tensors, save_tensors, tensor_metadata
 from eaglet.drafter.model import load_drafter
 from eaglet.drafter.ttt import TTTObjective, is_better, rest_positions, tf_tau, valid_positions
 from eaglet.hidden.reader import HiddenStateDataset
@@ -137,7 +139,7 @@ def test_training_learns_and_writes_outputs(tiny_target, data, trained):
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary["val_samples"] > 0 and summary["final_val"]["split"] == "val"
     # the digests export, evaluate (drafter) and plots (metrics) check the files against
-    assert summary[io.DIGESTS_KEY] == io.record_digests(tmp_path, ["drafter.safetensors", "metrics.parquet"])
+    assert summary[DIGESTS_KEY] == record_digests(tmp_path, ["drafter.safetensors", "metrics.parquet"])
 
 
 def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_target, data, trained):
@@ -222,7 +224,7 @@ def test_resume_after_kill_reproduces_the_loss_trace(tiny_target, data, tmp_path
     assert list(a.step) == list(b.step) and list(a.split) == list(b.split)
     for col in ["loss", "loss_0", "loss_2", "tf_acc_1", "grad_norm", "lr"]:
         assert (a[col] - b[col]).abs().max() <= 1e-6 * max(1.0, a[col].abs().max()), col
-    ta, tb = io.load_tensors(ref / "drafter.safetensors"), io.load_tensors(run / "drafter.safetensors")
+    ta, tb = load_tensors(ref / "drafter.safetensors"), load_tensors(run / "drafter.safetensors")
     assert all(torch.equal(ta[k], tb[k]) if not ta[k].is_floating_point() else
                torch.allclose(ta[k], tb[k], atol=1e-6) for k in ta)
 
@@ -278,7 +280,7 @@ def test_ddp_gloo_matches_single_process(tiny_target, data, tmp_path):
     assert va.chain_rounds == vb.chain_rounds > 0 and va.chain_tau == pytest.approx(vb.chain_tau, abs=1e-12)
     a, b = a[a.split == "train"], b[b.split == "train"]
     assert (a.loss - b.loss).abs().max() < 1e-4 and (a.tokens == b.tokens).all()
-    ta, tb = io.load_tensors(single / "drafter.safetensors"), io.load_tensors(ddp / "drafter.safetensors")
+    ta, tb = load_tensors(single / "drafter.safetensors"), load_tensors(ddp / "drafter.safetensors")
     assert torch.equal(ta["d2t"], tb["d2t"]) and torch.equal(ta["t2d"], tb["t2d"])
     # gloo's all-reduce sums in another order; Adam's division by sqrt(v) amplifies that in
     # near-zero gradient entries (1.2e-5 seen with transformers' rotary; weights are ~0.02)
@@ -355,7 +357,7 @@ def test_validation_stores_replace_the_split_and_score_the_same(tiny_target, dat
     assert b["best_val"]["chain_tau"] == pytest.approx(a["best_val"]["chain_tau"], abs=1e-6)
     assert b["best_val_chain_by_sequence"] == a["best_val_chain_by_sequence"]
     dup = _copy_store(ds, rest[:2], tmp_path / "dup_store", digest)
-    with pytest.raises(io.ArtifactError, match=ds.ids[rest[0]]):
+    with pytest.raises(ArtifactError, match=ds.ids[rest[0]]):
         train([train_store], data["vocab"], tiny_target, tmp_path / "dup", p, val_hidden=[dup])
 
 
@@ -383,11 +385,11 @@ def test_score_drafter_reproduces_the_trainers_validation_of_the_kept_weights(ti
     assert row["chain_tau"] == pytest.approx(b["best_val"]["chain_tau"], abs=1e-6)
     assert row["loss"] == pytest.approx(b["best_val"]["loss"], rel=1e-5)
     f = tmp_path / "run/train/drafter.safetensors"
-    t = io.load_tensors(f)
-    meta = io.tensor_metadata(f)
+    t = load_tensors(f)
+    meta = tensor_metadata(f)
     name = next(k for k in t if k.endswith("weight") and t[k].dim() == 2 and k not in ("d2t", "t2d"))
     t[name] = torch.randn_like(t[name])  # other weights: another score
-    io.save_tensors(f, t, metadata=meta)
+    save_tensors(f, t, metadata=meta)
     other = score(tmp_path / "run", [val_store], tiny_target, p)
     assert other["loss"] != pytest.approx(row["loss"], rel=1e-3) and other["chain_tau"] != row["chain_tau"]
 

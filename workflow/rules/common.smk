@@ -19,7 +19,8 @@ validate(config, schema="../schemas/config.schema.yaml", set_default=True)
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from eaglet.base import capability
 from eaglet.workflow import code_inputs
-from eaglet.base import artifacts as eaglet_io
+from eaglet.base.digests import digest_of
+from eaglet.base.settings_files import settings_preview_dir, write_settings
 from eaglet.target import chat_template
 from eaglet.workflow import checks as workflow_checks
 from eaglet.target import shape as target_shape
@@ -138,17 +139,17 @@ def settings_file(path, value):
     text = json.dumps(value, indent=2, sort_keys=True) + "\n"
     SETTINGS_FILES[str(path)] = text
     if SETTINGS_WRITTEN:  # evaluated after the run started
-        eaglet_io.write_settings(path, text)
-    preview = eaglet_io.settings_preview_dir()
+        write_settings(path, text)
+    preview = settings_preview_dir()
     if preview:
-        eaglet_io.write_settings(preview / path, text)
+        write_settings(preview / path, text)
     return str(path)
 
 
 def write_settings_files():
     """Write every settings file of this run (the Snakefile's onstart: a run, never a preview)."""
     for path, text in SETTINGS_FILES.items():
-        eaglet_io.write_settings(path, text)
+        write_settings(path, text)
     SETTINGS_WRITTEN.append(True)
 
 

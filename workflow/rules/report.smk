@@ -111,7 +111,7 @@ rule provenance:
         run=lambda wildcards, output: str(Path(output[0]).parent),
         # the config's digest is compared (a changed key reruns provenance in one short line); the
         # config itself reaches the job as a derived param (common.smk, settings)
-        config_digest=eaglet_io.digest_of(config),
+        config_digest=digest_of(config),
         config=settings(config),
     shell:
         "python -m eaglet.report.provenance --run-dir {params.run:q} --target {input.identity:q}"

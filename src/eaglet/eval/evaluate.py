@@ -77,8 +77,11 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import artifacts as io
 from eaglet.base import datasets as eval_sets
+from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_recorded
+from eaglet.base.files import write_json, write_parquet
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
 from eaglet.drafter.chain import (
     chain_counts,
     chain_replay,
@@ -195,9 +198,9 @@ def hf_loop_not_run(stage: str, out_dir: str | Path, o: dict, json_name: str, pa
            "sampling": [], "matrix": []}
     out = Path(out_dir)
     for name in parquets:
-        io.write_parquet(out / name, _frame([]))
-    res[io.DIGESTS_KEY] = io.record_digests(out, list(parquets))  # checked by eval_summary
-    io.write_json(out / json_name, res)
+        write_parquet(out / name, _frame([]))
+    res[DIGESTS_KEY] = record_digests(out, list(parquets))  # checked by eval_summary
+    write_json(out / json_name, res)
     return res
 
 
@@ -216,11 +219,11 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
            "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "draft_vocab_size": cfg.draft_vocab_size,
            "options": o, "sets_requested": sets, **res}
     out = Path(out_dir)
-    io.write_parquet(out / "offline_positions.parquet", _frame(pos_rows))
-    io.write_parquet(out / "offline_rounds.parquet", _frame(round_rows))
-    # checked by eval_summary (io.verify_recorded)
-    res[io.DIGESTS_KEY] = io.record_digests(out, ["offline_positions.parquet", "offline_rounds.parquet"])
-    io.write_json(out / "offline.json", res)
+    write_parquet(out / "offline_positions.parquet", _frame(pos_rows))
+    write_parquet(out / "offline_rounds.parquet", _frame(round_rows))
+    # checked by eval_summary (digests.verify_recorded)
+    res[DIGESTS_KEY] = record_digests(out, ["offline_positions.parquet", "offline_rounds.parquet"])
+    write_json(out / "offline.json", res)
     log.info("offline: tau %s (all positions), chain %s", res["overall"]["tau"], res["overall"]["tau_chain"])
     for smp in res["sampling"]:
         log.info("offline T=%g: expected tau %s", smp["temperature"], smp["overall"]["tau"])
@@ -291,7 +294,7 @@ def evaluate_modes(drafter: str | Path, identity: str | Path, sets: list[str], o
         res = {"stage": "evaluate_modes", "status": NOT_RUN, "hf_loop_reason": why, "options": o,
                "modes": {m: {"chat_template_kwargs": {**o["chat_template_kwargs"], **kw}} for m, kw in modes.items()},
                "matrix": []}
-        io.write_json(out, res)
+        write_json(out, res)
         return res
     ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
                                                _load_opts(o))
@@ -321,7 +324,7 @@ def evaluate_modes(drafter: str | Path, identity: str | Path, sets: list[str], o
     res = {"stage": "evaluate_modes", "drafter": str(drafter), "target": ident["name"],
            "target_digest": ident["digest"], "options": o, "sets_requested": sets, "modes": per_mode,
            "matrix": matrix}
-    io.write_json(out, res)
+    write_json(out, res)
     return res
 
 
@@ -515,14 +518,14 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     res["sampling"] = [_sampling_result(per_prompt, sampled_rounds[t], ks, t, o, load) for t in sampled_temperatures(o)]
     res["matrix"] = speculative_matrix(res, o)
     out = Path(out_dir)
-    io.write_parquet(out / "speculative_rounds.parquet", _frame(round_rows))
+    write_parquet(out / "speculative_rounds.parquet", _frame(round_rows))
     if unexplained:
-        io.write_json(out / "speculative.failed.json", res)
+        write_json(out / "speculative.failed.json", res)
         raise LosslessError(f"speculative decoding is not lossless on {len(unexplained)} prompt/k pairs "
                             f"(details in {out / 'speculative.failed.json'})")
     (out / "speculative.failed.json").unlink(missing_ok=True)
-    res[io.DIGESTS_KEY] = io.record_digests(out, ["speculative_rounds.parquet"])  # checked by eval_summary
-    io.write_json(out / "speculative.json", res)
+    res[DIGESTS_KEY] = record_digests(out, ["speculative_rounds.parquet"])  # checked by eval_summary
+    write_json(out / "speculative.json", res)
     log.info("speculative: %s", {k: (v["tau"], v["speedup_ci"]["note"]) for k, v in res["overall"]["k"].items()})
     return res
 
@@ -644,13 +647,13 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.mode == "modes" and not a.modes:
         p.error("modes needs --modes")
-    io.setup_logging(a.log)
+    setup_logging(a.log)
     fn = {"offline": evaluate_offline, "speculative": evaluate_speculative, "modes": evaluate_modes}[a.mode]
-    modes = {"modes": io.parse_json_arg(a.modes)} if a.mode == "modes" else {}
-    io.verify_recorded(a.drafter, Path(a.drafter).with_name("train_summary.json"))  # train's record
+    modes = {"modes": parse_json_arg(a.modes)} if a.mode == "modes" else {}
+    verify_recorded(a.drafter, Path(a.drafter).with_name("train_summary.json"))  # train's record
     try:
-        fn(a.drafter, a.identity, io.parse_json_arg(a.sets), a.out_dir, threads=a.threads, **modes,
-           **io.parse_json_arg(a.config, {}))
+        fn(a.drafter, a.identity, parse_json_arg(a.sets), a.out_dir, threads=a.threads, **modes,
+           **parse_json_arg(a.config, {}))
     except LosslessError as e:
         log.error("%s", e)
         raise SystemExit(1) from None

@@ -53,7 +53,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eaglet.base import artifacts as io
+from eaglet.base.files import read_json, write_json
+from eaglet.base.logs import setup_logging
 from eaglet.engines import vllm_env
 from eaglet.export import reference
 from eaglet.export import vllm_checks as vllm_checks_mod
@@ -194,7 +195,7 @@ def train_tau(summary, k: int | None = None) -> float | None:
     before the chain τ): the teacher-forced ``tf_tau`` overstates acceptance and gates nothing."""
     if summary is None:
         return None
-    s = summary if isinstance(summary, dict) else io.read_json(summary)
+    s = summary if isinstance(summary, dict) else read_json(summary)
     for key in ("best_val", "final_val"):
         row = s.get(key)
         if not isinstance(row, dict):
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--accept-not-run", action="append", default=[], metavar="CHECK",
                    help="a check that may stay not run (repeatable; like the config's export.accept_not_run)")
     a = p.parse_args(argv)
-    io.setup_logging()
+    setup_logging()
     from eaglet.target.load import load_identity
 
     ident = load_identity(a.identity)
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     rep = check_export(a.drafter_dir, ident, trained_path=a.trained, train_summary=a.train_summary,
                        vllm=vllm, accept_not_run=a.accept_not_run, k=a.k, sglang=not a.no_sglang)
     if a.out:
-        io.write_json(a.out, rep)
+        write_json(a.out, rep)
     else:
         print(json.dumps(rep, indent=2))
     for ch in rep["checks"]:

@@ -21,7 +21,9 @@ import json
 import re
 from pathlib import Path
 
-from eaglet.base import artifacts as io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.files import read_json
+from eaglet.base.tensors import load_tensors, tensor_metadata
 from eaglet.engines import vllm_env
 from eaglet.export import record as contract_record
 from eaglet.export import vllm_checks as contract_vllm
@@ -66,9 +68,9 @@ def drafter_from_export(export_dir: str | Path, drafter_path: str | Path, twin: 
     from eaglet.drafter import model as em
 
     d = Path(export_dir)
-    cfg = em.DrafterConfig.from_json(io.tensor_metadata(drafter_path)[em.META_KEY], where=str(drafter_path))
-    cfg = dataclasses.replace(cfg, layer_ids=list(io.read_json(d / "config.json")["eagle_aux_hidden_state_layer_ids"]))
-    t = io.load_tensors(d / "model.safetensors")
+    cfg = em.DrafterConfig.from_json(tensor_metadata(drafter_path)[em.META_KEY], where=str(drafter_path))
+    cfg = dataclasses.replace(cfg, layer_ids=list(read_json(d / "config.json")["eagle_aux_hidden_state_layer_ids"]))
+    t = load_tensors(d / "model.safetensors")
     d2t = t.pop("d2t")
     t.pop("t2d", None)
     drafter = em.Eagle3Drafter(cfg, em.load_target_embedding(twin["path"]))
@@ -142,7 +144,7 @@ def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | P
     try:
         if twin is None:
             twin, drafter_dir = prepare(identity, list(layer_ids), work, prompts, k=k, max_tokens=max_tokens)
-    except (ValueError, RuntimeError, io.ArtifactError) as e:
+    except (ValueError, RuntimeError, ArtifactError) as e:
         return contract_record.check(name, False,
                                      {"error": f"building the known answer failed: {type(e).__name__}: {e}"})
     spec = contract_vllm.run_vllm(twin["path"], drafter_dir, prompts, work_dir=work / "vllm", python=py, k=k,

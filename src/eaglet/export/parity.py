@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eaglet.base import artifacts as io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.tensors import load_tensors
 from eaglet.export.record import check
 from eaglet.export.static import dims, effective_config, read_export, variants
 
@@ -24,7 +25,7 @@ def target_embedding(model_dir: str | Path):
             for key in fh.keys():
                 if key.endswith("embed_tokens.weight"):
                     return fh.get_tensor(key)
-    raise io.ArtifactError(f"{model_dir}: no embed_tokens.weight in {[f.name for f in files]}")
+    raise ArtifactError(f"{model_dir}: no embed_tokens.weight in {[f.name for f in files]}")
 
 
 def reference_inv_freq(c: dict, head_dim: int):
@@ -120,8 +121,8 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, ident
         return check("parity.step0", None, {"skipped": f"eaglet.drafter.model not importable ({e})"})
     conf, _ = read_export(drafter_dir)
     _, c = effective_config(conf)
-    w = {n: t.float() for n, t in io.load_tensors(Path(drafter_dir) / "model.safetensors").items()}
-    w["d2t"] = io.load_tensors(Path(drafter_dir) / "model.safetensors", ["d2t"])["d2t"]
+    w = {n: t.float() for n, t in load_tensors(Path(drafter_dir) / "model.safetensors").items()}
+    w["d2t"] = load_tensors(Path(drafter_dir) / "model.safetensors", ["d2t"])["d2t"]
     embed = target_embedding(identity["path"]).float()
     k = dims(c)
     g = torch.Generator().manual_seed(seed)

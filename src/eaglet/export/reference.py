@@ -36,7 +36,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from eaglet.base import artifacts as io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.files import read_json, write_json
+from eaglet.base.tensors import load_tensors
 from eaglet.drafter.chain import chain_along
 
 FILE = "reference.json"
@@ -49,7 +51,7 @@ def tensor_digests(path: str | Path) -> dict[str, str]:
     """sha256 of every tensor in a safetensors file: its dtype, shape and bytes."""
     import torch
 
-    tensors = io.load_tensors(path)
+    tensors = load_tensors(path)
     out = {}
     for name in sorted(tensors):
         t = tensors[name].contiguous()
@@ -76,7 +78,7 @@ def weights_check(drafter_dir: str | Path, ref: dict) -> dict:
 
 def config_digest(path: str | Path) -> str:
     """sha256 of config.json's content (keys sorted: a re-indented file is the same config)."""
-    return hashlib.sha256(json.dumps(io.read_json(path), sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(read_json(path), sort_keys=True).encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------- the exported drafter
@@ -89,9 +91,9 @@ def load_exported(drafter_dir: str | Path, identity: dict):
     from eaglet.export.static import VARIANTS
 
     d = Path(drafter_dir)
-    c = io.read_json(d / "config.json")
+    c = read_json(d / "config.json")
     if "speculators_model_type" in c:
-        raise io.ArtifactError(f"{d}: format B (speculators); the reference is recorded for format A")
+        raise ArtifactError(f"{d}: format B (speculators); the reference is recorded for format A")
     meta = c.get("eaglet") or {}
     cfg = DrafterConfig(
         hidden_size=c["hidden_size"], target_hidden_size=c.get("target_hidden_size") or c["hidden_size"],
@@ -106,15 +108,15 @@ def load_exported(drafter_dir: str | Path, identity: dict):
         rope_parameters=c.get("rope_parameters"),
         **{f: bool(c.get(f)) for f in VARIANTS})
     if cfg.target_digest and cfg.target_digest != identity.get("digest"):
-        raise io.ArtifactError(f"{d}: exported for target {cfg.target_digest[:12]}, not "
+        raise ArtifactError(f"{d}: exported for target {cfg.target_digest[:12]}, not "
                                f"{str(identity.get('digest'))[:12]} ({identity.get('name')})")
-    tensors = io.load_tensors(d / "model.safetensors")
+    tensors = load_tensors(d / "model.safetensors")
     d2t = tensors.pop("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
     tensors.pop("t2d", None)
     model = Eagle3Drafter(cfg, load_target_embedding(identity["path"]))
     want = set(model.trainable_state_dict())
     if set(tensors) != want:
-        raise io.ArtifactError(f"{d}: tensors missing {sorted(want - set(tensors))}, "
+        raise ArtifactError(f"{d}: tensors missing {sorted(want - set(tensors))}, "
                                f"unexpected {sorted(set(tensors) - want)}")
     model.load_state_dict({**{k: v.float() for k, v in tensors.items()},
                            "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
@@ -206,7 +208,7 @@ def write(drafter_dir: str | Path, weights_from: str | Path, chain: dict | None,
     ref = {"version": VERSION, "weights_sha256": tensor_digests(weights_from),
            "config_sha256": config_digest(Path(drafter_dir) / "config.json"),
            "chain": chain, "chain_not_recorded": why_no_chain}
-    io.write_json(Path(drafter_dir) / FILE, ref)
+    write_json(Path(drafter_dir) / FILE, ref)
     return ref
 
 
@@ -217,4 +219,4 @@ def read(drafter_dir: str | Path) -> dict | None:
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise io.ArtifactError(f"{p}: not JSON ({e})") from None
+        raise ArtifactError(f"{p}: not JSON ({e})") from None

@@ -57,7 +57,9 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import artifacts as io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import folder_manifest
+from eaglet.base.files import read_json, write_json
 from eaglet.target.load import read_target_tensor
 
 SUPPORTED = ("llama", "qwen2", "qwen3")  # Llama parameter names, w * x RMSNorm, o_proj, gate/up/down
@@ -71,14 +73,14 @@ KNOWN = "known.json"
 
 # --------------------------------------------------------------------------- what can be built
 def _text_config(target_dir: str | Path) -> dict:
-    return io.read_json(Path(target_dir) / "config.json")
+    return read_json(Path(target_dir) / "config.json")
 
 
 def unsupported(identity: dict) -> str | None:
     """Why no twin can be built for this target (None: it can)."""
     try:
         conf = _text_config(identity["path"])
-    except (io.ArtifactError, OSError) as e:
+    except (ArtifactError, OSError) as e:
         return f"target config.json not readable ({e})"
     mt = conf.get("model_type")
     if "text_config" in conf or mt not in SUPPORTED:
@@ -174,14 +176,14 @@ def build_twin(identity: dict, out_dir: str | Path, seed: int = 0) -> dict:
     if spread > 1e-4 or len({round(s, 6) for s in S}) != N:
         raise RuntimeError(f"twin register not constant per layer or not distinct: {S} (spread {spread})")
     model.save_pretrained(tmp, safe_serialization=True)
-    io.write_json(tmp / KNOWN, {"layout": lay, "register": S, "seed": seed, "pi_head": pi[:8].tolist(),
+    write_json(tmp / KNOWN, {"layout": lay, "register": S, "seed": seed, "pi_head": pi[:8].tolist(),
                                 "note": "eaglet known-answer twin: greedy(v) = pi(v)"})
     torch.save(pi, tmp / "pi.pt")
     shutil.rmtree(model_dir, ignore_errors=True)
     tmp.rename(model_dir)
     ident = identity_of(model_dir, f"{identity.get('name', 'target')}-known-answer-twin", "eaglet.export.known_answer")
-    ident["files"] = io.folder_manifest(model_dir)  # what load_identity checks on every read
-    io.write_json(out / "identity.json", ident)
+    ident["files"] = folder_manifest(model_dir)  # what load_identity checks on every read
+    write_json(out / "identity.json", ident)
     return load_identity(out / "identity.json")
 
 
@@ -246,7 +248,7 @@ def build_drafter(twin: dict, identity: dict, path: str | Path, prompts: list[st
     from eaglet.target.load import validate_layer_ids
 
     tdir = Path(twin["path"])
-    known = io.read_json(tdir / KNOWN)
+    known = read_json(tdir / KNOWN)
     lay, S = known["layout"], known["register"]
     ids = validate_layer_ids([int(i) for i in layer_ids], int(twin["num_layers"]))
     V = int(twin["vocab_size"])
@@ -297,7 +299,7 @@ def write_export(drafter_path: str | Path, twin: dict, out_dir: str | Path) -> P
     from eaglet.export import format as ex
 
     tensors, cfg = ex.read_trained(drafter_path, twin)
-    target_conf = io.read_json(Path(twin["path"]) / "config.json")
+    target_conf = read_json(Path(twin["path"]) / "config.json")
     out = Path(out_dir)
     ex.write_dir(out, ex.vllm_config(cfg, twin, target_conf), ex.export_tensors(tensors, cfg, "midlayer"))
     return out
@@ -312,7 +314,7 @@ def break_export(good_dir: str | Path, how: str, out_dir: str | Path) -> Path:
     good, out = Path(good_dir), Path(out_dir)
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(good, out)
-    conf = io.read_json(out / "config.json")
+    conf = read_json(out / "config.json")
     t = load_file(out / "model.safetensors")
     if how == "d2t_shifted":
         d2t = t["d2t"]
@@ -330,5 +332,5 @@ def break_export(good_dir: str | Path, how: str, out_dir: str | Path) -> Path:
             raise ValueError("fc blocks are not square (target hidden != draft hidden): no transpose")
         t["fc.weight"] = torch.cat([b.T for b in blocks], dim=1).contiguous()
     save_file(t, out / "model.safetensors", metadata={"format": "pt"})
-    io.write_json(out / "config.json", conf)
+    write_json(out / "config.json", conf)
     return out

@@ -15,8 +15,9 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from eaglet.base import artifacts as io
+from eaglet.base.files import read_json, write_json
 from eaglet.base.job_records import stage_times
+from eaglet.base.settings_files import parse_json_arg
 
 PACKAGES = ("eaglet", "torch", "transformers", "safetensors", "tokenizers", "snakemake", "pyarrow",
             "pandas", "numpy", "openai", "gguf", "accelerate")
@@ -76,7 +77,7 @@ def hardware() -> dict:
 
 def manifest(run_dir: str | Path, identity: str | Path | None, config: dict) -> dict:
     run_dir = Path(run_dir)
-    ident = io.read_json(identity) if identity and Path(identity).exists() else None
+    ident = read_json(identity) if identity and Path(identity).exists() else None
     return {
         "versions": {**versions(), "vllm (envs/vllm)": vllm_version()},
         "git_describe": git_describe(),
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config-json", default="{}", help="the workflow's config: JSON, or @FILE")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    io.write_json(a.out, manifest(a.run_dir, a.target, io.parse_json_arg(a.config_json, {})))
+    write_json(a.out, manifest(a.run_dir, a.target, parse_json_arg(a.config_json, {})))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ import logging
 
 import torch
 
-from eaglet.base import artifacts as io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.files import read_parquet
 from eaglet.target import load as target
 
 log = logging.getLogger("eaglet.features.extract")
@@ -106,15 +107,15 @@ class Capture:
 
 def read_tokens(tokens_path) -> tuple[list[str], list[list[int]], list[list[int]]]:
     """(ids, input_ids, loss_mask) of a tokens file, checked: unique ids, non-empty, equal lengths."""
-    table = io.read_parquet(tokens_path, columns=["id", "input_ids", "loss_mask"])
+    table = read_parquet(tokens_path, columns=["id", "input_ids", "loss_mask"])
     ids = [str(x) for x in table.column("id").to_pylist()]
     if len(set(ids)) != len(ids):
-        raise io.ArtifactError(f"{tokens_path}: duplicate sample ids")
+        raise ArtifactError(f"{tokens_path}: duplicate sample ids")
     all_input = table.column("input_ids").to_pylist()
     all_mask = table.column("loss_mask").to_pylist()
     for i, (r, m) in enumerate(zip(all_input, all_mask)):
         if len(r) == 0 or len(r) != len(m):
-            raise io.ArtifactError(f"{tokens_path}: sample {ids[i]}: {len(r)} ids, {len(m)} mask values")
+            raise ArtifactError(f"{tokens_path}: sample {ids[i]}: {len(r)} ids, {len(m)} mask values")
     return ids, all_input, all_mask
 
 
