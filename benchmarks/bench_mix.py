@@ -47,7 +47,7 @@ from bench_ablation import BASE  # noqa: E402
 
 from eaglet.base.files import read_json  # noqa: E402
 from eaglet.base.job_records import stage_times  # noqa: E402
-from eaglet.train import train as tr  # noqa: E402
+from eaglet.train.train import train  # noqa: E402
 
 
 def stores(run: Path) -> list[str]:
@@ -170,8 +170,8 @@ def main() -> None:
             res[n] = {}
             for seed in a.seeds:
                 t1 = time.time()
-                s = tr.train(stores(run), str(run / "vocab_map/vocab.safetensors"), ident,
-                             Path(tmp) / f"{n}_{seed}", {**base, "seed": seed}, val_hidden=val)
+                s = train(stores(run), str(run / "vocab_map/vocab.safetensors"), ident,
+                          Path(tmp) / f"{n}_{seed}", {**base, "seed": seed}, val_hidden=val)
                 bv = s["best_val"] or {}
                 res[n][seed] = {"chain_tau": bv.get("chain_tau"), "rounds": bv.get("chain_rounds"),
                                 "steps": s["steps"], "train_tokens": s["train_tokens"],

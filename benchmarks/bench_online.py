@@ -38,7 +38,7 @@ from eaglet.base.tensors import save_tensors  # noqa: E402
 from eaglet.features.extract import extract  # noqa: E402
 from eaglet.hidden.dtypes import bytes_per_token  # noqa: E402
 from eaglet.target.load import load_identity  # noqa: E402
-from eaglet.train import train as tr  # noqa: E402
+from eaglet.train.train import train  # noqa: E402
 
 
 def tokens_file(out: Path, n: int, length: int, vocab_size: int) -> tuple[Path, int]:
@@ -105,12 +105,12 @@ def main() -> None:
                     extract(tokens, a.identity, tmp / f"x{r}", dtype=dtype,
                             token_budget=conf["extract"]["token_budget"], progress=False)
                     t1 = time.perf_counter()
-                    tr.train([str(tmp / f"x{r}" / "index.json")], vocab, ident, tmp / f"off{r}", params)
+                    train([str(tmp / f"x{r}" / "index.json")], vocab, ident, tmp / f"off{r}", params)
                     times["extract"].append(t1 - t0)
                     times["train_offline"].append(time.perf_counter() - t1)
                 else:
                     t0 = time.perf_counter()
-                    tr.train([], vocab, ident, tmp / f"on{r}", {**params, "hidden_states": "online"}, online=online)
+                    train([], vocab, ident, tmp / f"on{r}", {**params, "hidden_states": "online"}, online=online)
                     times["train_online"].append(time.perf_counter() - t0)
     x, off, on = (statistics.median(times[k]) for k in ("extract", "train_offline", "train_online"))
     per_pair = [(times["extract"][i] + times["train_offline"][i]) / times["train_online"][i] for i in range(a.repeats)]

@@ -41,9 +41,9 @@ from eaglet.drafter.ttt import LK  # noqa: E402
 from eaglet.hidden.reader import HiddenStateDataset  # noqa: E402
 from eaglet.hidden.store import ShardWriter  # noqa: E402
 from eaglet.target.load import default_layer_ids, load_identity  # noqa: E402
-from eaglet.train import data as train_data  # noqa: E402
-from eaglet.train import train as tr  # noqa: E402
+from eaglet.train.data import plan_micro_batches  # noqa: E402
 from eaglet.train.loop import autocast_on  # noqa: E402
+from eaglet.train.train import resolve_params, train  # noqa: E402
 
 
 def matmul_peak(device: torch.device, n: int, repeats: int = 5, dtype=torch.float32) -> float:
@@ -135,17 +135,17 @@ def main() -> None:
     device = torch.device("cuda" if params.get("gpus") else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         hidden, vocab_path, source = store(a, conf, ident, params, Path(tmp))
-        p = tr.resolve_params(params)
+        p = resolve_params(params)
         n_mm = 4096 if device.type == "cuda" else 1024
         dtype = torch.bfloat16 if autocast_on(p["autocast"], device) else torch.float32
         peak0 = matmul_peak(device, n_mm, dtype=dtype)
         out = Path(tmp) / "train"
-        tr.train(hidden, vocab_path, ident, out, p)
+        train(hidden, vocab_path, ident, out, p)
         peak = max(peak0, matmul_peak(device, n_mm, dtype=dtype))
 
         ds = HiddenStateDataset(hidden, verify="header")
         vd = len(load_tensors(vocab_path, ["d2t"])["d2t"])
-        micro, _, _ = train_data.plan_micro_batches(ds.ids, list(ds.num_tokens), p)
+        micro, _, _ = plan_micro_batches(ds.ids, list(ds.num_tokens), p)
         M = p["grad_accum"]
         rows = pd.read_parquet(out / "metrics.parquet")
         rows = rows[rows.split == "train"].reset_index(drop=True)

@@ -34,7 +34,7 @@ from bench_mix import stores, val_stores  # noqa: E402
 def score(run: Path, val: list[str], identity: dict, params: dict) -> dict:
     """The trainer's validation row for the run's kept weights on the ``val`` stores."""
     from eaglet.base.tensors import load_tensors, save_tensors
-    from eaglet.drafter.model import load_drafter
+    from eaglet.drafter.eagle3 import load_drafter
     from eaglet.train.loop import Batches, validate
     from eaglet.train.setup import plan_run, setup
     from eaglet.train.train import resolve_params

@@ -139,8 +139,8 @@ def test_metadata_counts_every_truncation(tiny_target, tmp_path):
     while metadata said "truncated": 0)."""
     convs = tmp_path / "c.parquet"
     write_conversations(convs, [row(0, [U("hello"), A(" ".join(["word"] * 300))]),
-                                   row(1, [U(" ".join(["word"] * 300)), A("a")]),
-                                   row(2, [U("hi"), A("short")])])
+                                row(1, [U(" ".join(["word"] * 300)), A("a")]),
+                                row(2, [U("hi"), A("short")])])
     meta = tokenize.run(convs, tiny_target_identity_path(tiny_target), tmp_path / "out", max_length=64)
     assert meta["samples_processed"] == 2 and meta["skipped_by_reason"] == {"truncated_no_answer": 1}
     assert meta["truncated"] == 2 and meta["truncated_kept"] == 1
@@ -149,7 +149,7 @@ def test_metadata_counts_every_truncation(tiny_target, tmp_path):
 def test_run_writes_tokens_and_seed_metadata(tiny_target, tmp_path):
     convs = tmp_path / "c.parquet"
     write_conversations(convs, [row(i, [U(f"q{i}"), A(f"answer number {i}")]) for i in range(5)]
-                           + [row(9, [U("q")])])
+                        + [row(9, [U("q")])])
     meta = tokenize.run(convs, tiny_target_identity_path(tiny_target), tmp_path / "out")
     for key in ("samples_processed", "samples_skipped", "total_tokens", "total_assistant_tokens",
                 "vocab_size", "unique_assistant_tokens"):
@@ -198,7 +198,7 @@ def test_template_kwargs_render_what_the_server_prefills(tok):
     """Qwen3 served with enable_thinking: false pre-fills an empty think block in the generation
     prompt: rendered with the served kwargs it is prompt (no loss token) and the evaluation prompt
     ends with it; rendered without them it would be trained on as if the target had produced it."""
-    from eaglet.base import datasets as eval_sets
+    from eaglet.base import datasets
     from eaglet.target.family_templates import QWEN3_TEMPLATE
 
     q = copy.deepcopy(tok)
@@ -215,9 +215,9 @@ def test_template_kwargs_render_what_the_server_prefills(tok):
     assert text.startswith("4<|im_end|>") and "think" not in text
     assert "<think>" in q.decode(ids.tolist())  # the block is in the sequence, as prompt
     assert masked({})[0].startswith("<think>")  # the old rendering trained on the pre-fill
-    prompt = q.decode(eval_sets.encode(q, [U("2+2?")], served))
+    prompt = q.decode(datasets.encode(q, [U("2+2?")], served))
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert not q.decode(eval_sets.encode(q, [U("2+2?")])).endswith("</think>\n\n")
+    assert not q.decode(datasets.encode(q, [U("2+2?")])).endswith("</think>\n\n")
 
 
 def _runs(tok, kept):

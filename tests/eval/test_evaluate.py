@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from eaglet.base import datasets as eval_sets
+from eaglet.base import datasets
 from eaglet.base.conversations import write_conversations
 from eaglet.base.files import read_json, read_parquet, write_parquet
 from eaglet.drafter import chain
@@ -22,13 +22,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # --------------------------------------------------------------------------- eval sets
 def test_eval_sets_hold_80_mtbench_first_turns_and_164_humaneval_prompts():
-    mt, he = eval_sets.load_set("mtbench"), eval_sets.load_set("humaneval")
+    mt, he = datasets.load_set("mtbench"), datasets.load_set("humaneval")
     assert len(mt) == 80 and len(he) == 164
     assert all(len(r["messages"]) == 1 and r["messages"][0]["role"] == "user" for r in mt + he)
     assert len({r["id"] for r in mt}) == 80 and mt[0]["id"] == "mtbench/81"
     assert "def has_close_elements" in he[0]["messages"][0]["content"]
     # a subset spans the categories instead of taking the first ten (all "writing")
-    cats = {r["source"] for r in eval_sets.load_set("mtbench", 10)}
+    cats = {r["source"] for r in datasets.load_set("mtbench", 10)}
     assert len(cats) >= 7
 
 
@@ -39,11 +39,11 @@ def test_parquet_set_is_the_prompt_up_to_the_last_user_turn(tmp_path):
         {"role": "assistant", "content": "a2"}]},
         {"id": "b", "source": "s", "messages": [{"role": "assistant", "content": "orphan"}]}]
     write_conversations(tmp_path / "c.parquet", rows)
-    got = eval_sets.load_set(str(tmp_path / "c.parquet"))
+    got = datasets.load_set(str(tmp_path / "c.parquet"))
     assert [r["id"] for r in got] == ["a"]  # no user turn: nothing to answer
     assert [m["content"] for m in got[0]["messages"]] == ["sys", "u1", "a1", "u2"]
     with pytest.raises(ValueError, match="unknown set"):
-        eval_sets.load_set("gsm9k")
+        datasets.load_set("gsm9k")
 
 
 # --------------------------------------------------------------------------- counting (hand-computed)
@@ -167,7 +167,7 @@ def test_tau_per_domain_with_intervals_in_the_stages_the_summary_and_the_report(
 
     out, off, spec, _ = stages
     got = json.loads((out / "offline.json").read_text())["domains"]
-    cats = {p["source"] for p in eval_sets.load_set("mtbench", 2)}
+    cats = {p["source"] for p in datasets.load_set("mtbench", 2)}
     assert set(got) == cats | {"humaneval", "math", "heldout"} and len(cats) == 2
     assert got["heldout"]["prompts"] == 2 and got["math"]["set"] == "math"
     for v in got.values():
@@ -245,7 +245,7 @@ def test_expected_acceptance_of_a_given_text_is_that_of_the_stage_s_own_sample(s
     ident = Path(tiny_target["path"]).parent / "identity.json"
     o = ev._options(OPTS)
     _, target, proposer, _, tok = setup(tiny_drafter, ident, 1)
-    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"], {})[:2]
+    prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"], {})[:2]
     mine = [p["sampling"]["1.0"] for p in off["per_prompt"][:2]]
     rows = [{} for _ in prompts]
     got = ev.offline_sampling(target, proposer, prompts, rows, 3, 16, 1.0, o, texts=[m["tokens"] for m in mine])

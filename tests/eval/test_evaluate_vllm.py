@@ -131,7 +131,7 @@ def offline_json(tiny_target, tiny_drafter, tmp_path_factory):
 
     held = tmp_path_factory.mktemp("heldout") / "heldout.parquet"
     write_conversations(held, [{"id": f"h{i}", "source": "heldout", "messages": [{"role": "user", "content": q}]}
-                                  for i, q in enumerate(["Name three rivers in Europe.", "Why is the sky blue?"])])
+                               for i, q in enumerate(["Name three rivers in Europe.", "Why is the sky blue?"])])
     out = tmp_path_factory.mktemp("eval")
     sets = ["mtbench", "humaneval", "math", str(held)]
     n = torch.get_num_threads()

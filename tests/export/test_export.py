@@ -187,8 +187,8 @@ def make_prefix_mean_drafter(identity: dict, path, prompts: list[str], max_new_t
     are those embeddings, so it drafts the most frequent token so far. The random target's greedy
     output repeats tokens, so vLLM accepts some of them. The draft vocab holds the target's greedy
     tokens plus random ids: a wrong d2t in vLLM would get nothing accepted."""
-    from eaglet.drafter import model as em
-    from eaglet.target.load import load_model, load_tokenizer
+    from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter, save_drafter
+    from eaglet.target.load import load_model, load_target_embedding, load_tokenizer
 
     tok, tgt = load_tokenizer(identity["path"]), load_model(identity["path"])
     seen = torch.cat([tgt.generate(tok(p, return_tensors="pt").input_ids, max_new_tokens=max_new_tokens,
@@ -197,9 +197,9 @@ def make_prefix_mean_drafter(identity: dict, path, prompts: list[str], max_new_t
     rest = torch.randperm(identity["vocab_size"], generator=g)
     rest = rest[~torch.isin(rest, seen)][: draft_vocab_size - len(seen)]
     used = torch.cat([seen, rest]).sort().values
-    cfg = em.DrafterConfig.from_identity(identity, draft_vocab_size=draft_vocab_size, layer_ids=[2, 4, 5])
-    emb = em.load_target_embedding(identity["path"])
-    m = em.Eagle3Drafter(cfg, emb)
+    cfg = DrafterConfig.from_identity(identity, draft_vocab_size=draft_vocab_size, layer_ids=[2, 4, 5])
+    emb = load_target_embedding(identity["path"])
+    m = Eagle3Drafter(cfg, emb)
     d = cfg.head_dim
     with torch.no_grad():
         for p in m.parameters():
@@ -214,7 +214,7 @@ def make_prefix_mean_drafter(identity: dict, path, prompts: list[str], max_new_t
         m.lm_head.weight[:, :d] = rows / rows.norm(dim=-1, keepdim=True)
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[used] = True
-    em.save_drafter(path, m, cfg, used - torch.arange(draft_vocab_size), t2d)
+    save_drafter(path, m, cfg, used - torch.arange(draft_vocab_size), t2d)
     return path
 
 
@@ -303,7 +303,7 @@ def test_vllm_load_failure_puts_the_engine_error_in_the_record_and_the_message(t
     meta = json.loads(tensor_metadata(tiny_drafter)["eaglet"])
     broken = tmp_path / "broken.safetensors"
     save_tensors(broken, load_tensors(tiny_drafter),
-                    metadata={"eaglet": json.dumps({**meta, "intermediate_size": 2 * meta["intermediate_size"]})})
+                 metadata={"eaglet": json.dumps({**meta, "intermediate_size": 2 * meta["intermediate_size"]})})
     out = tmp_path / "drafter"
     with pytest.raises(ContractError) as e:
         export(broken, out, _ident(tiny_target), vllm_check=True, vllm_check_prompts=1, vllm_check_max_tokens=4,

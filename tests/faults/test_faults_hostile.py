@@ -16,7 +16,7 @@ import os
 import re
 import subprocess
 import sys
-import tokenize as pytokenize
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -99,17 +99,17 @@ def test_no_pickle_is_loaded_from_a_data_path():
 def shell_commands(path: Path) -> list[tuple[str, str]]:
     """(rule, shell string) of every `shell:` directive of a .smk file: the adjacent string
     literals that follow it, concatenated (f-strings are refused: placeholders must stay visible)."""
-    toks = list(pytokenize.generate_tokens(iter(path.read_text().splitlines(keepends=True)).__next__))
+    toks = list(tokenize.generate_tokens(iter(path.read_text().splitlines(keepends=True)).__next__))
     out, rule = [], None
-    skip = (pytokenize.NL, pytokenize.NEWLINE, pytokenize.INDENT, pytokenize.DEDENT, pytokenize.COMMENT)
+    skip = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT)
     for i, t in enumerate(toks):
-        if t.type == pytokenize.NAME and t.string == "rule" and toks[i + 1].type == pytokenize.NAME:
+        if t.type == tokenize.NAME and t.string == "rule" and toks[i + 1].type == tokenize.NAME:
             rule = toks[i + 1].string
-        if t.type == pytokenize.NAME and t.string == "shell" and toks[i + 1].string == ":" and \
+        if t.type == tokenize.NAME and t.string == "shell" and toks[i + 1].string == ":" and \
                 toks[i - 1].type in skip:
             parts, j = [], i + 2
-            while toks[j].type in skip or toks[j].type == pytokenize.STRING:
-                if toks[j].type == pytokenize.STRING:
+            while toks[j].type in skip or toks[j].type == tokenize.STRING:
+                if toks[j].type == tokenize.STRING:
                     assert not re.match(r"[rRbBuU]*[fF]", toks[j].string), f"{path}: f-string shell in {rule}"
                     parts.append(ast.literal_eval(toks[j].string))
                 j += 1

@@ -116,14 +116,14 @@ def test_prompts_stage_cli_writes_skip_counts(tmp_path):
 def test_evaluation_set_skips_malformed_rows_by_reason(tmp_path, caplog):
     """A conversation Parquet used as an evaluation set (evaluate.sets): malformed rows are skipped
     and their count by reason logged; the valid prompts are kept, cut at the last user turn."""
-    from eaglet.base import datasets as eval_sets
+    from eaglet.base import datasets
 
     good = [{"id": f"g{i}", "source": "t", "messages": [_msg("user", f"q{i}"), _msg("assistant", f"a{i}")]}
             for i in range(3)]
     bad = [{"id": name, "source": "t", "messages": msgs} for name, (msgs, _) in MALFORMED_GENERATE_INPUT.items()]
     write_parquet(tmp_path / "set.parquet", _conversation_table(good + bad))
     with caplog.at_level(logging.WARNING, logger="eaglet"):
-        rows = eval_sets.conversations(tmp_path / "set.parquet")
+        rows = datasets.conversations(tmp_path / "set.parquet")
     assert [r["id"] for r in rows] == ["g0", "g1", "g2"] and rows[0]["messages"] == [{"role": "user", "content": "q0"}]
     from collections import Counter
 

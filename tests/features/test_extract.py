@@ -17,7 +17,7 @@ from eaglet.base.files import read_json, write_json
 from eaglet.base.tensors import load_tensors, save_tensors
 from eaglet.features.extract import assign_shards, extract, make_batches
 from eaglet.hidden.reader import HiddenStateDataset
-from eaglet.target import load as target
+from eaglet.target.load import load_model
 from train_common import write_tokens
 
 
@@ -59,7 +59,7 @@ def test_captured_states_equal_output_hidden_states(tgt, tokens, one_shard):
     assert len(read_json(one_shard / "index.json")["chunks"]) > 2
     rows = {r["id"]: r for r in tokens[1]}
     assert sorted(ds.ids) == sorted(rows)
-    model = target.load_model(ident["path"])
+    model = load_model(ident["path"])
     for i in range(len(ds)):
         s = ds.sample(i)
         r = rows[s["id"]]
@@ -80,7 +80,7 @@ def test_index_records_the_real_models_top1(tgt, tokens, one_shard):
     refs = read_json(one_shard / "index.json")["label_reference"]
     rows = {r["id"]: r for r in tokens[1]}
     assert len(refs) >= len(rows)  # a few per batch, every batch row
-    model = target.load_model(ident["path"])
+    model = load_model(ident["path"])
     for sid, pos, top1, margin in refs[:12]:
         with torch.no_grad():
             lg = model(torch.tensor([rows[sid]["input_ids"]])).logits[0, pos]
@@ -203,6 +203,6 @@ def test_nan_in_target_is_refused(tgt, tokens, tmp_path):
     w[name][:, :] = float("nan")
     save_tensors(bad / "model.safetensors", w, metadata={"format": "pt"})
     write_json(tmp_path / "identity.json", {**tgt[0], "path": str(bad), "digest": "bad",
-                                               "files": folder_manifest(bad)})
+                                            "files": folder_manifest(bad)})
     with pytest.raises(FloatingPointError, match="NaN/Inf"):
         extract(tokens[0], tmp_path / "identity.json", tmp_path / "s", progress=False)

@@ -264,7 +264,7 @@ def test_mix_without_generation_is_refused_at_parse_time(tmp_path):
 
 def _rows(path: Path, questions: list[str]) -> None:
     write_conversations(path, [{"id": f"r{i}", "source": "t", "messages": [{"role": "user", "content": q}]}
-                                  for i, q in enumerate(questions)])
+                               for i, q in enumerate(questions)])
 
 
 @pytest.mark.faults

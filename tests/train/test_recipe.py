@@ -12,11 +12,12 @@ from test_train import LAYERS, data  # noqa: F401  (the tiny target's real hidde
 
 from conftest import make_random_drafter
 from eaglet.base.tensors import load_tensors
-from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_drafter, load_target_embedding
+from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter, load_drafter
 from eaglet.drafter.ttt import TTTObjective
 from eaglet.export import contract
 from eaglet.export import vllm_checks as contract_vllm
 from eaglet.export.export import ContractError, export
+from eaglet.target.load import load_target_embedding
 from eaglet.train.setup import TargetHead
 from eaglet.train.train import DEFAULTS, resolve_params, train
 

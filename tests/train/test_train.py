@@ -13,7 +13,7 @@ from conftest import kill_when_written, slowed_trainer
 from eaglet.base.artifacts import ArtifactError
 from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.tensors import load_tensors, save_tensors, tensor_metadata
-from eaglet.drafter.model import load_drafter
+from eaglet.drafter.eagle3 import load_drafter
 from eaglet.drafter.ttt import TTTObjective, is_better, rest_positions, tf_tau, valid_positions
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.train.data import collate, is_val, plan_batches
@@ -77,7 +77,8 @@ def test_loss_alignment_by_hand(tiny_target, data):
     b = collate(samples, "cpu")
     head = TargetHead(tiny_target, data["t2d"], True, True, "cpu")
     p, inv, _ = head(b["final"])
-    from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_target_embedding
+    from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter
+    from eaglet.target.load import load_target_embedding
 
     torch.manual_seed(0)
     m = Eagle3Drafter(DrafterConfig.from_identity(tiny_target, VD, LAYERS), load_target_embedding(tiny_target["path"]))
@@ -148,7 +149,7 @@ def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_
     every position, the rounds replayed) with the saved drafter gives the same counts. The saved
     weights are those of the best validation chain τ, and that is what the summary reports."""
     from eaglet.drafter.chain import chain_replay, rounds_tau
-    from eaglet.engines import hf_loop as ev
+    from eaglet.engines.hf_loop import EagleProposer, Target, offline_prompt
     from eaglet.workflow.summary import lines as summary_lines
 
     K = PARAMS["ttt_steps"]
@@ -162,14 +163,14 @@ def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_
     assert s["best_val"]["tf_tau"] == best.tf_tau and "tau" not in s["best_val"]
 
     drafter, _, d2t, _ = load_drafter(tmp_path / "train" / "drafter.safetensors", tiny_target)
-    target = ev.Target(data["model"], LAYERS, eos_ids=set())
-    proposer = ev.EagleProposer(drafter, d2t)
+    target = Target(data["model"], LAYERS, eos_ids=set())
+    proposer = EagleProposer(drafter, d2t)
     ds = HiddenStateDataset(data["index"])
     rounds = {k: [] for k in range(1, K + 1)}
     P = 4  # the fixture's prompt length; the rest of each sample is the greedy continuation
     for i in (i for i, sid in enumerate(ds.ids) if is_val(sid, PARAMS["val_fraction"])):
         x = ds.sample(i)["input_ids"].tolist()
-        r = ev.offline_prompt(target, proposer, x[:P], K, len(x) - P)
+        r = offline_prompt(target, proposer, x[:P], K, len(x) - P)
         assert r["tokens"] == x[P:]  # the stored data is the target's greedy continuation
         accepted = [0] + [st["accepted"] for st in r["starts"]]
         for k in rounds:

@@ -374,7 +374,7 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
     import pandas as pd
     import torch
 
-    from eaglet.base import datasets as eval_sets
+    from eaglet.base import datasets
     from eaglet.data import freq, prompts, tokenize, vocab
     from eaglet.eval import evaluate, evaluate_vllm
     from eaglet.eval import summary as eval_summary
@@ -392,7 +392,7 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
     prompts.main(["--source", "file", "--path", str(src), "--n", "4", "--heldout", "2", "--out-dir", str(pr)])
     recorded = read_json(pr / "summary.json")[DIGESTS_KEY]
     assert recorded == record_digests(pr, ["train.parquet", "heldout.parquet"])
-    assert len(eval_sets.load_set(str(pr / "heldout.parquet"))) == 2  # intact, it reads
+    assert len(datasets.load_set(str(pr / "heldout.parquet"))) == 2  # intact, it reads
 
     gen = tmp_path / "generate"
     generate.generate(pr / "train.parquet", ident, gen, {"backend": "local", "max_tokens": 2})
@@ -407,7 +407,7 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
         "--conversations", str(pr / "train.parquet"), "--target", ident, "--out-dir", str(tmp_path / "g2"),
         "--config", json.dumps({"backend": "local"})]))
     _other_rows(pr / "heldout.parquet")
-    refused(pr / "heldout.parquet", lambda: eval_sets.load_set(str(pr / "heldout.parquet")))
+    refused(pr / "heldout.parquet", lambda: datasets.load_set(str(pr / "heldout.parquet")))
     _other_rows(gen / "conversations.parquet")
     refused(gen / "conversations.parquet",
             lambda: tokenize.main(["--conversations", str(gen / "conversations.parquet"), *tok_args]))
@@ -428,7 +428,7 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
     # train -> plots (metrics.parquet; train.py records it beside drafter.safetensors, test_train checks)
     tr = tmp_path / "train"
     write_parquet(tr / "metrics.parquet", pd.DataFrame({"step": [1, 2], "split": ["train", "train"],
-                                                           "loss": [2.0, 1.0], "tf_tau": [1.0, 1.2]}))
+                                                        "loss": [2.0, 1.0], "tf_tau": [1.0, 1.2]}))
     write_json(tr / "train_summary.json", {DIGESTS_KEY: record_digests(tr, ["metrics.parquet"])})
     _other_rows(tr / "metrics.parquet")
     refused(tr / "metrics.parquet", lambda: plots.main(["--metrics", str(tr / "metrics.parquet"),
@@ -453,7 +453,7 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
     write_json(dr / "config.json", {"architectures": ["Eagle3Speculator"]})
     save_tensors(dr / "model.safetensors", {"d2t": torch.zeros(4, dtype=torch.int64)})
     write_json(dr / "contract.json",
-                  {"ok": True, DIGESTS_KEY: record_digests(dr, ["config.json", "model.safetensors"])})
+               {"ok": True, DIGESTS_KEY: record_digests(dr, ["config.json", "model.safetensors"])})
     for name in ("config.json", "model.safetensors"):
         original = (dr / name).read_bytes()
         flip_last_byte(dr / name)

@@ -201,7 +201,7 @@ def test_progress_of_an_older_writer_is_discarded(tmp_path, caplog):
     _partial(tmp_path / "s", _samples())
     prog = read_json(tmp_path / "s" / "progress.json")
     write_json(tmp_path / "s" / "progress.json",
-                  {k: v for k, v in prog.items() if k not in ("chunk_bytes", "settings")})
+               {k: v for k, v in prog.items() if k not in ("chunk_bytes", "settings")})
     with caplog.at_level(logging.INFO, logger="eaglet"):
         w = ShardWriter(tmp_path / "s", 0, 1, [1, 2, 3], True, "float32", H, "digest", 1500, final_layer=4,
                         source_digest="tokens")

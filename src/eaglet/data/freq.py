@@ -72,7 +72,7 @@ def run(tokens: str | Path, target: str | Path, out_dir: str | Path, top_n: int 
     V = int(ident["vocab_size"])
     if len(tok) > V:
         raise ArtifactError(f"{target}: the tokenizer has {len(tok)} tokens, more than the model's "
-                               f"vocab_size {V}")
+                            f"vocab_size {V}")
     table = read_parquet(tokens, columns=None)
     missing = {"input_ids", "loss_mask"} - set(table.column_names)
     if missing:

@@ -145,13 +145,12 @@ def check_first_job(cfg: dict, model_dir: Path, arch: str, vllm_env: str = "envs
     """What parse time cannot know for a built or GGUF target, said by the first job: refuse a
     target without any chat template (naming ``target.chat_template``); log whether the installed
     vLLM can serve an EAGLE-3 drafter for this architecture."""
-    from eaglet.target import chat_template
-    from eaglet.target import check as target_check
+    from eaglet.target import chat_template, check
 
     if not (chat_template.chat_template_text(cfg.get("chat_template"))
             or chat_template.has_chat_template(model_dir)):
         raise ValueError(chat_template.no_template_message(f"target {cfg.get('name')!r}"))
-    log.info("%s", target_check.serving(arch, vllm_env, attention)[1])
+    log.info("%s", check.serving(arch, vllm_env, attention)[1])
 
 
 if __name__ == "__main__":

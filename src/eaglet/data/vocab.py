@@ -172,8 +172,8 @@ def run(counts_path: str | Path, target: str | Path, out_dir: str | Path, draft_
     }
     out_dir = Path(out_dir)
     save_tensors(out_dir / "vocab.safetensors", {"d2t": d2t, "t2d": t2d},
-                    metadata={"eaglet": json.dumps({"draft_vocab_size": draft_vocab_size,
-                                                    "vocab_size": int(counts.size)})})
+                 metadata={"eaglet": json.dumps({"draft_vocab_size": draft_vocab_size,
+                                                 "vocab_size": int(counts.size)})})
     summary[DIGESTS_KEY] = record_digests(out_dir, ["vocab.safetensors"])  # checked by train
     write_json(out_dir / "vocab.json", summary)
     return summary

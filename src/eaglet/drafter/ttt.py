@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglet.drafter import chain
-from eaglet.drafter.model import Eagle3Drafter
+from eaglet.drafter.eagle3 import Eagle3Drafter
 
 # The recipe's options (train params; eaglet.train.train DEFAULTS holds their defaults).
 DRAFTER_OPTIONS = ("norm_before_fc", "norm_before_residual", "norm_output")  # DrafterConfig fields

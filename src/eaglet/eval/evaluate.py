@@ -77,7 +77,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import datasets as eval_sets
+from eaglet.base import datasets
 from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_recorded
 from eaglet.base.files import write_json, write_parquet
 from eaglet.base.logs import setup_logging
@@ -212,8 +212,8 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
                                ("offline_positions.parquet", "offline_rounds.parquet"))
     ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
                                                _load_opts(o))
-    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
-                                     o["chat_template_kwargs"])
+    prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+                                    o["chat_template_kwargs"])
     res, pos_rows, round_rows = offline_results(target, proposer, prompts, o)
     res = {"stage": "evaluate_offline", "drafter": str(drafter), "target": ident["name"],
            "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "draft_vocab_size": cfg.draft_vocab_size,
@@ -301,8 +301,8 @@ def evaluate_modes(drafter: str | Path, identity: str | Path, sets: list[str], o
     rendered, per_mode, matrix = {}, {}, []
     for name, kw in modes.items():
         mo = {**o, "chat_template_kwargs": {**o["chat_template_kwargs"], **kw}}
-        prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
-                                         mo["chat_template_kwargs"])
+        prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+                                        mo["chat_template_kwargs"])
         ids = [tuple(p["prompt_ids"]) for p in prompts]
         same = [m for m, other in rendered.items() if other == ids]
         if same:
@@ -455,8 +455,8 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
                                                _load_opts(o))
     max_new, eps, ks, repeats = o["max_new_tokens"], o["tie_eps"], o["k_values"], int(o["repeats"])
-    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
-                                     o["chat_template_kwargs"])
+    prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+                                    o["chat_template_kwargs"])
     greedy(target, prompts[0]["prompt_ids"], 4)  # warm-up: first calls pay allocator/thread start-up
     target.times.clear()
     per_prompt, round_rows, mismatches, sampled_rounds = [], [], [], defaultdict(list)

@@ -80,7 +80,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from eaglet.base import datasets as eval_sets
+from eaglet.base import datasets
 from eaglet.base.digests import verify_recorded
 from eaglet.base.files import read_json, write_json
 from eaglet.base.logs import setup_logging
@@ -445,8 +445,8 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     conf = read_json(Path(drafter_dir) / "config.json")  # a clear error when the export is missing
     tok = load_tokenizer(ident["path"], o["chat_template"], need_template=True,
                          trust_remote_code=bool((o["serving"] or {}).get("trust_remote_code")))
-    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
-                                     o["chat_template_kwargs"])
+    prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+                                    o["chat_template_kwargs"])
     off = read_json(offline) if offline else None
     hf_loop = None
     if off and off.get("status") == "not run":  # nothing to compare with; said, not passed

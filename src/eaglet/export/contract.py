@@ -10,7 +10,7 @@ names it does not know. So every export is checked four ways, each recorded in `
               load_weights, in its environment envs/sglang: eaglet.export.sglang_check): every parameter
               written exactly once and equal to the export, no weight name dropped without a word;
 3. parity   — an independent reference forward written here from vLLM's semantics reproduces the
-              trainer's (``eaglet.drafter.model``) step-0 logits and pre-norm hidden within 1e-4 in fp32;
+              trainer's (``eaglet.drafter.eagle3``) step-0 logits and pre-norm hidden within 1e-4 in fp32;
 4. vllm     — the real thing: vLLM-CPU loads target + drafter, output equals plain greedy, the aux
               layers it reports equal the trained ones, its acceptance equals eaglet's exact chain
               along the same text (eaglet.export.reference.agreement: no slack but near ties). First,

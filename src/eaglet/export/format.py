@@ -102,10 +102,10 @@ def read_trained(drafter_path: str | Path, identity: dict) -> tuple[dict, dict]:
     have = set(tensors)
     if have != want:
         raise ArtifactError(f"{drafter_path}: tensors missing {sorted(want - have)}, "
-                               f"unexpected {sorted(have - want)}")
+                            f"unexpected {sorted(have - want)}")
     if cfg.get("target_digest") and cfg["target_digest"] != identity["digest"]:
         raise ArtifactError(f"{drafter_path}: trained for target digest {cfg['target_digest'][:12]}, "
-                               f"but the target is {identity['digest'][:12]}")
+                            f"but the target is {identity['digest'][:12]}")
     for key, ikey in (("vocab_size", "vocab_size"), ("target_hidden_size", "hidden_size")):
         if cfg[key] != identity[ikey]:
             raise ArtifactError(f"{drafter_path}: {key} {cfg[key]} != target {ikey} {identity[ikey]}")

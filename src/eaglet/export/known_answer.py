@@ -39,7 +39,7 @@ def offline_first_draft(twin: dict, drafter_path: str | Path, prompts: list[str]
     """eaglet's own speculative loop (hf_loop.speculative: the twin in HF, the drafter's
     forward_step with its KV cache) on the prompts: the output must be the known chain and every
     first draft accepted."""
-    from eaglet.drafter.model import load_drafter
+    from eaglet.drafter.eagle3 import load_drafter
 
     drafter, cfg, d2t, _ = load_drafter(drafter_path, twin)
     return _offline(twin, drafter, cfg, d2t, prompts, k, max_tokens)
@@ -65,15 +65,16 @@ def drafter_from_export(export_dir: str | Path, drafter_path: str | Path, twin: 
     from the trainer's file), so a broken export can be run through eaglet's own forward."""
     import dataclasses
 
-    from eaglet.drafter import model as em
+    from eaglet.drafter.eagle3 import META_KEY, DrafterConfig, Eagle3Drafter
+    from eaglet.target.load import load_target_embedding
 
     d = Path(export_dir)
-    cfg = em.DrafterConfig.from_json(tensor_metadata(drafter_path)[em.META_KEY], where=str(drafter_path))
+    cfg = DrafterConfig.from_json(tensor_metadata(drafter_path)[META_KEY], where=str(drafter_path))
     cfg = dataclasses.replace(cfg, layer_ids=list(read_json(d / "config.json")["eagle_aux_hidden_state_layer_ids"]))
     t = load_tensors(d / "model.safetensors")
     d2t = t.pop("d2t")
     t.pop("t2d", None)
-    drafter = em.Eagle3Drafter(cfg, em.load_target_embedding(twin["path"]))
+    drafter = Eagle3Drafter(cfg, load_target_embedding(twin["path"]))
     drafter.load_state_dict({**t, "embed_tokens.weight": drafter.embed_tokens.weight}, strict=True)
     return drafter.eval(), cfg, d2t
 

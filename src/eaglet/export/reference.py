@@ -87,7 +87,7 @@ def load_exported(drafter_dir: str | Path, identity: dict):
     config's ``eaglet`` block names the target digest it was exported for."""
     import torch
 
-    from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_target_embedding
+    from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter, load_target_embedding
     from eaglet.export.static import VARIANTS
 
     d = Path(drafter_dir)
@@ -109,7 +109,7 @@ def load_exported(drafter_dir: str | Path, identity: dict):
         **{f: bool(c.get(f)) for f in VARIANTS})
     if cfg.target_digest and cfg.target_digest != identity.get("digest"):
         raise ArtifactError(f"{d}: exported for target {cfg.target_digest[:12]}, not "
-                               f"{str(identity.get('digest'))[:12]} ({identity.get('name')})")
+                            f"{str(identity.get('digest'))[:12]} ({identity.get('name')})")
     tensors = load_tensors(d / "model.safetensors")
     d2t = tensors.pop("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
     tensors.pop("t2d", None)
@@ -117,7 +117,7 @@ def load_exported(drafter_dir: str | Path, identity: dict):
     want = set(model.trainable_state_dict())
     if set(tensors) != want:
         raise ArtifactError(f"{d}: tensors missing {sorted(want - set(tensors))}, "
-                               f"unexpected {sorted(set(tensors) - want)}")
+                            f"unexpected {sorted(set(tensors) - want)}")
     model.load_state_dict({**{k: v.float() for k, v in tensors.items()},
                            "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
     return model.eval(), cfg, d2t
@@ -138,7 +138,7 @@ def reference_chain(drafter, identity: dict, prompt_ids: list[list[int]] | None,
     if Path(drafter).is_dir():
         model, cfg, d2t = load_exported(drafter, identity)
     else:
-        from eaglet.drafter.model import load_drafter
+        from eaglet.drafter.eagle3 import load_drafter
 
         model, cfg, d2t, _ = load_drafter(drafter, identity)
     tgt = hf_loop.Target(load_model(identity["path"], dtype=ld["dtype"], trust_remote_code=ld["trust_remote_code"],

@@ -16,7 +16,7 @@ from eaglet.export.record import check
 
 ARCH_A = "LlamaForCausalLMEagle3"  # vLLM's registry maps it to Eagle3LlamaForCausalLM; SGLang's name
 ARCH_B = "Eagle3Speculator"
-# Drafter variants the trainer can train (eaglet.drafter.model.DrafterConfig, same names) and vLLM 0.32's
+# Drafter variants the trainer can train (eaglet.drafter.eagle3.DrafterConfig, same names) and vLLM 0.32's
 # llama_eagle3 reads from config.json (``norm_before_fc`` also inside ``eagle_config``).
 VARIANTS = ("norm_before_fc", "norm_before_residual", "norm_output")
 

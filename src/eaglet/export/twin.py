@@ -177,7 +177,7 @@ def build_twin(identity: dict, out_dir: str | Path, seed: int = 0) -> dict:
         raise RuntimeError(f"twin register not constant per layer or not distinct: {S} (spread {spread})")
     model.save_pretrained(tmp, safe_serialization=True)
     write_json(tmp / KNOWN, {"layout": lay, "register": S, "seed": seed, "pi_head": pi[:8].tolist(),
-                                "note": "eaglet known-answer twin: greedy(v) = pi(v)"})
+                             "note": "eaglet known-answer twin: greedy(v) = pi(v)"})
     torch.save(pi, tmp / "pi.pt")
     shutil.rmtree(model_dir, ignore_errors=True)
     tmp.rename(model_dir)
@@ -228,7 +228,7 @@ def _qk_scale(cfg, head_dim: int, max_len: int) -> float:
     pos = torch.arange(max_len + 1)[None]
     cos, sin = rot(pos, torch.float64)
     c = torch.ones(1, 1, max_len + 1, head_dim, dtype=torch.float64)
-    from eaglet.drafter.model import rope
+    from eaglet.drafter.eagle3 import rope
 
     r = rope(c, cos, sin)[0, 0]                            # [L, d]
     scores = (r @ r[0]) / math.sqrt(head_dim)              # relative: position 0 vs 0..max_len
@@ -241,11 +241,11 @@ def _qk_scale(cfg, head_dim: int, max_len: int) -> float:
 def build_drafter(twin: dict, identity: dict, path: str | Path, prompts: list[str], *, layer_ids: list[int],
                   max_tokens: int = 64, k: int = 3, draft_vocab_size: int = 1024, max_len: int = 2048,
                   seed: int = 0) -> Path:
-    """The known-answer drafter in the trainer's file format (eaglet.drafter.model.save_drafter) for the twin,
+    """The known-answer drafter in the trainer's file format (eaglet.drafter.eagle3.save_drafter) for the twin,
     with the shapes and RoPE of a drafter for ``identity`` (the real target). The draft vocabulary
     holds every token of the prompts' greedy chains (max_tokens + k + 2 of them) plus random ids."""
-    from eaglet.drafter import model as em
-    from eaglet.target.load import validate_layer_ids
+    from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter, save_drafter
+    from eaglet.target.load import load_target_embedding, validate_layer_ids
 
     tdir = Path(twin["path"])
     known = read_json(tdir / KNOWN)
@@ -261,12 +261,12 @@ def build_drafter(twin: dict, identity: dict, path: str | Path, prompts: list[st
     rest = torch.randperm(V, generator=g)
     rest = rest[~torch.isin(rest, seen)][: vd - len(seen)]
     used = torch.cat([seen, rest]).sort().values
-    cfg = em.DrafterConfig.from_identity(identity, draft_vocab_size=vd, layer_ids=ids,
-                                         target_digest=twin["digest"])
+    cfg = DrafterConfig.from_identity(identity, draft_vocab_size=vd, layer_ids=ids,
+                                      target_digest=twin["digest"])
     H, d = cfg.hidden_size, cfg.head_dim
     m, bias, reg = lay["m"], lay["bias"], lay["reg"]
-    emb = em.load_target_embedding(tdir).float()
-    drafter = em.Eagle3Drafter(cfg, emb)
+    emb = load_target_embedding(tdir).float()
+    drafter = Eagle3Drafter(cfg, emb)
     gamma = _qk_scale(cfg, d, max_len)
     delta = torch.randn(m, generator=g)
     D = delta / delta.norm() * DECOY * math.sqrt(H)         # the decoy, in the answer space
@@ -290,7 +290,7 @@ def build_drafter(twin: dict, identity: dict, path: str | Path, prompts: list[st
             drafter.fc.weight[:m, s * H + reg] = -D / (3.0 * S[lid])
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[used] = True
-    em.save_drafter(path, drafter, cfg, used - torch.arange(vd), t2d)
+    save_drafter(path, drafter, cfg, used - torch.arange(vd), t2d)
     return Path(path)
 
 

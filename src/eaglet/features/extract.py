@@ -37,7 +37,6 @@ from eaglet.base.settings_files import parse_json_arg
 from eaglet.hidden.dtypes import bytes_per_token, storage_dtype
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.hidden.store import ShardWriter
-from eaglet.target import load as target
 from eaglet.target.capture import (
     REF_PER_BATCH,
     Capture,
@@ -49,6 +48,7 @@ from eaglet.target.capture import (
     read_tokens,
     reference_positions,
 )
+from eaglet.target.load import default_layer_ids, load_identity, validate_layer_ids
 
 __all__ = ["extract", "assign_shards", "make_batches", "HiddenStateDataset"]
 
@@ -63,9 +63,9 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} outside 0..{num_shards - 1}")
     sdtype = storage_dtype(dtype)
-    ident = target.load_identity(identity_path)
+    ident = load_identity(identity_path)
     N, H = int(ident["num_layers"]), int(ident["hidden_size"])
-    layer_ids = target.validate_layer_ids(layer_ids or target.default_layer_ids(N), N)
+    layer_ids = validate_layer_ids(layer_ids or default_layer_ids(N), N)
 
     ids, all_input, all_mask = read_tokens(tokens_path)
     lengths = [len(r) for r in all_input]

@@ -40,7 +40,7 @@ from eaglet.base.digests import DIGESTS_KEY, digest_of, file_digest, record_dige
 from eaglet.base.files import write_json, write_parquet
 from eaglet.base.logs import setup_logging
 from eaglet.base.settings_files import parse_json_arg
-from eaglet.generate.backends import dispatch as _dispatch
+from eaglet.generate.backends import dispatch
 from eaglet.generate.parts import PartSink, load_parts, prepare_parts
 from eaglet.generate.turns import (
     OVER_LIMIT,
@@ -214,7 +214,7 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
     sink = PartSink(parts, cfg["chunk_size"], cfg["flush_s"], on_record)
     try:
         if pending:
-            _dispatch(pending, cfg, ident, out_dir, sink, server_log, chat_template)
+            dispatch(pending, cfg, ident, out_dir, sink, server_log, chat_template)
     finally:
         sink.flush()  # whatever finished is kept, also when the run fails
         bar.close()
@@ -258,7 +258,7 @@ def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, tim
     original = [r for r in everything if str(r["id"]) not in inputs and str(r["id"]) not in filtered]
     kept = mine.keys() | {str(r["id"]) for r in original}
     write_conversations(out_dir / "conversations.parquet",
-                           [mine.get(str(r["id"]), r) for r in everything if str(r["id"]) in kept])
+                        [mine.get(str(r["id"]), r) for r in everything if str(r["id"]) in kept])
     err_schema = pa.schema([("id", pa.string()), ("error_kind", pa.string()), ("reason", pa.string())])
     err_rows = [{"id": e["id"], "error_kind": e["error_kind"], "reason": e["reason"]} for e in err]
     err_rows += [{"id": str(r["id"]), "error_kind": OVER_LIMIT, "reason": filtered[str(r["id"])]}

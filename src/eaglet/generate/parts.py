@@ -57,7 +57,7 @@ class PartSink:
         import pyarrow as pa
 
         write_parquet(self.dir / f"part_{self.next_index:06d}.parquet",
-                         pa.Table.from_pylist(self.buf, schema=_part_schema()))
+                      pa.Table.from_pylist(self.buf, schema=_part_schema()))
         self.next_index += 1
         self.buf = []
 

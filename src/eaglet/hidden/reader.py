@@ -138,7 +138,7 @@ class HiddenStateDataset:
         a, b = int(offsets[row]), int(offsets[row + 1])
         if b - a != self.num_tokens[i]:
             raise ArtifactError(f"{f}: sample {self.ids[i]} has {b - a} tokens, index says "
-                                   f"{self.num_tokens[i]}")
+                                f"{self.num_tokens[i]}")
         aux = h.get_slice("aux")[a:b].float()
         final = h.get_slice("final")[a:b].float()
         if fp8:

@@ -54,7 +54,7 @@ def point_of(summary_path: str | Path) -> dict:
     groups = s.get("best_val_chain_by_sequence")
     if not groups:
         raise ArtifactError(f"{summary_path}: no per-sequence validation chain (a training without a "
-                               "validation set, or written by an older eaglet): the learning curve needs it")
+                            "validation set, or written by an older eaglet): the learning curve needs it")
     if not s.get("train_tokens"):
         raise ArtifactError(f"{summary_path}: no train_tokens recorded")
     return {"tokens": int(s["train_tokens"]), "fraction": float(s.get("data_fraction", 1.0)),

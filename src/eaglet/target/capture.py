@@ -15,7 +15,7 @@ import torch
 
 from eaglet.base.artifacts import ArtifactError
 from eaglet.base.files import read_parquet
-from eaglet.target import load as target
+from eaglet.target.load import job_device, load_model
 
 log = logging.getLogger("eaglet.features.extract")
 
@@ -130,7 +130,7 @@ def reference_positions(lengths: list[int], per_batch: int) -> torch.Tensor:
 
 def pick_device(device: str) -> str:
     """``target.device`` for this job (eaglet.target.load.job_device); an explicit ``cuda:1`` stays."""
-    return target.job_device(device) if device in ("auto", "cpu", "cuda") else device
+    return job_device(device) if device in ("auto", "cpu", "cuda") else device
 
 
 
@@ -143,8 +143,8 @@ def load_cached(path: str, digest: str, dtype: str, dev: str, ngpu: int, trust_r
     if key not in LOADED:
         LOADED.clear()
         # Several visible GPUs = one target spread over them (a model too big for one GPU).
-        model = target.load_model(path, dtype=dtype, device_map="auto" if ngpu > 1 else None,
-                                  trust_remote_code=trust_remote_code)
+        model = load_model(path, dtype=dtype, device_map="auto" if ngpu > 1 else None,
+                           trust_remote_code=trust_remote_code)
         if ngpu <= 1:
             model.to(dev)
         LOADED[key] = model

@@ -109,7 +109,7 @@ class TargetHead:
         norm = getattr(decoder, "norm", None)
         if norm is None:
             raise ArtifactError(f"{model_dir}: the target's decoder ({type(decoder).__name__}) has no final "
-                                   "`norm` module; eaglet cannot place its pre-norm capture")
+                                "`norm` module; eaglet cannot place its pre-norm capture")
         self.norm_class = type(norm).__name__
         prefix = _module_name(lm, norm)
         norm = norm.to_empty(device="cpu")

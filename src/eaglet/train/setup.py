@@ -20,10 +20,11 @@ from torch import nn
 from eaglet.base.artifacts import ArtifactError
 from eaglet.base.digests import digest_of, file_digest
 from eaglet.base.tensors import load_tensors
-from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_target_embedding
+from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglet.drafter.ttt import TTTObjective, drafter_options, freeze_head
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.planner.plan import TRAIN_NOT_DEFINING, bf16_autocast
+from eaglet.target.load import load_target_embedding
 from eaglet.train import labels
 from eaglet.train.data import plan_batches, plan_micro_batches
 from eaglet.train.state import dist_setup, load_latest_checkpoint, restore_rng_state
@@ -43,7 +44,7 @@ class TargetHead:
                  device, mass_rows: bool = False):
         if not final_is_prenorm:
             raise ArtifactError("hidden states store the final state after the norm; eaglet.features.extract "
-                                   "stores it before (re-extract)")
+                                "stores it before (re-extract)")
         self.head = labels.TargetHead(identity["path"], rows=t2d.nonzero().squeeze(1), device=device,
                                       trust_remote_code=bool(identity.get("trust_remote_code", False)))
         self.w_VdH = self.head.row_linear.weight.detach()
@@ -167,7 +168,7 @@ def check_vocab(vocab: str, identity: dict) -> tuple[torch.Tensor, torch.Tensor]
     d2t, t2d = vt["d2t"].long(), vt["t2d"].bool()
     if len(t2d) != identity["vocab_size"] or int(t2d.sum()) != len(d2t):
         raise ArtifactError(f"{vocab}: t2d has {len(t2d)} entries ({int(t2d.sum())} set), target vocab "
-                               f"{identity['vocab_size']}, d2t {len(d2t)}")
+                            f"{identity['vocab_size']}, d2t {len(d2t)}")
     if not torch.equal(t2d.nonzero().squeeze(1), torch.arange(len(d2t)) + d2t):
         raise ArtifactError(f"{vocab}: nonzero(t2d) != arange(V_d) + d2t")
     return d2t, t2d
@@ -184,7 +185,7 @@ def open_validation(hidden: list[str], val_hidden: list[str]) -> tuple[HiddenSta
         bad += sorted(i for i, n in Counter(val).items() if n > 1)
     if bad:
         raise ArtifactError(f"validation stores {val_hidden}: sample ids also in the training stores or "
-                               f"repeated, e.g. {bad[:5]}")
+                            f"repeated, e.g. {bad[:5]}")
     return ds, val_ids
 
 
@@ -214,7 +215,7 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
     meta = ds.meta
     if meta["target_digest"] != identity["digest"]:
         raise ArtifactError(f"{hidden[0] if hidden else 'hidden states'}: extracted from target "
-                               f"{meta['target_digest'][:12]}, identity says {identity['digest'][:12]}")
+                            f"{meta['target_digest'][:12]}, identity says {identity['digest'][:12]}")
     d2t, t2d = check_vocab(vocab, identity)
     cfg = DrafterConfig.from_identity(identity, len(d2t), meta["layer_ids"], ttt_steps=int(p["ttt_steps"]),
                                       **drafter_options(p))

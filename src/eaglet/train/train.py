@@ -6,7 +6,7 @@
         --out-dir results/r/train --params '{"ttt_steps": 7, "lr": 1e-4, ...}' [--log FILE]
     torchrun --nproc_per_node N -m eaglet.train.train ...   # DDP (nccl on GPU, gloo on CPU)
 
-Writes ``drafter.safetensors`` (eaglet.drafter.model.save_drafter), ``metrics.parquet`` (one row per
+Writes ``drafter.safetensors`` (eaglet.drafter.eagle3.save_drafter), ``metrics.parquet`` (one row per
 optimizer step, ``split`` = train, plus a ``split`` = val row at every validation pass),
 ``train_summary.json`` and ``checkpoints/step_*.pt``. A killed run restarts from its latest
 checkpoint and reproduces the same loss trace (fixed seed, same device and world size).
@@ -56,7 +56,7 @@ from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_recorded
 from eaglet.base.files import write_json, write_parquet
 from eaglet.base.logs import setup_logging
 from eaglet.base.settings_files import parse_json_arg
-from eaglet.drafter.model import save_drafter
+from eaglet.drafter.eagle3 import save_drafter
 from eaglet.drafter.ttt import check_recipe
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.train import labels

@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from eaglet.base.artifacts import ArtifactError
 from eaglet.base.tensors import load_tensors, save_tensors, tensor_metadata
-from eaglet.drafter.model import (
+from eaglet.drafter.eagle3 import (
     DrafterConfig,
     Eagle3Drafter,
     KVCache,
@@ -263,7 +263,7 @@ def test_save_load_round_trip(tiny_target, tmp_path):
     # a file written when the config still held the target's path loads (the key is ignored)
     meta = json.loads(tensor_metadata(moved)["eaglet"])
     save_tensors(tmp_path / "old.safetensors", load_tensors(moved),
-                    metadata={"eaglet": json.dumps({**meta, "target_path": "/gone/away"})})
+                 metadata={"eaglet": json.dumps({**meta, "target_path": "/gone/away"})})
     assert load_drafter(tmp_path / "old.safetensors", tiny_target)[1] == cfg
 
 

@@ -131,7 +131,7 @@ class DrafterConfig:
                                             if f.default is dataclasses.MISSING} - set(d)
         if unknown or missing:
             raise ArtifactError(f"{where}: drafter config has unknown keys {sorted(unknown)} "
-                                   f"or lacks {sorted(missing)}")
+                                f"or lacks {sorted(missing)}")
         return cls(**d)
 
 
@@ -380,17 +380,17 @@ def load_drafter(path: str | Path, target: dict, map_location: str = "cpu",
         raise ArtifactError(f"{path}: missing d2t/t2d")
     if cfg.target_digest and cfg.target_digest != target.get("digest"):
         raise ArtifactError(f"{path}: trained for target {cfg.target_digest[:12]}, not "
-                               f"{str(target.get('digest'))[:12]} ({target.get('name')} at {target.get('path')})")
+                            f"{str(target.get('digest'))[:12]} ({target.get('name')} at {target.get('path')})")
     if embed_weight is None:
         tp = Path(str(target.get("path", "")))
         if not target.get("path") or not tp.is_dir():
             raise ArtifactError(f"{path}: target checkpoint {tp} (the identity's path) not found; "
-                                   "the drafter shares the target's embedding")
+                                "the drafter shares the target's embedding")
         embed_weight = load_target_embedding(tp)
     model = Eagle3Drafter(cfg, embed_weight)
     want = set(model.trainable_state_dict())
     if set(tensors) != want:
         raise ArtifactError(f"{path}: tensors missing {sorted(want - set(tensors))}, "
-                               f"unexpected {sorted(set(tensors) - want)}")
+                            f"unexpected {sorted(set(tensors) - want)}")
     model.load_state_dict({**tensors, "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
     return model.to(map_location).eval(), cfg, d2t.to(map_location), t2d.to(map_location)
