@@ -60,8 +60,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from eaglet.base import io  # noqa: E402
-from eaglet.train import train as tr  # noqa: E402
+from eaglet.base.tensors import save_tensors  # noqa: E402
+from eaglet.train.train import resolve_params, train  # noqa: E402
 
 # One option per row, on top of BASE (speculators' eagle3 defaults, issue 15 / docs/eagle3.md §11).
 OPTIONS = {
@@ -128,7 +128,7 @@ def tiny_store(out: Path, n: int, new_tokens: int) -> tuple[list[str], str, dict
     used = counts.argsort(descending=True)[:vd].sort().values
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[used] = True
-    io.save_tensors(out / "vocab.safetensors", {"d2t": used - torch.arange(vd), "t2d": t2d})
+    save_tensors(out / "vocab.safetensors", {"d2t": used - torch.arange(vd), "t2d": t2d})
     return [str(out / "shard_0" / "index.json")], str(out / "vocab.safetensors"), ident, \
         f"tiny in-process Llama target ({n} greedy continuations, {new_tokens} new tokens max)"
 
@@ -144,9 +144,9 @@ def option_params(name: str) -> dict:
             params.update(OPTIONS[part])
             continue
         key, sep, value = part.partition("=")
-        if not sep or key not in tr.resolve_params({}):
+        if not sep or key not in resolve_params({}):
             raise SystemExit(f"unknown option {part!r}: known {list(OPTIONS)}, or key=value with a train "
-                             f"param key ({sorted(tr.resolve_params({}))})")
+                             f"param key ({sorted(resolve_params({}))})")
         try:
             params[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -157,7 +157,7 @@ def option_params(name: str) -> dict:
 def run_one(hidden, vocab, ident, out: Path, params: dict, val_hidden: list[str] | None = None,
             hf: dict | None = None) -> dict:
     t0 = time.time()
-    s = tr.train(hidden, vocab, ident, out, params, val_hidden=val_hidden)
+    s = train(hidden, vocab, ident, out, params, val_hidden=val_hidden)
     bv = s["best_val"] or {}
     r = {"chain_tau": bv.get("chain_tau"), "exp_tau": bv.get("exp_tau"), "tf_tau": bv.get("tf_tau"),
          "loss": bv.get("loss"),

@@ -125,16 +125,16 @@ class Scorer:
         import torch
 
         from eaglet.drafter import ttt
-        from eaglet.train import data as train_data
-        from eaglet.train import setup as train_setup
+        from eaglet.train.data import collate
+        from eaglet.train.setup import TargetHead
 
         self.ds, self.val_batches, self.K, self.d2t, self.t2d = ds, val_batches, K, d2t, t2d
-        head = train_setup.TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), p["oov_rule"] == "greedy",
-                                      "cpu", mass_rows=True)
+        head = TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), p["oov_rule"] == "greedy",
+                          "cpu", mass_rows=True)
         self.batches = []
         with torch.no_grad():
             for vb in val_batches:
-                b = train_data.collate([ds.sample(i) for i in vb], "cpu")
+                b = collate([ds.sample(i) for i in vb], "cpu")
                 p_BTVd, inv, mass_BT = head(b["final"], mass=True, need_BT=ttt.rest_positions(b))
                 valid = ttt.valid_positions(b, t2d, inv)
                 self.batches.append((vb, b, p_BTVd, mass_BT, ttt.chain_positions(b, valid, p_BTVd, d2t)))
@@ -215,8 +215,8 @@ def main() -> None:
 
     from eaglet.hidden.reader import HiddenStateDataset
     from eaglet.target.load import load_identity
-    from eaglet.train import setup as train_setup
     from eaglet.train.loop import SELECT_KEY, autocast_on
+    from eaglet.train.setup import TargetHead, check_vocab
 
     tmp_ctx = tempfile.TemporaryDirectory(prefix="bench_anchor_") if a.keep is None else None
     tmp = Path(a.keep or tmp_ctx.name)
@@ -232,7 +232,7 @@ def main() -> None:
     if int(p["grad_accum"]) != 1:
         skip(f"train.grad_accum {p['grad_accum']}: the anchor loop takes one micro-batch per step")
     ds = HiddenStateDataset([str(i) for i in index], verify="sha")
-    d2t, t2d = train_setup.check_vocab(str(vocab), ident)
+    d2t, t2d = check_vocab(str(vocab), ident)
     plans = {s: plan_for(ds, {**p, "seed": s}) for s in a.seeds}
     val_batches = plans[a.seeds[0]]["val_batches"]
     if any(pl["val_batches"] != val_batches for pl in plans.values()):
@@ -252,7 +252,7 @@ def main() -> None:
 
     # -- the exchange files shared by every seed: each sample any plan reads, eaglet's frozen rows,
     # the target's probabilities at the validation positions
-    head = train_setup.TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), False, "cpu")
+    head = TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), False, "cpu")
     exact = torch.bfloat16 if ds.meta["dtype"] == "bfloat16" else torch.float32  # lossless for the store
     used = sorted({i for pl in plans.values() for mb in pl["micro"] for i in mb}
                   | {i for vb in val_batches for i in vb})
@@ -265,7 +265,7 @@ def main() -> None:
                         f"{i}.final": smp["final"].to(exact).contiguous()})
     save_file(tensors, str(tmp / "samples.safetensors"))
     del tensors
-    from eaglet.drafter.model import load_target_embedding
+    from eaglet.target.load import load_target_embedding
 
     save_file({"embed": load_target_embedding(ident["path"]).float().contiguous(),
                "head_rows": head.w_VdH.float().contiguous(),
@@ -319,12 +319,12 @@ def main() -> None:
 
 def plan_for(ds, p: dict) -> dict:
     """eaglet's plan for these params (eaglet.train.data): micro-batches, validation batches and steps."""
-    from eaglet.train import data as train_data
+    from eaglet.train.data import plan_batches, plan_micro_batches
 
     lengths = list(ds.num_tokens)
-    micro, train_idx, val_idx = train_data.plan_micro_batches(ds.ids, lengths, p)
+    micro, train_idx, val_idx = plan_micro_batches(ds.ids, lengths, p)
     total = len(micro) // int(p["grad_accum"])
-    val_batches = train_data.plan_batches(val_idx, lengths, p["token_budget"], p["seed"], 0, shuffle=False)
+    val_batches = plan_batches(val_idx, lengths, p["token_budget"], p["seed"], 0, shuffle=False)
     if p["val_max_batches"] is not None:
         val_batches = val_batches[:int(p["val_max_batches"])]
     val_steps = sorted({s for s in range(1, total + 1) if s % p["val_every"] == 0} | {total})
@@ -339,9 +339,9 @@ def one_seed(a, seed, pl, p, ds, index, vocab, ident, d2t, t2d, scorer, anchor_p
     import torch
     from safetensors.torch import load_file
 
-    from eaglet.drafter.model import load_drafter
+    from eaglet.drafter.eagle3 import load_drafter
     from eaglet.drafter.ttt import acceptance, is_better
-    from eaglet.train import train as tr
+    from eaglet.train.train import train
 
     p = {**p, "seed": seed}
     K, total = int(p["ttt_steps"]), pl["total"]
@@ -357,7 +357,7 @@ def one_seed(a, seed, pl, p, ds, index, vocab, ident, d2t, t2d, scorer, anchor_p
 
     # -- eaglet, its own loop
     t0 = time.time()
-    summary = tr.train([str(i) for i in index], str(vocab), ident, d / "eaglet", p, dataset=ds)
+    summary = train([str(i) for i in index], str(vocab), ident, d / "eaglet", p, dataset=ds)
     eaglet_wall = time.time() - t0
     rows = pd.read_parquet(d / "eaglet/metrics.parquet")
     tr_rows = rows[rows["split"] == "train"].sort_values("step")

@@ -35,15 +35,16 @@ import torch  # noqa: E402
 from bench_train import config_params, data_args, store  # noqa: E402
 from paired import spread_note  # noqa: E402
 
-from eaglet.base import capability, io  # noqa: E402
-from eaglet.train import train as tr  # noqa: E402
+from eaglet.base import capability  # noqa: E402
+from eaglet.base.logs import setup_logging  # noqa: E402
+from eaglet.train.train import resolve_params, train  # noqa: E402
 
 MODES = ("float32", "bfloat16")
 
 
 def timed(hidden: list[str], vocab: str, ident: dict, out: Path, params: dict) -> tuple[float, float]:
     """(seconds, tokens) of the trainer's steps 1.. (step 0 is warm-up)."""
-    tr.train(hidden, vocab, ident, out, params)
+    train(hidden, vocab, ident, out, params)
     rows = pd.read_parquet(out / "metrics.parquet")
     rows = rows[rows.split == "train"].reset_index(drop=True).iloc[1:]
     return float((rows.tokens / rows.tok_s).sum()), float(rows.tokens.sum())
@@ -55,10 +56,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
-    io.setup_logging()
+    setup_logging()
 
     conf, ident, params = config_params(a, a.steps)
-    tr.resolve_params(params)
+    resolve_params(params)
     flags = capability.cpu_flags()
     print(f"CPU: {capability.cpu_model()}; bf16 units: "
           f"{', '.join(sorted(f for f in flags if 'bf16' in f or f.startswith('amx'))) or 'none'}; "

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from eaglet.base import capability  # noqa: E402
 from eaglet.data.prompts import build_prompts  # noqa: E402
 from eaglet.data.tokenize import tokenize_rows  # noqa: E402
-from eaglet.target import load as target  # noqa: E402
+from eaglet.target.load import load_identity, load_model, load_tokenizer  # noqa: E402
 
 
 def default_data(tok, n: int, length: int) -> list[tuple[list[int], list[int]]]:
@@ -67,10 +67,10 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     dtype, why = capability.cpu_target_dtype()
     print(f"CPU: {capability.cpu_model()}; auto would pick {dtype} ({why})")
-    ident = target.load_identity(a.identity)
-    tok = target.load_tokenizer(ident["path"])
-    m32 = target.load_model(ident["path"], dtype="float32", device="cpu")
-    m16 = target.load_model(ident["path"], dtype="bfloat16", device="cpu")
+    ident = load_identity(a.identity)
+    tok = load_tokenizer(ident["path"])
+    m32 = load_model(ident["path"], dtype="float32", device="cpu")
+    m16 = load_model(ident["path"], dtype="bfloat16", device="cpu")
     data = default_data(tok, 1 if a.speed_only else a.n, a.length)
 
     # --- label agreement

@@ -34,9 +34,10 @@ import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.paired import spread_note  # noqa: E402
-from eaglet.base import io  # noqa: E402
-from eaglet.features import extract as ex  # noqa: E402
-from eaglet.target import load as target  # noqa: E402
+from eaglet.base.files import read_parquet, write_parquet  # noqa: E402
+from eaglet.base.logs import setup_logging  # noqa: E402
+from eaglet.features.extract import extract, load_cached, make_batches, pad_batch, pick_device  # noqa: E402
+from eaglet.target.load import default_layer_ids, load_identity  # noqa: E402
 
 
 def make_tokens(path: Path, n: int, length: int, vocab: int, seed: int = 0) -> None:
@@ -49,7 +50,7 @@ def make_tokens(path: Path, n: int, length: int, vocab: int, seed: int = 0) -> N
     schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("input_ids", pa.list_(pa.int32())),
                         ("loss_mask", pa.list_(pa.int8())), ("num_tokens", pa.int32()),
                         ("num_assistant_tokens", pa.int32())])
-    io.write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
+    write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
 
 
 def sync(dev: str) -> None:
@@ -61,8 +62,8 @@ def sync(dev: str) -> None:
 def bare(model, inputs: list[list[int]], budget: int, dev: str) -> float:
     base = model.get_decoder()
     t0 = time.perf_counter()
-    for batch in ex.make_batches([len(r) for r in inputs], budget):
-        ids_BT, mask_BT = ex.pad_batch([inputs[i] for i in batch], dev)
+    for batch in make_batches([len(r) for r in inputs], budget):
+        ids_BT, mask_BT = pad_batch([inputs[i] for i in batch], dev)
         base(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False)
     sync(dev)
     return time.perf_counter() - t0
@@ -80,20 +81,20 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=8, help="pairs of (bare, stage) runs")
     p.add_argument("--device", default="auto")
     a = p.parse_args()
-    io.setup_logging()
-    ident = target.load_identity(a.identity)
-    dev = ex.pick_device(a.device)
+    setup_logging()
+    ident = load_identity(a.identity)
+    dev = pick_device(a.device)
     mdtype = "bfloat16" if dev.startswith("cuda") else "float32"
     with tempfile.TemporaryDirectory(prefix="bench_extract.") as tmp:
         tmp = Path(tmp)
         tokens = Path(a.tokens) if a.tokens else tmp / "tokens.parquet"
         if not a.tokens:
             make_tokens(tokens, a.n, a.length, ident["vocab_size"])
-        inputs = io.read_parquet(tokens, columns=["input_ids"]).column("input_ids").to_pylist()
+        inputs = read_parquet(tokens, columns=["input_ids"]).column("input_ids").to_pylist()
         ntok = sum(len(r) for r in inputs)
         ngpu = torch.cuda.device_count() if dev.startswith("cuda") else 0
         t0 = time.perf_counter()
-        model = ex.load_cached(ident["path"], ident["digest"], mdtype, dev, ngpu)  # what extract() reuses
+        model = load_cached(ident["path"], ident["digest"], mdtype, dev, ngpu)  # what extract() reuses
         print(f"target {ident['name']} loaded in {time.perf_counter() - t0:.1f} s on {dev} ({mdtype}); "
               f"{len(inputs)} samples, {ntok} tokens, budget {a.token_budget}", flush=True)
         bare(model, inputs[:2], a.token_budget, dev)  # warm-up (allocator, kernels)
@@ -101,8 +102,8 @@ def main() -> None:
 
         def stage(r: int) -> float:
             t1 = time.perf_counter()
-            ex.extract(tokens, a.identity, tmp / f"out{r}", dtype=a.dtype, token_budget=a.token_budget,
-                       chunk_mb=a.chunk_mb, device=dev, progress=False)
+            extract(tokens, a.identity, tmp / f"out{r}", dtype=a.dtype, token_budget=a.token_budget,
+                    chunk_mb=a.chunk_mb, device=dev, progress=False)
             t = time.perf_counter() - t1
             shutil.rmtree(tmp / f"out{r}")
             return t
@@ -120,7 +121,7 @@ def main() -> None:
     med = statistics.median(ratios)
     print(f"bare forward:  {ntok / statistics.median(t_bare):10.0f} tok/s (median)")
     print(f"extraction:    {ntok / statistics.median(t_ext):10.0f} tok/s (median; dtype {a.dtype}, layers "
-          f"{target.default_layer_ids(ident['num_layers'])})")
+          f"{default_layer_ids(ident['num_layers'])})")
     print(spread_note(ratios, 0.95, "pair ratios"))
     print(f"ratio:         {med:10.3f}  (goal >= 0.95)")
 

@@ -38,41 +38,43 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from eaglet.base import io  # noqa: E402
-from eaglet.features import extract as ex  # noqa: E402
+from eaglet.base.conversations import write_conversations  # noqa: E402
+from eaglet.base.files import read_parquet, write_parquet  # noqa: E402
+from eaglet.base.logs import quiet_third_party, setup_logging  # noqa: E402
+from eaglet.base.tensors import load_tensors  # noqa: E402
+from eaglet.features.extract import extract, load_cached, pick_device  # noqa: E402
 from eaglet.hidden.dtypes import bytes_per_token  # noqa: E402
 from eaglet.hidden.reader import HiddenStateDataset  # noqa: E402
 from eaglet.target import capture  # noqa: E402
-from eaglet.target import load as target  # noqa: E402
-from eaglet.train import setup as train_setup  # noqa: E402
-from eaglet.train import train as tr  # noqa: E402
+from eaglet.target.load import default_layer_ids, load_identity  # noqa: E402
+from eaglet.train.setup import TargetHead  # noqa: E402
+from eaglet.train.train import resolve_params, train  # noqa: E402
 
 
 def subset_tokens(src: Path, dst: Path, n: int, identity: str) -> tuple[int, str]:
     """The first n samples of ``src`` into ``dst``; without ``src``, n ShareGPT conversations
     (their original answers, not the target's) through the tokenize stage."""
     if src.exists():
-        table = io.read_parquet(src)
+        table = read_parquet(src)
         table = table.slice(0, min(n, table.num_rows))
-        io.write_parquet(dst, table)
+        write_parquet(dst, table)
         return table.num_rows, f"first of {src}"
     from eaglet.data import prompts, tokenize
 
     rows = prompts.build_prompts("sharegpt", n=n, heldout=0, seed=0, max_turns=2)["train"]
-    io.write_conversations(dst.parent / "conv.parquet", rows)
+    write_conversations(dst.parent / "conv.parquet", rows)
     meta = tokenize.run(dst.parent / "conv.parquet", identity, dst.parent, max_length=1024)
     return meta["samples_processed"], f"{src} missing: ShareGPT seed 0 through eaglet.data.tokenize"
 
 
-def ensure_vocab(vocab: Path | None, tokens: Path, identity: str, work: Path, vd: int) -> Path:
+def ensure_vocab(vocab_map: Path | None, tokens: Path, identity: str, work: Path, vd: int) -> Path:
     """The run's vocab map when it exists, else one built from ``tokens`` by the stages' code."""
-    if vocab is not None and vocab.exists():
-        return vocab
-    from eaglet.data import freq
-    from eaglet.data import vocab as vocab_mod
+    if vocab_map is not None and vocab_map.exists():
+        return vocab_map
+    from eaglet.data import freq, vocab
 
     freq.run(tokens, identity, work / "freq")
-    vocab_mod.run(work / "freq/freq.safetensors", identity, work / "vocab", vd)
+    vocab.run(work / "freq/freq.safetensors", identity, work / "vocab", vd)
     return work / "vocab/vocab.safetensors"
 
 
@@ -81,7 +83,7 @@ def store_bytes(shard: Path) -> int:
 
 
 @torch.no_grad()
-def compare_stores(bf16: Path, fp8: Path, head: train_setup.TargetHead) -> dict:
+def compare_stores(bf16: Path, fp8: Path, head: TargetHead) -> dict:
     """fp8 vs bf16 decoded states: relative RMS error per aux layer and final; greedy agreement."""
     a, b = HiddenStateDataset([bf16], verify="header"), HiddenStateDataset([fp8], verify="header")
     order = {s: i for i, s in enumerate(b.ids)}
@@ -142,35 +144,35 @@ def main() -> None:
     a = parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    io.setup_logging()
-    io.quiet_third_party()
+    setup_logging()
+    quiet_third_party()
 
     import yaml
 
     conf = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    ident = target.load_identity(a.identity)
+    ident = load_identity(a.identity)
     params = {**(conf.get("train") or {}), "ttt_steps": 3, "epochs": a.epochs, "token_budget": a.token_budget,
               "val_fraction": a.val_fraction, "val_every": 10**9, "checkpoint_every": 10**9, "seed": 0,
               **json.loads(a.params)}
-    p = tr.resolve_params(params)
+    p = resolve_params(params)
     vd = int((conf.get("vocab") or {}).get("draft_vocab_size", 8192))
     print_report(ident, p, measure(a, ident, p, vd))
 
 
 def extract_both(a: argparse.Namespace, ident: dict, tokens: Path, tmp: Path) -> dict:
     """Both stores from one loaded target: their paths, seconds, bytes and bytes per token."""
-    dev = ex.pick_device(a.device)
+    dev = pick_device(a.device)
     ngpu = torch.cuda.device_count() if dev.startswith("cuda") else 0
     mdtype = "bfloat16" if dev.startswith("cuda") else "float32"
     t0 = time.perf_counter()
-    ex.load_cached(ident["path"], ident["digest"], mdtype, dev, ngpu)  # once, reused by both extractions
+    load_cached(ident["path"], ident["digest"], mdtype, dev, ngpu)  # once, reused by both extractions
     t_load = time.perf_counter() - t0
     stores, secs, nbytes = {}, {}, {}
     for dt in ("bfloat16", "fp8"):
         stores[dt] = tmp / dt / "shard_0"
         t0 = time.perf_counter()
-        idx = ex.extract(tokens, a.identity, stores[dt], dtype=dt, token_budget=a.extract_budget,
-                         device=dev, progress=False)
+        idx = extract(tokens, a.identity, stores[dt], dtype=dt, token_budget=a.extract_budget,
+                      device=dev, progress=False)
         secs[dt] = time.perf_counter() - t0
         nbytes[dt] = store_bytes(stores[dt])
     ntok = sum(s["num_tokens"] for s in idx["samples"])
@@ -190,15 +192,15 @@ def measure(a: argparse.Namespace, ident: dict, p: dict, vd: int) -> dict:
         m = extract_both(a, ident, tokens, tmp)
         stores = m["stores"]
 
-        vt = io.load_tensors(vocab, ["t2d"])
-        head = train_setup.TargetHead(ident, vt["t2d"].bool(), True, False, "cpu")
+        vt = load_tensors(vocab, ["t2d"])
+        head = TargetHead(ident, vt["t2d"].bool(), True, False, "cpu")
         cmp = compare_stores(stores["bfloat16"], stores["fp8"], head)
         del head
 
         runs = {}
         for dt in ("bfloat16", "fp8"):
             t0 = time.perf_counter()
-            s = tr.train([str(stores[dt] / "index.json")], str(vocab), ident, tmp / f"train_{dt}", p)
+            s = train([str(stores[dt] / "index.json")], str(vocab), ident, tmp / f"train_{dt}", p)
             runs[dt] = {"seconds": time.perf_counter() - t0, "summary": s}
 
         evals = {}
@@ -215,7 +217,7 @@ def print_report(ident: dict, p: dict, m: dict) -> None:
     sb, s8 = runs["bfloat16"]["summary"], runs["fp8"]["summary"]
     vb, v8 = sb["final_val"], s8["final_val"]
     print(f"samples {m['n']} ({m['source']}), {m['ntok']} tokens; target {ident['name']} (hidden {H}, "
-          f"layers {target.default_layer_ids(ident['num_layers'])}), loaded in {m['t_load']:.1f} s on {m['dev']}")
+          f"layers {default_layer_ids(ident['num_layers'])}), loaded in {m['t_load']:.1f} s on {m['dev']}")
     for dt, name in (("bfloat16", "bf16"), ("fp8", "fp8 ")):
         print(f"extract {name}: {secs[dt]:6.1f} s, store {nbytes[dt] / 1e6:7.2f} MB = {bpt[dt]:7.1f} B/token "
               f"(format formula {bytes_per_token(dt, H)})")

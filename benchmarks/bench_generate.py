@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from eaglet.base import io  # noqa: E402
+from eaglet.base.conversations import read_conversations, write_conversations  # noqa: E402
+from eaglet.base.logs import setup_logging  # noqa: E402
 from eaglet.engines import vllm_server  # noqa: E402
 from eaglet.generate.generate import generate, plan_turns  # noqa: E402
 
@@ -73,7 +74,7 @@ def run(base_url: str, model: str, ident: Path, rows: list[dict], concurrency: i
     asyncio.run(bare_loop(base_url, model, prompts[:concurrency], concurrency, 8))  # warm-up
     bare1 = asyncio.run(bare_loop(base_url, model, prompts, concurrency, max_tokens))
     with tempfile.TemporaryDirectory() as tmp:
-        io.write_conversations(Path(tmp) / "in.parquet", rows)
+        write_conversations(Path(tmp) / "in.parquet", rows)
         t0 = time.monotonic()
         s = generate(Path(tmp) / "in.parquet", ident, Path(tmp) / "out",
                      {"backend": "openai", "base_urls": [base_url], "model": model,
@@ -101,8 +102,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="served model name with --base-url")
     p.add_argument("--env", default=str(ROOT / "envs/vllm/.venv"))
     a = p.parse_args()
-    io.setup_logging()
-    rows = io.read_conversations(a.conversations)[: a.n] if a.conversations else default_rows(a.n)
+    setup_logging()
+    rows = read_conversations(a.conversations)[: a.n] if a.conversations else default_rows(a.n)
     if a.base_url:
         run(a.base_url, a.model, Path(a.target), rows, a.concurrency, a.max_tokens)
         return

@@ -32,11 +32,13 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from eaglet.base import io  # noqa: E402
+from eaglet.base.files import read_parquet, write_parquet  # noqa: E402
+from eaglet.base.logs import setup_logging  # noqa: E402
+from eaglet.base.tensors import save_tensors  # noqa: E402
 from eaglet.features.extract import extract  # noqa: E402
 from eaglet.hidden.dtypes import bytes_per_token  # noqa: E402
 from eaglet.target.load import load_identity  # noqa: E402
-from eaglet.train import train as tr  # noqa: E402
+from eaglet.train.train import train  # noqa: E402
 
 
 def tokens_file(out: Path, n: int, length: int, vocab_size: int) -> tuple[Path, int]:
@@ -44,7 +46,7 @@ def tokens_file(out: Path, n: int, length: int, vocab_size: int) -> tuple[Path, 
 
     src = ROOT / "results/smollm2/tokenize/tokens.parquet"
     if src.exists():
-        t = io.read_parquet(src).slice(0, n)
+        t = read_parquet(src).slice(0, n)
         rows = [{"id": str(i), "input_ids": x, "loss_mask": m} for i, x, m in
                 zip(t.column("id").to_pylist(), t.column("input_ids").to_pylist(), t.column("loss_mask").to_pylist())]
     else:
@@ -56,14 +58,14 @@ def tokens_file(out: Path, n: int, length: int, vocab_size: int) -> tuple[Path, 
                          "loss_mask": [0] * (T // 4) + [1] * (T - T // 4)})
     schema = pa.schema([("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8()))])
     path = out / "tokens.parquet"
-    io.write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
+    write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
     return path, sum(len(r["input_ids"]) for r in rows)
 
 
 def vocab_file(out: Path, vocab_size: int, vd: int) -> str:
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[:vd] = True
-    io.save_tensors(out / "vocab.safetensors", {"d2t": torch.zeros(vd, dtype=torch.int64), "t2d": t2d})
+    save_tensors(out / "vocab.safetensors", {"d2t": torch.zeros(vd, dtype=torch.int64), "t2d": t2d})
     return str(out / "vocab.safetensors")
 
 
@@ -80,7 +82,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3, help="the E of the note line (the runs do one epoch)")
     ap.add_argument("--params", default="{}", help="train params overriding config/config.yaml's")
     a = ap.parse_args()
-    io.setup_logging()
+    setup_logging()
     import yaml
 
     conf = yaml.safe_load((ROOT / "config/config.yaml").read_text())
@@ -103,12 +105,12 @@ def main() -> None:
                     extract(tokens, a.identity, tmp / f"x{r}", dtype=dtype,
                             token_budget=conf["extract"]["token_budget"], progress=False)
                     t1 = time.perf_counter()
-                    tr.train([str(tmp / f"x{r}" / "index.json")], vocab, ident, tmp / f"off{r}", params)
+                    train([str(tmp / f"x{r}" / "index.json")], vocab, ident, tmp / f"off{r}", params)
                     times["extract"].append(t1 - t0)
                     times["train_offline"].append(time.perf_counter() - t1)
                 else:
                     t0 = time.perf_counter()
-                    tr.train([], vocab, ident, tmp / f"on{r}", {**params, "hidden_states": "online"}, online=online)
+                    train([], vocab, ident, tmp / f"on{r}", {**params, "hidden_states": "online"}, online=online)
                     times["train_online"].append(time.perf_counter() - t0)
     x, off, on = (statistics.median(times[k]) for k in ("extract", "train_offline", "train_online"))
     per_pair = [(times["extract"][i] + times["train_offline"][i]) / times["train_online"][i] for i in range(a.repeats)]

@@ -47,12 +47,14 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
-from eaglet.base import io  # noqa: E402
+from eaglet.base.conversations import read_conversations, write_conversations  # noqa: E402
+from eaglet.base.files import read_parquet, write_parquet  # noqa: E402
+from eaglet.base.logs import quiet_third_party, setup_logging  # noqa: E402
 from eaglet.data import tokenize  # noqa: E402
-from eaglet.features import extract as ex  # noqa: E402
+from eaglet.features.extract import extract, pick_device  # noqa: E402
 from eaglet.target import capture  # noqa: E402
-from eaglet.target import load as target  # noqa: E402
-from eaglet.train import train as tr  # noqa: E402
+from eaglet.target.load import load_identity  # noqa: E402
+from eaglet.train.train import resolve_params, train  # noqa: E402
 
 GOAL = 2.3
 STAGES = ("tokenize", "extract", "train", "generate")
@@ -105,13 +107,13 @@ def report(stage: str, wall: dict, cpu: dict, tok1: int, tok2: int, extra: str =
 def conversation_pool(path: str | None, n: int, dst: Path) -> str:
     """The pool of conversations (3n, or all of --conversations) into dst/pool.parquet."""
     if path:
-        rows, src = io.read_conversations(path)[:3 * n], path
+        rows, src = read_conversations(path)[:3 * n], path
     else:
         from eaglet.data import prompts
 
         rows = prompts.build_prompts("sharegpt", n=3 * n, heldout=0, seed=0, max_turns=2)["train"]
         src = "ShareGPT (eaglet.data.prompts, seed 0, max_turns 2)"
-    io.write_conversations(dst / "pool.parquet", rows)
+    write_conversations(dst / "pool.parquet", rows)
     return f"pool of {len(rows)} conversations from {src}"
 
 
@@ -151,16 +153,16 @@ def main() -> None:
     a, stages = parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    io.setup_logging()
-    io.quiet_third_party()
+    setup_logging()
+    quiet_third_party()
 
     import yaml
 
     conf = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    ident = target.load_identity(a.identity)
+    ident = load_identity(a.identity)
     tcfg, ecfg = conf.get("tokenize") or {}, conf.get("extract") or {}
     max_len, overlong = int(tcfg.get("max_length", 2048)), tcfg.get("overlong", "truncate")
-    print(f"target {ident['name']}, device {ex.pick_device(a.device)}, torch threads {torch.get_num_threads()}",
+    print(f"target {ident['name']}, device {pick_device(a.device)}, torch threads {torch.get_num_threads()}",
           flush=True)
 
     with tempfile.TemporaryDirectory(prefix="bench_scale.") as tmp:
@@ -191,13 +193,13 @@ def prepare_pool(a: argparse.Namespace, tmp: Path, max_len: int, overlong: str):
     print(f"input: {conversation_pool(a.conversations, a.n_tokenize, tmp)}", flush=True)
     # The warm-up of tokenize, and every conversation's token count (0: skipped by the stage).
     tokenize.run(tmp / "pool.parquet", a.identity, tmp / "tok_pool", max_len, overlong)
-    pool_tok = io.read_parquet(tmp / "tok_pool/tokens.parquet")
+    pool_tok = read_parquet(tmp / "tok_pool/tokens.parquet")
     ntok = dict(zip(pool_tok.column("id").to_pylist(), pool_tok.column("num_tokens").to_pylist()))
-    conv = io.read_conversations(tmp / "pool.parquet")
+    conv = read_conversations(tmp / "pool.parquet")
     n1 = min(a.n_tokenize, len(conv))
     n2 = prefix_closest([ntok.get(r["id"], 0) for r in conv], n1)
-    io.write_conversations(tmp / "conv_1x.parquet", conv[:n1])
-    io.write_conversations(tmp / "conv_2x.parquet", conv[:n2])
+    write_conversations(tmp / "conv_1x.parquet", conv[:n1])
+    write_conversations(tmp / "conv_2x.parquet", conv[:n2])
     return pool_tok
 
 
@@ -218,19 +220,19 @@ def scale_extract(a: argparse.Namespace, stages: list[str], pool_tok, tmp: Path,
     """extract on prefixes of the pool's tokens; its 1x and 2x stores are train's inputs."""
     e1 = min(a.n_extract, pool_tok.num_rows)
     e2 = prefix_closest(pool_tok.column("num_tokens").to_pylist(), e1)
-    io.write_parquet(tmp / "tokens_1x.parquet", pool_tok.slice(0, e1))
-    io.write_parquet(tmp / "tokens_2x.parquet", pool_tok.slice(0, e2))
-    dev = ex.pick_device(a.device)
+    write_parquet(tmp / "tokens_1x.parquet", pool_tok.slice(0, e1))
+    write_parquet(tmp / "tokens_2x.parquet", pool_tok.slice(0, e2))
+    dev = pick_device(a.device)
     dtype, budget = ecfg.get("dtype", "bfloat16"), a.extract_budget or int(ecfg.get("token_budget", 16384))
 
     def ext_run(k: int, r: int) -> dict:
-        return ex.extract(tmp / f"tokens_{k}x.parquet", a.identity, tmp / f"ext_{k}x_{r}" / "shard_0",
-                          dtype=dtype, token_budget=budget, device=dev, progress=False)
+        return extract(tmp / f"tokens_{k}x.parquet", a.identity, tmp / f"ext_{k}x_{r}" / "shard_0",
+                       dtype=dtype, token_budget=budget, device=dev, progress=False)
 
     def ext_warm() -> None:
-        io.write_parquet(tmp / "tokens_w.parquet", pool_tok.slice(0, 2))
-        ex.extract(tmp / "tokens_w.parquet", a.identity, tmp / "ext_w", dtype=dtype,
-                   token_budget=budget, device=dev, progress=False)  # loads the target once
+        write_parquet(tmp / "tokens_w.parquet", pool_tok.slice(0, 2))
+        extract(tmp / "tokens_w.parquet", a.identity, tmp / "ext_w", dtype=dtype,
+                token_budget=budget, device=dev, progress=False)  # loads the target once
 
     reps = a.heavy_repeats if "extract" in stages else 1
     wall, cpu, res = alternate(ext_run, reps, warmup=ext_warm)
@@ -243,22 +245,21 @@ def scale_extract(a: argparse.Namespace, stages: list[str], pool_tok, tmp: Path,
 
 def scale_train(a: argparse.Namespace, conf: dict, ident: dict, tmp: Path) -> None:
     """train on extract's 1x and 2x stores."""
-    vocab = Path(a.vocab)
-    if not vocab.exists():
-        from eaglet.data import freq
-        from eaglet.data import vocab as vocab_mod
+    vocab_map = Path(a.vocab)
+    if not vocab_map.exists():
+        from eaglet.data import freq, vocab
 
         freq.run(tmp / "tok_pool/tokens.parquet", a.identity, tmp / "freq")
-        vocab_mod.run(tmp / "freq/freq.safetensors", a.identity, tmp / "vocab",
-                      int((conf.get("vocab") or {}).get("draft_vocab_size", 8192)))
-        vocab = tmp / "vocab/vocab.safetensors"
+        vocab.run(tmp / "freq/freq.safetensors", a.identity, tmp / "vocab",
+                  int((conf.get("vocab") or {}).get("draft_vocab_size", 8192)))
+        vocab_map = tmp / "vocab/vocab.safetensors"
     params = {**(conf.get("train") or {}), "epochs": 1, "val_fraction": 0.0,
               "checkpoint_every": 10**9, "max_steps": None, **json.loads(a.params)}
-    p = tr.resolve_params(params)
+    p = resolve_params(params)
 
     def train_run(k: int, r: int) -> tuple[dict, float]:
         out = tmp / f"train_{k}x_{r}"
-        s = tr.train([str(tmp / f"ext_{k}x_0/shard_0/index.json")], str(vocab), ident, out, p)
+        s = train([str(tmp / f"ext_{k}x_0/shard_0/index.json")], str(vocab_map), ident, out, p)
         import pandas as pd
 
         m = pd.read_parquet(out / "metrics.parquet")
@@ -266,8 +267,8 @@ def scale_train(a: argparse.Namespace, conf: dict, ident: dict, tmp: Path) -> No
         return s, float((m.tokens / m.tok_s).sum())  # the steps alone, setup excluded
 
     def train_warm() -> None:
-        tr.train([str(tmp / "ext_1x_0/shard_0/index.json")], str(vocab), ident, tmp / "train_w",
-                 {**p, "max_steps": 1})
+        train([str(tmp / "ext_1x_0/shard_0/index.json")], str(vocab_map), ident, tmp / "train_w",
+              {**p, "max_steps": 1})
 
     wall, cpu, res = alternate(train_run, a.heavy_repeats, warmup=train_warm)
     s1, s2 = res[0][1][0], res[1][1][0]
@@ -300,8 +301,8 @@ def scale_generate(a, base_url: str, model: str, tmp: Path) -> None:
     from eaglet.generate.generate import generate
 
     rows = default_rows(2 * a.n_generate)
-    io.write_conversations(tmp / "gen_1x.parquet", rows[:a.n_generate])
-    io.write_conversations(tmp / "gen_2x.parquet", rows)
+    write_conversations(tmp / "gen_1x.parquet", rows[:a.n_generate])
+    write_conversations(tmp / "gen_2x.parquet", rows)
     cfg = {"backend": "openai", "base_urls": [base_url], "model": model, "concurrency": a.concurrency,
            "max_tokens": a.max_tokens, "temperature": 0.0}
 
@@ -309,7 +310,7 @@ def scale_generate(a, base_url: str, model: str, tmp: Path) -> None:
         return generate(tmp / f"gen_{k}x.parquet", a.identity, tmp / f"gen_{k}x_{r}", cfg)
 
     def warm() -> None:
-        io.write_conversations(tmp / "gen_w.parquet", rows[:2])
+        write_conversations(tmp / "gen_w.parquet", rows[:2])
         generate(tmp / "gen_w.parquet", a.identity, tmp / "gen_w", {**cfg, "max_tokens": 8})
 
     wall, cpu, res = alternate(run, a.heavy_repeats, warmup=warm)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.paired import spread_note  # noqa: E402
-from eaglet.base import io  # noqa: E402
+from eaglet.base.logs import quiet_third_party  # noqa: E402
 from eaglet.data import prompts, tokenize  # noqa: E402
 from eaglet.target import reasoning  # noqa: E402
 from eaglet.target.load import load_identity, load_tokenizer  # noqa: E402
@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=1 << 20)
     p.add_argument("--repeats", type=int, default=8, help="repeats over all batches")
     a = p.parse_args()
-    io.quiet_third_party()
+    quiet_third_party()
     tok = load_tokenizer(load_identity(a.identity)["path"])
     rows = prompts.build_prompts("sharegpt", n=a.n, heldout=0, seed=0)["train"]
     fmt = reasoning.detect(tokenize.Renderer(tok), tok.get_vocab())

@@ -35,14 +35,15 @@ sys.path.insert(0, str(ROOT / "src"))
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
-from eaglet.base import io  # noqa: E402
+from eaglet.base.logs import setup_logging  # noqa: E402
+from eaglet.base.tensors import load_tensors, save_tensors  # noqa: E402
 from eaglet.drafter.ttt import LK  # noqa: E402
 from eaglet.hidden.reader import HiddenStateDataset  # noqa: E402
 from eaglet.hidden.store import ShardWriter  # noqa: E402
 from eaglet.target.load import default_layer_ids, load_identity  # noqa: E402
-from eaglet.train import data as train_data  # noqa: E402
-from eaglet.train import train as tr  # noqa: E402
+from eaglet.train.data import plan_micro_batches  # noqa: E402
 from eaglet.train.loop import autocast_on  # noqa: E402
+from eaglet.train.train import resolve_params, train  # noqa: E402
 
 
 def matmul_peak(device: torch.device, n: int, repeats: int = 5, dtype=torch.float32) -> float:
@@ -83,7 +84,7 @@ def synthetic(ident: dict, out: Path, n: int, length: int, vd: int) -> tuple[lis
     w.finish()
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[:vd] = True
-    io.save_tensors(out / "vocab.safetensors", {"d2t": torch.zeros(vd, dtype=torch.int64), "t2d": t2d})
+    save_tensors(out / "vocab.safetensors", {"d2t": torch.zeros(vd, dtype=torch.int64), "t2d": t2d})
     return [str(out / "shard_0")], str(out / "vocab.safetensors")
 
 
@@ -128,23 +129,23 @@ def main() -> None:
     data_args(ap)
     ap.add_argument("--steps", type=int, default=4)
     a = ap.parse_args()
-    io.setup_logging()
+    setup_logging()
 
     conf, ident, params = config_params(a, a.steps + 1)
     device = torch.device("cuda" if params.get("gpus") else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         hidden, vocab_path, source = store(a, conf, ident, params, Path(tmp))
-        p = tr.resolve_params(params)
+        p = resolve_params(params)
         n_mm = 4096 if device.type == "cuda" else 1024
         dtype = torch.bfloat16 if autocast_on(p["autocast"], device) else torch.float32
         peak0 = matmul_peak(device, n_mm, dtype=dtype)
         out = Path(tmp) / "train"
-        tr.train(hidden, vocab_path, ident, out, p)
+        train(hidden, vocab_path, ident, out, p)
         peak = max(peak0, matmul_peak(device, n_mm, dtype=dtype))
 
         ds = HiddenStateDataset(hidden, verify="header")
-        vd = len(io.load_tensors(vocab_path, ["d2t"])["d2t"])
-        micro, _, _ = train_data.plan_micro_batches(ds.ids, list(ds.num_tokens), p)
+        vd = len(load_tensors(vocab_path, ["d2t"])["d2t"])
+        micro, _, _ = plan_micro_batches(ds.ids, list(ds.num_tokens), p)
         M = p["grad_accum"]
         rows = pd.read_parquet(out / "metrics.parquet")
         rows = rows[rows.split == "train"].reset_index(drop=True)

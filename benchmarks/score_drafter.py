@@ -33,8 +33,8 @@ from bench_mix import stores, val_stores  # noqa: E402
 
 def score(run: Path, val: list[str], identity: dict, params: dict) -> dict:
     """The trainer's validation row for the run's kept weights on the ``val`` stores."""
-    from eaglet.base import io
-    from eaglet.drafter.model import load_drafter
+    from eaglet.base.tensors import load_tensors, save_tensors
+    from eaglet.drafter.eagle3 import load_drafter
     from eaglet.train.loop import Batches, validate
     from eaglet.train.setup import plan_run, setup
     from eaglet.train.train import resolve_params
@@ -45,7 +45,7 @@ def score(run: Path, val: list[str], identity: dict, params: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         # the drafter's own draft vocabulary (the run's vocab map may have been remade since)
         vocab = Path(tmp) / "vocab.safetensors"
-        io.save_tensors(vocab, io.load_tensors(drafter, ["d2t", "t2d"]))
+        save_tensors(vocab, load_tensors(drafter, ["d2t", "t2d"]))
         r = setup(hidden, str(vocab), identity, Path(tmp), p, None, None, val)
         plan_run(r, hidden)
         kept, cfg, _, _ = load_drafter(drafter, identity, embed_weight=r.drafter.embed_tokens.weight)

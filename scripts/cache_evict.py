@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from eaglet.base.io import CACHE_ENV, cache_entry, cache_entry_files  # noqa: E402
+from eaglet.base.artifacts import CACHE_ENV, cache_entry, cache_entry_files  # noqa: E402
 
 
 class NotCached(Exception):

@@ -14,7 +14,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.conversations import read_conversations, write_conversations
 
 TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "tea", "bees", "glass", "trains", "maps",
           "snow", "clocks", "salt", "owls", "bridges", "paper"]
@@ -29,13 +29,13 @@ def make_conversations(path: Path, n: int, multi_every: int = 3) -> list[dict]:
             msgs = [{"role": "system", "content": "Be brief."}] + msgs + [
                 {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "source answer 2"}]
         rows.append({"id": f"c{i:04d}", "source": "test", "messages": msgs})
-    io.write_conversations(path, rows)
+    write_conversations(path, rows)
     return rows
 
 
 def assistant_texts(path: Path) -> dict[str, list[str]]:
     return {r["id"]: [m["content"] for m in r["messages"] if m["role"] == "assistant"]
-            for r in io.read_conversations(path)}
+            for r in read_conversations(path)}
 
 
 class Canned(BaseHTTPRequestHandler):

@@ -241,18 +241,19 @@ def pytest_runtest_teardown(item, nextitem):
 
 def make_random_drafter(identity: dict, path, draft_vocab_size: int = 1024, layer_ids=(2, 4, 5),
                         seed: int = 0, **variants):
-    """A random drafter in the trainer's file format (eaglet.drafter.model.save_drafter) for the tiny
+    """A random drafter in the trainer's file format (eaglet.drafter.eagle3.save_drafter) for the tiny
     target: norms perturbed away from 1 so the numeric parity check sees every weight.
     ``variants``: DrafterConfig variant flags (norm_before_fc=True, ...)."""
     import torch
 
-    from eaglet.drafter import model as em
+    from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter, save_drafter
+    from eaglet.target.load import load_target_embedding
 
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    cfg = em.DrafterConfig.from_identity(identity, draft_vocab_size=draft_vocab_size,
-                                         layer_ids=list(layer_ids), **variants)
-    m = em.Eagle3Drafter(cfg, em.load_target_embedding(identity["path"]))
+    cfg = DrafterConfig.from_identity(identity, draft_vocab_size=draft_vocab_size,
+                                      layer_ids=list(layer_ids), **variants)
+    m = Eagle3Drafter(cfg, load_target_embedding(identity["path"]))
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith("norm.weight"):
@@ -260,18 +261,19 @@ def make_random_drafter(identity: dict, path, draft_vocab_size: int = 1024, laye
     used = torch.randperm(cfg.vocab_size, generator=g)[:draft_vocab_size].sort().values
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[used] = True
-    em.save_drafter(path, m, cfg, used - torch.arange(draft_vocab_size), t2d)
+    save_drafter(path, m, cfg, used - torch.arange(draft_vocab_size), t2d)
     return path
 
 
 @pytest.fixture(scope="session")
 def tiny_drafter(tiny_target, tmp_path_factory):
     """A random drafter.safetensors (trainer format, V_d 1024, layer ids [2, 4, 5]) for tiny_target."""
-    from eaglet.base import io
+    from eaglet.base.digests import DIGESTS_KEY, record_digests
+    from eaglet.base.files import write_json
 
     path = make_random_drafter(tiny_target, tmp_path_factory.mktemp("tiny_drafter") / "drafter.safetensors")
     # the digest record the train stage writes beside its drafter (the export/evaluate CLIs check it)
-    io.write_json(path.with_name("train_summary.json"), {io.DIGESTS_KEY: io.record_digests(path.parent, [path.name])})
+    write_json(path.with_name("train_summary.json"), {DIGESTS_KEY: record_digests(path.parent, [path.name])})
     return path
 
 

@@ -8,7 +8,9 @@ import sys
 import pyarrow as pa
 import torch
 
-from eaglet.base import io
+from eaglet.base.digests import DIGESTS_KEY, record_digests
+from eaglet.base.files import write_json, write_parquet
+from eaglet.base.tensors import save_tensors
 from eaglet.hidden.store import ShardWriter
 
 LAYERS = [2, 4, 5]
@@ -37,7 +39,7 @@ def write_tokens(path, n, seed=0, lo=3, hi=48):
     schema = pa.schema([("id", pa.string()), ("source", pa.string()), ("input_ids", pa.list_(pa.int32())),
                         ("loss_mask", pa.list_(pa.int8())), ("num_tokens", pa.int32()),
                         ("num_assistant_tokens", pa.int32())])
-    io.write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
+    write_parquet(path, pa.Table.from_pylist(rows, schema=schema))
     return rows
 
 
@@ -75,9 +77,9 @@ def hidden_data(tiny_target, out):
     used = torch.cat([used[used >= 0], torch.tensor(fill, dtype=torch.long)]).sort().values
     t2d = torch.zeros(tiny_target["vocab_size"], dtype=torch.bool)
     t2d[used] = True
-    io.save_tensors(out / "vocab.safetensors", {"d2t": used - torch.arange(VD), "t2d": t2d})
+    save_tensors(out / "vocab.safetensors", {"d2t": used - torch.arange(VD), "t2d": t2d})
     # vocab_map's record of its file, which `python -m eaglet.train.train` checks before reading it
-    io.write_json(out / "vocab.json", {io.DIGESTS_KEY: io.record_digests(out, ["vocab.safetensors"])})
+    write_json(out / "vocab.json", {DIGESTS_KEY: record_digests(out, ["vocab.safetensors"])})
     return {"index": [str(out / "shard_0" / "index.json")], "vocab": str(out / "vocab.safetensors"),
             "model": model, "t2d": t2d}
 

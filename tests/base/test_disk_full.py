@@ -10,7 +10,9 @@ import pandas as pd
 import pytest
 import torch
 
-from eaglet.base import io
+from eaglet.base.artifacts import DiskFullError
+from eaglet.base.files import atomic_path, read_json, write_json, write_parquet, write_text
+from eaglet.base.tensors import save_tensors
 
 SIZE = 1 << 20
 
@@ -43,17 +45,17 @@ def _save_checkpoint(path):
 
 WRITERS = {
     "step_00000007.pt": _save_checkpoint,  # torch.save's short write: "unexpected pos N vs M"
-    "chunk.safetensors": lambda p: io.save_tensors(p, {"aux": BIG}),
-    "tokens.parquet": lambda p: io.write_parquet(p, pd.DataFrame({"x": BIG})),
-    "summary.json": lambda p: io.write_json(p, {"x": BIG}),
-    "top.tsv": lambda p: io.write_text(p, "x" * (4 * SIZE)),
+    "chunk.safetensors": lambda p: save_tensors(p, {"aux": BIG}),
+    "tokens.parquet": lambda p: write_parquet(p, pd.DataFrame({"x": BIG})),
+    "summary.json": lambda p: write_json(p, {"x": BIG}),
+    "top.tsv": lambda p: write_text(p, "x" * (4 * SIZE)),
 }
 
 
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_a_full_disk_is_named_with_the_file_and_the_free_bytes(name, tiny_fs):
     path = tiny_fs / "stage" / name
-    with pytest.raises(io.DiskFullError) as e:
+    with pytest.raises(DiskFullError) as e:
         WRITERS[name](path)
     msg = str(e.value)
     assert msg.startswith(f"{path}: disk is full"), msg
@@ -61,13 +63,13 @@ def test_a_full_disk_is_named_with_the_file_and_the_free_bytes(name, tiny_fs):
     assert e.value.errno == 28 and isinstance(e.value, OSError)
     assert not os.path.lexists(path) and not list(path.parent.iterdir())  # no temporary file left
     # The space is back: the same write of a small artifact succeeds there.
-    io.write_json(path.with_name("small.json"), {"ok": True})
-    assert io.read_json(path.with_name("small.json")) == {"ok": True}
+    write_json(path.with_name("small.json"), {"ok": True})
+    assert read_json(path.with_name("small.json")) == {"ok": True}
 
 
 def test_other_write_errors_are_not_called_a_full_disk(tmp_path):
-    with pytest.raises(RuntimeError, match="boom") as e, io.atomic_path(tmp_path / "x.bin") as tmp:
+    with pytest.raises(RuntimeError, match="boom") as e, atomic_path(tmp_path / "x.bin") as tmp:
         tmp.write_bytes(b"partial")
         raise RuntimeError("boom")
-    assert not isinstance(e.value, io.DiskFullError)
+    assert not isinstance(e.value, DiskFullError)
     assert not list(tmp_path.iterdir())

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from eaglet.base import io
+from eaglet.base.conversations import read_conversations, write_conversations
 from eaglet.data import prompts
 
 
@@ -52,8 +52,8 @@ def test_openai_shape_with_reasoning_and_parquet_roundtrip(tmp_path):
     path.write_text(json.dumps(rows))
     res = prompts.build_prompts("file", str(path), n=10, heldout=1, seed=0)
     out = tmp_path / "train.parquet"
-    io.write_conversations(out, res["train"])
-    back = io.read_conversations(out)
+    write_conversations(out, res["train"])
+    back = read_conversations(out)
     assert back[0]["messages"][0]["role"] == "system"
     assert back[0]["messages"][2]["reasoning_content"] == "add them"
     assert "reasoning_content" not in back[0]["messages"][1]

@@ -7,7 +7,8 @@ import copy
 import numpy as np
 import pytest
 
-from eaglet.base import io
+from eaglet.base.conversations import read_conversations, write_conversations
+from eaglet.base.files import read_json, read_parquet
 from eaglet.data import tokenize
 from eaglet.target import reasoning
 from eaglet.target.load import load_identity, load_tokenizer
@@ -80,15 +81,15 @@ def test_server_reasoning_is_rendered_in_the_targets_own_format(family, tiny_fam
 
     ident = tiny_family(family)
     qs = ["REASON 2+2?", "THINK name a colour", "plain question"]
-    io.write_conversations(tmp_path / "in.parquet", [row(i, [U(q)]) for i, q in enumerate(qs)])
+    write_conversations(tmp_path / "in.parquet", [row(i, [U(q)]) for i, q in enumerate(qs)])
     generate(tmp_path / "in.parquet", ident, tmp_path / "gen", {"backend": "openai", "base_urls": [canned]})
     meta = tokenize.run(tmp_path / "gen" / "conversations.parquet", ident, tmp_path / "tok")
     assert meta["samples_processed"] == 3 and meta["reasoning"]["field"] == FIELD[family]
     assert meta["reasoning"]["rendered_as"] == f"field {FIELD[family]}"
     assert meta["reasoning"]["turns"] == meta["reasoning"]["in_sequence"] == 2
     tok = load_tokenizer(load_identity(ident)["path"])
-    convs = io.read_conversations(tmp_path / "gen" / "conversations.parquet")
-    rows = io.read_parquet(tmp_path / "tok" / "tokens.parquet").to_pylist()
+    convs = read_conversations(tmp_path / "gen" / "conversations.parquet")
+    rows = read_parquet(tmp_path / "tok" / "tokens.parquet").to_pylist()
     for conv, r in zip(convs, rows, strict=True):
         *prompt, last = conv["messages"]
         reasoning = last.get("reasoning_content")
@@ -137,9 +138,9 @@ def test_metadata_counts_every_truncation(tiny_target, tmp_path):
     dropped because the cut removed all of it (3.8 % of the default run's answers were dropped so
     while metadata said "truncated": 0)."""
     convs = tmp_path / "c.parquet"
-    io.write_conversations(convs, [row(0, [U("hello"), A(" ".join(["word"] * 300))]),
-                                   row(1, [U(" ".join(["word"] * 300)), A("a")]),
-                                   row(2, [U("hi"), A("short")])])
+    write_conversations(convs, [row(0, [U("hello"), A(" ".join(["word"] * 300))]),
+                                row(1, [U(" ".join(["word"] * 300)), A("a")]),
+                                row(2, [U("hi"), A("short")])])
     meta = tokenize.run(convs, tiny_target_identity_path(tiny_target), tmp_path / "out", max_length=64)
     assert meta["samples_processed"] == 2 and meta["skipped_by_reason"] == {"truncated_no_answer": 1}
     assert meta["truncated"] == 2 and meta["truncated_kept"] == 1
@@ -147,17 +148,17 @@ def test_metadata_counts_every_truncation(tiny_target, tmp_path):
 
 def test_run_writes_tokens_and_seed_metadata(tiny_target, tmp_path):
     convs = tmp_path / "c.parquet"
-    io.write_conversations(convs, [row(i, [U(f"q{i}"), A(f"answer number {i}")]) for i in range(5)]
-                           + [row(9, [U("q")])])
+    write_conversations(convs, [row(i, [U(f"q{i}"), A(f"answer number {i}")]) for i in range(5)]
+                        + [row(9, [U("q")])])
     meta = tokenize.run(convs, tiny_target_identity_path(tiny_target), tmp_path / "out")
     for key in ("samples_processed", "samples_skipped", "total_tokens", "total_assistant_tokens",
                 "vocab_size", "unique_assistant_tokens"):
         assert key in meta
     assert meta["samples_processed"] == 5 and meta["samples_skipped"] == 1
-    table = io.read_parquet(tmp_path / "out" / "tokens.parquet")
+    table = read_parquet(tmp_path / "out" / "tokens.parquet")
     assert {"id", "input_ids", "loss_mask", "num_tokens"} <= set(table.column_names)
     assert table.num_rows == 5 and sum(table.column("num_tokens").to_pylist()) == meta["total_tokens"]
-    assert io.read_json(tmp_path / "out" / "metadata.json") == meta
+    assert read_json(tmp_path / "out" / "metadata.json") == meta
 
 
 def tiny_target_identity_path(identity):
@@ -197,7 +198,7 @@ def test_template_kwargs_render_what_the_server_prefills(tok):
     """Qwen3 served with enable_thinking: false pre-fills an empty think block in the generation
     prompt: rendered with the served kwargs it is prompt (no loss token) and the evaluation prompt
     ends with it; rendered without them it would be trained on as if the target had produced it."""
-    from eaglet.base import datasets as eval_sets
+    from eaglet.base import datasets
     from eaglet.target.family_templates import QWEN3_TEMPLATE
 
     q = copy.deepcopy(tok)
@@ -214,9 +215,9 @@ def test_template_kwargs_render_what_the_server_prefills(tok):
     assert text.startswith("4<|im_end|>") and "think" not in text
     assert "<think>" in q.decode(ids.tolist())  # the block is in the sequence, as prompt
     assert masked({})[0].startswith("<think>")  # the old rendering trained on the pre-fill
-    prompt = q.decode(eval_sets.encode(q, [U("2+2?")], served))
+    prompt = q.decode(datasets.encode(q, [U("2+2?")], served))
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert not q.decode(eval_sets.encode(q, [U("2+2?")])).endswith("</think>\n\n")
+    assert not q.decode(datasets.encode(q, [U("2+2?")])).endswith("</think>\n\n")
 
 
 def _runs(tok, kept):

@@ -6,7 +6,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.files import write_parquet
+from eaglet.base.tensors import load_tensors, save_tensors
 from eaglet.data import freq, vocab
 from eaglet.target.load import load_identity, load_tokenizer
 
@@ -26,7 +28,7 @@ def test_counts_only_loss_masked_tokens_per_source():
     c = freq.count_tokens(t, 10)
     assert c["counts"].tolist() == [0, 0, 0, 0, 0, 0, 1, 3, 0, 0]
     assert c["counts/a"][7] == 2 and c["counts/b"][7] == 1 and c["counts/b"][9] == 0
-    with pytest.raises(io.ArtifactError, match="outside"):
+    with pytest.raises(ArtifactError, match="outside"):
         freq.count_tokens(tokens_table([([12], [1], "a")]), 10)
 
 
@@ -81,7 +83,7 @@ def test_the_reasoning_frame_is_pinned_even_unseen(family, tiny_family, tmp_path
     V = len(tok)
     counts = np.arange(V, 0, -1, dtype=np.int64)
     counts[frame] = 0
-    io.save_tensors(tmp_path / "freq.safetensors", {"counts": torch.from_numpy(counts)})
+    save_tensors(tmp_path / "freq.safetensors", {"counts": torch.from_numpy(counts)})
     s = vocab.run(tmp_path / "freq.safetensors", ident, tmp_path / "vocab", draft_vocab_size=256)
     pinned = {p["token"]: p for p in s["pinned"]}
     for t in FRAME[family]:
@@ -90,7 +92,7 @@ def test_the_reasoning_frame_is_pinned_even_unseen(family, tiny_family, tmp_path
     assert pinned["analysis" if family == "gpt_oss" else "</think>"]["why"] == ("template" if family == "qwen3"
                                                                                 else "reasoning")
     assert s["reasoning"]["field"] == {"qwen3": "reasoning_content", "gpt_oss": "thinking"}.get(family)
-    d2t = io.load_tensors(tmp_path / "vocab" / "vocab.safetensors")["d2t"].numpy()
+    d2t = load_tensors(tmp_path / "vocab" / "vocab.safetensors")["d2t"].numpy()
     assert set(frame) <= set((np.arange(256) + d2t).tolist())
 
 
@@ -101,14 +103,14 @@ def test_run_end_to_end_reports_coverage(tiny_target, tmp_path):
     V = tiny_target["vocab_size"]
     rng = np.random.default_rng(0)
     rows = [(rng.zipf(1.5, 200).clip(3, V - 1).astype(int).tolist(), [1] * 200, "zipf") for _ in range(5)]
-    io.write_parquet(tmp_path / "tokens.parquet", tokens_table(rows))
+    write_parquet(tmp_path / "tokens.parquet", tokens_table(rows))
     freq.run(tmp_path / "tokens.parquet", ident, tmp_path / "freq")
     s = vocab.run(tmp_path / "freq" / "freq.safetensors", ident, tmp_path / "vocab", draft_vocab_size=64)
-    m = io.load_tensors(tmp_path / "vocab" / "vocab.safetensors")
+    m = load_tensors(tmp_path / "vocab" / "vocab.safetensors")
     d2t, t2d = m["d2t"].numpy(), m["t2d"].numpy()
     assert d2t.shape == (64,) and t2d.shape == (V,) and t2d.dtype == bool
     assert np.array_equal(np.flatnonzero(t2d), np.arange(64) + d2t)
-    counts = io.load_tensors(tmp_path / "freq" / "freq.safetensors")["counts"].numpy()
+    counts = load_tensors(tmp_path / "freq" / "freq.safetensors")["counts"].numpy()
     assert s["coverage"] == pytest.approx(counts[t2d].sum() / counts.sum())
     assert s["coverage_by_source"]["zipf"] == pytest.approx(s["coverage"])
     assert any(p["token"] == "<|im_end|>" for p in s["pinned"])

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, vllm_env_or_skip
-from eaglet.drafter import rope as er
-from eaglet.drafter.model import rope as apply_rope
+from eaglet.drafter import eagle3
+from eaglet.drafter.rope import RopeError, Rotary, drafter_rope, legacy_fields
 
 HEAD_DIM, HEADS = 64, 2
 # Target configs as checkpoints write them (transformers 5 rope_parameters or legacy rope_scaling).
@@ -41,7 +41,7 @@ POSITIONS = list(range(0, 24)) + list(range(1000, 1012)) + list(range(3000, 3012
 
 
 def test_drafter_rope_is_flat_and_keeps_what_the_type_reads():
-    got = {k: er.drafter_rope({**v, "max_position_embeddings": MAX_POS}) for k, v in TARGETS.items()}
+    got = {k: drafter_rope({**v, "max_position_embeddings": MAX_POS}) for k, v in TARGETS.items()}
     for name, r in got.items():
         assert not any(isinstance(v, dict) for v in r.values()), name
         assert set(r) >= {"rope_type", "rope_theta"}
@@ -51,18 +51,18 @@ def test_drafter_rope_is_flat_and_keeps_what_the_type_reads():
     assert got["dynamic"] == {"rope_type": "default", "rope_theta": 10000.0}
     assert got["yarn_deepseek"]["mscale_all_dim"] == 1.0
     # text_config (multimodal checkpoints) is read the same way
-    assert er.drafter_rope({"text_config": TARGETS["llama3"]}) == got["llama3"]
-    with pytest.raises(er.RopeError, match="rope_type"):
-        er.drafter_rope({"rope_parameters": {"rope_type": "mrope_weird", "rope_theta": 1.0}})
+    assert drafter_rope({"text_config": TARGETS["llama3"]}) == got["llama3"]
+    with pytest.raises(RopeError, match="rope_type"):
+        drafter_rope({"rope_parameters": {"rope_type": "mrope_weird", "rope_theta": 1.0}})
 
 
 def test_scaled_rope_changes_the_rotation():
     """The drafter really applies the scaling (the old drafter applied plain RoPE whatever the
     config said): llama3 / yarn differ from default at the same theta."""
     pos = torch.tensor([POSITIONS])
-    cos_d, _ = er.Rotary({"rope_type": "default", "rope_theta": 500000.0}, HEAD_DIM, HEADS, MAX_POS)(pos, torch.float32)
-    r3 = er.drafter_rope(TARGETS["llama3"])
-    cos_3, _ = er.Rotary(r3, HEAD_DIM, HEADS, MAX_POS)(pos, torch.float32)
+    cos_d, _ = Rotary({"rope_type": "default", "rope_theta": 500000.0}, HEAD_DIM, HEADS, MAX_POS)(pos, torch.float32)
+    r3 = drafter_rope(TARGETS["llama3"])
+    cos_3, _ = Rotary(r3, HEAD_DIM, HEADS, MAX_POS)(pos, torch.float32)
     assert (cos_d - cos_3).abs().max() > 1e-2
 
 
@@ -70,7 +70,7 @@ def _export_config(rope: dict) -> dict:
     return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HEAD_DIM * HEADS,
             "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "head_dim": HEAD_DIM,
             "max_position_embeddings": MAX_POS, "num_hidden_layers": 1, "vocab_size": 16, "intermediate_size": 8,
-            **er.legacy_fields(rope)}
+            **legacy_fields(rope)}
 
 
 @pytest.mark.vllm
@@ -83,16 +83,16 @@ def test_eaglet_rope_equals_vllm_get_rope_for_every_type(tmp_path):
     pos = torch.tensor(POSITIONS)
     cases, mine = [], {}
     for name, target in TARGETS.items():
-        rope = er.drafter_rope({**target, "max_position_embeddings": MAX_POS})
+        rope = drafter_rope({**target, "max_position_embeddings": MAX_POS})
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text(json.dumps(_export_config(rope)))
         q = torch.randn(len(pos), HEADS * HEAD_DIM, generator=g)
         save_file({"q": q, "pos": pos}, str(d / "in.safetensors"))
         # eaglet's side, as Eagle3Drafter._qkv applies it
-        cos, sin = er.Rotary(rope, HEAD_DIM, HEADS, MAX_POS)(pos[None], torch.float32)
+        cos, sin = Rotary(rope, HEAD_DIM, HEADS, MAX_POS)(pos[None], torch.float32)
         q_BhTd = q.view(1, len(pos), HEADS, HEAD_DIM).transpose(1, 2)
-        mine[name] = apply_rope(q_BhTd, cos, sin).transpose(1, 2).reshape(len(pos), -1)
+        mine[name] = eagle3.rope(q_BhTd, cos, sin).transpose(1, 2).reshape(len(pos), -1)
         cases.append(str(d))
     r = subprocess.run([str(env / "bin" / "python"), str(REPO / "tests" / "vllm_rope_probe.py"), *cases],
                        capture_output=True, text=True, timeout=600, env={"PATH": "/usr/bin:/bin"})

@@ -5,11 +5,11 @@ every cache kind (full attention, sliding windows, recurrent layers); the target
 import pytest
 import torch
 
-from eaglet.base import datasets as eval_sets
+from eaglet.base import datasets
 from eaglet.drafter import chain
-from eaglet.drafter import model as em
+from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglet.engines import hf_loop
-from eaglet.target.load import load_model, load_tokenizer
+from eaglet.target.load import load_model, load_target_embedding, load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def tiny(tiny_target):
     tok = load_tokenizer(tiny_target["path"])
     model = load_model(tiny_target["path"])
-    prompts = [eval_sets.encode(tok, r["messages"]) for r in eval_sets.load_set("mtbench", 3)]
+    prompts = [datasets.encode(tok, r["messages"]) for r in datasets.load_set("mtbench", 3)]
     return tiny_target, model, prompts
 
 
@@ -102,8 +102,8 @@ def _memorising_drafter(ident, target, prompt, steps=30, n_new=40):
     to_draft = torch.full((ident["vocab_size"],), -100, dtype=torch.long)
     to_draft[used] = torch.arange(len(used))
     torch.manual_seed(0)
-    cfg = em.DrafterConfig.from_identity(ident, draft_vocab_size=len(used), layer_ids=[2, 4, 5])
-    m = em.Eagle3Drafter(cfg, em.load_target_embedding(ident["path"]))
+    cfg = DrafterConfig.from_identity(ident, draft_vocab_size=len(used), layer_ids=[2, 4, 5])
+    m = Eagle3Drafter(cfg, load_target_embedding(ident["path"]))
     opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=3e-3)
     xs, g = x[None, :-1], gr["aux"][None]  # aux rows 0..S-2 pair with tokens x_1..x_{S-1}
     S = x.numel()
@@ -172,8 +172,8 @@ def random_proposer(model, layer_ids=(0, 1, 2), seed=0):
     ident = dict(hidden_size=c.hidden_size, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                  head_dim=c.head_dim, intermediate_size=c.intermediate_size, vocab_size=c.vocab_size)
     torch.manual_seed(seed)
-    cfg = em.DrafterConfig.from_identity(ident, draft_vocab_size=c.vocab_size, layer_ids=list(layer_ids))
-    drafter = em.Eagle3Drafter(cfg, model.get_input_embeddings().weight.detach()).eval()
+    cfg = DrafterConfig.from_identity(ident, draft_vocab_size=c.vocab_size, layer_ids=list(layer_ids))
+    drafter = Eagle3Drafter(cfg, model.get_input_embeddings().weight.detach()).eval()
     return hf_loop.EagleProposer(drafter, torch.zeros(c.vocab_size, dtype=torch.long))
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from eaglet.drafter import chain
-from eaglet.drafter import model as em
+from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglet.engines import hf_loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -42,9 +42,9 @@ def pair():
     model = LlamaForCausalLM(conf).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(60)
-    cfg = em.DrafterConfig(hidden_size=32, target_hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                           intermediate_size=64, vocab_size=V, draft_vocab_size=VD, layer_ids=[1, 2, 3])
-    drafter = em.Eagle3Drafter(cfg, model.model.embed_tokens.weight.detach()).eval()
+    cfg = DrafterConfig(hidden_size=32, target_hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                        intermediate_size=64, vocab_size=V, draft_vocab_size=VD, layer_ids=[1, 2, 3])
+    drafter = Eagle3Drafter(cfg, model.model.embed_tokens.weight.detach()).eval()
     with torch.no_grad():
         drafter.lm_head.weight.mul_(60)
     d2t = torch.tensor(USED) - torch.arange(VD)

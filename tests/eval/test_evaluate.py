@@ -9,8 +9,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from eaglet.base import datasets as eval_sets
-from eaglet.base import io
+from eaglet.base import datasets
+from eaglet.base.conversations import write_conversations
+from eaglet.base.files import read_json, read_parquet, write_parquet
 from eaglet.drafter import chain
 from eaglet.engines.hf_loop import speculative
 from eaglet.eval.evaluate_modes import evaluate_modes
@@ -25,13 +26,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # --------------------------------------------------------------------------- eval sets
 def test_eval_sets_hold_80_mtbench_first_turns_and_164_humaneval_prompts():
-    mt, he = eval_sets.load_set("mtbench"), eval_sets.load_set("humaneval")
+    mt, he = datasets.load_set("mtbench"), datasets.load_set("humaneval")
     assert len(mt) == 80 and len(he) == 164
     assert all(len(r["messages"]) == 1 and r["messages"][0]["role"] == "user" for r in mt + he)
     assert len({r["id"] for r in mt}) == 80 and mt[0]["id"] == "mtbench/81"
     assert "def has_close_elements" in he[0]["messages"][0]["content"]
     # a subset spans the categories instead of taking the first ten (all "writing")
-    cats = {r["source"] for r in eval_sets.load_set("mtbench", 10)}
+    cats = {r["source"] for r in datasets.load_set("mtbench", 10)}
     assert len(cats) >= 7
 
 
@@ -41,12 +42,12 @@ def test_parquet_set_is_the_prompt_up_to_the_last_user_turn(tmp_path):
         {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
         {"role": "assistant", "content": "a2"}]},
         {"id": "b", "source": "s", "messages": [{"role": "assistant", "content": "orphan"}]}]
-    io.write_conversations(tmp_path / "c.parquet", rows)
-    got = eval_sets.load_set(str(tmp_path / "c.parquet"))
+    write_conversations(tmp_path / "c.parquet", rows)
+    got = datasets.load_set(str(tmp_path / "c.parquet"))
     assert [r["id"] for r in got] == ["a"]  # no user turn: nothing to answer
     assert [m["content"] for m in got[0]["messages"]] == ["sys", "u1", "a1", "u2"]
     with pytest.raises(ValueError, match="unknown set"):
-        eval_sets.load_set("gsm9k")
+        datasets.load_set("gsm9k")
 
 
 # --------------------------------------------------------------------------- counting (hand-computed)
@@ -86,7 +87,7 @@ N_PROMPTS = sum(NUM.values())
 def heldout_parquet(folder: Path) -> str:
     rows = [{"id": f"h{i}", "source": "heldout", "messages": [{"role": "user", "content": q}]}
             for i, q in enumerate(["Name three rivers in Europe.", "Why is the sky blue?"])]
-    io.write_conversations(folder / "heldout.parquet", rows)
+    write_conversations(folder / "heldout.parquet", rows)
     return str(folder / "heldout.parquet")
 
 
@@ -170,7 +171,7 @@ def test_tau_per_domain_with_intervals_in_the_stages_the_summary_and_the_report(
 
     out, off, spec, _ = stages
     got = json.loads((out / "offline.json").read_text())["domains"]
-    cats = {p["source"] for p in eval_sets.load_set("mtbench", 2)}
+    cats = {p["source"] for p in datasets.load_set("mtbench", 2)}
     assert set(got) == cats | {"humaneval", "math", "heldout"} and len(cats) == 2
     assert got["heldout"]["prompts"] == 2 and got["math"]["set"] == "math"
     for v in got.values():
@@ -248,7 +249,7 @@ def test_expected_acceptance_of_a_given_text_is_that_of_the_stage_s_own_sample(s
     ident = Path(tiny_target["path"]).parent / "identity.json"
     o = hf_options(OPTS)
     _, target, proposer, _, tok = setup(tiny_drafter, ident, 1)
-    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"], {})[:2]
+    prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"], {})[:2]
     mine = [p["sampling"]["1.0"] for p in off["per_prompt"][:2]]
     rows = [{} for _ in prompts]
     got = offline_sampling(target, proposer, prompts, rows, 3, 16, 1.0, o, texts=[m["tokens"] for m in mine])
@@ -336,7 +337,7 @@ def test_summary_reports_a_replay_mismatch(stages, tmp_path):
         (tmp_path / f).write_bytes((out / f).read_bytes())
     b = pd.read_parquet(out / "speculative_rounds.parquet")
     b.loc[0, "accepted"] += 1  # the real loop accepted a token the simulator did not
-    io.write_parquet(tmp_path / "speculative_rounds.parquet", b)
+    write_parquet(tmp_path / "speculative_rounds.parquet", b)
     ag = agreement(tmp_path, 1e-5)
     assert not ag["pass"] and len(ag["differing"]) == 1 and ag["differing"][0]["round"] == 0
 
@@ -375,15 +376,15 @@ def test_hf_loop_auto_skips_a_target_too_big_and_the_summary_says_not_run(tmp_pa
                                     hf_loop=run, hf_loop_reason=why)
     assert caplog.records[0].getMessage() == f"HF loop not run (evaluate_offline): {why}"
     for res, name in ((off, "offline.json"), (spec, "speculative.json")):
-        assert res["status"] == "not run" and io.read_json(out / name)["hf_loop_reason"] == why
+        assert res["status"] == "not run" and read_json(out / name)["hf_loop_reason"] == why
     for name in ("offline_positions.parquet", "offline_rounds.parquet", "speculative_rounds.parquet"):
-        assert io.read_parquet(out / name).num_rows == 0
+        assert read_parquet(out / name).num_rows == 0
     res = eval_summary.summarise(out)
     h = res["headline"]
     assert h["hf_loop"] == "not run" and h["hf_loop_reason"] == why
     assert h["lossless_hf_loop"] is None and h["offline_matches_real_loop"] is None and h["recommended_k"] is None
     assert all(Path(p).stat().st_size > 0 for p in res["plots"])
-    line = summary._evaluate(io.read_json(out / "summary.json"))
+    line = summary._evaluate(read_json(out / "summary.json"))
     assert "HF loop NOT RUN" in line and "lossless: HF loop not run" in line and "yes" not in line
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglet.base import io
+from eaglet.base.conversations import write_conversations
 
 
 # --------------------------------------------------------------------------- the runner's output, synthetic
@@ -130,8 +130,8 @@ def offline_json(tiny_target, tiny_drafter, tmp_path_factory):
     from eaglet.eval.evaluate_offline import evaluate_offline
 
     held = tmp_path_factory.mktemp("heldout") / "heldout.parquet"
-    io.write_conversations(held, [{"id": f"h{i}", "source": "heldout", "messages": [{"role": "user", "content": q}]}
-                                  for i, q in enumerate(["Name three rivers in Europe.", "Why is the sky blue?"])])
+    write_conversations(held, [{"id": f"h{i}", "source": "heldout", "messages": [{"role": "user", "content": q}]}
+                               for i, q in enumerate(["Name three rivers in Europe.", "Why is the sky blue?"])])
     out = tmp_path_factory.mktemp("eval")
     sets = ["mtbench", "humaneval", "math", str(held)]
     n = torch.get_num_threads()

@@ -265,7 +265,7 @@ def test_speculators_export_and_its_norm_before_residual(good, tmp_path, tiny_ta
 
 
 def test_reference_forward_matches_the_trainer_on_a_second_position_batch(tiny_target, tiny_drafter, good):
-    """The reference forward is independent of eaglet.drafter.model; check a different seed/positions too."""
+    """The reference forward is independent of eaglet.drafter.eagle3; check a different seed/positions too."""
     rep = contract.parity_check(good, tiny_drafter, tiny_target, seed=7)
     assert rep["ok"], rep
 

@@ -11,7 +11,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from conftest import make_random_drafter, vllm_env_or_skip
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import DIGESTS_KEY, record_digests
+from eaglet.base.tensors import load_tensors, save_tensors, tensor_metadata
 from eaglet.engines import vllm_env
 from eaglet.export.contract import contract, vllm_checks
 from eaglet.export.export import ContractError, export, main
@@ -79,7 +81,7 @@ def test_contract_json_records_every_check(exported):
         [(n, True) for n in NO_VLLM] + [(f"speculators.{n}", True) for n in NO_VLLM])
     assert written["train_chain_tau"] == 1.23  # the validation chain τ at the k vLLM runs (4)
     # the digests evaluate_vllm checks the exported files against before vLLM loads them
-    assert written[io.DIGESTS_KEY] == io.record_digests(out, ["config.json", "model.safetensors", "reference.json"])
+    assert written[DIGESTS_KEY] == record_digests(out, ["config.json", "model.safetensors", "reference.json"])
     # and what the directory needs to prove itself alone (eaglet.export.contract.reference)
     assert written["reference"]["chain_not_recorded"] is None and written["reference"]["chain_tau"] >= 1.0
     assert not (out / ".staging").exists() and not (out / "contract.failed.json").exists()
@@ -110,7 +112,7 @@ def test_failing_export_leaves_nothing_complete(tiny_target, tiny_drafter, tmp_p
     t = load_file(tiny_drafter)
     t["d2t"][1] = t["d2t"][0] - 1
     bad = tmp_path / "bad.safetensors"
-    io.save_tensors(bad, t, metadata=io.tensor_metadata(tiny_drafter))
+    save_tensors(bad, t, metadata=tensor_metadata(tiny_drafter))
     with pytest.raises(ContractError, match="static.vocab_map"):
         export(bad, out, _ident(tiny_target), vllm_check=False, accept_not_run=NO_VLLM)
     assert sorted(p.name for p in out.iterdir()) == ["contract.failed.json"]
@@ -163,7 +165,7 @@ def test_the_log_says_not_run_and_the_report_shows_it_red(tiny_target, tiny_draf
 def test_export_refuses_a_drafter_for_another_target(tiny_target, tmp_path):
     other = {**tiny_target, "digest": "0" * 64}
     path = make_random_drafter(other, tmp_path / "d.safetensors", draft_vocab_size=64)
-    with pytest.raises(io.ArtifactError, match="d.safetensors: trained for target digest 000000"):
+    with pytest.raises(ArtifactError, match="d.safetensors: trained for target digest 000000"):
         export(path, tmp_path / "out", _ident(tiny_target), vllm_check=False)
 
 
@@ -172,8 +174,8 @@ def test_export_refuses_missing_trained_tensors(tiny_target, tiny_drafter, tmp_p
     t = load_file(tiny_drafter)
     del t["fc.weight"]
     bad = tmp_path / "bad.safetensors"
-    io.save_tensors(bad, t, metadata=io.tensor_metadata(tiny_drafter))
-    with pytest.raises(io.ArtifactError, match=r"bad.safetensors: tensors missing \['fc.weight'\]"):
+    save_tensors(bad, t, metadata=tensor_metadata(tiny_drafter))
+    with pytest.raises(ArtifactError, match=r"bad.safetensors: tensors missing \['fc.weight'\]"):
         export(bad, tmp_path / "out", _ident(tiny_target), vllm_check=False)
 
 
@@ -184,8 +186,8 @@ def make_prefix_mean_drafter(identity: dict, path, prompts: list[str], max_new_t
     are those embeddings, so it drafts the most frequent token so far. The random target's greedy
     output repeats tokens, so vLLM accepts some of them. The draft vocab holds the target's greedy
     tokens plus random ids: a wrong d2t in vLLM would get nothing accepted."""
-    from eaglet.drafter import model as em
-    from eaglet.target.load import load_model, load_tokenizer
+    from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter, save_drafter
+    from eaglet.target.load import load_model, load_target_embedding, load_tokenizer
 
     tok, tgt = load_tokenizer(identity["path"]), load_model(identity["path"])
     seen = torch.cat([tgt.generate(tok(p, return_tensors="pt").input_ids, max_new_tokens=max_new_tokens,
@@ -194,9 +196,9 @@ def make_prefix_mean_drafter(identity: dict, path, prompts: list[str], max_new_t
     rest = torch.randperm(identity["vocab_size"], generator=g)
     rest = rest[~torch.isin(rest, seen)][: draft_vocab_size - len(seen)]
     used = torch.cat([seen, rest]).sort().values
-    cfg = em.DrafterConfig.from_identity(identity, draft_vocab_size=draft_vocab_size, layer_ids=[2, 4, 5])
-    emb = em.load_target_embedding(identity["path"])
-    m = em.Eagle3Drafter(cfg, emb)
+    cfg = DrafterConfig.from_identity(identity, draft_vocab_size=draft_vocab_size, layer_ids=[2, 4, 5])
+    emb = load_target_embedding(identity["path"])
+    m = Eagle3Drafter(cfg, emb)
     d = cfg.head_dim
     with torch.no_grad():
         for p in m.parameters():
@@ -211,7 +213,7 @@ def make_prefix_mean_drafter(identity: dict, path, prompts: list[str], max_new_t
         m.lm_head.weight[:, :d] = rows / rows.norm(dim=-1, keepdim=True)
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[used] = True
-    em.save_drafter(path, m, cfg, used - torch.arange(draft_vocab_size), t2d)
+    save_drafter(path, m, cfg, used - torch.arange(draft_vocab_size), t2d)
     return path
 
 
@@ -274,7 +276,7 @@ def test_permuted_lm_head_fails_vllm_acceptance_and_the_directory_alone(vllm_exp
     shutil.copytree(out, bad)
     t = load_file(bad / "model.safetensors")
     t["lm_head.weight"] = t["lm_head.weight"].roll(1, 0).contiguous()
-    io.save_tensors(bad / "model.safetensors", t, metadata={"format": "pt"})
+    save_tensors(bad / "model.safetensors", t, metadata={"format": "pt"})
     report = tmp_path / "alone.json"
     p = subprocess.run([sys.executable, "-m", "eaglet.export.contract", str(bad),
                         "--identity", str(_ident(tiny_target)), "--vllm", "--out", str(report)],
@@ -297,10 +299,10 @@ def test_vllm_load_failure_puts_the_engine_error_in_the_record_and_the_message(t
     process: test_contract's canned log) is in contract.failed.json and in the ContractError
     message; the plain run is not started for nothing."""
     vllm_env.vllm_python()  # VllmEnvMissing fails the test: it needs envs/vllm/setup.sh
-    meta = json.loads(io.tensor_metadata(tiny_drafter)["eaglet"])
+    meta = json.loads(tensor_metadata(tiny_drafter)["eaglet"])
     broken = tmp_path / "broken.safetensors"
-    io.save_tensors(broken, io.load_tensors(tiny_drafter),
-                    metadata={"eaglet": json.dumps({**meta, "intermediate_size": 2 * meta["intermediate_size"]})})
+    save_tensors(broken, load_tensors(tiny_drafter),
+                 metadata={"eaglet": json.dumps({**meta, "intermediate_size": 2 * meta["intermediate_size"]})})
     out = tmp_path / "drafter"
     with pytest.raises(ContractError) as e:
         export(broken, out, _ident(tiny_target), vllm_check=True, vllm_check_prompts=1, vllm_check_max_tokens=4,

@@ -19,7 +19,10 @@ import pytest
 import torch
 
 from conftest import make_random_drafter
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.conversations import write_conversations
+from eaglet.base.files import read_json, read_parquet
+from eaglet.base.tensors import save_tensors
 from faults_common import corrupt_parquet, generate_run, identity_path
 
 pytestmark = pytest.mark.faults
@@ -29,7 +32,7 @@ pytestmark = pytest.mark.faults
 
 
 def _conversations(path: Path, n: int = 12) -> None:
-    io.write_conversations(path, [{"id": f"c{i}", "source": "t", "messages": [
+    write_conversations(path, [{"id": f"c{i}", "source": "t", "messages": [
         {"role": "user", "content": f"Tell me about item {i} " * 3},
         {"role": "assistant", "content": f"Item {i} is a thing among things " * 4}]} for i in range(n)])
 
@@ -87,10 +90,10 @@ def test_corrupt_parquet_is_refused_naming_the_file(consumer, how, tiny_target, 
     make, run, outputs = PARQUET_CONSUMERS[consumer]
     art = tmp_path / "artifact.parquet"
     make(art)
-    io.read_parquet(art)  # intact, it reads
+    read_parquet(art)  # intact, it reads
     corrupt_parquet(art, how)
     out = tmp_path / "out"
-    with pytest.raises(io.ArtifactError, match=re.escape(str(art))):
+    with pytest.raises(ArtifactError, match=re.escape(str(art))):
         run(art, identity_path(tiny_target), out)
     assert not [o for o in outputs if (out / o).exists()]
 
@@ -105,7 +108,7 @@ def test_corrupt_generate_part_is_refused_naming_the_file(tiny_target, tmp_path)
         (out / name).unlink()  # as after a kill: parts only
     part = sorted((out / "parts").glob("part_*.parquet"))[0]
     corrupt_parquet(part, "data_page_byte")
-    with pytest.raises(io.ArtifactError, match=re.escape(str(part))):
+    with pytest.raises(ArtifactError, match=re.escape(str(part))):
         generate_run(tmp_path / "in.parquet", identity_path(tiny_target), out, cfg)
     assert not (out / "conversations.parquet").exists()
 
@@ -131,7 +134,7 @@ def train_inputs(tiny_target, tmp_path):
     assert len(index["chunks"]) >= 3
     t2d = torch.zeros(tiny_target["vocab_size"], dtype=torch.bool)
     t2d[:VD] = True
-    io.save_tensors(tmp_path / "vocab.safetensors", {"d2t": torch.zeros(VD, dtype=torch.long), "t2d": t2d})
+    save_tensors(tmp_path / "vocab.safetensors", {"d2t": torch.zeros(VD, dtype=torch.long), "t2d": t2d})
     return {"index": tmp_path / "shard_0" / "index.json", "vocab": tmp_path / "vocab.safetensors",
             "out": tmp_path / "train"}
 
@@ -171,12 +174,12 @@ def test_corrupt_hidden_state_chunk_stops_training(how, train_inputs, tiny_targe
     HiddenStateDataset([train_inputs["index"]])  # intact, it opens
     chunk = train_inputs["index"].parent / "chunk_00001.safetensors"
     CHUNK_FAULTS[how](chunk)
-    with pytest.raises(io.ArtifactError, match=re.escape(str(chunk))):
+    with pytest.raises(ArtifactError, match=re.escape(str(chunk))):
         _train(train_inputs, tiny_target)
     assert not [o for o in TRAIN_OUTPUTS if (train_inputs["out"] / o).exists()]
     # verify="header" never hashes: a truncated chunk is refused there too, at open.
     if how in ("truncated", "header_garbage", "emptied"):
-        with pytest.raises(io.ArtifactError, match=re.escape(str(chunk))):
+        with pytest.raises(ArtifactError, match=re.escape(str(chunk))):
             HiddenStateDataset([train_inputs["index"]], verify="header")
 
 
@@ -202,7 +205,7 @@ INDEX_FAULTS = {
 def test_corrupt_shard_index_stops_training(how, train_inputs, tiny_target):
     index = train_inputs["index"]
     INDEX_FAULTS[how](index)
-    with pytest.raises(io.ArtifactError, match=re.escape(str(index.parent))):
+    with pytest.raises(ArtifactError, match=re.escape(str(index.parent))):
         _train(train_inputs, tiny_target)
     assert not [o for o in TRAIN_OUTPUTS if (train_inputs["out"] / o).exists()]
 
@@ -210,7 +213,7 @@ def test_corrupt_shard_index_stops_training(how, train_inputs, tiny_target):
 @pytest.mark.parametrize("how", ["truncated", "header_garbage", "emptied"])
 def test_corrupt_vocab_map_stops_training(how, train_inputs, tiny_target):
     CHUNK_FAULTS[how](train_inputs["vocab"])
-    with pytest.raises(io.ArtifactError, match=re.escape(str(train_inputs["vocab"]))):
+    with pytest.raises(ArtifactError, match=re.escape(str(train_inputs["vocab"]))):
         _train(train_inputs, tiny_target)
     assert not [o for o in TRAIN_OUTPUTS if (train_inputs["out"] / o).exists()]
 
@@ -220,9 +223,9 @@ def test_corrupt_token_counts_stop_vocab_map(how, tiny_target, tmp_path):
     from eaglet.data import vocab
 
     counts = tmp_path / "freq.safetensors"
-    io.save_tensors(counts, {"counts": torch.arange(tiny_target["vocab_size"], dtype=torch.int64)})
+    save_tensors(counts, {"counts": torch.arange(tiny_target["vocab_size"], dtype=torch.int64)})
     CHUNK_FAULTS[how](counts)
-    with pytest.raises(io.ArtifactError, match=re.escape(str(counts))):
+    with pytest.raises(ArtifactError, match=re.escape(str(counts))):
         vocab.run(counts, identity_path(tiny_target), tmp_path / "out", draft_vocab_size=64)
     assert not (tmp_path / "out" / "vocab.safetensors").exists() and not (tmp_path / "out" / "vocab.json").exists()
 
@@ -233,7 +236,7 @@ def test_corrupt_drafter_stops_export(how, tiny_target, tmp_path):
 
     drafter = make_random_drafter(tiny_target, tmp_path / "drafter.safetensors")
     CHUNK_FAULTS[how](drafter)
-    with pytest.raises(io.ArtifactError, match=re.escape(str(drafter))):
+    with pytest.raises(ArtifactError, match=re.escape(str(drafter))):
         export(drafter, tmp_path / "out", identity_path(tiny_target), vllm_check=False)
     assert not [p for p in ("config.json", "model.safetensors", "contract.json")
                 if (tmp_path / "out" / p).exists()]
@@ -254,7 +257,7 @@ def test_corrupt_chunk_in_a_killed_extraction_is_recomputed(tmp_path, caplog):
     for s in samples[:8]:
         w.add(*s)
     w.close()  # as a kill would leave it
-    prog = io.read_json(tmp_path / "s" / "progress.json")
+    prog = read_json(tmp_path / "s" / "progress.json")
     assert len(prog["chunks"]) >= 3
     bad = tmp_path / "s" / prog["chunks"][1]["file"]
     _flip(bad, 0.9)

@@ -16,14 +16,14 @@ import os
 import re
 import subprocess
 import sys
-import tokenize as pytokenize
+import tokenize
 from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import REPO, clone
-from eaglet.base import io
+from eaglet.base.files import read_json
 from faults_common import _smk
 
 pytestmark = pytest.mark.faults
@@ -99,17 +99,17 @@ def test_no_pickle_is_loaded_from_a_data_path():
 def shell_commands(path: Path) -> list[tuple[str, str]]:
     """(rule, shell string) of every `shell:` directive of a .smk file: the adjacent string
     literals that follow it, concatenated (f-strings are refused: placeholders must stay visible)."""
-    toks = list(pytokenize.generate_tokens(iter(path.read_text().splitlines(keepends=True)).__next__))
+    toks = list(tokenize.generate_tokens(iter(path.read_text().splitlines(keepends=True)).__next__))
     out, rule = [], None
-    skip = (pytokenize.NL, pytokenize.NEWLINE, pytokenize.INDENT, pytokenize.DEDENT, pytokenize.COMMENT)
+    skip = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT)
     for i, t in enumerate(toks):
-        if t.type == pytokenize.NAME and t.string == "rule" and toks[i + 1].type == pytokenize.NAME:
+        if t.type == tokenize.NAME and t.string == "rule" and toks[i + 1].type == tokenize.NAME:
             rule = toks[i + 1].string
-        if t.type == pytokenize.NAME and t.string == "shell" and toks[i + 1].string == ":" and \
+        if t.type == tokenize.NAME and t.string == "shell" and toks[i + 1].string == ":" and \
                 toks[i - 1].type in skip:
             parts, j = [], i + 2
-            while toks[j].type in skip or toks[j].type == pytokenize.STRING:
-                if toks[j].type == pytokenize.STRING:
+            while toks[j].type in skip or toks[j].type == tokenize.STRING:
+                if toks[j].type == tokenize.STRING:
                     assert not re.match(r"[rRbBuU]*[fF]", toks[j].string), f"{path}: f-string shell in {rule}"
                     parts.append(ast.literal_eval(toks[j].string))
                 j += 1
@@ -302,7 +302,7 @@ def test_hostile_config_strings_execute_nothing(tmp_path, monkeypatch):
         {"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}) + "\n" for i in range(12)))
     code, out = _smk(wf, "results/smoke/prompts/summary.json", configfile="config/evil.yaml")
     assert code == 0, out[-3000:]
-    assert io.read_json(wf / "results/smoke/prompts/summary.json")["path"] == str(src)
+    assert read_json(wf / "results/smoke/prompts/summary.json")["path"] == str(src)
     assert not list(tmp_path.glob("PWNED*")) and not list(wf.rglob("PWNED*"))
 
 

@@ -24,7 +24,8 @@ import yaml
 
 from canned_server import Canned
 from conftest import REPO, clone
-from eaglet.base import io
+from eaglet.base.conversations import read_conversations
+from eaglet.base.files import read_json
 from faults_common import _smk, corrupt_parquet
 
 pytestmark = pytest.mark.faults
@@ -128,10 +129,10 @@ def test_kill_snakemake_mid_job_leaves_nothing_complete_and_reruns(canned, tiny_
     assert code == 0, out[-4000:]
     assert re.search(r"rule generate:.*?reason: Forced execution", out, re.S), out[-4000:]  # = incomplete
     assert not re.search(r"rule (prompts|target_model):", out)  # only the killed job reruns
-    s = io.read_json(outputs[2])
+    s = read_json(outputs[2])
     t = s["this_run"]
     assert t["skipped"] >= 2 * len(parts_before) and t["success"] + t["error"] + t["skipped"] == 24
-    assert s["samples"] == 24 and io.read_conversations(outputs[0])[0]["messages"][-1]["content"].startswith("echo")
+    assert s["samples"] == 24 and read_conversations(outputs[0])[0]["messages"][-1]["content"].startswith("echo")
 
     # R4 through the DAG: generate's output corrupted in place; tokenize refuses it naming the file.
     corrupt_parquet(outputs[0], "data_page_byte")
@@ -182,7 +183,7 @@ def test_make_run_notices_a_stale_lock_unlocks_and_resumes(canned, tiny_target, 
     assert "Unlocked working directory" in out and re.search(r"rule generate:", out), out[-3000:]
     assert not re.search(r"rule (prompts|target_model):", out)  # only the killed job reruns
     assert not list(locks.glob("*"))
-    s = io.read_json(gen / "generate_summary.json")
+    s = read_json(gen / "generate_summary.json")
     assert s["samples"] == 24 and s["this_run"]["skipped"] >= 4  # resumed from the killed job's parts
     # nothing left to recover: the next call just runs Snakemake (nothing to do)
     again = resume()

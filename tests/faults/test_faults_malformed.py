@@ -17,7 +17,9 @@ import pyarrow as pa
 import pytest
 
 from canned_server import Canned
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.conversations import conversation_schema, read_conversations
+from eaglet.base.files import read_json, read_parquet, write_parquet
 from faults_common import generate_run, identity_path
 
 pytestmark = pytest.mark.faults
@@ -27,7 +29,7 @@ pytestmark = pytest.mark.faults
 def _conversation_table(rows: list[dict]) -> pa.Table:
     """Rows as the conversation schema allows them to be written (nulls included), bypassing the
     normalising writer, as a foreign tool or a hand edit could produce them."""
-    return pa.Table.from_pylist(rows, schema=io._conversation_schema())
+    return pa.Table.from_pylist(rows, schema=conversation_schema())
 
 
 def _msg(role, content):
@@ -50,11 +52,11 @@ def test_generate_input_malformed_rows_are_skipped_by_reason(canned, tiny_target
     in errors_by_kind, never sent to the server, and not retried by a rerun."""
     good = [{"id": f"g{i}", "source": "t", "messages": [_msg("user", f"good {i}")]} for i in range(8)]
     bad = [{"id": name, "source": "t", "messages": msgs} for name, (msgs, _) in MALFORMED_GENERATE_INPUT.items()]
-    io.write_parquet(tmp_path / "in.parquet", _conversation_table(good[:4] + bad + good[4:]))
+    write_parquet(tmp_path / "in.parquet", _conversation_table(good[:4] + bad + good[4:]))
     cfg = {"backend": "openai", "base_urls": [canned], "max_error_fraction": 1.0, "backoff_s": 0.01}
     s = generate_run(tmp_path / "in.parquet", identity_path(tiny_target), tmp_path / "out", cfg)
     reasons = {name: kind for name, (_, kind) in MALFORMED_GENERATE_INPUT.items()}
-    errors = {e["id"]: e for e in io.read_parquet(tmp_path / "out" / "errors.parquet").to_pylist()}
+    errors = {e["id"]: e for e in read_parquet(tmp_path / "out" / "errors.parquet").to_pylist()}
     assert {i: e["error_kind"] for i, e in errors.items()} == reasons
     assert all(e["reason"] for e in errors.values())
     from collections import Counter
@@ -65,8 +67,8 @@ def test_generate_input_malformed_rows_are_skipped_by_reason(canned, tiny_target
     again = generate_run(tmp_path / "in.parquet", identity_path(tiny_target), tmp_path / "out", cfg)
     assert again["this_run"]["skipped"] == len(good) + len(bad)
     # Duplicate ids make the ids (the unit of resume) meaningless: the whole file is refused.
-    io.write_parquet(tmp_path / "dup.parquet", _conversation_table(good + good[:1]))
-    with pytest.raises(io.ArtifactError, match=re.escape(str(tmp_path / "dup.parquet"))):
+    write_parquet(tmp_path / "dup.parquet", _conversation_table(good + good[:1]))
+    with pytest.raises(ArtifactError, match=re.escape(str(tmp_path / "dup.parquet"))):
         generate_run(tmp_path / "dup.parquet", identity_path(tiny_target), tmp_path / "dup", cfg)
     assert not (tmp_path / "dup" / "conversations.parquet").exists()
 
@@ -82,7 +84,7 @@ def test_tokenize_stage_counts_null_rows_written_by_other_tools(tiny_target, tmp
            {"id": "n2", "source": "t", "messages": [_msg("user", "q"), None]},
            {"id": "n3", "source": "t", "messages": [_msg("user", "q"), _msg("assistant", None)]},
            {"id": "n4", "source": "t", "messages": [_msg("user", "q"), _msg("assistant", "   ")]}]
-    io.write_parquet(tmp_path / "c.parquet", _conversation_table(good + bad))
+    write_parquet(tmp_path / "c.parquet", _conversation_table(good + bad))
     meta = tokenize.run(tmp_path / "c.parquet", identity_path(tiny_target), tmp_path / "out")
     assert meta["samples_processed"] == 3 and meta["samples_in"] == 7
     assert meta["skipped_by_reason"] == {"empty_conversation": 1, "malformed_turn": 1, "non_string_content": 1,
@@ -102,26 +104,26 @@ def test_prompts_stage_cli_writes_skip_counts(tmp_path):
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
     prompts.main(["--source", "file", "--path", str(tmp_path / "d.jsonl"), "--n", "10", "--heldout", "1",
                   "--out-dir", str(tmp_path / "out")])
-    s = io.read_json(tmp_path / "out" / "summary.json")
+    s = read_json(tmp_path / "out" / "summary.json")
     assert s["skipped_by_reason"] == {"invalid_json": 1, "not_an_object": 1, "malformed_turn": 1,
                                       "empty_assistant_turn": 1}
     assert s["valid"] == 5 and s["skipped"] == 4 and s["records_read"] == 9
-    kept = io.read_conversations(tmp_path / "out" / "train.parquet") + \
-        io.read_conversations(tmp_path / "out" / "heldout.parquet")
+    kept = read_conversations(tmp_path / "out" / "train.parquet") + \
+        read_conversations(tmp_path / "out" / "heldout.parquet")
     assert sorted(r["id"] for r in kept) == [f"c{i}" for i in range(5)]
 
 
 def test_evaluation_set_skips_malformed_rows_by_reason(tmp_path, caplog):
     """A conversation Parquet used as an evaluation set (evaluate.sets): malformed rows are skipped
     and their count by reason logged; the valid prompts are kept, cut at the last user turn."""
-    from eaglet.base import datasets as eval_sets
+    from eaglet.base import datasets
 
     good = [{"id": f"g{i}", "source": "t", "messages": [_msg("user", f"q{i}"), _msg("assistant", f"a{i}")]}
             for i in range(3)]
     bad = [{"id": name, "source": "t", "messages": msgs} for name, (msgs, _) in MALFORMED_GENERATE_INPUT.items()]
-    io.write_parquet(tmp_path / "set.parquet", _conversation_table(good + bad))
+    write_parquet(tmp_path / "set.parquet", _conversation_table(good + bad))
     with caplog.at_level(logging.WARNING, logger="eaglet"):
-        rows = eval_sets.conversations(tmp_path / "set.parquet")
+        rows = datasets.conversations(tmp_path / "set.parquet")
     assert [r["id"] for r in rows] == ["g0", "g1", "g2"] and rows[0]["messages"] == [{"role": "user", "content": "q0"}]
     from collections import Counter
 
@@ -140,9 +142,9 @@ def test_token_rows_that_disagree_are_refused_naming_the_file(tiny_target, tmp_p
     rows = [{"id": "a", "source": "t", "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "num_tokens": 3},
             {"id": "b", "source": "t", "input_ids": [4, 5, 6], "loss_mask": [1, 1], "num_tokens": 3}]
     tokens = tmp_path / "tokens.parquet"
-    io.write_parquet(tokens, pa.Table.from_pylist(rows, schema=schema))
-    with pytest.raises(io.ArtifactError, match=re.escape(str(tokens))):
+    write_parquet(tokens, pa.Table.from_pylist(rows, schema=schema))
+    with pytest.raises(ArtifactError, match=re.escape(str(tokens))):
         freq.run(tokens, identity_path(tiny_target), tmp_path / "freq")
-    with pytest.raises(io.ArtifactError, match=re.escape(str(tokens))):
+    with pytest.raises(ArtifactError, match=re.escape(str(tokens))):
         extract.extract(tokens, identity_path(tiny_target), tmp_path / "shard_0", progress=False)
     assert not (tmp_path / "freq").exists() and not (tmp_path / "shard_0" / "index.json").exists()

@@ -18,7 +18,8 @@ import urllib.request
 import pytest
 
 from canned_server import assistant_texts, make_conversations
-from eaglet.base import io
+from eaglet.base.conversations import read_conversations, write_conversations
+from eaglet.base.files import read_json, read_parquet
 from faults_common import generate_run, identity_path
 from faulty_proxy import FaultyProxy, messages_key
 
@@ -64,7 +65,7 @@ def test_faulty_network_retries_records_and_matches_a_direct_run(upstream, tiny_
         m = next(m for m in rows[k]["messages"] if m["role"] == "user")
         m["content"] = f"{marker} {m['content']}"
         marked[rows[k]["id"]] = FINAL_KIND[ALWAYS[marker]]
-    io.write_conversations(tmp_path / "in.parquet", rows)
+    write_conversations(tmp_path / "in.parquet", rows)
     ident = identity_path(tiny_target)
     common = {"backend": "openai", "max_tokens": 8, "turns": "all", "temperature": 0.0, "concurrency": 4,
               "chunk_size": 4}
@@ -88,19 +89,19 @@ def test_faulty_network_retries_records_and_matches_a_direct_run(upstream, tiny_
     assert recovered >= {"drop", "delay", "http_500", "http_429", "pass"}, recovered
     assert any(a != "pass" for k, att, a in proxy.events if att == 1 and k not in failed_keys)
     # Retries are counted in generate_summary.json: exactly the repeated requests the proxy saw.
-    summary = io.read_json(tmp_path / "proxied" / "generate_summary.json")
+    summary = read_json(tmp_path / "proxied" / "generate_summary.json")
     assert summary["retries"] == s["retries"] == sum(c - 1 for c in proxy.attempts.values()) > n // 2
     for k in failed_keys:  # a row failing every attempt used the whole retry budget
         assert proxy.attempts[k] == cfg["max_retries"] + 1
     # Rows that failed every retry are recorded with their kind and a reason.
-    errors = {e["id"]: e for e in io.read_parquet(tmp_path / "proxied" / "errors.parquet").to_pylist()}
+    errors = {e["id"]: e for e in read_parquet(tmp_path / "proxied" / "errors.parquet").to_pylist()}
     assert {i: e["error_kind"] for i, e in errors.items()} == marked
     assert all(isinstance(e["reason"], str) and e["reason"].strip() for e in errors.values())
     assert "injected 500" in errors[rows[10]["id"]]["reason"]
     assert s["errors_by_kind"] == {kind: 1 for kind in marked.values()}
     # Every row that succeeded is what the direct run (temperature 0) produced: exactly, or — on the
     # real engine, whose batches differ between the two runs — diverging only at a near tie.
-    direct_rows = {r["id"]: r for r in io.read_conversations(tmp_path / "direct" / "conversations.parquet")}
+    direct_rows = {r["id"]: r for r in read_conversations(tmp_path / "direct" / "conversations.parquet")}
     got = assistant_texts(tmp_path / "proxied" / "conversations.parquet")
     want = assistant_texts(tmp_path / "direct" / "conversations.parquet")
     assert set(got) == set(want) - set(marked)

@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import DIGESTS_KEY, folder_manifest, record_digests
+from eaglet.base.files import read_json, write_json
+from eaglet.base.tensors import load_tensors, save_tensors
 from eaglet.features.extract import assign_shards, extract, make_batches
 from eaglet.hidden.reader import HiddenStateDataset
-from eaglet.target import load as target
+from eaglet.target.load import load_model
 from train_common import write_tokens
 
 
@@ -53,10 +56,10 @@ def test_captured_states_equal_output_hidden_states(tgt, tokens, one_shard):
     ds = HiddenStateDataset([one_shard])
     assert ds.meta["layer_ids"] == [2, N // 2, N - 3] and ds.meta["final_is_prenorm"] is True
     assert ds.meta["final_layer"] == N and ds.meta["hidden_size"] == ident["hidden_size"]
-    assert len(io.read_json(one_shard / "index.json")["chunks"]) > 2
+    assert len(read_json(one_shard / "index.json")["chunks"]) > 2
     rows = {r["id"]: r for r in tokens[1]}
     assert sorted(ds.ids) == sorted(rows)
-    model = target.load_model(ident["path"])
+    model = load_model(ident["path"])
     for i in range(len(ds)):
         s = ds.sample(i)
         r = rows[s["id"]]
@@ -74,10 +77,10 @@ def test_captured_states_equal_output_hidden_states(tgt, tokens, one_shard):
 def test_index_records_the_real_models_top1(tgt, tokens, one_shard):
     """label_reference rows are the real model's own top-1 token (and margin) at their position."""
     ident, _ = tgt
-    refs = io.read_json(one_shard / "index.json")["label_reference"]
+    refs = read_json(one_shard / "index.json")["label_reference"]
     rows = {r["id"]: r for r in tokens[1]}
     assert len(refs) >= len(rows)  # a few per batch, every batch row
-    model = target.load_model(ident["path"])
+    model = load_model(ident["path"])
     for sid, pos, top1, margin in refs[:12]:
         with torch.no_grad():
             lg = model(torch.tensor([rows[sid]["input_ids"]])).logits[0, pos]
@@ -115,7 +118,7 @@ def test_one_shard_equals_three_shards(tgt, tokens, one_shard, tmp_path):
     three = HiddenStateDataset(outs)
     one = HiddenStateDataset([one_shard])
     assert sorted(three.ids) == sorted(one.ids) and len(set(three.ids)) == len(three.ids)
-    loads = [sum(s["num_tokens"] for s in io.read_json(o / "index.json")["samples"]) for o in outs]
+    loads = [sum(s["num_tokens"] for s in read_json(o / "index.json")["samples"]) for o in outs]
     assert max(loads) - min(loads) <= 48  # balanced by tokens: within one sample's length
     pos = {sid: i for i, sid in enumerate(one.ids)}
     for i, sid in enumerate(three.ids):
@@ -131,7 +134,7 @@ def test_kill_mid_shard_then_resume(tgt, tmp_path, caplog):
     tok = tmp_path / "tokens.parquet"
     write_tokens(tok, 60, seed=1, lo=8, hi=24)
     # tokenize's record of its file, which `python -m eaglet.features.extract` checks before reading it
-    io.write_json(tmp_path / "metadata.json", {io.DIGESTS_KEY: io.record_digests(tmp_path, [tok.name])})
+    write_json(tmp_path / "metadata.json", {DIGESTS_KEY: record_digests(tmp_path, [tok.name])})
     out, work = tmp_path / "shard_0", tmp_path / "shard_0.partial"
     cmd = [sys.executable, "-m", "eaglet.features.extract", "--tokens", str(tok), "--identity", str(tgt[1]),
            "--out", str(out), "--work", str(work), "--dtype", "bfloat16", "--token-budget", "24",
@@ -142,8 +145,8 @@ def test_kill_mid_shard_then_resume(tgt, tmp_path, caplog):
     done = []
     while time.time() < deadline and p.poll() is None:
         try:
-            done = io.read_json(work / "progress.json")["chunks"]
-        except (io.ArtifactError, OSError):  # not written yet
+            done = read_json(work / "progress.json")["chunks"]
+        except (ArtifactError, OSError):  # not written yet
             done = []
         if len(done) >= 5:
             break
@@ -151,7 +154,7 @@ def test_kill_mid_shard_then_resume(tgt, tmp_path, caplog):
     os.kill(p.pid, signal.SIGKILL)
     assert p.wait(30) == -signal.SIGKILL, "extraction finished before it could be killed"
     assert not (out / "index.json").exists()
-    done = io.read_json(work / "progress.json")["chunks"]
+    done = read_json(work / "progress.json")["chunks"]
     assert 5 <= len(done) < 60
     before = {c["file"]: os.stat(work / c["file"]) for c in done}
 
@@ -195,11 +198,11 @@ def test_nan_in_target_is_refused(tgt, tokens, tmp_path):
     src = Path(tgt[0]["path"])
     bad = tmp_path / "model"
     shutil.copytree(src, bad)
-    w = io.load_tensors(bad / "model.safetensors")
+    w = load_tensors(bad / "model.safetensors")
     name = next(k for k in w if k.endswith("layers.1.mlp.down_proj.weight"))
     w[name][:, :] = float("nan")
-    io.save_tensors(bad / "model.safetensors", w, metadata={"format": "pt"})
-    io.write_json(tmp_path / "identity.json", {**tgt[0], "path": str(bad), "digest": "bad",
-                                               "files": io.folder_manifest(bad)})
+    save_tensors(bad / "model.safetensors", w, metadata={"format": "pt"})
+    write_json(tmp_path / "identity.json", {**tgt[0], "path": str(bad), "digest": "bad",
+                                            "files": folder_manifest(bad)})
     with pytest.raises(FloatingPointError, match="NaN/Inf"):
         extract(tokens[0], tmp_path / "identity.json", tmp_path / "s", progress=False)

@@ -17,7 +17,8 @@ import pytest
 
 from canned_server import Canned, assistant_texts, make_conversations
 from conftest import vllm_env_or_skip
-from eaglet.base import io
+from eaglet.base.conversations import read_conversations, write_conversations
+from eaglet.base.files import read_parquet
 from eaglet.engines.vllm_server import free_port
 from eaglet.generate.generate import generate, plan_turns, transient
 
@@ -49,12 +50,12 @@ def test_local_backend_all_turns_and_resume(tiny_target, tmp_path):
     assert s["samples"] == 5 and s["errors"] == 0 and s["this_run"]["skipped"] == 0
     assert s["generated_turns"] == 5 + 2  # rows 0 and 3 have two user turns
     assert s["completion_tokens"] > 0 and sum(s["finish_reasons"].values()) == 7
-    out = io.read_conversations(tmp_path / "out" / "conversations.parquet")
+    out = read_conversations(tmp_path / "out" / "conversations.parquet")
     assert [r["id"] for r in out] == [r["id"] for r in rows]
     roles = [m["role"] for m in out[0]["messages"]]
     assert roles == ["system", "user", "assistant", "user", "assistant"]
     assert all("source answer" not in m["content"] for r in out for m in r["messages"])
-    assert io.read_parquet(tmp_path / "out" / "errors.parquet").num_rows == 0
+    assert read_parquet(tmp_path / "out" / "errors.parquet").num_rows == 0
     # A rerun does nothing and keeps the accounting.
     s2 = generate(tmp_path / "in.parquet", Path(tiny_target["path"]).parent / "identity.json",
                   tmp_path / "out", cfg)
@@ -102,11 +103,11 @@ def test_local_backend_puts_the_targets_reasoning_in_the_reasoning_field(family,
     make_conversations(tmp_path / "in.parquet", 3, multi_every=0)
     s = generate(tmp_path / "in.parquet", ident, tmp_path / "out", {"backend": "local", "max_tokens": 64})
     assert s["samples"] == 3 and s["reasoning_capture_rate"] == 1.0
-    for r in io.read_conversations(tmp_path / "out" / "conversations.parquet"):
+    for r in read_conversations(tmp_path / "out" / "conversations.parquet"):
         assert r["messages"][-1] == {"role": "assistant", "content": content, "reasoning_content": thought}
     m = tokenize.run(tmp_path / "out" / "conversations.parquet", ident, tmp_path / "tok")
     assert m["samples_processed"] == 3 and m["reasoning"]["in_sequence"] == 3
-    row = io.read_parquet(tmp_path / "tok" / "tokens.parquet").to_pylist()[0]
+    row = read_parquet(tmp_path / "tok" / "tokens.parquet").to_pylist()[0]
     masked = tok.decode([i for i, k in zip(row["input_ids"], row["loss_mask"], strict=True) if k])
     assert masked == reply + "\n" * (family == "qwen3")  # what the target wrote, rendered back
 
@@ -122,7 +123,7 @@ def test_changed_prompt_set_reuses_unchanged_prompts(tiny_target, tmp_path):
     rows = make_conversations(tmp_path / "b.parquet", 6, multi_every=0)
     rows[1]["messages"][0]["content"] = "Tell me one fact about cheese."
     rows = [r for r in rows if r["id"] != "c0000"]
-    io.write_conversations(tmp_path / "b.parquet", rows)
+    write_conversations(tmp_path / "b.parquet", rows)
     s = generate(tmp_path / "b.parquet", ident, tmp_path / "out", cfg)
     # c0002, c0003 kept; c0001 (edited), c0004, c0005 (new) generated; c0000 (dropped) not output
     assert s["this_run"] == {**s["this_run"], "skipped": 2, "success": 3, "error": 0}
@@ -139,7 +140,7 @@ def _short_and_long(path: Path) -> list[dict]:
     rows = make_conversations(path, 3, multi_every=0)
     rows.insert(1, {"id": "long", "source": "test", "messages": [
         {"role": "user", "content": LONG_PROMPT}, {"role": "assistant", "content": "source answer"}]})
-    io.write_conversations(path, rows)
+    write_conversations(path, rows)
     return rows
 
 
@@ -179,7 +180,7 @@ def test_prompt_over_the_limit_is_not_generated_and_tokenize_cuts_no_answer(tiny
     assert s["filtered"] == 1 and s["filtered_by_reason"] == {"prompt_over_limit": 1}
     assert s["samples"] == 3 and s["errors"] == 0 and s["input"] == 4 and s["generated_turns"] == 3
     assert "long" not in assistant_texts(tmp_path / "on" / "conversations.parquet")
-    err = io.read_parquet(tmp_path / "on" / "errors.parquet").to_pylist()
+    err = read_parquet(tmp_path / "on" / "errors.parquet").to_pylist()
     assert [(e["id"], e["error_kind"]) for e in err] == [("long", "prompt_over_limit")]
     assert f"max_length {limit}" in err[0]["reason"]
     m = tokenize.run(tmp_path / "on" / "conversations.parquet", ident, tmp_path / "tok_on", max_length=limit)
@@ -209,7 +210,7 @@ def test_an_original_response_over_the_limit_is_not_passed_on(tiny_target, tmp_p
     assert (s["regenerated"], s["original"], s["filtered"], s["filtered_original"]) == (0, 3, 1, 1)
     assert s["samples"] + s["errors"] + s["filtered"] == s["input"] == 4 and s["this_run"]["requests"] == 0
     assert "long" not in assistant_texts(tmp_path / "o" / "conversations.parquet")
-    err = io.read_parquet(tmp_path / "o" / "errors.parquet").to_pylist()
+    err = read_parquet(tmp_path / "o" / "errors.parquet").to_pylist()
     assert [(e["id"], e["error_kind"]) for e in err] == [("long", "prompt_over_limit")]
     m = tokenize.run(tmp_path / "o" / "conversations.parquet", ident, tmp_path / "tok", max_length=limit)
     assert m["samples_processed"] == 3 and "truncated_no_answer" not in m["skipped_by_reason"]
@@ -228,7 +229,7 @@ def test_mix_regenerates_a_share_and_passes_the_rest_through(tiny_target, tmp_pa
     s = generate(tmp_path / "in.parquet", ident, tmp_path / "half", cfg)
     assert (s["regenerated"], s["original"], s["samples"], s["input"]) == (3, 3, 6, 6)
     assert s["generated_turns"] == 3 and s["this_run"]["success"] == 3
-    out = io.read_conversations(tmp_path / "half" / "conversations.parquet")
+    out = read_conversations(tmp_path / "half" / "conversations.parquet")
     assert [r["id"] for r in out] == [r["id"] for r in rows]
     regen = regenerated_ids(rows, 0.5, 0)
     for r, src in zip(out, rows, strict=True):
@@ -262,8 +263,8 @@ def test_mix_without_generation_is_refused_at_parse_time(tmp_path):
 
 
 def _rows(path: Path, questions: list[str]) -> None:
-    io.write_conversations(path, [{"id": f"r{i}", "source": "t", "messages": [{"role": "user", "content": q}]}
-                                  for i, q in enumerate(questions)])
+    write_conversations(path, [{"id": f"r{i}", "source": "t", "messages": [{"role": "user", "content": q}]}
+                               for i, q in enumerate(questions)])
 
 
 @pytest.mark.faults
@@ -279,13 +280,13 @@ def test_openai_reasoning_markers_and_errors(canned, tiny_target, tmp_path):
     assert s["errors_by_kind"] == {"raw_thinking_markers": 1, "empty_response": 1, "prompt_too_long": 1}
     assert s["rejected_thinking_markers"] == 1 and s["retries"] >= 2  # FLAKY's two 503s at least
     assert s["reasoning_capture_rate"] == pytest.approx(2 / 5)
-    convs = io.read_conversations(tmp_path / "out" / "conversations.parquet")
+    convs = read_conversations(tmp_path / "out" / "conversations.parquet")
     out = {r["id"]: r["messages"][-1] for r in convs}
     assert out["r1"] == {"role": "assistant", "content": "echo REASON a",
                          "reasoning_content": "First, think about it."}
     assert out["r2"]["reasoning_content"] == "Hmm, let me see." and "reasoning_content" not in out["r0"]
     assert out["r6"]["content"] == "echo FLAKY f"
-    err = {e["id"]: e for e in io.read_parquet(tmp_path / "out" / "errors.parquet").to_pylist()}
+    err = {e["id"]: e for e in read_parquet(tmp_path / "out" / "errors.parquet").to_pylist()}
     assert err["r3"]["error_kind"] == "raw_thinking_markers" and "<think>" in err["r3"]["reason"]
     assert set(err) == {"r3", "r4", "r5"}
     # Final (non-transient) failures are not retried by a rerun; --retry-errors retries them.
@@ -303,7 +304,7 @@ def test_server_backend_never_sends_a_prompt_over_the_limit(canned, tiny_target,
     assert s["filtered"] == 1 and s["samples"] == 3 and s["this_run"]["success"] == 3
     sent = set(Canned.calls)
     assert LONG_PROMPT not in sent and len(sent) == 3
-    assert {r["id"] for r in io.read_conversations(tmp_path / "out" / "conversations.parquet")} == {
+    assert {r["id"] for r in read_conversations(tmp_path / "out" / "conversations.parquet")} == {
         r["id"] for r in rows} - {"long"}
 
 
@@ -324,7 +325,7 @@ def _kill_and_resume(base_url: str, ident: Path, tmp_path: Path, rows: list[dict
     """Run the stage as a real process, SIGKILL it once parts exist, rerun; check nothing is lost.
     Returns the rerun's summary, with ``done_before``: the ids finished in parts before the kill."""
     n = len(rows)
-    io.write_conversations(tmp_path / "in.parquet", rows)
+    write_conversations(tmp_path / "in.parquet", rows)
     cfg = {"backend": "openai", "base_urls": [base_url], "chunk_size": 2, "flush_s": 3600, **cfg}
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "eaglet.generate.generate", "--conversations", str(tmp_path / "in.parquet"),
@@ -340,17 +341,17 @@ def _kill_and_resume(base_url: str, ident: Path, tmp_path: Path, rows: list[dict
     proc.wait()
     before = {p.name: p.read_bytes() for p in parts.glob("part_*.parquet")}
     done_before = {r["id"]: r for p in sorted(parts.glob("part_*.parquet"))
-                   for r in io.read_parquet(p).to_pylist()}
+                   for r in read_parquet(p).to_pylist()}
     assert 0 < len(done_before) < n, f"kill came too late: {len(done_before)} of {n} done"
     s = generate(tmp_path / "in.parquet", ident, out, cfg)
     # Parts written before the kill are untouched; no id is generated twice.
     assert {name: (parts / name).read_bytes() for name in before} == before
     new_ids = [r["id"] for p in sorted(parts.glob("part_*.parquet")) if p.name not in before
-               for r in io.read_parquet(p).to_pylist()]
+               for r in read_parquet(p).to_pylist()]
     assert len(new_ids) == len(set(new_ids)) and not set(new_ids) & set(done_before)
     assert s["this_run"]["skipped"] == len(done_before)
     assert s["this_run"]["success"] + s["this_run"]["error"] + s["this_run"]["skipped"] == n
-    final = io.read_conversations(out / "conversations.parquet")
+    final = read_conversations(out / "conversations.parquet")
     assert [r["id"] for r in final] == [r["id"] for r in rows] and s["samples"] + s["errors"] == n
     by_id = {r["id"]: r for r in final}
     for i, r in done_before.items():

@@ -6,8 +6,7 @@ import random
 
 import pytest
 
-from eaglet.learning_curve import curve_fit
-from eaglet.learning_curve import learning_curve as lc
+from eaglet.learning_curve import curve_fit, learning_curve
 from eaglet.train.data import in_fraction, is_val, plan_micro_batches
 from eaglet.train.train import resolve_params
 
@@ -41,8 +40,8 @@ def test_line_fit_is_exact_on_a_line():
 
 
 def test_pooled_tau_counts_rounds_not_sequences():
-    assert lc.pooled_tau([(3, 1), (0, 3)]) == pytest.approx(1 + 3 / 4)
-    assert lc.pooled_tau([(0, 0)]) is None
+    assert learning_curve.pooled_tau([(3, 1), (0, 3)]) == pytest.approx(1 + 3 / 4)
+    assert learning_curve.pooled_tau([(0, 0)]) is None
 
 
 def test_curve_recovers_the_slope_and_its_intervals_cover_the_truth():
@@ -53,7 +52,7 @@ def test_curve_recovers_the_slope_and_its_intervals_cover_the_truth():
     hits, slopes = 0, []
     for rep in range(30):
         pts = synthetic_points(true_tau, tokens, n_seq=40, rounds=30, seed=rep)
-        c = lc.curve(pts, [100000], level=0.9, n_boot=400, seed=rep)
+        c = learning_curve.curve(pts, [100000], level=0.9, n_boot=400, seed=rep)
         lo, hi = c["predictions"][0]["interval"]
         hits += lo <= true_tau(100000) <= hi
         slopes.append(c["tau_gain_per_doubling"])
@@ -65,13 +64,13 @@ def test_curve_recovers_the_slope_and_its_intervals_cover_the_truth():
 def test_check_passes_on_the_curve_and_fails_off_it():
     tokens = [2500, 5000, 10000]
     pts = synthetic_points(true_tau, tokens, n_seq=60, rounds=40, seed=1)
-    ok = lc.check(pts, pts[-1], 0.95, 500, 0)
+    ok = learning_curve.check(pts, pts[-1], 0.95, 500, 0)
     assert ok["status"] == "pass" and ok["interval"][0] <= ok["measured"] <= ok["interval"][1]
     # the full-data drafter far better than the fractions' trend: the line must miss it
     better = synthetic_points(lambda n: true_tau(n) + (0.3 if n == 10000 else 0), tokens, 60, 40, seed=1)
-    miss = lc.check(better, better[-1], 0.95, 500, 0)
+    miss = learning_curve.check(better, better[-1], 0.95, 500, 0)
     assert miss["status"] == "fail" and miss["measured"] > miss["interval"][1]
-    one = lc.check(pts[1:], pts[-1], 0.95, 500, 0)
+    one = learning_curve.check(pts[1:], pts[-1], 0.95, 500, 0)
     assert one["status"] == "not run" and "two fractions" in one["reason"]
 
 
@@ -79,20 +78,20 @@ def test_curve_refuses_points_on_other_sequences():
     pts = synthetic_points(true_tau, [1000, 2000], n_seq=5, rounds=4, seed=0)
     pts[1]["groups"] = pts[1]["groups"][:4]
     with pytest.raises(ValueError, match="same validation sequences"):
-        lc.curve(pts, [4000])
+        learning_curve.curve(pts, [4000])
 
 
 def test_costs_scale_with_the_data_and_say_what_was_not_measured(tmp_path):
-    from eaglet.base import io
+    from eaglet.base.files import write_json
 
     idx = tmp_path / "index.json"
-    io.write_json(idx, {"chunks": [{"bytes": 1000}, {"bytes": 500}]})
+    write_json(idx, {"chunks": [{"bytes": 1000}, {"bytes": 500}]})
     times = [{"rule": "generate", "seconds": 60.0}, {"rule": "train", "seconds": 30.0},
              {"rule": "train", "seconds": 10.0}]
-    costs = lc.measured_costs(tmp_path, "generate_summary.json", [str(idx)], times)
+    costs = learning_curve.measured_costs(tmp_path, "generate_summary.json", [str(idx)], times)
     assert costs["generate_s"] == 60.0 and costs["train_s"] == 40.0 and costs["hidden_bytes"] == 1500
     assert costs["extract_s"] is None  # e.g. restored from the cache: no job record
-    p = lc.projected_costs(costs, 10)
+    p = learning_curve.projected_costs(costs, 10)
     assert p["generate_hours"] == pytest.approx(600 / 3600) and p["hidden_gb"] == pytest.approx(15000 / 1e9)
     assert p["not_measured"] == ["extract"] and p["extract_hours"] is None
 

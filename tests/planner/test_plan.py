@@ -11,10 +11,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from eaglet.drafter.model import DrafterConfig, Eagle3Drafter
+from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglet.drafter.ttt import TTTObjective
 from eaglet.planner import plan
-from eaglet.planner import shapes as planner_shapes
+from eaglet.planner.shapes import GIB, drafter_params, target_shapes
 
 
 class PeakTracker(TorchDispatchMode):
@@ -127,7 +127,7 @@ def test_kimi_drafter_parameters_match_the_meta_device_build(kimi):
     with torch.device("meta"):
         model = Eagle3Drafter(cfg)
     assert all(q.is_meta for q in model.parameters())
-    counted = planner_shapes.drafter_params(facts, 32000)
+    counted = drafter_params(facts, 32000)
     assert counted["frozen"] == model.embed_tokens.weight.numel()
     assert counted["trainable"] == sum(q.numel() for q in model.parameters() if q.requires_grad)
 
@@ -139,7 +139,7 @@ def test_kimi_figures_are_finite_and_too_small_a_gpu_is_refused(kimi):
     p = plan.make_plan(config, target_bytes=547e9)
     for x in [p["train"]["peak"], p["extract"]["peak"], p["hidden_states"]["total"], p["vllm"]["kv_cache"]]:
         assert x is not None and math.isfinite(x) and x > 0
-    assert p["train"]["peak"] < 140 * planner_shapes.GIB and not plan.refusals(p, config)
+    assert p["train"]["peak"] < 140 * GIB and not plan.refusals(p, config)
     assert 2.3e12 < p["hidden_states"]["total"] < 2.4e12  # the config comment's 2.35 TB
     small = {**config, "resources": {"gpu_memory_gb": 48}}
     with pytest.raises(ValueError, match=r"resources\.gpu_memory_gb.*training rank.*extraction shard"):
@@ -182,12 +182,12 @@ def test_kimi_training_peak_on_fake_tensors(kimi):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     config, ckpt = kimi
-    s = planner_shapes.target_shapes(config, target_bytes=547e9)
+    s = target_shapes(config, target_bytes=547e9)
     assert (s["hidden_size"], s["num_heads"], s["vocab_size"]) == (7168, 64, 163840)
     with FakeTensorMode(allow_non_fake_inputs=True):
         measured = measured_peak(s, 32000, 4, 4096, 7, bf16=True)
     p = plan.training_rank(config_for(32000, 4 * 4096, 4096, 7, gpus=1), s)
     planned = p["peak"] - p["parts"]["context"]
-    print(f"\n[plan] Kimi shapes on fake tensors: planned {planned / planner_shapes.GIB:.1f} GiB, measured "
-          f"{measured / planner_shapes.GIB:.1f} GiB ({planned / measured - 1:+.1%})")
-    assert measured > 50 * planner_shapes.GIB and abs(planned / measured - 1) <= 0.15, (planned, measured)
+    print(f"\n[plan] Kimi shapes on fake tensors: planned {planned / GIB:.1f} GiB, measured "
+          f"{measured / GIB:.1f} GiB ({planned / measured - 1:+.1%})")
+    assert measured > 50 * GIB and abs(planned / measured - 1) <= 0.15, (planned, measured)

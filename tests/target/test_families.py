@@ -12,8 +12,8 @@ from conftest import REPO
 from eaglet.data import target_model
 from eaglet.features.extract import Capture
 from eaglet.target import families
-from eaglet.target import load as target
 from eaglet.target.families import FAMILIES, build_tiny
+from eaglet.target.load import load_model, load_tokenizer
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is the capital of France?"},
@@ -266,11 +266,11 @@ def test_materialise_saves_the_family_model_and_tokenizer(family, tmp_path):
     ident = target_model.materialise({"name": "t", "tiny": {"family": family, "num_hidden_layers": 6}}, tmp_path)
     model_dir = tmp_path / "model"
     assert ident["model_type"] == family and ident["num_layers"] == 6
-    tok = target.load_tokenizer(model_dir)
+    tok = load_tokenizer(model_dir)
     assert tok.chat_template == families.TOKENIZERS[family]["template"]
     ref_model, ref_tok = build_tiny(family, num_hidden_layers=6)
     assert tok.get_vocab() == ref_tok.get_vocab()
-    model = target.load_model(model_dir)
+    model = load_model(model_dir)
     ids = _ids(tok)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref_model(ids).logits)
@@ -281,9 +281,9 @@ def test_materialise_saves_the_family_model_and_tokenizer(family, tmp_path):
 def test_materialise_default_tiny_is_unchanged(tmp_path):
     """No family key: the historical tiny Llama with the SmolLM2 tokenizer and template."""
     ident = target_model.materialise({"name": "t", "tiny": {}}, tmp_path)
-    tok = target.load_tokenizer(tmp_path / "model")
+    tok = load_tokenizer(tmp_path / "model")
     assert ident["model_type"] == "llama" and ident["vocab_size"] == len(tok) == 49152
     assert "<|im_start|>" in tok.chat_template
-    model = target.load_model(tmp_path / "model")
+    model = load_model(tmp_path / "model")
     old = _pre_family_tiny_llama(tok).state_dict()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in old.items())

@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eaglet.base import io
+from eaglet.base import digests
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import folder_manifest
 from eaglet.data.target_model import materialise
 from eaglet.target.load import default_layer_ids, identity_of, load_identity, load_tokenizer, validate_layer_ids
 
@@ -48,28 +50,28 @@ def test_identity_records_a_manifest_that_every_read_checks(tiny_target, tmp_pat
     original = conf.read_bytes()
     conf.write_bytes(original.replace(b'"hidden_act": "silu"', b'"hidden_act": "gelu"'))
     assert conf.stat().st_size == len(original)  # same size: only the digest can tell
-    with pytest.raises(io.ArtifactError, match=r"config\.json: sha256 differs"):
+    with pytest.raises(ArtifactError, match=r"config\.json: sha256 differs"):
         load_identity(ident_path)
     conf.write_bytes(original)
     load_identity(ident_path)
 
     (user / "chat_template.json").write_text('{"chat_template": "{{ messages }}"}')
-    with pytest.raises(io.ArtifactError, match=r"chat_template\.json: not in the manifest"):
+    with pytest.raises(ArtifactError, match=r"chat_template\.json: not in the manifest"):
         load_identity(ident_path)
     (user / "chat_template.json").unlink()
 
     with open(user / "model.safetensors", "ab") as fh:
         fh.write(b"\0")
-    with pytest.raises(io.ArtifactError, match=r"model\.safetensors: \d+ bytes"):
+    with pytest.raises(ArtifactError, match=r"model\.safetensors: \d+ bytes"):
         load_identity(ident_path)
 
 
 def test_big_files_are_checked_by_size_small_ones_by_digest(tmp_path, monkeypatch):
-    """The stated cost choice: files above io.FULL_HASH_MAX_BYTES carry a size only."""
+    """The stated cost choice: files above digests.FULL_HASH_MAX_BYTES carry a size only."""
     (tmp_path / "big.bin").write_bytes(b"x" * 100)
     (tmp_path / "small.json").write_text("{}")
-    monkeypatch.setattr(io, "FULL_HASH_MAX_BYTES", 50)
-    m = io.folder_manifest(tmp_path)
+    monkeypatch.setattr(digests, "FULL_HASH_MAX_BYTES", 50)
+    m = folder_manifest(tmp_path)
     assert m["big.bin"] == {"size": 100} and set(m["small.json"]) == {"size", "sha256"}
 
 

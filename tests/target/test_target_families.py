@@ -31,7 +31,7 @@ from workflow_common import assert_dag_proved, smk
 # What vLLM 0.32 (envs/vllm) serves with EAGLE-3 among the tiny families (read from its source by
 # eaglet.target.check; asserted below so a change in the engine shows up here).
 # DeepSeek-V3 implements the interface, but on vLLM-CPU its MLA kernel and the drafter's attention
-# share no KV block size (target_check.cpu_mla_block_sizes): refused here, served by a GPU build.
+# share no KV block size (eaglet.target.check.cpu_mla_block_sizes): refused here, served by a GPU build.
 SERVED = {"llama": True, "llama3": True, "qwen2": True, "qwen3": True, "qwen3_moe": True,
           "gemma3_text": False, "deepseek_v3": False, "gpt_oss": True}
 # What the start-of-run refusal names for each family vLLM-CPU cannot serve
@@ -224,12 +224,12 @@ def test_family_served_by_real_vllm_or_refused_at_the_start(runs, family):
     """Served families: the export's contract loads target + drafter in real vLLM-CPU and its
     output equals plain greedy. Others: `snakemake -n` refuses, naming the engine feature."""
     vllm_env_or_skip()
-    from eaglet.target import check as target_check
+    from eaglet.target import check
 
     run = _run(runs, family)
     repo, cache = runs["repos"][family], runs["cache"]
     ident = json.loads((repo / "resources" / "targets" / f"tiny-{family}" / "identity.json").read_text())
-    status, line = target_check.serving(ident["architecture"], repo / "envs" / "vllm" / ".venv", ident.get("attention"))
+    status, line = check.serving(ident["architecture"], repo / "envs" / "vllm" / ".venv", ident.get("attention"))
     assert (status == "supported") == SERVED[family], line
     if not SERVED[family]:
         code, out = smk(repo, cache, "-n", f"results/fam-{family}/drafter/contract.json", check=False,

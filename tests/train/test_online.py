@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from conftest import kill_when_written, slowed_trainer
-from eaglet.base import io
+from eaglet.base.digests import DIGESTS_KEY, record_digests
+from eaglet.base.files import write_json
+from eaglet.base.tensors import load_tensors, save_tensors
 from eaglet.features.extract import extract
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.hidden.store import storage_round
@@ -49,7 +51,7 @@ def run_inputs(tiny_target, tmp_path_factory):
     """A tokens file (with tokenize's digest record) and a vocab map over its tokens."""
     out = tmp_path_factory.mktemp("online")
     rows = write_tokens(out / "tokens.parquet", N_SAMPLES, seed=1, lo=6, hi=40)
-    io.write_json(out / "metadata.json", {io.DIGESTS_KEY: io.record_digests(out, ["tokens.parquet"])})
+    write_json(out / "metadata.json", {DIGESTS_KEY: record_digests(out, ["tokens.parquet"])})
     V = tiny_target["vocab_size"]
     counts = torch.zeros(V, dtype=torch.long)
     for r in rows:
@@ -57,8 +59,8 @@ def run_inputs(tiny_target, tmp_path_factory):
     used = counts.argsort(descending=True, stable=True)[:VD].sort().values
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[used] = True
-    io.save_tensors(out / "vocab.safetensors", {"d2t": used - torch.arange(VD), "t2d": t2d})
-    io.write_json(out / "vocab.json", {io.DIGESTS_KEY: io.record_digests(out, ["vocab.safetensors"])})
+    save_tensors(out / "vocab.safetensors", {"d2t": used - torch.arange(VD), "t2d": t2d})
+    write_json(out / "vocab.json", {DIGESTS_KEY: record_digests(out, ["vocab.safetensors"])})
     ident_path = Path(tiny_target["path"]).parent / "identity.json"
     return {"dir": out, "tokens": str(out / "tokens.parquet"), "vocab": str(out / "vocab.safetensors"),
             "identity": ident_path}
@@ -98,7 +100,7 @@ def _same_run(a_dir: Path, b_dir: Path) -> None:
     for col in ["loss", "loss_0", "loss_1", "grad_norm"]:
         x, y = a[col].to_numpy(), b[col].to_numpy()
         assert np.nanmax(abs(x - y)) <= LOSS_RTOL * np.nanmax(abs(x)), (col, x, y)
-    ta, tb = io.load_tensors(a_dir / "drafter.safetensors"), io.load_tensors(b_dir / "drafter.safetensors")
+    ta, tb = load_tensors(a_dir / "drafter.safetensors"), load_tensors(b_dir / "drafter.safetensors")
     assert ta.keys() == tb.keys()
     for k in ta:
         assert torch.equal(ta[k], tb[k]) if not ta[k].is_floating_point() else \

@@ -11,11 +11,12 @@ import torch
 from test_train import LAYERS, data  # noqa: F401  (the tiny target's real hidden-state store)
 
 from conftest import make_random_drafter
-from eaglet.base import io
-from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_drafter, load_target_embedding
+from eaglet.base.tensors import load_tensors
+from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter, load_drafter
 from eaglet.drafter.ttt import TTTObjective
 from eaglet.export.contract import contract, vllm_checks
 from eaglet.export.export import ContractError, export
+from eaglet.target.load import load_target_embedding
 from eaglet.train.setup import TargetHead
 from eaglet.train.train import resolve_params, train
 
@@ -198,7 +199,7 @@ def test_export_writes_the_fields_vllm_reads_and_parity_holds(tiny_target, tmp_p
     conf = json.loads((out / "config.json").read_text())
     for f in VARIANTS:
         assert conf.get(f, False) is flags.get(f, False), f
-    names = set(io.load_tensors(out / "model.safetensors"))
+    names = set(load_tensors(out / "model.safetensors"))
     assert ("input_norm.weight" in names) is flags.get("norm_before_fc", False)
     spec = json.loads((out.parent / "drafter_speculators" / "config.json").read_text())
     assert all(spec[f] is flags.get(f, False) for f in VARIANTS)  # format B: every flag explicit

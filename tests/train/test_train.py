@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import kill_when_written, slowed_trainer
-from eaglet.base import io
-from eaglet.drafter.model import load_drafter
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import DIGESTS_KEY, record_digests
+from eaglet.base.tensors import load_tensors, save_tensors, tensor_metadata
+from eaglet.drafter.eagle3 import load_drafter
 from eaglet.drafter.ttt import TTTObjective, is_better, rest_positions, tf_tau, valid_positions
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.train.data import collate, is_val, plan_batches
@@ -75,7 +77,8 @@ def test_loss_alignment_by_hand(tiny_target, data):
     b = collate(samples, "cpu")
     head = TargetHead(tiny_target, data["t2d"], True, True, "cpu")
     p, inv, _ = head(b["final"])
-    from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_target_embedding
+    from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter
+    from eaglet.target.load import load_target_embedding
 
     torch.manual_seed(0)
     m = Eagle3Drafter(DrafterConfig.from_identity(tiny_target, VD, LAYERS), load_target_embedding(tiny_target["path"]))
@@ -137,7 +140,7 @@ def test_training_learns_and_writes_outputs(tiny_target, data, trained):
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary["val_samples"] > 0 and summary["final_val"]["split"] == "val"
     # the digests export, evaluate (drafter) and plots (metrics) check the files against
-    assert summary[io.DIGESTS_KEY] == io.record_digests(tmp_path, ["drafter.safetensors", "metrics.parquet"])
+    assert summary[DIGESTS_KEY] == record_digests(tmp_path, ["drafter.safetensors", "metrics.parquet"])
 
 
 def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_target, data, trained):
@@ -146,7 +149,7 @@ def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_
     every position, the rounds replayed) with the saved drafter gives the same counts. The saved
     weights are those of the best validation chain τ, and that is what the summary reports."""
     from eaglet.drafter.chain import chain_replay, rounds_tau
-    from eaglet.engines import hf_loop
+    from eaglet.engines.hf_loop import EagleProposer, Target, offline_prompt
     from eaglet.workflow.summary import lines as summary_lines
 
     K = PARAMS["ttt_steps"]
@@ -160,14 +163,14 @@ def test_validation_chain_tau_is_the_offline_chain_tau_of_the_kept_weights(tiny_
     assert s["best_val"]["tf_tau"] == best.tf_tau and "tau" not in s["best_val"]
 
     drafter, _, d2t, _ = load_drafter(tmp_path / "train" / "drafter.safetensors", tiny_target)
-    target = hf_loop.Target(data["model"], LAYERS, eos_ids=set())
-    proposer = hf_loop.EagleProposer(drafter, d2t)
+    target = Target(data["model"], LAYERS, eos_ids=set())
+    proposer = EagleProposer(drafter, d2t)
     ds = HiddenStateDataset(data["index"])
     rounds = {k: [] for k in range(1, K + 1)}
     P = 4  # the fixture's prompt length; the rest of each sample is the greedy continuation
     for i in (i for i, sid in enumerate(ds.ids) if is_val(sid, PARAMS["val_fraction"])):
         x = ds.sample(i)["input_ids"].tolist()
-        r = hf_loop.offline_prompt(target, proposer, x[:P], K, len(x) - P)
+        r = offline_prompt(target, proposer, x[:P], K, len(x) - P)
         assert r["tokens"] == x[P:]  # the stored data is the target's greedy continuation
         accepted = [0] + [st["accepted"] for st in r["starts"]]
         for k in rounds:
@@ -222,7 +225,7 @@ def test_resume_after_kill_reproduces_the_loss_trace(tiny_target, data, tmp_path
     assert list(a.step) == list(b.step) and list(a.split) == list(b.split)
     for col in ["loss", "loss_0", "loss_2", "tf_acc_1", "grad_norm", "lr"]:
         assert (a[col] - b[col]).abs().max() <= 1e-6 * max(1.0, a[col].abs().max()), col
-    ta, tb = io.load_tensors(ref / "drafter.safetensors"), io.load_tensors(run / "drafter.safetensors")
+    ta, tb = load_tensors(ref / "drafter.safetensors"), load_tensors(run / "drafter.safetensors")
     assert all(torch.equal(ta[k], tb[k]) if not ta[k].is_floating_point() else
                torch.allclose(ta[k], tb[k], atol=1e-6) for k in ta)
 
@@ -278,7 +281,7 @@ def test_ddp_gloo_matches_single_process(tiny_target, data, tmp_path):
     assert va.chain_rounds == vb.chain_rounds > 0 and va.chain_tau == pytest.approx(vb.chain_tau, abs=1e-12)
     a, b = a[a.split == "train"], b[b.split == "train"]
     assert (a.loss - b.loss).abs().max() < 1e-4 and (a.tokens == b.tokens).all()
-    ta, tb = io.load_tensors(single / "drafter.safetensors"), io.load_tensors(ddp / "drafter.safetensors")
+    ta, tb = load_tensors(single / "drafter.safetensors"), load_tensors(ddp / "drafter.safetensors")
     assert torch.equal(ta["d2t"], tb["d2t"]) and torch.equal(ta["t2d"], tb["t2d"])
     # gloo's all-reduce sums in another order; Adam's division by sqrt(v) amplifies that in
     # near-zero gradient entries (1.2e-5 seen with transformers' rotary; weights are ~0.02)
@@ -361,7 +364,7 @@ def test_validation_stores_replace_the_split_and_score_the_same(tiny_target, dat
     assert b["best_val"]["chain_tau"] == pytest.approx(a["best_val"]["chain_tau"], abs=1e-6)
     assert b["best_val_chain_by_sequence"] == a["best_val_chain_by_sequence"]
     dup = _copy_store(ds, rest[:2], tmp_path / "dup_store", digest)
-    with pytest.raises(io.ArtifactError, match=ds.ids[rest[0]]):
+    with pytest.raises(ArtifactError, match=ds.ids[rest[0]]):
         train([train_store], data["vocab"], tiny_target, tmp_path / "dup", p, val_hidden=[dup])
 
 
@@ -389,11 +392,11 @@ def test_score_drafter_reproduces_the_trainers_validation_of_the_kept_weights(ti
     assert row["chain_tau"] == pytest.approx(b["best_val"]["chain_tau"], abs=1e-6)
     assert row["loss"] == pytest.approx(b["best_val"]["loss"], rel=1e-5)
     f = tmp_path / "run/train/drafter.safetensors"
-    t = io.load_tensors(f)
-    meta = io.tensor_metadata(f)
+    t = load_tensors(f)
+    meta = tensor_metadata(f)
     name = next(k for k in t if k.endswith("weight") and t[k].dim() == 2 and k not in ("d2t", "t2d"))
     t[name] = torch.randn_like(t[name])  # other weights: another score
-    io.save_tensors(f, t, metadata=meta)
+    save_tensors(f, t, metadata=meta)
     other = score(tmp_path / "run", [val_store], tiny_target, p)
     assert other["loss"] != pytest.approx(row["loss"], rel=1e-3) and other["chain_tau"] != row["chain_tau"]
 

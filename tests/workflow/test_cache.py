@@ -18,7 +18,11 @@ import pytest
 import yaml
 
 from conftest import REPO, clone, make_random_drafter
-from eaglet.base import io
+from eaglet.base.artifacts import CACHE_ENV, ArtifactError
+from eaglet.base.conversations import write_conversations
+from eaglet.base.digests import DIGESTS_KEY, file_digest, folder_manifest, record_digests, verify_manifest
+from eaglet.base.files import read_json, read_parquet, write_json, write_parquet
+from eaglet.base.tensors import save_tensors
 from eaglet.data.target_model import materialise
 from workflow_common import planned_jobs
 
@@ -130,10 +134,10 @@ def test_tokens_altered_in_the_cache_are_refused_by_the_next_run(tokenized):
     try:
         # A valid tokens file with other token ids, as another user could write it through
         # Snakemake's 0666 cache files: every Parquet check passes, only the recorded digest differs.
-        rows = io.read_parquet(cached).to_pylist()
+        rows = read_parquet(cached).to_pylist()
         rows[0]["input_ids"] = [1] * len(rows[0]["input_ids"])
-        table = io.read_parquet(cached)
-        io.write_parquet(cached, pa.Table.from_pylist(rows, schema=table.schema))
+        table = read_parquet(cached)
+        write_parquet(cached, pa.Table.from_pylist(rows, schema=table.schema))
         assert cached.read_bytes() != original
         out = next_run_refuses(root, cache, "b")
         assert "tokens.parquet: sha256 differs from the one recorded" in out, out[-3000:]
@@ -169,8 +173,8 @@ def test_counts_altered_in_the_cache_are_refused_then_evicted_and_recomputed(tok
     assert cached.parent == cache and cached.name.endswith("_counts.safetensors")
     entry = sorted(cache.glob(cached.name[:64] + "*"))
     assert {p.name[64:] for p in entry} == {"_counts.safetensors", "_top.tsv", "_summary.json"}
-    want = json.loads(record.read_text())[io.DIGESTS_KEY]["freq.safetensors"]
-    assert io.file_digest(counts) == want
+    want = json.loads(record.read_text())[DIGESTS_KEY]["freq.safetensors"]
+    assert file_digest(counts) == want
     original = cached.read_bytes()
     flip_last_byte(counts)  # through the results link, as any writer of the 0666 cache file could
     try:
@@ -204,7 +208,7 @@ def test_counts_altered_in_the_cache_are_refused_then_evicted_and_recomputed(tok
     smk(a, cache, "results/smoke/vocab_map/vocab.json", configfile="config/nogen.yaml")
     fresh = Path(os.path.realpath(counts))
     assert fresh.parent == cache and fresh.read_bytes() == original  # token_freq recomputed and stored
-    assert io.file_digest(counts) == json.loads(record.read_text())[io.DIGESTS_KEY]["freq.safetensors"] == want
+    assert file_digest(counts) == json.loads(record.read_text())[DIGESTS_KEY]["freq.safetensors"] == want
     vocab = json.loads((a / "results/smoke/vocab_map/vocab.json").read_text())
     assert vocab["assistant_tokens"] == json.loads(record.read_text())["tokens"]
 
@@ -237,7 +241,7 @@ def test_cache_evict_removes_every_file_of_the_entry_and_the_links_to_it(tmp_pat
     (wf / "real.parquet").write_text("mine")
 
     def evict(*paths):
-        env = {k: v for k, v in os.environ.items() if k != io.CACHE_ENV}  # as in a user's shell
+        env = {k: v for k, v in os.environ.items() if k != CACHE_ENV}  # as in a user's shell
         return subprocess.run([sys.executable, str(REPO / "scripts/cache_evict.py"), *paths], cwd=wf, env=env,
                               capture_output=True, text=True, timeout=120)
 
@@ -265,7 +269,7 @@ def test_a_refusal_inside_a_cached_folder_names_the_entry_and_its_evict_command(
     the target's model folder checked against its manifest) or stored (the folder itself a link, a
     hidden-state shard's index): the error names the file, the entry and the command; the command
     evicts the whole job (its model folder and its identity.json)."""
-    monkeypatch.delenv(io.CACHE_ENV, raising=False)
+    monkeypatch.delenv(CACHE_ENV, raising=False)
     cache, wf, h, h2 = tmp_path / "cache", tmp_path / "wf", "5" * 64, "6" * 64
     entry = cache / f"{h}_model"
     entry.mkdir(parents=True)
@@ -285,25 +289,25 @@ def test_a_refusal_inside_a_cached_folder_names_the_entry_and_its_evict_command(
     (wf / "Snakefile").write_text("")
     monkeypatch.chdir(wf)
 
-    manifest = io.folder_manifest("resources/targets/t/model")
+    manifest = folder_manifest("resources/targets/t/model")
     (entry / "config.json").write_text('{"rms_norm_eps": 1e-05}')
-    with pytest.raises(io.ArtifactError) as e:
-        io.verify_manifest("resources/targets/t/model", manifest, "resources/targets/t/identity.json")
+    with pytest.raises(ArtifactError) as e:
+        verify_manifest("resources/targets/t/model", manifest, "resources/targets/t/identity.json")
     msg = str(e.value)
     assert msg.startswith("resources/targets/t/model/config.json: sha256 differs from the one recorded"), msg
     assert f"served from the Snakemake output cache entry {entry} " in msg, msg
     cmd = re.search(r"evict it with `([^`]+)`", msg).group(1)
     assert shlex.split(cmd)[2:] == ["resources/targets/t/model/config.json"], cmd
 
-    with pytest.raises(io.ArtifactError) as e:
-        io.read_json("results/r/extract/shard_0/index.json")
+    with pytest.raises(ArtifactError) as e:
+        read_json("results/r/extract/shard_0/index.json")
     assert "results/r/extract/shard_0/index.json: corrupt JSON" in str(e.value)
     assert f"cache entry {cache / h2} " in str(e.value), str(e.value)
-    with pytest.raises(io.ArtifactError) as e:  # not in the cache: no word of it
-        io.read_json("Snakefile")
+    with pytest.raises(ArtifactError) as e:  # not in the cache: no word of it
+        read_json("Snakefile")
     assert "cache" not in str(e.value)
 
-    env = {k: v for k, v in os.environ.items() if k != io.CACHE_ENV}
+    env = {k: v for k, v in os.environ.items() if k != CACHE_ENV}
     p = subprocess.run(shlex.split(cmd), cwd=wf, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert sorted(c.name for c in cache.iterdir()) == [h2]  # the model folder and identity.json entries
@@ -322,7 +326,7 @@ def test_vocab_and_drafter_are_checked_against_their_producers_record(tiny_targe
 
     ident = Path(tiny_target["path"]).parent / "identity.json"
     conv = tmp_path / "conv.parquet"
-    io.write_conversations(conv, [{"id": f"c{i}", "messages": [
+    write_conversations(conv, [{"id": f"c{i}", "messages": [
         {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i} " * 5}]}
         for i in range(4)])
     tokenize.run(conv, ident, tmp_path / "tok")
@@ -330,14 +334,14 @@ def test_vocab_and_drafter_are_checked_against_their_producers_record(tiny_targe
     vocab.run(tmp_path / "freq" / "freq.safetensors", ident, tmp_path / "vocab", draft_vocab_size=64)
     v = tmp_path / "vocab" / "vocab.safetensors"
     flip_last_byte(v)
-    with pytest.raises(io.ArtifactError, match=r"vocab\.safetensors: sha256 differs.*vocab\.json"):
+    with pytest.raises(ArtifactError, match=r"vocab\.safetensors: sha256 differs.*vocab\.json"):
         train.main(["--hidden", "none/index.json", "--vocab", str(v), "--target-identity", str(ident),
                     "--out-dir", str(tmp_path / "train")])
 
     d = make_random_drafter(tiny_target, tmp_path / "train" / "drafter.safetensors")
-    io.write_json(d.with_name("train_summary.json"), {io.DIGESTS_KEY: io.record_digests(d.parent, [d.name])})
+    write_json(d.with_name("train_summary.json"), {DIGESTS_KEY: record_digests(d.parent, [d.name])})
     flip_last_byte(d)
-    with pytest.raises(io.ArtifactError, match=r"drafter\.safetensors: sha256 differs"):
+    with pytest.raises(ArtifactError, match=r"drafter\.safetensors: sha256 differs"):
         evaluate_offline.main(["--drafter", str(d), "--identity", str(ident), "--out-dir", str(tmp_path / "e")])
     with pytest.raises(SystemExit):
         export.main(["--drafter", str(d), "--identity", str(ident), "--out", str(tmp_path / "x"),
@@ -349,14 +353,14 @@ def test_vocab_and_drafter_are_checked_against_their_producers_record(tiny_targe
 def _other_rows(path: Path) -> None:
     """Rewrite a Parquet file valid, with its last row gone: every format check passes, only the
     recorded digest tells (what a writer of the 0666 cache files could do)."""
-    t = io.read_parquet(path)
+    t = read_parquet(path)
     assert t.num_rows > 0
-    io.write_parquet(path, t.slice(0, t.num_rows - 1))
+    write_parquet(path, t.slice(0, t.num_rows - 1))
 
 
 def refused(path: Path, run) -> str:
     """``run()`` must refuse the altered ``path``, naming it; the message."""
-    with pytest.raises(io.ArtifactError, match=re.escape(f"{path}: sha256 differs from the one recorded")) as e:
+    with pytest.raises(ArtifactError, match=re.escape(f"{path}: sha256 differs from the one recorded")) as e:
         run()
     return str(e.value)
 
@@ -370,7 +374,7 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
     import pandas as pd
     import torch
 
-    from eaglet.base import datasets as eval_sets
+    from eaglet.base import datasets
     from eaglet.data import freq, prompts, tokenize, vocab
     from eaglet.eval import eval_summary, evaluate_vllm, hf_stage
     from eaglet.generate import generate
@@ -385,13 +389,13 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
         for i in range(6)))
     pr = tmp_path / "prompts"
     prompts.main(["--source", "file", "--path", str(src), "--n", "4", "--heldout", "2", "--out-dir", str(pr)])
-    recorded = io.read_json(pr / "summary.json")[io.DIGESTS_KEY]
-    assert recorded == io.record_digests(pr, ["train.parquet", "heldout.parquet"])
-    assert len(eval_sets.load_set(str(pr / "heldout.parquet"))) == 2  # intact, it reads
+    recorded = read_json(pr / "summary.json")[DIGESTS_KEY]
+    assert recorded == record_digests(pr, ["train.parquet", "heldout.parquet"])
+    assert len(datasets.load_set(str(pr / "heldout.parquet"))) == 2  # intact, it reads
 
     gen = tmp_path / "generate"
     generate.generate(pr / "train.parquet", ident, gen, {"backend": "local", "max_tokens": 2})
-    assert io.read_json(gen / "generate_summary.json")[io.DIGESTS_KEY] == io.record_digests(
+    assert read_json(gen / "generate_summary.json")[DIGESTS_KEY] == record_digests(
         gen, ["conversations.parquet", "errors.parquet"])
     tok_args = ["--target", ident, "--out-dir", str(tmp_path / "tok")]
     tokenize.main(["--conversations", str(gen / "conversations.parquet"), *tok_args])  # intact, it reads
@@ -402,7 +406,7 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
         "--conversations", str(pr / "train.parquet"), "--target", ident, "--out-dir", str(tmp_path / "g2"),
         "--config", json.dumps({"backend": "local"})]))
     _other_rows(pr / "heldout.parquet")
-    refused(pr / "heldout.parquet", lambda: eval_sets.load_set(str(pr / "heldout.parquet")))
+    refused(pr / "heldout.parquet", lambda: datasets.load_set(str(pr / "heldout.parquet")))
     _other_rows(gen / "conversations.parquet")
     refused(gen / "conversations.parquet",
             lambda: tokenize.main(["--conversations", str(gen / "conversations.parquet"), *tok_args]))
@@ -410,21 +414,21 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
     # token_freq -> vocab_map
     fr = tmp_path / "freq"
     s = freq.run(tmp_path / "tok" / "tokens.parquet", ident, fr)
-    assert io.read_json(fr / "summary.json") == s and s["tokens"] > 0
-    assert s[io.DIGESTS_KEY] == io.record_digests(fr, ["freq.safetensors", "top.tsv"])
+    assert read_json(fr / "summary.json") == s and s["tokens"] > 0
+    assert s[DIGESTS_KEY] == record_digests(fr, ["freq.safetensors", "top.tsv"])
     vocab_args = ["--target", ident, "--draft-vocab-size", "64", "--out-dir", str(tmp_path / "vocab")]
     vocab.main(["--counts", str(fr / "freq.safetensors"), *vocab_args])  # intact, it reads
     flip_last_byte(fr / "freq.safetensors")  # the adversarial case: one count becomes ~10^14
     refused(fr / "freq.safetensors", lambda: vocab.main(["--counts", str(fr / "freq.safetensors"), *vocab_args]))
     (fr / "summary.json").unlink()  # no record: refused too
-    with pytest.raises(io.ArtifactError, match=re.escape(f"{fr / 'summary.json'}: missing")):
+    with pytest.raises(ArtifactError, match=re.escape(f"{fr / 'summary.json'}: missing")):
         vocab.main(["--counts", str(fr / "freq.safetensors"), *vocab_args])
 
     # train -> plots (metrics.parquet; train.py records it beside drafter.safetensors, test_train checks)
     tr = tmp_path / "train"
-    io.write_parquet(tr / "metrics.parquet", pd.DataFrame({"step": [1, 2], "split": ["train", "train"],
-                                                           "loss": [2.0, 1.0], "tf_tau": [1.0, 1.2]}))
-    io.write_json(tr / "train_summary.json", {io.DIGESTS_KEY: io.record_digests(tr, ["metrics.parquet"])})
+    write_parquet(tr / "metrics.parquet", pd.DataFrame({"step": [1, 2], "split": ["train", "train"],
+                                                        "loss": [2.0, 1.0], "tf_tau": [1.0, 1.2]}))
+    write_json(tr / "train_summary.json", {DIGESTS_KEY: record_digests(tr, ["metrics.parquet"])})
     _other_rows(tr / "metrics.parquet")
     refused(tr / "metrics.parquet", lambda: plots.main(["--metrics", str(tr / "metrics.parquet"),
                                                         "--out-dir", str(tmp_path / "plots")]))
@@ -445,10 +449,10 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
 
     # export -> evaluate_vllm (contract.json records config.json and model.safetensors; test_export checks)
     dr = tmp_path / "drafter"
-    io.write_json(dr / "config.json", {"architectures": ["Eagle3Speculator"]})
-    io.save_tensors(dr / "model.safetensors", {"d2t": torch.zeros(4, dtype=torch.int64)})
-    io.write_json(dr / "contract.json",
-                  {"ok": True, io.DIGESTS_KEY: io.record_digests(dr, ["config.json", "model.safetensors"])})
+    write_json(dr / "config.json", {"architectures": ["Eagle3Speculator"]})
+    save_tensors(dr / "model.safetensors", {"d2t": torch.zeros(4, dtype=torch.int64)})
+    write_json(dr / "contract.json",
+               {"ok": True, DIGESTS_KEY: record_digests(dr, ["config.json", "model.safetensors"])})
     for name in ("config.json", "model.safetensors"):
         original = (dr / name).read_bytes()
         flip_last_byte(dr / name)
@@ -463,8 +467,8 @@ def test_tokens_without_a_record_are_refused(tiny_target, tmp_path):
     ident = Path(tiny_target["path"]).parent / "identity.json"
     tokens = tmp_path / "tokens.parquet"
     tokens.write_bytes(b"whatever")
-    io.write_json(tmp_path / "metadata.json", {"samples_processed": 1})
-    with pytest.raises(io.ArtifactError, match=r"tokens\.parquet: no sha256 recorded"):
+    write_json(tmp_path / "metadata.json", {"samples_processed": 1})
+    with pytest.raises(ArtifactError, match=r"tokens\.parquet: no sha256 recorded"):
         freq.main(["--tokens", str(tokens), "--target", str(ident), "--out-dir", str(tmp_path / "f")])
 
 
@@ -582,6 +586,6 @@ def test_an_edited_prompts_file_reruns_prompts_and_misses_the_cache(tmp_path):
     b = clone(tmp_path / "b")
     shutil.copy(a / "config/mine.yaml", b / "config/mine.yaml")
     smk(b, cache, target, configfile="config/mine.yaml")
-    answers = {m["content"] for r in io.read_parquet(b / target).to_pylist() for m in r["messages"]
+    answers = {m["content"] for r in read_parquet(b / target).to_pylist() for m in r["messages"]
                if m["role"] == "assistant"}
     assert answers and all(x.startswith("second ") for x in answers), answers

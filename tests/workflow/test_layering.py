@@ -199,7 +199,7 @@ def test_every_rule_lists_the_code_its_stage_runs():
     assert not [s for s in STAGES if "target.shape" in code_inputs.closure(s)]
     assert [s for s in STAGES if "target.families" in code_inputs.closure(s)] == ["data.target_model"]
     files = code_inputs.files("train.train", launcher=True)
-    assert {"src/eaglet/train/train.py", "src/eaglet/planner/gpu_slots.py", "src/eaglet/base/io.py",
+    assert {"src/eaglet/train/train.py", "src/eaglet/planner/gpu_slots.py", "src/eaglet/base/artifacts.py",
             "src/eaglet/train/__init__.py", "src/eaglet/__init__.py"} <= set(files)
     assert "src/eaglet/export/export.py" not in files and files == sorted(set(files))
     assert all((REPO / f).is_file() for f in files)

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from canned_server import make_conversations
-from eaglet.base import io
-from eaglet.base.io import setting_changes
+from eaglet.base.digests import file_digest
+from eaglet.base.files import read_json, write_json
+from eaglet.base.settings_files import setting_changes
+from eaglet.base.tensors import load_tensors, save_tensors
 from eaglet.features.extract import extract
 from eaglet.generate.generate import engine_key, generate, parts_key, resolve_config
 from eaglet.generate.parts import prepare_parts
@@ -109,8 +111,8 @@ def test_other_layers_in_the_store_discard_the_checkpoint(tiny_target, data, fin
     equal. The same chunk bytes under an index that says layers [1, 3, 6] stand in for it."""
     store = tmp_path / "store" / "shard_0"
     shutil.copytree(Path(data["index"][0]).parent, store)
-    idx = io.read_json(store / "index.json")
-    io.write_json(store / "index.json", {**idx, "layer_ids": [1, 3, 6]})
+    idx = read_json(store / "index.json")
+    write_json(store / "index.json", {**idx, "layer_ids": [1, 3, 6]})
     s, text = _rerun(tiny_target, data, finished, tmp_path, P, caplog, index=[str(store / "index.json")])
     assert s["resumed_from"] == 0 and "resuming from" not in text and s["layer_ids"] == [1, 3, 6]
     assert f"{DISCARD}: layer_ids: {LAYERS} -> [1, 3, 6]" in text, text
@@ -120,13 +122,13 @@ def test_other_layers_in_the_store_discard_the_checkpoint(tiny_target, data, fin
 def test_other_vocab_discards_the_checkpoint(tiny_target, data, finished, tmp_path, caplog):
     vocab = tmp_path / "vocab" / "vocab.safetensors"
     vocab.parent.mkdir()
-    t = io.load_tensors(data["vocab"])
+    t = load_tensors(data["vocab"])
     used = t["t2d"].nonzero().squeeze(1)
     free = int((~t["t2d"]).nonzero()[0])  # swap the last draft token for the first unused one
     used = torch.cat([used[:-1], torch.tensor([free])]).sort().values
     t2d = torch.zeros_like(t["t2d"])
     t2d[used] = True
-    io.save_tensors(vocab, {"d2t": used - torch.arange(len(used)), "t2d": t2d})
+    save_tensors(vocab, {"d2t": used - torch.arange(len(used)), "t2d": t2d})
     out = tmp_path / "train"
     shutil.copytree(finished[0] / "checkpoints", out / "checkpoints")
     with caplog.at_level(logging.INFO, logger="eaglet"):
@@ -164,7 +166,7 @@ def _partial(path, samples, layers=(1, 2, 3), chunk=1500, settings=None, **kw):
     for s in samples:
         w.add(*s)
     w.close()  # as a kill leaves it: the saved chunks and progress.json
-    assert len(io.read_json(path / "progress.json")["chunks"]) >= 2
+    assert len(read_json(path / "progress.json")["chunks"]) >= 2
 
 
 SETTINGS = {"token_budget": 96, "target_dtype": "float32"}
@@ -180,7 +182,7 @@ SETTINGS = {"token_budget": 96, "target_dtype": "float32"}
 def test_shard_writer_resumes_only_the_same_shard(tmp_path, caplog, change, line):
     samples = _samples()
     _partial(tmp_path / "s", samples, settings=SETTINGS)
-    kept = io.read_json(tmp_path / "s" / "progress.json")
+    kept = read_json(tmp_path / "s" / "progress.json")
     args = {"layers": (1, 2, 3), "chunk": 1500, "settings": SETTINGS, **change}
     with caplog.at_level(logging.INFO, logger="eaglet"):
         w = ShardWriter(tmp_path / "s", 0, 1, list(args["layers"]), True, "float32", H, "digest", args["chunk"],
@@ -197,9 +199,9 @@ def test_shard_writer_resumes_only_the_same_shard(tmp_path, caplog, change, line
 def test_progress_of_an_older_writer_is_discarded(tmp_path, caplog):
     """progress.json from before the chunk size and settings were recorded: not trusted."""
     _partial(tmp_path / "s", _samples())
-    prog = io.read_json(tmp_path / "s" / "progress.json")
-    io.write_json(tmp_path / "s" / "progress.json",
-                  {k: v for k, v in prog.items() if k not in ("chunk_bytes", "settings")})
+    prog = read_json(tmp_path / "s" / "progress.json")
+    write_json(tmp_path / "s" / "progress.json",
+               {k: v for k, v in prog.items() if k not in ("chunk_bytes", "settings")})
     with caplog.at_level(logging.INFO, logger="eaglet"):
         w = ShardWriter(tmp_path / "s", 0, 1, [1, 2, 3], True, "float32", H, "digest", 1500, final_layer=4,
                         source_digest="tokens")
@@ -221,14 +223,14 @@ def _extract_partial(tiny_target, tokens, work, token_budget=96, layers=(2, 4, 5
                 "target_device": "cpu", "trust_remote_code": False}
     w = ShardWriter(work, 0, 1, list(layers), True, "float32", tiny_target["hidden_size"], tiny_target["digest"],
                     int(0.001 * (1 << 20)), final_layer=tiny_target["num_layers"],
-                    source_digest=io.file_digest(tokens[0]), settings=settings)
+                    source_digest=file_digest(tokens[0]), settings=settings)
     g = torch.Generator().manual_seed(1)
     for r in rows[:3]:
         T = len(r["input_ids"])
         w.add(r["id"], r["input_ids"], r["loss_mask"], torch.randn(T, 3, tiny_target["hidden_size"], generator=g),
               torch.randn(T, tiny_target["hidden_size"], generator=g))
     w.close()
-    return {r["id"] for r in rows[:3]} & {s["id"] for s in io.read_json(work / "progress.json")["samples"]}
+    return {r["id"] for r in rows[:3]} & {s["id"] for s in read_json(work / "progress.json")["samples"]}
 
 
 @pytest.mark.parametrize(("change", "line"), [

@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from conftest import clone
-from eaglet.base import io
+from eaglet.base.tensors import load_tensors
 from eaglet.planner.gpu_slots import train_launch
 from train_common import PARAMS, hidden_data, train_cmd
 
@@ -319,6 +319,6 @@ def test_srun_torchrun_launch_trains_two_gloo_ranks_like_one_process(cluster, ti
     a, b = a[a.split == "train"], b[b.split == "train"]
     assert len(a) == len(b) == 4 and b.loss.notna().all()
     assert (a.loss - b.loss).abs().max() < 1e-4 and (a.tokens == b.tokens).all()
-    ta, tb = io.load_tensors(single / "drafter.safetensors"), io.load_tensors(ddp / "drafter.safetensors")
+    ta, tb = load_tensors(single / "drafter.safetensors"), load_tensors(ddp / "drafter.safetensors")
     assert max(float((ta[k] - tb[k]).abs().max()) for k in ta if ta[k].is_floating_point()) < 5e-5
     assert all(torch.equal(ta[k], tb[k]) for k in ta if not ta[k].is_floating_point())

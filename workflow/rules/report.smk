@@ -1,7 +1,7 @@
 # Report assets: plots and tables drawn from the stage artifacts, and the provenance manifest
 # (versions, git describe, hardware, target digest, config, wall time per stage) that Snakemake's
 # own report lacks for `python -m` rules. Included last: provenance waits for every other output.
-from eaglet.base.io import digest_of
+from eaglet.base.digests import digest_of
 
 
 rule plots:

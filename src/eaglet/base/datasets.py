@@ -37,7 +37,9 @@ import logging
 from collections import Counter
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.conversations import prompt_problem, read_conversations
+from eaglet.base.digests import verify_beside
 
 log = logging.getLogger("eaglet.base.datasets")
 
@@ -69,7 +71,7 @@ def _jsonl(path: Path) -> list[dict]:
         try:
             return [json.loads(line) for line in fh if line.strip()]
         except json.JSONDecodeError as e:
-            raise io.ArtifactError(f"{path}: corrupt JSON line ({e})") from None
+            raise ArtifactError(f"{path}: corrupt JSON line ({e})") from None
 
 
 def mtbench() -> list[dict]:
@@ -91,7 +93,7 @@ def math() -> list[dict]:
     try:
         problems = json.loads(path.read_text(encoding="utf-8"))["problems"]
     except (json.JSONDecodeError, KeyError) as e:
-        raise io.ArtifactError(f"{path}: not CHAMP's problem file ({e})") from None
+        raise ArtifactError(f"{path}: not CHAMP's problem file ({e})") from None
     return [{"id": f"math/{p['identifier']}", "source": f"math/{p.get('category', '')}",
              "messages": [{"role": "user", "content": MATH_ASK.format(problem=p["_text"])}]}
             for p in problems.values()]
@@ -101,10 +103,10 @@ def conversations(path: str | Path) -> list[dict]:
     """Prompts from a conversation Parquet: the messages before the last user turn's reply. A stage's
     output (prompts/heldout.parquet, generate/conversations.parquet) is checked against the sha256
     its stage recorded beside it; a user's own file is read as given."""
-    io.verify_beside(path, "summary.json", "generate_summary.json")
+    verify_beside(path, "summary.json", "generate_summary.json")
     out, skipped = [], Counter()
-    for r in io.read_conversations(path):
-        reason = io.prompt_problem(r["messages"])
+    for r in read_conversations(path):
+        reason = prompt_problem(r["messages"])
         if reason:  # malformed, or nothing to answer
             skipped[reason] += 1
             continue
@@ -115,7 +117,7 @@ def conversations(path: str | Path) -> list[dict]:
     if skipped:
         log.warning("%s: %d rows skipped %s", path, sum(skipped.values()), dict(skipped))
     if not out:
-        raise io.ArtifactError(f"{path}: no conversation with a user turn")
+        raise ArtifactError(f"{path}: no conversation with a user turn")
     return out
 
 

@@ -17,7 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_recorded
+from eaglet.base.files import read_parquet, write_json, write_text
+from eaglet.base.logs import setup_logging
+from eaglet.base.tensors import save_tensors
 
 log = logging.getLogger("eaglet.data.freq")
 
@@ -30,9 +34,9 @@ def count_tokens(table, vocab_size: int, where: str | Path = "tokens") -> dict[s
     flat_ids = ids.values.to_numpy(zero_copy_only=False)
     flat_mask = mask.values.to_numpy(zero_copy_only=False).astype(bool)
     if flat_ids.size != flat_mask.size:
-        raise io.ArtifactError(f"{where}: input_ids and loss_mask lengths differ")
+        raise ArtifactError(f"{where}: input_ids and loss_mask lengths differ")
     if flat_ids.size and (flat_ids.min() < 0 or flat_ids.max() >= vocab_size):
-        raise io.ArtifactError(f"{where}: token id outside [0, {vocab_size})")
+        raise ArtifactError(f"{where}: token id outside [0, {vocab_size})")
     out = {"counts": np.bincount(flat_ids[flat_mask], minlength=vocab_size).astype(np.int64)}
     if "source" in table.column_names:
         lengths = np.diff(ids.offsets.to_numpy())
@@ -67,22 +71,22 @@ def run(tokens: str | Path, target: str | Path, out_dir: str | Path, top_n: int 
     # tokenizer's length (Qwen, Gemma, DeepSeek: a multiple of 64 or 128): d2t/t2d index logits.
     V = int(ident["vocab_size"])
     if len(tok) > V:
-        raise io.ArtifactError(f"{target}: the tokenizer has {len(tok)} tokens, more than the model's "
-                               f"vocab_size {V}")
-    table = io.read_parquet(tokens, columns=None)
+        raise ArtifactError(f"{target}: the tokenizer has {len(tok)} tokens, more than the model's "
+                            f"vocab_size {V}")
+    table = read_parquet(tokens, columns=None)
     missing = {"input_ids", "loss_mask"} - set(table.column_names)
     if missing:
-        raise io.ArtifactError(f"{tokens}: not a tokens file (missing columns {sorted(missing)})")
+        raise ArtifactError(f"{tokens}: not a tokens file (missing columns {sorted(missing)})")
     counts = count_tokens(table, V, tokens)
     out_dir = Path(out_dir)
-    io.save_tensors(out_dir / "freq.safetensors", counts)
-    io.write_text(out_dir / "top.tsv", top_table(counts["counts"], tok, top_n))
+    save_tensors(out_dir / "freq.safetensors", counts)
+    write_text(out_dir / "top.tsv", top_table(counts["counts"], tok, top_n))
     c = counts["counts"]
     summary = {"tokens": int(c.sum()), "distinct": int((c > 0).sum()), "vocab_size": len(c),
                "tokens_by_source": {k.split("/", 1)[1]: int(v.sum()) for k, v in counts.items() if "/" in k},
-               # checked by vocab_map (io.verify_recorded) before it trusts the counts
-               io.DIGESTS_KEY: io.record_digests(out_dir, ["freq.safetensors", "top.tsv"])}
-    io.write_json(out_dir / "summary.json", summary)
+               # checked by vocab_map (digests.verify_recorded) before it trusts the counts
+               DIGESTS_KEY: record_digests(out_dir, ["freq.safetensors", "top.tsv"])}
+    write_json(out_dir / "summary.json", summary)
     return summary
 
 
@@ -94,8 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=200)
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
-    io.verify_recorded(a.tokens, Path(a.tokens).with_name("metadata.json"))  # tokenize's record
+    setup_logging(a.log)
+    verify_recorded(a.tokens, Path(a.tokens).with_name("metadata.json"))  # tokenize's record
     s = run(a.tokens, a.target, a.out_dir, a.top)
     log.info("token_freq: %d assistant tokens, %d distinct ids of %d", s["tokens"], s["distinct"],
              s["vocab_size"])

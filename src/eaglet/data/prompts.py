@@ -18,7 +18,12 @@ import random
 from collections import Counter
 from pathlib import Path
 
-from eaglet.base import io, schema
+from eaglet.base import schema
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.conversations import conversation_problem, write_conversations
+from eaglet.base.digests import DIGESTS_KEY, record_digests
+from eaglet.base.files import read_parquet, write_json
+from eaglet.base.logs import setup_logging
 
 log = logging.getLogger("eaglet.data.prompts")
 
@@ -41,7 +46,7 @@ def read_records(path: str | Path) -> tuple[list, Counter]:
     if not path.exists():
         raise FileNotFoundError(f"prompts.path: {path} does not exist")
     if path.suffix == ".parquet":
-        return io.read_parquet(path).to_pylist(), bad
+        return read_parquet(path).to_pylist(), bad
     raw = path.read_bytes()
     if path.suffix == ".json":
         return read_json_array(path, raw, bad)
@@ -64,11 +69,11 @@ def read_json_array(path: Path, raw: bytes, bad: Counter) -> tuple[list, Counter
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise io.ArtifactError(f"{path}: not UTF-8 ({e})") from None
+        raise ArtifactError(f"{path}: not UTF-8 ({e})") from None
     dec = json.JSONDecoder()
     pos = len(text) - len(text.lstrip())
     if not text.startswith("[", pos):
-        raise io.ArtifactError(f"{path}: expected a JSON array of conversations")
+        raise ArtifactError(f"{path}: expected a JSON array of conversations")
     pos += 1
     records = []
     while True:
@@ -114,7 +119,7 @@ def normalise(rec, source: str, index: int) -> tuple[dict | None, str | None]:
     rid = rec.get("id")
     row = {"id": str(rid) if rid is not None else f"{source}-{index}", "source": source,
            "messages": messages}
-    reason = io.conversation_problem(row["messages"])
+    reason = conversation_problem(row["messages"])
     return (None, reason) if reason else (row, None)
 
 
@@ -203,14 +208,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-dir", required=True)
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
+    setup_logging(a.log)
     res = build_prompts(a.source, a.path, a.n, a.heldout, a.seed, a.max_turns, a.split)
     out = Path(a.out_dir)
-    io.write_conversations(out / "train.parquet", res["train"])
-    io.write_conversations(out / "heldout.parquet", res["heldout"])
-    # checked by the stages that read them (generate, tokenize, evaluate: io.verify_beside)
-    res["summary"][io.DIGESTS_KEY] = io.record_digests(out, ["train.parquet", "heldout.parquet"])
-    io.write_json(out / "summary.json", res["summary"])
+    write_conversations(out / "train.parquet", res["train"])
+    write_conversations(out / "heldout.parquet", res["heldout"])
+    # checked by the stages that read them (generate, tokenize, evaluate: digests.verify_beside)
+    res["summary"][DIGESTS_KEY] = record_digests(out, ["train.parquet", "heldout.parquet"])
+    write_json(out / "summary.json", res["summary"])
     s = res["summary"]
     log.info("prompts: %d valid of %d read, %d skipped %s → train %d, heldout %d", s["valid"],
              s["records_read"], s["skipped"], s["skipped_by_reason"], s["train"], s["heldout"])

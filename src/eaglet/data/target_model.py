@@ -24,7 +24,11 @@ import os
 import shutil
 from pathlib import Path
 
-from eaglet.base import io, schema
+from eaglet.base import schema
+from eaglet.base.digests import folder_manifest
+from eaglet.base.files import write_json
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
 from eaglet.target.load import DEFAULT_GGUF, identity_of, package_file
 
 log = logging.getLogger("eaglet.data.target_model")
@@ -77,7 +81,7 @@ def materialise(cfg: dict, out: str | Path) -> dict:
     """Write ``out/model`` and ``out/identity.json``; return the identity.
 
     identity.json records ``files``, the manifest of the model folder (every file's size, and the
-    sha256 of files up to io.FULL_HASH_MAX_BYTES), which load_identity checks on every read."""
+    sha256 of files up to digests.FULL_HASH_MAX_BYTES), which load_identity checks on every read."""
     out = Path(out)
     model_dir = out / "model"
     tmp_dir = out / ".model.tmp"
@@ -93,7 +97,7 @@ def materialise(cfg: dict, out: str | Path) -> dict:
         # does not own, so model/ holds only a note and identity.json the folder's absolute path.
         src_dir = Path(os.path.abspath(src_dir))
         tmp_dir.mkdir(parents=True)
-        io.write_json(tmp_dir / "source.json", {
+        write_json(tmp_dir / "source.json", {
             "path": str(src_dir),
             "why": "a local target.path is read in place; identity.json holds its path and manifest"})
         if model_dir.exists():
@@ -101,8 +105,8 @@ def materialise(cfg: dict, out: str | Path) -> dict:
         tmp_dir.rename(model_dir)
         ident = identity_of(src_dir, cfg["name"], str(src_dir))
         ident["path"] = str(src_dir)  # absolute: load_identity keeps it as it is
-        ident["files"] = io.folder_manifest(src_dir)
-        io.write_json(out / "identity.json", ident)
+        ident["files"] = folder_manifest(src_dir)
+        write_json(out / "identity.json", ident)
         log.info("target %s read in place from %s: %d layers, hidden %d, vocab %d, digest %s", ident["name"],
                  src_dir, ident["num_layers"], ident["hidden_size"], ident["vocab_size"], ident["digest"][:12])
         return ident
@@ -116,8 +120,8 @@ def materialise(cfg: dict, out: str | Path) -> dict:
         shutil.rmtree(model_dir)
     tmp_dir.rename(model_dir)  # the checkpoint appears whole or not at all
     ident = identity_of(model_dir, cfg["name"], source)
-    ident["files"] = io.folder_manifest(model_dir)
-    io.write_json(out / "identity.json", ident)
+    ident["files"] = folder_manifest(model_dir)
+    write_json(out / "identity.json", ident)
     log.info("target %s: %d layers, hidden %d, vocab %d, digest %s", ident["name"], ident["num_layers"],
              ident["hidden_size"], ident["vocab_size"], ident["digest"][:12])
     return ident
@@ -130,8 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="folder for model/ and identity.json")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
-    cfg = io.parse_json_arg(a.config)
+    setup_logging(a.log)
+    cfg = parse_json_arg(a.config)
     ident = materialise(cfg, a.out)
     check_first_job(cfg, Path(a.out) / ident["path"], ident["architecture"], attention=ident.get("attention"))
 
@@ -141,13 +145,12 @@ def check_first_job(cfg: dict, model_dir: Path, arch: str, vllm_env: str = "envs
     """What parse time cannot know for a built or GGUF target, said by the first job: refuse a
     target without any chat template (naming ``target.chat_template``); log whether the installed
     vLLM can serve an EAGLE-3 drafter for this architecture."""
-    from eaglet.target import chat_template
-    from eaglet.target import check as target_check
+    from eaglet.target import chat_template, check
 
     if not (chat_template.chat_template_text(cfg.get("chat_template"))
             or chat_template.has_chat_template(model_dir)):
         raise ValueError(chat_template.no_template_message(f"target {cfg.get('name')!r}"))
-    log.info("%s", target_check.serving(arch, vllm_env, attention)[1])
+    log.info("%s", check.serving(arch, vllm_env, attention)[1])
 
 
 if __name__ == "__main__":

@@ -39,7 +39,11 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglet.base import io, schema
+from eaglet.base import schema
+from eaglet.base.conversations import conversation_problem, read_conversations
+from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_beside
+from eaglet.base.files import write_json, write_parquet
+from eaglet.base.logs import setup_logging
 from eaglet.target import reasoning
 
 log = logging.getLogger("eaglet.data.tokenize")
@@ -273,7 +277,7 @@ def tokenize_rows(tokenizer, rows: list[dict], max_length: int = schema.default(
 
     for row in rows:
         msgs = row.get("messages")
-        reason = io.conversation_problem(msgs) if isinstance(msgs, list) else "empty_conversation"
+        reason = conversation_problem(msgs) if isinstance(msgs, list) else "empty_conversation"
         if reason is None and row["id"] in seen:
             reason = "duplicate_id"
         if reason:
@@ -320,7 +324,7 @@ def write_tokens(path: str | Path, kept: list[dict]) -> None:
         "num_tokens": pa.array([r["num_tokens"] for r in kept], pa.int32()),
         "num_assistant_tokens": pa.array([r["num_assistant_tokens"] for r in kept], pa.int32()),
     })
-    io.write_parquet(path, table)
+    write_parquet(path, table)
 
 
 def run(conversations: str | Path, target: str | Path, out_dir: str | Path,
@@ -333,7 +337,7 @@ def run(conversations: str | Path, target: str | Path, out_dir: str | Path,
     from eaglet.target.load import load_identity, load_tokenizer
 
     tok = load_tokenizer(load_identity(target)["path"], chat_template, need_template=True)
-    rows = io.read_conversations(conversations)
+    rows = read_conversations(conversations)
     renderer = Renderer(tok, chat_template_kwargs)
     fmt = reasoning.detect(renderer, tok.get_vocab(), think_markers)
     kept, skipped, by_source = tokenize_rows(tok, rows, max_length, overlong, batch_size, fmt, renderer)
@@ -361,10 +365,10 @@ def run(conversations: str | Path, target: str | Path, out_dir: str | Path,
         # samples cut at max_length: kept with part of their answer, and dropped with none left
         "truncated": int(sum(r["truncated"] for r in kept)) + skipped["truncated_no_answer"],
         "truncated_kept": int(sum(r["truncated"] for r in kept)),
-        # checked by the stages that read tokens.parquet (io.verify_recorded)
-        io.DIGESTS_KEY: io.record_digests(out_dir, ["tokens.parquet"]),
+        # checked by the stages that read tokens.parquet (digests.verify_recorded)
+        DIGESTS_KEY: record_digests(out_dir, ["tokens.parquet"]),
     }
-    io.write_json(out_dir / "metadata.json", meta)
+    write_json(out_dir / "metadata.json", meta)
     return meta
 
 
@@ -384,12 +388,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="JSON [open, close] (tokenize.think_markers): wraps reasoning for a template that reads none")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
+    setup_logging(a.log)
     kwargs = json.loads(a.chat_template_kwargs)
     if not isinstance(kwargs, dict):
         p.error(f"--chat-template-kwargs must be a JSON object, got {a.chat_template_kwargs!r}")
     # generate's record, or the prompts stage's (generation off), when a stage made them
-    io.verify_beside(a.conversations, "generate_summary.json", "summary.json")
+    verify_beside(a.conversations, "generate_summary.json", "summary.json")
     m = run(a.conversations, a.target, a.out_dir, a.max_length, a.overlong, a.batch_size, a.chat_template or None,
             kwargs, json.loads(a.think_markers))
     log.info("tokenize: %d samples, %d skipped %s, %d tokens, %d assistant tokens, %d unique; reasoning as %s "

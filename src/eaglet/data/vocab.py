@@ -27,7 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglet.base import io, schema
+from eaglet.base import schema
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_recorded
+from eaglet.base.files import write_json
+from eaglet.base.logs import setup_logging
+from eaglet.base.tensors import load_tensors, save_tensors
 from eaglet.target import reasoning
 
 log = logging.getLogger("eaglet.data.vocab")
@@ -136,9 +141,9 @@ def run(counts_path: str | Path, target: str | Path, out_dir: str | Path, draft_
     from eaglet.target.load import load_identity, load_tokenizer
 
     tok = load_tokenizer(load_identity(target)["path"], chat_template)
-    tensors = io.load_tensors(counts_path)
+    tensors = load_tensors(counts_path)
     if "counts" not in tensors:
-        raise io.ArtifactError(f"{counts_path}: no 'counts' tensor")
+        raise ArtifactError(f"{counts_path}: no 'counts' tensor")
     counts = tensors["counts"].numpy().astype(np.int64)
     fmt = reasoning_format(tok, chat_template_kwargs, think_markers)
     pins = pinned_ids(tok, pin_special, pinned or [], fmt)
@@ -168,11 +173,11 @@ def run(counts_path: str | Path, target: str | Path, out_dir: str | Path, draft_
         "reasoning": fmt.record(),  # the frame pinned (why "reasoning"), as tokenize renders it
     }
     out_dir = Path(out_dir)
-    io.save_tensors(out_dir / "vocab.safetensors", {"d2t": d2t, "t2d": t2d},
-                    metadata={"eaglet": json.dumps({"draft_vocab_size": draft_vocab_size,
-                                                    "vocab_size": int(counts.size)})})
-    summary[io.DIGESTS_KEY] = io.record_digests(out_dir, ["vocab.safetensors"])  # checked by train
-    io.write_json(out_dir / "vocab.json", summary)
+    save_tensors(out_dir / "vocab.safetensors", {"d2t": d2t, "t2d": t2d},
+                 metadata={"eaglet": json.dumps({"draft_vocab_size": draft_vocab_size,
+                                                 "vocab_size": int(counts.size)})})
+    summary[DIGESTS_KEY] = record_digests(out_dir, ["vocab.safetensors"])  # checked by train
+    write_json(out_dir / "vocab.json", summary)
     return summary
 
 
@@ -192,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out-dir", required=True)
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
-    io.verify_recorded(a.counts, Path(a.counts).with_name("summary.json"))  # token_freq's record
+    setup_logging(a.log)
+    verify_recorded(a.counts, Path(a.counts).with_name("summary.json"))  # token_freq's record
     s = run(a.counts, a.target, a.out_dir, a.draft_vocab_size, a.pin_special, json.loads(a.pinned),
             a.curve_points, a.chat_template or None, json.loads(a.chat_template_kwargs), json.loads(a.think_markers))
     missed = [p["token"] for p in s["pinned"] if not p["would_be_in_without_pin"]]

@@ -1,4 +1,4 @@
-"""eaglet.drafter: The EAGLE-3 drafter: its model and file format in the trainer (model), its rotary
+"""eaglet.drafter: The EAGLE-3 drafter: its model and file format in the trainer (eagle3), its rotary
 embedding (rope), the training-time-test unroll (ttt, ttt_attention), and the exact greedy chain
 that scores it (chain).
 """

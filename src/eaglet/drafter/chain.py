@@ -8,7 +8,7 @@ from there match the continuation (``accepted[g]``). :func:`chain_replay` walks 
 real loop runs from those numbers; :func:`rounds_tau` is vLLM's τ over them (tokens per target
 forward = 1 + accepted / rounds with drafts).
 
-The trainer gets ``accepted`` from the training-time-test unroll (eaglet.drafter.model.Eagle3Drafter
+The trainer gets ``accepted`` from the training-time-test unroll (eaglet.drafter.eagle3.Eagle3Drafter
 .ttt_unroll): on the target's greedy continuation, draft k at index t is accepted iff drafts
 0..k at t all hit (:func:`accepted_runs`), and every assistant span of a sequence is one
 continuation (:func:`sequence_rounds`).

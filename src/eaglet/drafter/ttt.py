@@ -11,7 +11,7 @@ from torch import nn
 
 from eaglet.base import schema
 from eaglet.drafter import chain
-from eaglet.drafter.model import Eagle3Drafter
+from eaglet.drafter.eagle3 import Eagle3Drafter
 
 # The recipe's options (train params; their defaults and allowed values: the config schema, read
 # through eaglet.base.schema: schema.allowed("train.loss") are the losses step_loss computes).

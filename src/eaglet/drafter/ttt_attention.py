@@ -1,5 +1,5 @@
 """The TTT attention of draft steps j >= 1 (docs/eagle3.md §3), linear in T (issue 14); used by
-eaglet.drafter.model's ``Eagle3Drafter.ttt_unroll`` and re-exported there.
+eaglet.drafter.eagle3's ``Eagle3Drafter.ttt_unroll`` and re-exported there.
 
 Shape suffixes: B batch, h heads, T tokens, C queries per chunk, L keys, d head dim.
 """
@@ -30,7 +30,7 @@ def ttt_attention(q_BhTd: torch.Tensor, k0_BhTd: torch.Tensor, v0_BhTd: torch.Te
     reads keys 0..hi-1 only, so the causal part costs half the dense FLOPs; forward + recompute
     together cost about what the dense forward did. Each query row is computed by the very
     formula of the dense form (masked keys get exactly zero weight), so values and gradients
-    equal it to rounding (tests/drafter/test_model.py compares both at 1e-5 in fp32).
+    equal it to rounding (tests/drafter/test_eagle3.py compares both at 1e-5 in fp32).
 
     Why not SDPA or flex attention: the diagonal keys differ per query, so SDPA can take them only
     as extra keys under a [T, (j+1)T] mask, which is O(T^2) again and sends CPU to the math path;
@@ -38,7 +38,7 @@ def ttt_attention(q_BhTd: torch.Tensor, k0_BhTd: torch.Tensor, v0_BhTd: torch.Te
     LSE, which public SDPA does not return and the fused aten kernels return as a
     non-differentiable output; flex attention's block mask needs torch.compile to be
     memory-efficient and materialises the scores in eager mode (the CPU tests, the CPU default run).
-    Measured (tests/drafter/test_model.py, tiny target, B=1, 2 heads, 3 steps, forward + backward): the
+    Measured (tests/drafter/test_eagle3.py, tiny target, B=1, 2 heads, 3 steps, forward + backward): the
     largest allocation was 8.4 MB at T=1024 and 33.6 MB at T=2048 dense, 2.1 MB and 4.2 MB here.
     """
     T = q_BhTd.shape[2]

@@ -45,9 +45,9 @@ from collections import defaultdict
 
 import torch
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
 from eaglet.drafter.chain import accepted_prefix, overlap
-from eaglet.drafter.model import KVCache, load_drafter
+from eaglet.drafter.eagle3 import KVCache, load_drafter
 from eaglet.target.load import job_device, load_identity, load_model, load_tokenizer, stop_ids, target_load
 
 log = logging.getLogger("eaglet.engines.hf_loop")
@@ -448,8 +448,8 @@ def setup(drafter_path, identity_path, threads, stop_at_eos=True, chat_template=
     ident = load_identity(identity_path)
     drafter, cfg, d2t, _ = load_drafter(drafter_path, ident)
     if cfg.target_digest and cfg.target_digest != ident["digest"]:
-        raise io.ArtifactError(f"{drafter_path}: trained for target {cfg.target_digest[:12]}, "
-                               f"not {ident['digest'][:12]} ({identity_path})")
+        raise ArtifactError(f"{drafter_path}: trained for target {cfg.target_digest[:12]}, "
+                            f"not {ident['digest'][:12]} ({identity_path})")
     tok = load_tokenizer(ident["path"], chat_template, need_template=True, trust_remote_code=ld["trust_remote_code"])
     model = load_model(ident["path"], dtype=ld["dtype"], trust_remote_code=ld["trust_remote_code"],
                        device=job_device(ld["device"]))

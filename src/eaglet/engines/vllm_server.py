@@ -38,7 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
 from eaglet.engines import vllm_env
 
 log = logging.getLogger("eaglet.engines.vllm_server")
@@ -255,10 +256,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     a = parser().parse_args(argv)
-    io.setup_logging()
+    setup_logging()
     with serve(a.model, work_dir=a.work_dir, env=a.env, port=a.port, max_model_len=a.max_model_len,
                kv_cache_gb=a.kv_cache_gb, reasoning_parser=a.reasoning_parser,
-               speculative_config=io.parse_json_arg(a.speculative_config),
+               speculative_config=parse_json_arg(a.speculative_config),
                startup_timeout_s=a.startup_timeout_s) as srv:
         print(srv.base_url, flush=True)
         with contextlib.suppress(KeyboardInterrupt):

@@ -39,7 +39,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from eaglet.base import io
+from eaglet.base.digests import verify_recorded
+from eaglet.base.files import atomic_path, read_json, read_parquet, write_json, write_parquet
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
 from eaglet.eval import stats
 from eaglet.eval.options import resolve
 
@@ -64,9 +67,9 @@ def _k(d: dict, k) -> object:
 def agreement(eval_dir: Path, eps: float) -> dict:
     """Offline chain replay vs the real loop, round by round, per prompt and k. A difference is
     explained only by a logged near-tie (target or drafter top-2 gap < eps) where it starts."""
-    a = io.read_parquet(eval_dir / "offline_rounds.parquet").to_pandas()
-    b = io.read_parquet(eval_dir / "speculative_rounds.parquet").to_pandas()
-    pos = io.read_parquet(eval_dir / "offline_positions.parquet").to_pandas()
+    a = read_parquet(eval_dir / "offline_rounds.parquet").to_pandas()
+    b = read_parquet(eval_dir / "speculative_rounds.parquet").to_pandas()
+    pos = read_parquet(eval_dir / "offline_positions.parquet").to_pandas()
     keys = ["set", "id", "k"]
     ga, gb = dict(iter(a.groupby(keys))), dict(iter(b.groupby(keys)))
     diffs = []
@@ -233,7 +236,7 @@ def tau_by_domain(offline: dict, k: int) -> dict:
 # --------------------------------------------------------------------------- plots
 def _save(fig, path: Path) -> None:
     """Render to a temporary file beside ``path`` and rename it over ``path``."""
-    with io.atomic_path(path) as tmp:
+    with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
 
 
@@ -342,8 +345,8 @@ def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: di
     res = {"headline": h, "agreement": None, "recommendation": rec, "domains": None, "matrix": matrix,
            "vllm_disagreements": (vllm or {}).get("disagreements"), "plots": [str(out / p) for p in PLOTS],
            "learning_curve": curve}
-    io.write_parquet(out / "recommendation.parquet", pd.DataFrame({"k": pd.Series([], dtype="int64")}))
-    io.write_json(out / "summary.json", res)
+    write_parquet(out / "recommendation.parquet", pd.DataFrame({"k": pd.Series([], dtype="int64")}))
+    write_json(out / "summary.json", res)
     log.warning("HF loop not run (%s); headline: %s", why, h)
     return res
 
@@ -361,11 +364,11 @@ def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_cur
     go to ``modes``, its matrix rows (with their ``mode``) to ``modes_matrix``."""
     o = summary_options(opts)
     out = Path(eval_dir)
-    offline, spec = io.read_json(out / "offline.json"), io.read_json(out / "speculative.json")
-    vl = io.read_json(vllm) if vllm else None
-    curve = io.read_json(learning_curve) if learning_curve else None
-    extras = {"regen": io.read_json(regenerated) if regenerated else None,
-              "modes": io.read_json(modes) if modes else None}
+    offline, spec = read_json(out / "offline.json"), read_json(out / "speculative.json")
+    vl = read_json(vllm) if vllm else None
+    curve = read_json(learning_curve) if learning_curve else None
+    extras = {"regen": read_json(regenerated) if regenerated else None,
+              "modes": read_json(modes) if modes else None}
     if offline.get("status") == "not run" or spec.get("status") == "not run":
         res = summarise_without_hf_loop(out, offline if offline.get("status") else spec, vl, o, curve)
         return _with_extras(out, res, **extras)
@@ -378,8 +381,8 @@ def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_cur
            "domains": {"offline_chain": offline.get("domains"), "hf_loop": spec.get("domains")},
            "vllm_disagreements": (vl or {}).get("disagreements"), "plots": plots(out, offline, spec, vl, rec),
            "learning_curve": curve}
-    io.write_parquet(out / "recommendation.parquet", pd.DataFrame(rec["table"]))
-    io.write_json(out / "summary.json", res)
+    write_parquet(out / "recommendation.parquet", pd.DataFrame(rec["table"]))
+    write_json(out / "summary.json", res)
     log.info("headline: %s", res["headline"])
     return _with_extras(out, res, **extras)
 
@@ -404,7 +407,7 @@ def _with_extras(out: Path, res: dict, regen: dict | None, modes: dict | None) -
         for m in modes["modes"]:
             log.info("mode %s:", m)
             _log_matrix([r for r in res["modes_matrix"] if r["mode"] == m])
-    io.write_json(out / "summary.json", res)
+    write_json(out / "summary.json", res)
     return res
 
 
@@ -420,10 +423,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", default=None, help="JSON options: " + ", ".join(summary_options({})))
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
+    setup_logging(a.log)
     verify_inputs(a.eval_dir)
     summarise(a.eval_dir, a.vllm, a.learning_curve, regenerated=a.regenerated, modes=a.modes,
-              **io.parse_json_arg(a.config, {}))
+              **parse_json_arg(a.config, {}))
 
 
 # The evaluate stages' Parquet files, each with the JSON its stage recorded its sha256 in.
@@ -432,9 +435,9 @@ RECORDED = {"offline_positions.parquet": "offline.json", "offline_rounds.parquet
 
 
 def verify_inputs(eval_dir: str | Path) -> None:
-    """Refuse an evaluate Parquet whose sha256 is not the one its stage recorded (io.verify_recorded)."""
+    """Refuse an evaluate Parquet whose sha256 is not the one its stage recorded (digests.verify_recorded)."""
     for name, record in RECORDED.items():
-        io.verify_recorded(Path(eval_dir) / name, Path(eval_dir) / record)
+        verify_recorded(Path(eval_dir) / name, Path(eval_dir) / record)
 
 
 if __name__ == "__main__":

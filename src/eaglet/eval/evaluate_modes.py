@@ -17,7 +17,8 @@ import logging
 from pathlib import Path
 
 from eaglet.base import datasets as eval_sets
-from eaglet.base import io
+from eaglet.base.files import write_json
+from eaglet.base.settings_files import parse_json_arg
 from eaglet.engines.hf_loop import setup
 from eaglet.eval.evaluate_offline import offline_results
 from eaglet.eval.hf_stage import NOT_RUN, not_run_reason, parser, run
@@ -42,7 +43,7 @@ def evaluate_modes(drafter: str | Path, identity: str | Path, sets: list[str], o
         res = {"stage": "evaluate_modes", "status": NOT_RUN, "hf_loop_reason": why, "options": o,
                "modes": {m: {"chat_template_kwargs": {**o["chat_template_kwargs"], **kw}} for m, kw in modes.items()},
                "matrix": []}
-        io.write_json(out, res)
+        write_json(out, res)
         return res
     ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
                                                target_load(o))
@@ -72,7 +73,7 @@ def evaluate_modes(drafter: str | Path, identity: str | Path, sets: list[str], o
     res = {"stage": "evaluate_modes", "drafter": str(drafter), "target": ident["name"],
            "target_digest": ident["digest"], "options": o, "sets_requested": sets, "modes": per_mode,
            "matrix": matrix}
-    io.write_json(out, res)
+    write_json(out, res)
     return res
 
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", required=True,
                    help="JSON object, mode name -> chat template keyword arguments (evaluate.modes)")
     a = p.parse_args(argv)
-    run(evaluate_modes, a, modes=io.parse_json_arg(a.modes))
+    run(evaluate_modes, a, modes=parse_json_arg(a.modes))
 
 
 if __name__ == "__main__":

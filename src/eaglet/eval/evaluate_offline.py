@@ -34,7 +34,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from eaglet.base import datasets as eval_sets
-from eaglet.base import io
+from eaglet.base.digests import DIGESTS_KEY, record_digests
+from eaglet.base.files import write_json, write_parquet
 from eaglet.drafter.chain import (
     chain_counts,
     chain_replay,
@@ -80,11 +81,11 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
            "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "draft_vocab_size": cfg.draft_vocab_size,
            "options": o, "sets_requested": sets, **res}
     out = Path(out_dir)
-    io.write_parquet(out / "offline_positions.parquet", frame(pos_rows))
-    io.write_parquet(out / "offline_rounds.parquet", frame(round_rows))
-    # checked by eval_summary (io.verify_recorded)
-    res[io.DIGESTS_KEY] = io.record_digests(out, ["offline_positions.parquet", "offline_rounds.parquet"])
-    io.write_json(out / "offline.json", res)
+    write_parquet(out / "offline_positions.parquet", frame(pos_rows))
+    write_parquet(out / "offline_rounds.parquet", frame(round_rows))
+    # checked by eval_summary (verify_recorded)
+    res[DIGESTS_KEY] = record_digests(out, ["offline_positions.parquet", "offline_rounds.parquet"])
+    write_json(out / "offline.json", res)
     log.info("offline: tau %s (all positions), chain %s", res["overall"]["tau"], res["overall"]["tau_chain"])
     for smp in res["sampling"]:
         log.info("offline T=%g: expected tau %s", smp["temperature"], smp["overall"]["tau"])

@@ -47,7 +47,8 @@ from pathlib import Path
 import torch
 
 from eaglet.base import datasets as eval_sets
-from eaglet.base import io
+from eaglet.base.digests import DIGESTS_KEY, record_digests
+from eaglet.base.files import write_json, write_parquet
 from eaglet.drafter.chain import prompt_chain, rounds_tau
 from eaglet.engines.hf_loop import greedy, sample, setup, speculative, speculative_sampling
 from eaglet.eval import stats
@@ -198,14 +199,14 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     res["sampling"] = [_sampling_result(per_prompt, sampled_rounds[t], ks, t, o, load) for t in sampled_temperatures(o)]
     res["matrix"] = speculative_matrix(res, o)
     out = Path(out_dir)
-    io.write_parquet(out / "speculative_rounds.parquet", frame(round_rows))
+    write_parquet(out / "speculative_rounds.parquet", frame(round_rows))
     if unexplained:
-        io.write_json(out / "speculative.failed.json", res)
+        write_json(out / "speculative.failed.json", res)
         raise LosslessError(f"speculative decoding is not lossless on {len(unexplained)} prompt/k pairs "
                             f"(details in {out / 'speculative.failed.json'})")
     (out / "speculative.failed.json").unlink(missing_ok=True)
-    res[io.DIGESTS_KEY] = io.record_digests(out, ["speculative_rounds.parquet"])  # checked by eval_summary
-    io.write_json(out / "speculative.json", res)
+    res[DIGESTS_KEY] = record_digests(out, ["speculative_rounds.parquet"])  # checked by eval_summary
+    write_json(out / "speculative.json", res)
     log.info("speculative: %s", {k: (v["tau"], v["speedup_ci"]["note"]) for k, v in res["overall"]["k"].items()})
     return res
 

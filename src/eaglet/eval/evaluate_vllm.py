@@ -80,8 +80,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from eaglet.base import datasets as eval_sets
-from eaglet.base import io
+from eaglet.base import datasets
+from eaglet.base.digests import verify_recorded
+from eaglet.base.files import read_json, write_json
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
 from eaglet.engines import vllm_env
 from eaglet.eval import stats
 from eaglet.eval.options import resolve
@@ -448,12 +451,12 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     except vllm_env.VllmEnvMissing as e:
         raise VllmError(f"{e} (or set evaluate.vllm.enabled: false)") from None
     ident = load_identity(identity)
-    conf = io.read_json(Path(drafter_dir) / "config.json")  # a clear error when the export is missing
+    conf = read_json(Path(drafter_dir) / "config.json")  # a clear error when the export is missing
     tok = load_tokenizer(ident["path"], o["chat_template"], need_template=True,
                          trust_remote_code=bool((o["serving"] or {}).get("trust_remote_code")))
-    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
-                                     o["chat_template_kwargs"])
-    off = io.read_json(offline) if offline else None
+    prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+                                    o["chat_template_kwargs"])
+    off = read_json(offline) if offline else None
     hf_loop = None
     if off and off.get("status") == "not run":  # nothing to compare with; said, not passed
         hf_loop = f"not run: {off.get('hf_loop_reason')}"
@@ -531,13 +534,13 @@ def finish(res: dict, out_dir: str | Path) -> dict:
     differs from the offline chain replay beyond sampling error."""
     out = Path(out_dir)
     if res["disagreements"]:
-        io.write_json(out / "vllm.failed.json", res)
+        write_json(out / "vllm.failed.json", res)
         (out / "vllm.json").unlink(missing_ok=True)
         raise AgreementError("vLLM's acceptance differs from eaglet's offline chain replay beyond sampling error ("
                              f"{res['offline_agreement']['test']}):\n  " + "\n  ".join(res["disagreements"])
                              + f"\n(details in {out / 'vllm.failed.json'})")
     (out / "vllm.failed.json").unlink(missing_ok=True)
-    io.write_json(out / "vllm.json", res)
+    write_json(out / "vllm.json", res)
     if not res["lossless"]:
         log.warning("vLLM with the drafter does not reproduce plain vLLM output at temperature 0")
     return res
@@ -555,12 +558,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--offline", default=None, help="offline.json, to compare τ")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
+    setup_logging(a.log)
     for name in ("config.json", "model.safetensors"):  # the export's record
-        io.verify_recorded(Path(a.drafter_dir) / name, Path(a.drafter_dir) / "contract.json")
+        verify_recorded(Path(a.drafter_dir) / name, Path(a.drafter_dir) / "contract.json")
     try:
-        evaluate_vllm(a.drafter_dir, a.identity, io.parse_json_arg(a.sets), a.out_dir, work_dir=a.work_dir,
-                      offline=a.offline, **io.parse_json_arg(a.config, {}))
+        evaluate_vllm(a.drafter_dir, a.identity, parse_json_arg(a.sets), a.out_dir, work_dir=a.work_dir,
+                      offline=a.offline, **parse_json_arg(a.config, {}))
     except VllmError as e:
         log.error("%s", e)
         raise SystemExit(1) from None

@@ -23,7 +23,10 @@ import logging
 import statistics
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_recorded
+from eaglet.base.files import write_json, write_parquet
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
 from eaglet.engines.hf_loop import generator
 from eaglet.eval import stats
 from eaglet.eval.options import hf_options
@@ -80,9 +83,9 @@ def hf_loop_not_run(stage: str, out_dir: str | Path, o: dict, json_name: str, pa
            "sampling": [], "matrix": []}
     out = Path(out_dir)
     for name in parquets:
-        io.write_parquet(out / name, frame([]))
-    res[io.DIGESTS_KEY] = io.record_digests(out, list(parquets))  # checked by eval_summary
-    io.write_json(out / json_name, res)
+        write_parquet(out / name, frame([]))
+    res[DIGESTS_KEY] = record_digests(out, list(parquets))  # checked by eval_summary
+    write_json(out / json_name, res)
     return res
 
 
@@ -102,7 +105,7 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 def run(stage, a: argparse.Namespace, **kw):
     """``stage`` on the parsed command line, the drafter checked against train's record first."""
-    io.setup_logging(a.log)
-    io.verify_recorded(a.drafter, Path(a.drafter).with_name("train_summary.json"))  # train's record
-    return stage(a.drafter, a.identity, io.parse_json_arg(a.sets), a.out_dir, threads=a.threads, **kw,
-                 **io.parse_json_arg(a.config, {}))
+    setup_logging(a.log)
+    verify_recorded(a.drafter, Path(a.drafter).with_name("train_summary.json"))  # train's record
+    return stage(a.drafter, a.identity, parse_json_arg(a.sets), a.out_dir, threads=a.threads, **kw,
+                 **parse_json_arg(a.config, {}))

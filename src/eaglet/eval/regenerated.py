@@ -31,7 +31,13 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from eaglet.base import datasets, io
+from eaglet.base import datasets
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.conversations import read_conversations
+from eaglet.base.digests import verify_beside, verify_recorded
+from eaglet.base.files import read_json, write_json
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
 from eaglet.drafter.chain import accepted_prefix, chain_replay, prompt_chain
 from eaglet.engines.hf_loop import setup
 from eaglet.eval import stats
@@ -51,9 +57,9 @@ SETTINGS = ("evaluate.k_values", "evaluate.seed", "evaluate.confidence", "evalua
 def texts(answers: str | Path, tok, template_kwargs: dict | None) -> dict[float, list[dict]]:
     """The regenerated answers by temperature: prompt ids (the chat template as served) and the
     answer's token ids; answers under two tokens carry no draft position and are left out."""
-    io.verify_beside(answers, "generate_summary.json")
+    verify_beside(answers, "generate_summary.json")
     by_t = defaultdict(list)
-    for r in io.read_conversations(answers):
+    for r in read_conversations(answers):
         msgs = r["messages"] or []
         if not msgs or msgs[-1]["role"] != "assistant":
             continue
@@ -112,7 +118,7 @@ def score(drafter: str | Path, identity: str | Path, answers: str | Path, out: s
           generation: str | Path | None = None, threads: int | None = None, **opts) -> dict:
     o = regenerated_options(opts)
     ks = sorted({int(k) for k in o["k_values"]})
-    gen = io.read_json(generation) if generation else None
+    gen = read_json(generation) if generation else None
     texts_from = {"answers": str(answers), **({k: gen.get(k) for k in ("regenerated", "errors", "completion_tokens",
                                                                         "tokens_per_s", "backend")} if gen else {})}
     if not o["hf_loop"]:
@@ -120,13 +126,13 @@ def score(drafter: str | Path, identity: str | Path, answers: str | Path, out: s
         log.warning("not scored (the HF target does not run here): %s", why)
         res = {"stage": "evaluate_regenerated", "status": "not run", "hf_loop_reason": why, "texts": texts_from,
                "temperatures": [], "matrix": []}
-        io.write_json(out, res)
+        write_json(out, res)
         return res
     _ident, target, proposer, _cfg, tok = setup(drafter, identity, threads, True, o["chat_template"], target_load(o))
     t0 = time.time()
     by_t = texts(answers, tok, o["chat_template_kwargs"])
     if not by_t:
-        raise io.ArtifactError(f"{answers}: no regenerated answer to score")
+        raise ArtifactError(f"{answers}: no regenerated answer to score")
     results, matrix = [], []
     for temp in sorted(by_t):
         rows = by_t[temp]
@@ -148,7 +154,7 @@ def score(drafter: str | Path, identity: str | Path, answers: str | Path, out: s
                  {k: round(ov["tau"][k]["estimate"] or 1, 3) for k in ks})
     res = {"stage": "evaluate_regenerated", "texts": texts_from, "k_values": ks, "temperatures": results,
            "matrix": matrix, "seconds": round(time.time() - t0, 1)}
-    io.write_json(out, res)
+    write_json(out, res)
     return res
 
 
@@ -164,9 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
-    io.verify_recorded(a.drafter, Path(a.drafter).with_name("train_summary.json"))
-    score(a.drafter, a.identity, a.answers, a.out, a.generation, a.threads, **io.parse_json_arg(a.config, {}))
+    setup_logging(a.log)
+    verify_recorded(a.drafter, Path(a.drafter).with_name("train_summary.json"))
+    score(a.drafter, a.identity, a.answers, a.out, a.generation, a.threads, **parse_json_arg(a.config, {}))
 
 
 if __name__ == "__main__":

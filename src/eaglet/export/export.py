@@ -27,7 +27,12 @@ import logging
 import shutil
 from pathlib import Path
 
-from eaglet.base import io, schema
+from eaglet.base import schema
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_recorded
+from eaglet.base.files import read_json, write_json
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
 from eaglet.engines import vllm_env
 from eaglet.export.contract import contract, reference
 from eaglet.export.vllm_format import export_tensors, read_trained, speculators_config, vllm_config, write_dir
@@ -56,7 +61,7 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
     identity = load_identity(identity_path)
     identity["identity_path"] = str(identity_path)  # the contract's offline chain loads the target from it
     identity["path"] = str(Path(identity["path"]).resolve())
-    target_conf = io.read_json(Path(identity["path"]) / "config.json")
+    target_conf = read_json(Path(identity["path"]) / "config.json")
     tensors, cfg = read_trained(drafter_path, identity)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -98,7 +103,7 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
     if ran or unknown:  # harmless (accepting never turns a fail into a pass), but the config is stale
         log.warning("export.accept_not_run names checks that ran %s / that this export has not %s", ran, unknown)
     if not report["ok"]:
-        io.write_json(out / "contract.failed.json", report)
+        write_json(out / "contract.failed.json", report)
         shutil.rmtree(stage_a, ignore_errors=True)
         if o["speculators"]:
             shutil.rmtree(stage_b, ignore_errors=True)
@@ -119,9 +124,9 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
     for name in ("config.json", "model.safetensors", reference.FILE):
         (stage_a / name).replace(out / name)
     shutil.rmtree(stage_a)
-    # checked by evaluate_vllm before vLLM loads them (io.verify_recorded)
-    report[io.DIGESTS_KEY] = io.record_digests(out, ["config.json", "model.safetensors", reference.FILE])
-    io.write_json(out / "contract.json", report)  # last: its presence means a complete, checked export
+    # checked by evaluate_vllm before vLLM loads them (digests.verify_recorded)
+    report[DIGESTS_KEY] = record_digests(out, ["config.json", "model.safetensors", reference.FILE])
+    write_json(out / "contract.json", report)  # last: its presence means a complete, checked export
     return report
 
 
@@ -160,13 +165,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", default=None, help="the export section of the config: JSON, or @FILE")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
+    setup_logging(a.log)
     try:
-        io.verify_recorded(a.drafter, a.train_summary or Path(a.drafter).with_name("train_summary.json"))
+        verify_recorded(a.drafter, a.train_summary or Path(a.drafter).with_name("train_summary.json"))
         rep = export(a.drafter, a.out, a.identity, train_summary=a.train_summary,
                      speculators_dir=a.speculators_out, work_dir=a.work_dir, vllm_python=a.vllm_python,
-                     **io.parse_json_arg(a.config, {}))
-    except (ContractError, io.ArtifactError, ValueError) as e:
+                     **parse_json_arg(a.config, {}))
+    except (ContractError, ArtifactError, ValueError) as e:
         log.error("%s", e)
         raise SystemExit(1) from None
     for ch in rep["checks"] + [{**c, "name": f"speculators.{c['name']}"}

@@ -18,7 +18,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.files import write_json
+from eaglet.base.tensors import load_tensors, save_tensors
 from eaglet.drafter.rope import legacy_fields
 from eaglet.export.contract import static_checks
 from eaglet.export.contract.static_checks import VARIANTS, trained_config
@@ -95,18 +97,18 @@ def speculators_config(cfg: dict, identity: dict, target_conf: dict, k: int, dty
 def read_trained(drafter_path: str | Path, identity: dict) -> tuple[dict, dict]:
     """The trainer's tensors and DrafterConfig, checked against the target."""
     cfg = trained_config(drafter_path)
-    tensors = io.load_tensors(drafter_path)
+    tensors = load_tensors(drafter_path)
     want = set(static_checks.expected_tensors(_flat(cfg))) | {"d2t"}
     have = set(tensors)
     if have != want:
-        raise io.ArtifactError(f"{drafter_path}: tensors missing {sorted(want - have)}, "
-                               f"unexpected {sorted(have - want)}")
+        raise ArtifactError(f"{drafter_path}: tensors missing {sorted(want - have)}, "
+                            f"unexpected {sorted(have - want)}")
     if cfg.get("target_digest") and cfg["target_digest"] != identity["digest"]:
-        raise io.ArtifactError(f"{drafter_path}: trained for target digest {cfg['target_digest'][:12]}, "
-                               f"but the target is {identity['digest'][:12]}")
+        raise ArtifactError(f"{drafter_path}: trained for target digest {cfg['target_digest'][:12]}, "
+                            f"but the target is {identity['digest'][:12]}")
     for key, ikey in (("vocab_size", "vocab_size"), ("target_hidden_size", "hidden_size")):
         if cfg[key] != identity[ikey]:
-            raise io.ArtifactError(f"{drafter_path}: {key} {cfg[key]} != target {ikey} {identity[ikey]}")
+            raise ArtifactError(f"{drafter_path}: {key} {cfg[key]} != target {ikey} {identity[ikey]}")
     validate_layer_ids(cfg["layer_ids"], identity["num_layers"])
     return tensors, cfg
 
@@ -143,5 +145,5 @@ def write_dir(d: Path, conf: dict, tensors: dict) -> None:
     if d.exists():
         shutil.rmtree(d)
     d.mkdir(parents=True)
-    io.write_json(d / "config.json", conf)
-    io.save_tensors(d / "model.safetensors", tensors, metadata={"format": "pt"})
+    write_json(d / "config.json", conf)
+    save_tensors(d / "model.safetensors", tensors, metadata={"format": "pt"})

@@ -29,11 +29,15 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import io, schema
+from eaglet.base import schema
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import file_digest, verify_recorded
+from eaglet.base.files import write_json
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
 from eaglet.hidden.dtypes import bytes_per_token, storage_dtype
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.hidden.store import ShardWriter
-from eaglet.target import load as target
 from eaglet.target.capture import (
     REF_PER_BATCH,
     Capture,
@@ -45,6 +49,7 @@ from eaglet.target.capture import (
     read_tokens,
     reference_positions,
 )
+from eaglet.target.load import default_layer_ids, load_identity, validate_layer_ids
 
 __all__ = ["extract", "assign_shards", "make_batches", "HiddenStateDataset"]
 
@@ -62,9 +67,9 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} outside 0..{num_shards - 1}")
     sdtype = storage_dtype(dtype)
-    ident = target.load_identity(identity_path)
+    ident = load_identity(identity_path)
     N, H = int(ident["num_layers"]), int(ident["hidden_size"])
-    layer_ids = target.validate_layer_ids(layer_ids or target.default_layer_ids(N), N)
+    layer_ids = validate_layer_ids(layer_ids or default_layer_ids(N), N)
 
     ids, all_input, all_mask = read_tokens(tokens_path)
     lengths = [len(r) for r in all_input]
@@ -82,7 +87,7 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
     writer = ShardWriter(out_dir, shard, num_shards, layer_ids, final_is_prenorm=True, dtype=dtype,
                          hidden_size=H, target_digest=ident["digest"],
                          chunk_bytes=int(chunk_mb * (1 << 20)), final_layer=N, work_dir=work_dir,
-                         source_digest=io.file_digest(tokens_path), settings=settings)
+                         source_digest=file_digest(tokens_path), settings=settings)
     done = writer.done_ids
     todo = [i for i in mine if ids[i] not in done]
     shard_tokens = sum(lengths[i] for i in mine)
@@ -111,7 +116,7 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
              shard_tokens - todo_tokens, shard_tokens, progress)
     index = writer.finish()
     # the target forward's dtype and why (extract.target_dtype, eaglet.base.capability): in the artifact
-    io.write_json(Path(out_dir) / "target_load.json", {"dtype": mdtype, "reason": dtype_reason, "device": dev})
+    write_json(Path(out_dir) / "target_load.json", {"dtype": mdtype, "reason": dtype_reason, "device": dev})
     _verify(out_dir, [ids[i] for i in mine], {ids[i]: all_input[i] for i in mine})
     dt = time.perf_counter() - t0
     log.info("shard %d/%d done: %d samples, %d tokens in %d chunks; %d tokens computed in %.1f s "
@@ -169,10 +174,10 @@ def _verify(out_dir, want_ids: list[str], want_input: dict) -> None:
     ids hashes every chunk (HiddenStateDataset hashes a chunk when first read)."""
     ds = HiddenStateDataset([Path(out_dir) / "index.json"], verify="sha")
     if sorted(ds.ids) != sorted(want_ids):
-        raise io.ArtifactError(f"{out_dir}/index.json: holds {len(ds)} samples, shard needs {len(want_ids)}")
+        raise ArtifactError(f"{out_dir}/index.json: holds {len(ds)} samples, shard needs {len(want_ids)}")
     for i, sid in enumerate(ds.ids):
         if ds.input_ids(i).tolist() != list(want_input[sid]):
-            raise io.ArtifactError(f"{out_dir}: stored token ids of sample {sid} differ from the tokens file")
+            raise ArtifactError(f"{out_dir}: stored token ids of sample {sid} differ from the tokens file")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,10 +202,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
-    io.verify_recorded(a.tokens, Path(a.tokens).with_name("metadata.json"))  # tokenize's record
-    ld = io.parse_json_arg(a.target_load, {})
-    extract(a.tokens, a.identity, a.out, a.shard, a.num_shards, io.parse_json_arg(a.layer_ids),
+    setup_logging(a.log)
+    verify_recorded(a.tokens, Path(a.tokens).with_name("metadata.json"))  # tokenize's record
+    ld = parse_json_arg(a.target_load, {})
+    extract(a.tokens, a.identity, a.out, a.shard, a.num_shards, parse_json_arg(a.layer_ids),
             a.dtype, a.token_budget, a.chunk_mb, ld.get("device", a.device), a.work, model_dtype=ld.get("dtype"),
             progress=not a.no_progress, trust_remote_code=bool(ld.get("trust_remote_code")),
             dtype_reason=ld.get("dtype_reason"))

@@ -19,7 +19,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-from eaglet.base import datasets, io
+from eaglet.base import datasets
+from eaglet.base.files import write_parquet
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
 
 log = logging.getLogger("eaglet.generate.eval_prompts")
 
@@ -48,13 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
-    rows = build(io.parse_json_arg(a.sets), io.parse_json_arg(a.num_prompts), io.parse_json_arg(a.temperatures))
+    setup_logging(a.log)
+    rows = build(parse_json_arg(a.sets), parse_json_arg(a.num_prompts), parse_json_arg(a.temperatures))
     import pandas as pd
 
-    io.write_parquet(a.out, pd.DataFrame(rows))
+    write_parquet(a.out, pd.DataFrame(rows))
     log.info("eval_prompts: %d rows (%d prompts x %d temperatures) -> %s", len(rows),
-             len(rows) // len(io.parse_json_arg(a.temperatures)), len(io.parse_json_arg(a.temperatures)), a.out)
+             len(rows) // len(parse_json_arg(a.temperatures)), len(parse_json_arg(a.temperatures)), a.out)
 
 
 if __name__ == "__main__":

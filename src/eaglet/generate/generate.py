@@ -34,8 +34,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from eaglet.base import io, schema
-from eaglet.generate.backends import dispatch as _dispatch
+from eaglet.base import schema
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.conversations import read_conversations, write_conversations
+from eaglet.base.digests import DIGESTS_KEY, digest_of, file_digest, record_digests, verify_beside
+from eaglet.base.files import write_json, write_parquet
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
+from eaglet.generate.backends import dispatch
 from eaglet.generate.parts import PartSink, load_parts, prepare_parts
 from eaglet.generate.turns import (
     OVER_LIMIT,
@@ -90,7 +96,7 @@ SERVED_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken", ".py")
 def served_files_digest(model_dir: str | Path) -> str:
     """Digest of the target folder's files besides its weights (SERVED_SUFFIXES, top level)."""
     files = sorted(f for f in Path(model_dir).iterdir() if f.is_file() and f.suffix in SERVED_SUFFIXES)
-    return io.digest_of([[f.name, io.file_digest(f)] for f in files])
+    return digest_of([[f.name, file_digest(f)] for f in files])
 
 
 def engine_key(cfg: dict) -> dict:
@@ -157,11 +163,11 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
     for name in ("httpx", "httpx2", "openai"):  # one INFO line per request would flood the log
         logging.getLogger(name).setLevel(logging.WARNING)
     ident = load_identity(target)  # `path` made absolute
-    rows = io.read_conversations(conversations)
+    rows = read_conversations(conversations)
     ids = [str(r["id"]) for r in rows]
     if len(set(ids)) != len(ids):
         dup = [k for k, n in Counter(ids).items() if n > 1][:5]
-        raise io.ArtifactError(f"{conversations}: duplicate ids {dup}")
+        raise ArtifactError(f"{conversations}: duplicate ids {dup}")
     regen = regenerated_ids(rows, cfg["mix"], cfg["seed"])
     everything, rows = rows, [r for r in rows if str(r["id"]) in regen]  # the others pass through
     parts = prepare_parts(out_dir, parts_key(cfg, ident, chat_template))
@@ -201,7 +207,7 @@ def generate(conversations: str | Path, target: str | Path, out_dir: str | Path,
     sink = PartSink(parts, cfg["chunk_size"], cfg["flush_s"], on_record)
     try:
         if pending:
-            _dispatch(pending, cfg, ident, out_dir, sink, server_log, chat_template)
+            dispatch(pending, cfg, ident, out_dir, sink, server_log, chat_template)
     finally:
         sink.flush()  # whatever finished is kept, also when the run fails
         bar.close()
@@ -244,13 +250,13 @@ def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, tim
     mine = {r["id"]: r for r in ok}
     original = [r for r in everything if str(r["id"]) not in inputs and str(r["id"]) not in filtered]
     kept = mine.keys() | {str(r["id"]) for r in original}
-    io.write_conversations(out_dir / "conversations.parquet",
-                           [mine.get(str(r["id"]), r) for r in everything if str(r["id"]) in kept])
+    write_conversations(out_dir / "conversations.parquet",
+                        [mine.get(str(r["id"]), r) for r in everything if str(r["id"]) in kept])
     err_schema = pa.schema([("id", pa.string()), ("error_kind", pa.string()), ("reason", pa.string())])
     err_rows = [{"id": e["id"], "error_kind": e["error_kind"], "reason": e["reason"]} for e in err]
     err_rows += [{"id": str(r["id"]), "error_kind": OVER_LIMIT, "reason": filtered[str(r["id"])]}
                  for r in everything if str(r["id"]) in filtered]
-    io.write_parquet(out_dir / "errors.parquet", pa.Table.from_pylist(err_rows, schema=err_schema))
+    write_parquet(out_dir / "errors.parquet", pa.Table.from_pylist(err_rows, schema=err_schema))
     turns = sum(r["generated_turns"] for r in ok)
     finish = Counter(f for r in ok for f in r["finish_reasons"])
     completion = sum(r["completion_tokens"] for r in ok)
@@ -280,10 +286,10 @@ def _finish(rows, inputs, parts, out_dir, cfg, ident, skipped, written, run, tim
         "backend": cfg["backend"], "concurrency": cfg["concurrency"], "target": ident.get("name"),
         "target_digest": ident.get("digest"),
         "sampling": {k: cfg[k] for k in ("temperature", "top_p", "max_tokens", "seed", "turns")},
-        # checked by tokenize (and an evaluation set read from here) before reading (io.verify_beside)
-        io.DIGESTS_KEY: io.record_digests(out_dir, ["conversations.parquet", "errors.parquet"]),
+        # checked by tokenize (and an evaluation set read from here) before reading (digests.verify_beside)
+        DIGESTS_KEY: record_digests(out_dir, ["conversations.parquet", "errors.parquet"]),
     }
-    io.write_json(out_dir / "generate_summary.json", summary)
+    write_json(out_dir / "generate_summary.json", summary)
     log.info("generate: %d ok, %d errors %s, %d over the prompt limit, %d skipped; %.1f tok/s over %.0f s "
              "(wall %.0f s)", len(ok), len(err), summary["errors_by_kind"], len(filtered), skipped,
              summary["tokens_per_s"] or 0, gen_s, timing["wall_s"])
@@ -303,9 +309,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chat-template", default="", help="target.chat_template: Jinja text or a file ('' = the target's)")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
-    io.verify_beside(a.conversations, "summary.json")  # the prompts stage's record, when it made them
-    generate(a.conversations, a.target, a.out_dir, io.parse_json_arg(a.config, {}), a.retry_errors,
+    setup_logging(a.log)
+    verify_beside(a.conversations, "summary.json")  # the prompts stage's record, when it made them
+    generate(a.conversations, a.target, a.out_dir, parse_json_arg(a.config, {}), a.retry_errors,
              a.server_log, a.chat_template or None)
 
 

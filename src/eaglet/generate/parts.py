@@ -9,7 +9,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.files import read_json, read_parquet, write_json, write_parquet
+from eaglet.base.settings_files import setting_changes
 
 log = logging.getLogger("eaglet.generate.generate")
 
@@ -54,8 +56,8 @@ class PartSink:
             return
         import pyarrow as pa
 
-        io.write_parquet(self.dir / f"part_{self.next_index:06d}.parquet",
-                         pa.Table.from_pylist(self.buf, schema=_part_schema()))
+        write_parquet(self.dir / f"part_{self.next_index:06d}.parquet",
+                      pa.Table.from_pylist(self.buf, schema=_part_schema()))
         self.next_index += 1
         self.buf = []
 
@@ -66,7 +68,7 @@ def load_parts(parts_dir: Path, inputs: dict[str, str] | None = None) -> dict[st
     changed prompt set (more prompts, another seed) reuses every response whose prompt it still has."""
     done: dict[str, dict] = {}
     for p in sorted(parts_dir.glob("part_*.parquet")):
-        for rec in io.read_parquet(p).to_pylist():
+        for rec in read_parquet(p).to_pylist():
             if inputs is None or inputs.get(rec["id"]) == rec["input_digest"]:
                 done[rec["id"]] = rec
     return done
@@ -85,8 +87,8 @@ def prepare_parts(out_dir: Path, key: dict) -> Path:
     why = None
     if manifest.exists():
         try:
-            changed = io.setting_changes(io.read_json(manifest), key)
-        except io.ArtifactError as e:
+            changed = setting_changes(read_json(manifest), key)
+        except ArtifactError as e:
             changed = [f"unreadable ({e})"]
         why = "; ".join(changed) or None
     elif old_parts:
@@ -96,5 +98,5 @@ def prepare_parts(out_dir: Path, key: dict) -> Path:
                     parts, why, len(old_parts))
         for p in old_parts:
             p.unlink()
-    io.write_json(manifest, key)
+    write_json(manifest, key)
     return parts

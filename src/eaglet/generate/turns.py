@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import zlib
 
-from eaglet.base import io
+from eaglet.base.conversations import prompt_problem
+from eaglet.base.digests import digest_of
 
 RETRY_STATUS = (408, 429)
 
@@ -48,7 +49,7 @@ class Conversation:
 
     def __init__(self, row: dict, cfg: dict):
         self.row, self.cfg = row, cfg
-        problem = io.prompt_problem(row.get("messages"))
+        problem = prompt_problem(row.get("messages"))
         # A malformed row is never sent: it fails at once with its reason (not transient: a rerun
         # does not retry it).
         self.kept, self.answer = ([], set()) if problem else plan_turns(row["messages"], cfg["turns"])
@@ -152,7 +153,7 @@ def over_limit(rows: list[dict], cfg: dict, tok) -> dict[str, str]:
 
 def input_digest(row: dict) -> str:
     """What a result was generated from: a stored result is reused only for the same input turns."""
-    return io.digest_of(row.get("messages"))
+    return digest_of(row.get("messages"))
 
 
 def regenerated_ids(rows: list[dict], mix: float, seed: int) -> set[str]:

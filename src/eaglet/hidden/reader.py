@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import file_digest
+from eaglet.base.files import read_json
 
 HEADER_KEYS = ("shard", "num_shards", "layer_ids", "final_layer", "final_is_prenorm", "dtype",
                "hidden_size", "target_digest")
@@ -36,7 +38,7 @@ class HiddenStateDataset:
         if isinstance(index_paths, (str, os.PathLike)):
             index_paths = [index_paths]
         if not index_paths:
-            raise io.ArtifactError("HiddenStateDataset: no index.json given")
+            raise ArtifactError("HiddenStateDataset: no index.json given")
         if verify not in ("sha", "header"):
             raise ValueError(f"verify: {verify!r} not 'sha' or 'header'")
         self.meta: dict | None = None
@@ -55,47 +57,47 @@ class HiddenStateDataset:
     def _add_shard(self, path: Path, verify: str) -> None:
         if path.is_dir():
             path = path / "index.json"
-        idx = io.read_json(path)
+        idx = read_json(path)
         missing = [k for k in (*HEADER_KEYS, "chunks", "samples", "complete") if k not in idx]
         if missing:
-            raise io.ArtifactError(f"{path}: not a hidden-state index (missing {missing})")
+            raise ArtifactError(f"{path}: not a hidden-state index (missing {missing})")
         if idx["complete"] is not True:
-            raise io.ArtifactError(f"{path}: shard is not complete")
+            raise ArtifactError(f"{path}: shard is not complete")
         meta = {k: idx[k] for k in ("layer_ids", "final_layer", "final_is_prenorm", "dtype",
                                     "hidden_size", "target_digest")}
         if self.meta is None:
             self.meta = meta
         elif meta != self.meta:
             diff = sorted(k for k in meta if meta[k] != self.meta[k])
-            raise io.ArtifactError(f"{path}: shard disagrees with the first shard on {diff}")
+            raise ArtifactError(f"{path}: shard disagrees with the first shard on {diff}")
         H = idx["hidden_size"]
         for c in idx["chunks"]:
             f = path.parent / c["file"]
             if not f.exists():
-                raise io.ArtifactError(f"{f}: chunk listed in {path} is missing")
+                raise ArtifactError(f"{f}: chunk listed in {path} is missing")
             if verify == "sha":  # hashed when first read (_check_sha), not here
                 if not isinstance(c.get("sha256"), str):
-                    raise io.ArtifactError(f"{path}: chunk {c['file']} has no sha256")
+                    raise ArtifactError(f"{path}: chunk {c['file']} has no sha256")
                 self._sha[f] = (c["sha256"], path)
             shapes = _chunk_shapes(f)
             T, S = c["num_tokens"], c["num_samples"]
             want = {"input_ids": [T], "loss_mask": [T], "offsets": [S + 1], "aux": [T, 3, H], "final": [T, H]}
             bad = {k: shapes.get(k) for k, v in want.items() if shapes.get(k) != v}
             if bad:
-                raise io.ArtifactError(f"{f}: shapes {bad} disagree with {path} (want {want})")
+                raise ArtifactError(f"{f}: shapes {bad} disagree with {path} (want {want})")
         self.label_references += idx.get("label_reference", [])
         seen = set(self.ids)
         for s in idx["samples"]:
             if s["chunk"] >= len(idx["chunks"]) or s["row"] >= idx["chunks"][s["chunk"]]["num_samples"]:
-                raise io.ArtifactError(f"{path}: sample {s['id']} points outside its chunks")
+                raise ArtifactError(f"{path}: sample {s['id']} points outside its chunks")
             if s["id"] in seen:
-                raise io.ArtifactError(f"{path}: sample id {s['id']} appears twice")
+                raise ArtifactError(f"{path}: sample id {s['id']} appears twice")
             seen.add(s["id"])
             self.ids.append(s["id"])
             self.num_tokens.append(int(s["num_tokens"]))
             self._where.append((path.parent / idx["chunks"][s["chunk"]]["file"], int(s["row"])))
         if sum(c["num_tokens"] for c in idx["chunks"]) != sum(s["num_tokens"] for s in idx["samples"]):
-            raise io.ArtifactError(f"{path}: token counts of samples and chunks disagree")
+            raise ArtifactError(f"{path}: token counts of samples and chunks disagree")
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -111,7 +113,7 @@ class HiddenStateDataset:
             h = safe_open(str(f), framework="pt", device="cpu")
             offsets = h.get_tensor("offsets")
         except Exception as e:  # noqa: BLE001 - safetensors raises several types
-            raise io.ArtifactError(f"{f}: not a readable safetensors file ({e})") from None
+            raise ArtifactError(f"{f}: not a readable safetensors file ({e})") from None
         self._open[f] = (h, offsets, "aux_scale" in h.keys())
         if len(self._open) > self._max_open:
             self._open.popitem(last=False)
@@ -126,8 +128,8 @@ class HiddenStateDataset:
         if f in self._verified or f not in self._sha:
             return
         want, index = self._sha[f]
-        if io.file_digest(f) != want:
-            raise io.ArtifactError(f"{f}: sha256 differs from {index} (corrupt or altered chunk)")
+        if file_digest(f) != want:
+            raise ArtifactError(f"{f}: sha256 differs from {index} (corrupt or altered chunk)")
         self._verified.add(f)
 
     def sample(self, i: int) -> dict:
@@ -135,8 +137,8 @@ class HiddenStateDataset:
         h, offsets, fp8 = self._handle(f)
         a, b = int(offsets[row]), int(offsets[row + 1])
         if b - a != self.num_tokens[i]:
-            raise io.ArtifactError(f"{f}: sample {self.ids[i]} has {b - a} tokens, index says "
-                                   f"{self.num_tokens[i]}")
+            raise ArtifactError(f"{f}: sample {self.ids[i]} has {b - a} tokens, index says "
+                                f"{self.num_tokens[i]}")
         aux = h.get_slice("aux")[a:b].float()
         final = h.get_slice("final")[a:b].float()
         if fp8:
@@ -162,7 +164,7 @@ def _chunk_shapes(f: Path) -> dict:
         with safe_open(str(f), framework="pt", device="cpu") as h:
             shapes = {k: list(h.get_slice(k).get_shape()) for k in h.keys()}
     except Exception as e:  # noqa: BLE001
-        raise io.ArtifactError(f"{f}: not a readable safetensors file ({e})") from None
+        raise ArtifactError(f"{f}: not a readable safetensors file ({e})") from None
     # A truncated file can still carry a whole header: check the data extent too.
     size = f.stat().st_size
     with open(f, "rb") as fh:
@@ -172,5 +174,5 @@ def _chunk_shapes(f: Path) -> dict:
         hdr = json.loads(fh.read(n))
     end = max((v["data_offsets"][1] for k, v in hdr.items() if k != "__metadata__"), default=0)
     if 8 + n + end != size:
-        raise io.ArtifactError(f"{f}: {size} bytes, header says {8 + n + end} (truncated chunk)")
+        raise ArtifactError(f"{f}: {size} bytes, header says {8 + n + end} (truncated chunk)")
     return shapes

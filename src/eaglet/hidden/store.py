@@ -33,8 +33,11 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import io
-from eaglet.base.io import setting_changes
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import file_digest
+from eaglet.base.files import read_json, write_json
+from eaglet.base.settings_files import setting_changes
+from eaglet.base.tensors import save_tensors
 from eaglet.hidden.dtypes import bytes_per_token, storage_dtype
 
 log = logging.getLogger("eaglet.hidden.store")
@@ -124,8 +127,8 @@ class ShardWriter:
         prog = None
         if self.progress_path.exists():
             try:
-                prog = io.read_json(self.progress_path)
-            except io.ArtifactError as e:
+                prog = read_json(self.progress_path)
+            except ArtifactError as e:
                 log.warning("%s; starting the shard over", e)
         if prog is not None:
             changed = setting_changes({k: prog[k] for k in self.resume_key if k in prog}, self.resume_key)
@@ -136,7 +139,7 @@ class ShardWriter:
         kept: list[dict] = []
         for c in (prog or {}).get("chunks", []):
             path = self.work_dir / c["file"]
-            if not path.exists() or io.file_digest(path) != c["sha256"]:
+            if not path.exists() or file_digest(path) != c["sha256"]:
                 log.warning("%s: missing or altered; recomputing from here", path)
                 break
             kept.append(c)
@@ -203,8 +206,8 @@ class ShardWriter:
             dt = getattr(torch, self.header["dtype"])
             t["aux"], t["final"] = aux.to(dt), final.to(dt)
         path = self.work_dir / entry["file"]
-        io.save_tensors(path, t, metadata={"format": "eaglet-hidden-states-v1"})
-        entry["sha256"] = io.file_digest(path)
+        save_tensors(path, t, metadata={"format": "eaglet-hidden-states-v1"})
+        entry["sha256"] = file_digest(path)
         entry["bytes"] = path.stat().st_size
         self._write_progress(upto=j + 1)  # chunks are saved in order by the one worker
 
@@ -212,7 +215,7 @@ class ShardWriter:
         upto = len(self.chunks) if upto is None else upto
         samples = [s for s in self.samples if s["chunk"] < upto]
         done = {s["id"] for s in samples}
-        io.write_json(self.progress_path, {
+        write_json(self.progress_path, {
             **self.resume_key, "chunks": self.chunks[:upto], "samples": samples,
             "label_reference": [r for r in self.references if r[0] in done], "complete": False})
 
@@ -236,7 +239,7 @@ class ShardWriter:
         if self.work_dir.resolve() != self.out_dir.resolve():
             for c in self.chunks:
                 os.replace(self.work_dir / c["file"], self.out_dir / c["file"])
-        io.write_json(self.out_dir / "index.json", index)
+        write_json(self.out_dir / "index.json", index)
         if self.work_dir.resolve() != self.out_dir.resolve():
             shutil.rmtree(self.work_dir)
         else:

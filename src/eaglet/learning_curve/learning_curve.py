@@ -30,7 +30,11 @@ import argparse
 import logging
 from pathlib import Path
 
-from eaglet.base import io, schema
+from eaglet.base import schema
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.files import read_json, write_json
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
 from eaglet.learning_curve.curve_fit import (
     check,
     curve,
@@ -52,13 +56,13 @@ COST_RULES = {"generate": "generate", "extract": "extract_hidden_states", "train
 
 
 def point_of(summary_path: str | Path) -> dict:
-    s = io.read_json(summary_path)
+    s = read_json(summary_path)
     groups = s.get("best_val_chain_by_sequence")
     if not groups:
-        raise io.ArtifactError(f"{summary_path}: no per-sequence validation chain (a training without a "
-                               "validation set, or written by an older eaglet): the learning curve needs it")
+        raise ArtifactError(f"{summary_path}: no per-sequence validation chain (a training without a "
+                            "validation set, or written by an older eaglet): the learning curve needs it")
     if not s.get("train_tokens"):
-        raise io.ArtifactError(f"{summary_path}: no train_tokens recorded")
+        raise ArtifactError(f"{summary_path}: no train_tokens recorded")
     return {"tokens": int(s["train_tokens"]), "fraction": float(s.get("data_fraction", 1.0)),
             "groups": [(float(a), float(r)) for a, r in groups], "samples": s.get("train_samples")}
 
@@ -77,7 +81,7 @@ def measured_costs(run_dir: str | Path, generate: str | Path | None, hidden: lis
         out[f"{name}_s"] = sum(secs) if secs else None
     if generate is None:
         out["generate_s"] = 0.0  # no generation in this run (the dataset's own responses)
-    out["hidden_bytes"] = sum(sum(int(c.get("bytes", 0)) for c in io.read_json(h)["chunks"]) for h in hidden) \
+    out["hidden_bytes"] = sum(sum(int(c.get("bytes", 0)) for c in read_json(h)["chunks"]) for h in hidden) \
         if hidden else 0
     return out
 
@@ -90,7 +94,7 @@ def run(full: str | Path, fractions: list[str], out: str | Path, run_dir: str | 
     points = sorted([point_of(f) for f in fractions], key=lambda p: p["tokens"]) + [full_pt]
     base = full_pt["tokens"]
     mults = [float(m) for m in o["multipliers"]]
-    k = int(io.read_json(full)["params"]["ttt_steps"])
+    k = int(read_json(full)["params"]["ttt_steps"])
     c = curve(points, [base * m for m in mults], o["confidence"], BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, k)
     costs = measured_costs(run_dir, generate, hidden or [], times)
     for pred, m in zip(c["predictions"], mults, strict=True):
@@ -103,7 +107,7 @@ def run(full: str | Path, fractions: list[str], out: str | Path, run_dir: str | 
               "validation_sequences": len(full_pt["groups"]), "require_check": bool(o["require_check"]),
               "noise": "intervals resample the validation sequences; the training's seed-to-seed spread "
                        "is not in them"}
-    io.write_json(out, result)
+    write_json(out, result)
     return result
 
 
@@ -119,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", default="{}", help="JSON or @FILE: plan.multipliers, confidence, require_check")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
-    r = run(a.full, a.fractions, a.out, a.run_dir, a.generate, a.hidden, io.parse_json_arg(a.config, {}))
+    setup_logging(a.log)
+    r = run(a.full, a.fractions, a.out, a.run_dir, a.generate, a.hidden, parse_json_arg(a.config, {}))
     log.info("learning curve: %s", describe(r))
     status = r["check"]["status"]
     if status != "pass":

@@ -23,7 +23,11 @@ import json
 import logging
 from pathlib import Path
 
-from eaglet.base import io, schema
+from eaglet.base import schema
+from eaglet.base.digests import DIGESTS_KEY
+from eaglet.base.files import read_json
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
 
 log = logging.getLogger("eaglet.report.card")
 
@@ -147,9 +151,9 @@ def card(drafter_dir: str | Path, identity: dict, evaluation: dict | None, train
          vocab: dict, prompts: dict, base_model: str | None = None, serving: dict | None = None,
          shown_dir: str | None = None) -> str:
     d = Path(drafter_dir)
-    conf = io.read_json(d / "config.json")
-    contract = io.read_json(d / "contract.json")
-    ref = io.read_json(d / "reference.json") if (d / "reference.json").exists() else {}
+    conf = read_json(d / "config.json")
+    contract = read_json(d / "contract.json")
+    ref = read_json(d / "reference.json") if (d / "reference.json").exists() else {}
     base = base_model or identity.get("name")
     shown = shown_dir or str(d)
     ev = evaluation or {}
@@ -164,7 +168,7 @@ def card(drafter_dir: str | Path, identity: dict, evaluation: dict | None, train
     checks = contract.get("checks") or []
     passed = sum(c.get("ok") is True for c in checks)
     acc = next((c for c in checks if c["name"] == "vllm.acceptance"), None)
-    digests = contract.get(io.DIGESTS_KEY) or {}
+    digests = contract.get(DIGESTS_KEY) or {}
     parts = [front_matter(base, datasets, ["speculative-decoding", "eagle3", "draft-model", "eaglet"]),
              f"\n# EAGLE-3 drafter for {base}\n\n",
              f"A one-layer EAGLE-3 draft model that proposes tokens for `{base}` to verify, k = {k} at a time "
@@ -221,10 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", default=None, help="JSON: base_model, serving, shown_dir")
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
-    io.setup_logging(a.log)
-    o = io.parse_json_arg(a.config, {})
-    text = card(a.drafter_dir, io.read_json(a.identity), io.read_json(a.evaluation) if a.evaluation else None,
-                io.read_json(a.train), io.read_json(a.tokenize), io.read_json(a.vocab), io.read_json(a.prompts),
+    setup_logging(a.log)
+    o = parse_json_arg(a.config, {})
+    text = card(a.drafter_dir, read_json(a.identity), read_json(a.evaluation) if a.evaluation else None,
+                read_json(a.train), read_json(a.tokenize), read_json(a.vocab), read_json(a.prompts),
                 base_model=o.get("base_model"), serving=o.get("serving"), shown_dir=o.get("shown_dir"))
     out = Path(a.drafter_dir) / "README.md"
     tmp = out.with_suffix(".md.tmp")

@@ -17,7 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.digests import verify_recorded
+from eaglet.base.files import atomic_path, read_json, read_parquet, write_text
 
 
 def _plt():
@@ -31,7 +32,7 @@ def _plt():
 
 def coverage_plot(vocab_json: str | Path, out: str | Path) -> None:
     plt = _plt()
-    v = io.read_json(vocab_json)
+    v = read_json(vocab_json)
     curve = v["coverage_curve"]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([p["draft_vocab_size"] for p in curve], [100 * p["coverage"] for p in curve], marker=".")
@@ -44,14 +45,14 @@ def coverage_plot(vocab_json: str | Path, out: str | Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    with io.atomic_path(out) as tmp:
+    with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
 
 
 def training_plot(metrics_parquet: str | Path, out: str | Path) -> None:
     plt = _plt()
-    df = io.read_parquet(metrics_parquet).to_pandas()
+    df = read_parquet(metrics_parquet).to_pandas()
     tr, va = df[df["split"] == "train"], df[df["split"] == "val"]
     acc_cols = sorted((c for c in df.columns if c.startswith("tf_acc_")), key=lambda c: int(c[7:]))
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
@@ -77,7 +78,7 @@ def training_plot(metrics_parquet: str | Path, out: str | Path) -> None:
     for a in (a1, a2, a3):
         a.grid(alpha=0.3)
     fig.tight_layout()
-    with io.atomic_path(out) as tmp:
+    with atomic_path(out) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
 
@@ -171,9 +172,9 @@ def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str 
              "th,td{border:1px solid #ccc;padding:3px 8px;text-align:left;font-size:13px}"
              "th{background:#f3f3f3}</style></head><body>"]
     if metadata:
-        parts += ["<h2 id='tokenize'>Tokenisation (metadata.json)</h2>", _kv_table(io.read_json(metadata))]
+        parts += ["<h2 id='tokenize'>Tokenisation (metadata.json)</h2>", _kv_table(read_json(metadata))]
     if vocab:
-        v = io.read_json(vocab)
+        v = read_json(vocab)
         head = {k: v[k] for k in v if k not in ("pinned", "coverage_curve")}
         parts += ["<h2 id='vocab'>Draft vocabulary</h2>", _kv_table(head), "<h3>Pinned tokens</h3>",
                   "<table><tr><th>id</th><th>token</th><th>why</th><th>count</th><th>frequency rank</th>"
@@ -184,9 +185,9 @@ def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str 
         parts.append("</table>")
     if contract:
         parts += ["<h2 id='contract'>Export contract (drafter/contract.json)</h2>",
-                  contract_table(io.read_json(contract))]
+                  contract_table(read_json(contract))]
     if evaluation:
-        e = io.read_json(evaluation)
+        e = read_json(evaluation)
         parts += ["<h2 id='evaluation'>Evaluation summary</h2>"]
         if (e.get("recommendation") or {}).get("sentence"):
             parts.append(f"<p><b>{html.escape(e['recommendation']['sentence'])}</b></p>")
@@ -194,7 +195,7 @@ def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str 
         if e.get("headline") is not None:
             parts += [_kv_table({k: v for k, v in e.items() if k not in ("headline", "matrix")})]
     parts.append("</body></html>")
-    io.write_text(out, "\n".join(parts))
+    write_text(out, "\n".join(parts))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.vocab:
         coverage_plot(a.vocab, out / "coverage.png")
     if a.metrics:
-        io.verify_recorded(a.metrics, Path(a.metrics).with_name("train_summary.json"))  # train's record
+        verify_recorded(a.metrics, Path(a.metrics).with_name("train_summary.json"))  # train's record
         training_plot(a.metrics, out / "training.png")
     if a.metadata or a.vocab or a.evaluation or a.contract:
         tables_html(out / "tables.html", a.metadata, a.vocab, a.evaluation, a.contract)

@@ -18,8 +18,9 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.files import read_json, write_json
 from eaglet.base.job_records import stage_times
+from eaglet.base.settings_files import parse_json_arg
 
 PACKAGES = ("eaglet", "torch", "transformers", "safetensors", "tokenizers", "snakemake", "pyarrow",
             "pandas", "numpy", "openai", "gguf", "accelerate")
@@ -79,7 +80,7 @@ def hardware() -> dict:
 
 def manifest(run_dir: str | Path, identity: str | Path | None, config: dict, resolved: dict | None = None) -> dict:
     run_dir = Path(run_dir)
-    ident = io.read_json(identity) if identity and Path(identity).exists() else None
+    ident = read_json(identity) if identity and Path(identity).exists() else None
     return {
         "versions": {**versions(), "vllm (envs/vllm)": vllm_version()},
         "git_describe": git_describe(),
@@ -101,8 +102,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="what the parse resolved (eaglet.workflow.resolve.Resolved.record): JSON, or @FILE")
     p.add_argument("--out", required=True)
     a = p.parse_args(argv)
-    io.write_json(a.out, manifest(a.run_dir, a.target, io.parse_json_arg(a.config_json, {}),
-                                  io.parse_json_arg(a.resolved_json)))
+    write_json(a.out, manifest(a.run_dir, a.target, parse_json_arg(a.config_json, {}),
+                                  parse_json_arg(a.resolved_json)))
 
 
 if __name__ == "__main__":

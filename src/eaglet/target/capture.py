@@ -13,8 +13,10 @@ import logging
 
 import torch
 
-from eaglet.base import io, schema
-from eaglet.target import load as target
+from eaglet.base import schema
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.files import read_parquet
+from eaglet.target.load import job_device, load_model
 
 log = logging.getLogger("eaglet.features.extract")
 
@@ -106,15 +108,15 @@ class Capture:
 
 def read_tokens(tokens_path) -> tuple[list[str], list[list[int]], list[list[int]]]:
     """(ids, input_ids, loss_mask) of a tokens file, checked: unique ids, non-empty, equal lengths."""
-    table = io.read_parquet(tokens_path, columns=["id", "input_ids", "loss_mask"])
+    table = read_parquet(tokens_path, columns=["id", "input_ids", "loss_mask"])
     ids = [str(x) for x in table.column("id").to_pylist()]
     if len(set(ids)) != len(ids):
-        raise io.ArtifactError(f"{tokens_path}: duplicate sample ids")
+        raise ArtifactError(f"{tokens_path}: duplicate sample ids")
     all_input = table.column("input_ids").to_pylist()
     all_mask = table.column("loss_mask").to_pylist()
     for i, (r, m) in enumerate(zip(all_input, all_mask)):
         if len(r) == 0 or len(r) != len(m):
-            raise io.ArtifactError(f"{tokens_path}: sample {ids[i]}: {len(r)} ids, {len(m)} mask values")
+            raise ArtifactError(f"{tokens_path}: sample {ids[i]}: {len(r)} ids, {len(m)} mask values")
     return ids, all_input, all_mask
 
 
@@ -129,7 +131,7 @@ def reference_positions(lengths: list[int], per_batch: int) -> torch.Tensor:
 
 def pick_device(device: str) -> str:
     """``target.device`` for this job (eaglet.target.load.job_device); an explicit ``cuda:1`` stays."""
-    return target.job_device(device) if device in schema.allowed("target.device") else device
+    return job_device(device) if device in schema.allowed("target.device") else device
 
 
 
@@ -142,8 +144,8 @@ def load_cached(path: str, digest: str, dtype: str, dev: str, ngpu: int, trust_r
     if key not in LOADED:
         LOADED.clear()
         # Several visible GPUs = one target spread over them (a model too big for one GPU).
-        model = target.load_model(path, dtype=dtype, device_map="auto" if ngpu > 1 else None,
-                                  trust_remote_code=trust_remote_code)
+        model = load_model(path, dtype=dtype, device_map="auto" if ngpu > 1 else None,
+                           trust_remote_code=trust_remote_code)
         if ngpu <= 1:
             model.to(dev)
         LOADED[key] = model

@@ -20,7 +20,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from eaglet.base import io, schema
+from eaglet.base import schema
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import file_digest, verify_manifest
+from eaglet.base.files import read_json
+from eaglet.base.logs import quiet_third_party
 
 if TYPE_CHECKING:  # torch is imported where a function needs it: the workflow imports this at parse time
     import torch
@@ -60,7 +64,7 @@ def packaged_file_identity(package: str, filename: str) -> str:
         for f in metadata.files(dist) or []:
             if f.hash is not None and Path(f) == Path(package) / filename:
                 return f"{dist}=={metadata.version(dist)} {f.hash.mode}:{f.hash.value} ({f.size} bytes)"
-    return f"{package}/{filename} sha256:{io.file_digest(path)} ({path.stat().st_size} bytes, not recorded by pip)"
+    return f"{package}/{filename} sha256:{file_digest(path)} ({path.stat().st_size} bytes, not recorded by pip)"
 
 
 # GGUF value types (the GGUF specification's numbering) -> struct format, for the header reader.
@@ -152,13 +156,13 @@ def identity_of(model_dir: Path, name: str, source: str) -> dict:
     conf = json.loads((model_dir / "config.json").read_text())
     weights = sorted(model_dir.glob("*.safetensors"))
     if not weights:
-        raise io.ArtifactError(f"{model_dir}: no *.safetensors weights")
+        raise ArtifactError(f"{model_dir}: no *.safetensors weights")
     import hashlib
 
     h = hashlib.sha256()
     for w in weights:
         h.update(w.name.encode())
-        h.update(io.file_digest(w).encode())
+        h.update(file_digest(w).encode())
     text = conf.get("text_config", conf)
     return {
         "name": name,
@@ -272,19 +276,19 @@ def family_facts(conf: dict) -> dict:
 def load_identity(path: str | Path, verify: bool = True) -> dict:
     """The identity JSON with ``path`` resolved to an absolute model folder, checked against the
     recorded manifest (``verify``): the same file names and sizes, and the same sha256 for every
-    file up to io.FULL_HASH_MAX_BYTES (config, tokenizer, chat template, small shards). Big weight
+    file up to digests.FULL_HASH_MAX_BYTES (config, tokenizer, chat template, small shards). Big weight
     shards are checked by size only: re-hashing a 547 GB target in every stage is not cheap; their
     digest was computed once by target_model. The folder may sit in the shared output cache, which
     Snakemake makes world-writable, or be the user's own folder changed since it was identified."""
-    ident = io.read_json(path)
+    ident = read_json(path)
     for key in ("digest", "num_layers", "hidden_size", "vocab_size", "path", "files"):
         if key not in ident:
-            raise io.ArtifactError(f"{path}: identity JSON lacks {key!r} (rerun target_model)")
+            raise ArtifactError(f"{path}: identity JSON lacks {key!r} (rerun target_model)")
     # absolute(), not resolve(): a cached identity.json is a symlink into the cache folder. A local
     # target.path is recorded absolute and stays as it is.
     ident["path"] = os.path.normpath(Path(path).absolute().parent / ident["path"])
     if verify:
-        io.verify_manifest(ident["path"], ident["files"], path)
+        verify_manifest(ident["path"], ident["files"], path)
     return ident
 
 
@@ -295,7 +299,7 @@ def load_tokenizer(model_dir: str | Path, chat_template: str | None = None, need
     evaluate) loads it here, so all of them render alike. ``need_template``: refuse, naming the
     key, when there is no template at all (a base model), instead of transformers' generic error.
     ``trust_remote_code`` (``target.trust_remote_code``): Kimi's tokenizer is its own code."""
-    io.quiet_third_party()
+    quiet_third_party()
     from transformers import AutoTokenizer
 
     from eaglet.target.chat_template import chat_template_text, no_template_message
@@ -357,7 +361,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device_map=None, t
     spread by ``device_map``. ``trust_remote_code`` (``target.trust_remote_code``) lets a checkpoint
     whose class lives in its own folder (``auto_map``: Kimi-K2.5) load; transformers refuses it
     otherwise, and the stages must not decide that on the user's behalf."""
-    io.quiet_third_party()
+    quiet_third_party()
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -373,7 +377,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device_map=None, t
 def _target_weight_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise io.ArtifactError(f"{model_dir}: target checkpoint has no *.safetensors files")
+        raise ArtifactError(f"{model_dir}: target checkpoint has no *.safetensors files")
     return files
 
 
@@ -387,7 +391,7 @@ def read_target_tensor(model_dir: str | Path, name: str, rows: torch.Tensor | No
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise io.ArtifactError(f"{model_dir}: target checkpoint folder missing")
+        raise ArtifactError(f"{model_dir}: target checkpoint folder missing")
     hits = []
     for f in _target_weight_files(model_dir):
         with safe_open(str(f), framework="pt") as st:
@@ -395,10 +399,10 @@ def read_target_tensor(model_dir: str | Path, name: str, rows: torch.Tensor | No
                 if k == name or k.endswith("." + name.removeprefix("model.")):
                     hits.append((k != name, k, f))
     if not hits:
-        raise io.ArtifactError(f"{model_dir}: target checkpoint has no tensor {name!r}")
+        raise ArtifactError(f"{model_dir}: target checkpoint has no tensor {name!r}")
     hits.sort()
     if hits[0][0] and len(hits) > 1:
-        raise io.ArtifactError(f"{model_dir}: tensor {name!r} is ambiguous: {[h[1] for h in hits]}")
+        raise ArtifactError(f"{model_dir}: tensor {name!r} is ambiguous: {[h[1] for h in hits]}")
     _, key, f = hits[0]
     with safe_open(str(f), framework="pt") as st:
         if rows is None:

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from eaglet.base import io, schema
+from eaglet.base import schema
+from eaglet.base.artifacts import ArtifactError
 from eaglet.target.load import read_target_tensor
 
 log = logging.getLogger("eaglet.train.labels")
@@ -40,7 +41,7 @@ STORAGE_MARGIN = {"float32": 1e-3, "bfloat16": 0.25, "float8_e4m3fn": 2.0}
 MIN_POSITIONS = 8
 
 
-class LabelMismatch(io.ArtifactError):
+class LabelMismatch(ArtifactError):
     """The reconstructed target distribution does not match the real model's."""
 
 
@@ -89,7 +90,7 @@ def _skeleton(model_dir: Path, trust_remote_code: bool):
                 return AutoModelForCausalLM.from_config(c, trust_remote_code=trust_remote_code), conf
         except Exception as e:  # noqa: BLE001 - a one-layer variant may not validate; try the real one
             err = e
-    raise io.ArtifactError(f"{model_dir}: cannot build the target's CausalLM class from its config: {err}")
+    raise ArtifactError(f"{model_dir}: cannot build the target's CausalLM class from its config: {err}")
 
 
 class TargetHead:
@@ -105,8 +106,8 @@ class TargetHead:
         decoder = lm.get_decoder()
         norm = getattr(decoder, "norm", None)
         if norm is None:
-            raise io.ArtifactError(f"{model_dir}: the target's decoder ({type(decoder).__name__}) has no final "
-                                   "`norm` module; eaglet cannot place its pre-norm capture")
+            raise ArtifactError(f"{model_dir}: the target's decoder ({type(decoder).__name__}) has no final "
+                                "`norm` module; eaglet cannot place its pre-norm capture")
         self.norm_class = type(norm).__name__
         prefix = _module_name(lm, norm)
         norm = norm.to_empty(device="cpu")
@@ -139,7 +140,7 @@ class TargetHead:
         name = self.head_name.removesuffix(".weight") + name_suffix
         try:
             return read_target_tensor(self.model_dir, name, rows=rows)
-        except io.ArtifactError:
+        except ArtifactError:
             if self.tied and name_suffix == ".weight":  # tied heads are often not saved
                 return read_target_tensor(self.model_dir, self.embed_name, rows=rows)
             raise

@@ -28,7 +28,7 @@ from eaglet.base import schema
 from eaglet.hidden.dtypes import storage_dtype
 from eaglet.hidden.store import storage_round
 from eaglet.target import capture
-from eaglet.target import load as target
+from eaglet.target.load import default_layer_ids, validate_layer_ids
 
 log = logging.getLogger("eaglet.train.online")
 
@@ -45,7 +45,7 @@ class OnlineHiddenStates:
                  token_budget: int = 8192):
         self.dtype = storage_dtype(dtype)
         N, H = int(identity["num_layers"]), int(identity["hidden_size"])
-        self.layer_ids = target.validate_layer_ids(layer_ids or target.default_layer_ids(N), N)
+        self.layer_ids = validate_layer_ids(layer_ids or default_layer_ids(N), N)
         self.ids, self.inputs, self.masks = capture.read_tokens(tokens_path)
         self.num_tokens = [len(r) for r in self.inputs]
         self.H = H

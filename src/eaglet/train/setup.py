@@ -17,11 +17,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from eaglet.base import io
-from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_target_embedding
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import digest_of, file_digest
+from eaglet.base.tensors import load_tensors
+from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglet.drafter.ttt import TTTObjective, drafter_options, freeze_head
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.planner.plan import TRAIN_NOT_DEFINING, bf16_autocast
+from eaglet.target.load import load_target_embedding
 from eaglet.train import labels
 from eaglet.train.data import plan_batches, plan_micro_batches
 from eaglet.train.state import dist_setup, load_latest_checkpoint, restore_rng_state
@@ -40,8 +43,8 @@ class TargetHead:
     def __init__(self, identity: dict, t2d: torch.Tensor, final_is_prenorm: bool, greedy_rows: bool,
                  device, mass_rows: bool = False):
         if not final_is_prenorm:
-            raise io.ArtifactError("hidden states store the final state after the norm; eaglet.features.extract "
-                                   "stores it before (re-extract)")
+            raise ArtifactError("hidden states store the final state after the norm; eaglet.features.extract "
+                                "stores it before (re-extract)")
         self.head = labels.TargetHead(identity["path"], rows=t2d.nonzero().squeeze(1), device=device,
                                       trust_remote_code=bool(identity.get("trust_remote_code", False)))
         self.w_VdH = self.head.row_linear.weight.detach()
@@ -161,13 +164,13 @@ class TrainRun:
 
 def check_vocab(vocab: str, identity: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) of the vocab map, checked against the target."""
-    vt = io.load_tensors(vocab, ["d2t", "t2d"])
+    vt = load_tensors(vocab, ["d2t", "t2d"])
     d2t, t2d = vt["d2t"].long(), vt["t2d"].bool()
     if len(t2d) != identity["vocab_size"] or int(t2d.sum()) != len(d2t):
-        raise io.ArtifactError(f"{vocab}: t2d has {len(t2d)} entries ({int(t2d.sum())} set), target vocab "
-                               f"{identity['vocab_size']}, d2t {len(d2t)}")
+        raise ArtifactError(f"{vocab}: t2d has {len(t2d)} entries ({int(t2d.sum())} set), target vocab "
+                            f"{identity['vocab_size']}, d2t {len(d2t)}")
     if not torch.equal(t2d.nonzero().squeeze(1), torch.arange(len(d2t)) + d2t):
-        raise io.ArtifactError(f"{vocab}: nonzero(t2d) != arange(V_d) + d2t")
+        raise ArtifactError(f"{vocab}: nonzero(t2d) != arange(V_d) + d2t")
     return d2t, t2d
 
 
@@ -181,8 +184,8 @@ def open_validation(hidden: list[str], val_hidden: list[str]) -> tuple[HiddenSta
     if len(val_ids) != len(val):
         bad += sorted(i for i, n in Counter(val).items() if n > 1)
     if bad:
-        raise io.ArtifactError(f"validation stores {val_hidden}: sample ids also in the training stores or "
-                               f"repeated, e.g. {bad[:5]}")
+        raise ArtifactError(f"validation stores {val_hidden}: sample ids also in the training stores or "
+                            f"repeated, e.g. {bad[:5]}")
     return ds, val_ids
 
 
@@ -211,8 +214,8 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
     random.seed(p["seed"])
     meta = ds.meta
     if meta["target_digest"] != identity["digest"]:
-        raise io.ArtifactError(f"{hidden[0] if hidden else 'hidden states'}: extracted from target "
-                               f"{meta['target_digest'][:12]}, identity says {identity['digest'][:12]}")
+        raise ArtifactError(f"{hidden[0] if hidden else 'hidden states'}: extracted from target "
+                            f"{meta['target_digest'][:12]}, identity says {identity['digest'][:12]}")
     d2t, t2d = check_vocab(vocab, identity)
     cfg = DrafterConfig.from_identity(identity, len(d2t), meta["layer_ids"], ttt_steps=int(p["ttt_steps"]),
                                       **drafter_options(p))
@@ -251,7 +254,7 @@ def plan_run(r: TrainRun, hidden: list[str]) -> None:
     r.A = int(p["grad_accum"])
     r.M = r.A * r.ws
     if not r.train_idx:
-        raise io.ArtifactError(f"{hidden}: no training samples left after the validation split")
+        raise ArtifactError(f"{hidden}: no training samples left after the validation split")
     r.total = len(r.micro) // r.M
     if p["max_steps"] is not None:
         r.total = min(r.total, int(p["max_steps"]))
@@ -286,20 +289,20 @@ def data_identity(ds, hidden: list[str], val_hidden: list[str] | None, online: d
     validation-only stores apart; online the tokens file's sha256 and how the target computes the
     states in this job (dtype, device, trust_remote_code; eaglet.train.online)."""
     out = {"layer_ids": [int(i) for i in ds.meta["layer_ids"]], "storage_dtype": str(ds.meta["dtype"]),
-           "samples": io.digest_of([list(ds.ids), [int(n) for n in ds.num_tokens]])}
+           "samples": digest_of([list(ds.ids), [int(n) for n in ds.num_tokens]])}
     if online:
-        out["online"] = {"tokens": io.file_digest(online["tokens"]),
+        out["online"] = {"tokens": file_digest(online["tokens"]),
                          "target_load": dict(getattr(ds, "target_load", None) or {})}
     else:
-        out["stores"] = [io.file_digest(_index_file(h)) for h in hidden]
-        out["val_stores"] = [io.file_digest(_index_file(h)) for h in val_hidden or []]
+        out["stores"] = [file_digest(_index_file(h)) for h in hidden]
+        out["val_stores"] = [file_digest(_index_file(h)) for h in val_hidden or []]
     return out
 
 
 def run_identity(r: TrainRun, vocab: str, identity: dict) -> dict:
     """Everything that defines a run's checkpoints: a checkpoint is resumed only when its recorded
     identity equals this (eaglet.train.state.load_latest_checkpoint)."""
-    ident = {"format": 2, "target": identity["digest"], "vocab": io.file_digest(vocab),
+    ident = {"format": 2, "target": identity["digest"], "vocab": file_digest(vocab),
              "layer_ids": r.data_identity["layer_ids"],
              "hidden_states": {k: v for k, v in r.data_identity.items() if k != "layer_ids"},
              "params": {k: v for k, v in r.p.items() if k not in NOT_DEFINING},
@@ -313,7 +316,7 @@ def resume(r: TrainRun, vocab: str, identity: dict) -> None:
     discarded, each with a log line naming what differs."""
     r.ckpt_dir = r.out_dir / "checkpoints"
     r.identity = run_identity(r, vocab, identity)
-    r.digest = io.digest_of(r.identity)
+    r.digest = digest_of(r.identity)
     state = load_latest_checkpoint(r.ckpt_dir, r.identity) if r.ckpt_dir.exists() else None
     if state is None:
         return

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import io
-from eaglet.base.io import setting_changes
+from eaglet.base.files import atomic_path
+from eaglet.base.settings_files import setting_changes
 
 log = logging.getLogger("eaglet.train.train")
 
@@ -49,7 +49,7 @@ def _ckpt_files(ckpt_dir: Path) -> list[Path]:
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, state: dict, keep: int) -> None:
-    with io.atomic_path(ckpt_dir / f"step_{step:08d}.pt") as tmp:
+    with atomic_path(ckpt_dir / f"step_{step:08d}.pt") as tmp:
         torch.save(state, tmp)
     for old in _ckpt_files(ckpt_dir)[:-max(1, keep)]:
         old.unlink()

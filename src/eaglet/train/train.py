@@ -6,7 +6,7 @@
         --out-dir results/r/train --params '{"ttt_steps": 7, "lr": 1e-4, ...}' [--log FILE]
     torchrun --nproc_per_node N -m eaglet.train.train ...   # DDP (nccl on GPU, gloo on CPU)
 
-Writes ``drafter.safetensors`` (eaglet.drafter.model.save_drafter), ``metrics.parquet`` (one row per
+Writes ``drafter.safetensors`` (eaglet.drafter.eagle3.save_drafter), ``metrics.parquet`` (one row per
 optimizer step, ``split`` = train, plus a ``split`` = val row at every validation pass),
 ``train_summary.json`` and ``checkpoints/step_*.pt``. A killed run restarts from its latest
 checkpoint and reproduces the same loss trace (fixed seed, same device and world size).
@@ -52,8 +52,12 @@ import os
 import time
 from pathlib import Path
 
-from eaglet.base import io, schema
-from eaglet.drafter.model import save_drafter
+from eaglet.base import schema
+from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_recorded
+from eaglet.base.files import write_json, write_parquet
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
+from eaglet.drafter.eagle3 import save_drafter
 from eaglet.drafter.ttt import check_recipe
 from eaglet.hidden.reader import HiddenStateDataset
 
@@ -101,7 +105,7 @@ def write_outputs(r: TrainRun, tokens_seen: int, elapsed: float, head_rest: dict
         selected = {"step": r.total, "val_chain_tau": None, "rule": "last weights: no validation set"}
     best_val = next((x for x in rows if x["split"] == "val" and x["step"] == selected["step"]), None)
     save_drafter(r.out_dir / "drafter.safetensors", r.drafter, cfg, r.d2t, r.t2d)
-    io.write_parquet(r.out_dir / "metrics.parquet", pd.DataFrame(rows))
+    write_parquet(r.out_dir / "metrics.parquet", pd.DataFrame(rows))
     summary = {"steps": r.total, "resumed_from": r.start, "world_size": r.ws, "device": r.device.type,
                "bf16_autocast": autocast_on(r.p["autocast"], r.device),
                "micro_batches_per_step": r.M, "train_samples": len(r.train_idx), "val_samples": len(r.val_idx),
@@ -118,9 +122,9 @@ def write_outputs(r: TrainRun, tokens_seen: int, elapsed: float, head_rest: dict
                "final_train": last_train, "final_val": last_val, "selected": selected, "best_val": best_val,
                "draft_vocab_size": len(r.d2t), "layer_ids": cfg.layer_ids, "label_check": r.label_check,
                "target_digest": identity_digest, "params": r.p, "config": json.loads(cfg.to_json()),
-               # checked by export and evaluate (io.verify_recorded)
-               io.DIGESTS_KEY: io.record_digests(r.out_dir, ["drafter.safetensors", "metrics.parquet"])}
-    io.write_json(r.out_dir / "train_summary.json", summary)
+               # checked by export and evaluate (digests.verify_recorded)
+               DIGESTS_KEY: record_digests(r.out_dir, ["drafter.safetensors", "metrics.parquet"])}
+    write_json(r.out_dir / "train_summary.json", summary)
     log.info("trained %d steps: train loss %.4f; validation chain tau %s (teacher-forced %s); kept the "
              "weights of step %d", r.total, last_train["loss"],
              _fmt(last_val and last_val["chain_tau"]), _fmt(last_val and last_val["tf_tau"]), selected["step"])
@@ -188,21 +192,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log", default=None)
     a = ap.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    io.setup_logging(a.log if rank == 0 else None)
+    setup_logging(a.log if rank == 0 else None)
     from eaglet.target.load import load_identity
 
     identity = load_identity(a.target_identity)
     if rank == 0:
         from eaglet.planner.storage import job_lines
 
-        for line in job_lines(io.parse_json_arg(a.note, None), identity["path"]):
+        for line in job_lines(parse_json_arg(a.note, None), identity["path"]):
             log.info("%s", line)
 
-    io.verify_recorded(a.vocab, Path(a.vocab).with_name("vocab.json"))  # vocab_map's record
-    online = io.parse_json_arg(a.online, None)
+    verify_recorded(a.vocab, Path(a.vocab).with_name("vocab.json"))  # vocab_map's record
+    online = parse_json_arg(a.online, None)
     if online:
-        io.verify_recorded(online["tokens"], Path(online["tokens"]).with_name("metadata.json"))  # tokenize's record
-    train(a.hidden, a.vocab, identity, a.out_dir, io.parse_json_arg(a.params, {}), online=online,
+        verify_recorded(online["tokens"], Path(online["tokens"]).with_name("metadata.json"))  # tokenize's record
+    train(a.hidden, a.vocab, identity, a.out_dir, parse_json_arg(a.params, {}), online=online,
           val_hidden=a.val_hidden or None)
 
 

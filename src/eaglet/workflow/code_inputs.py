@@ -2,7 +2,7 @@
 editing a module reruns exactly the stages whose code imports it (Snakemake's cache key and code
 trigger never see modules imported by ``python -m``).
 
-Modules are named by their dotted path under ``eaglet`` (``train.train``, ``base.io``). Imports are
+Modules are named by their dotted path under ``eaglet`` (``train.train``, ``base.files``). Imports are
 read with ``ast`` from every module, function-level imports included (they run too), except those
 under ``if __name__ == "__main__":`` (an entry point, not a dependency of importers). A vLLM runner
 script a module copies and runs (``Path(...).with_name("vllm_*_runner.py")``) is code that module

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eaglet.base.io import settings_preview_dir, write_settings
+from eaglet.base.settings_files import settings_preview_dir, write_settings
 from eaglet.workflow.resolve import thaw
 
 

@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import Any
 
 from eaglet.base.capability import resolve_autocast, resolve_target_dtype
-from eaglet.base.io import write_settings
+from eaglet.base.settings_files import write_settings
 from eaglet.planner import plan, storage
 from eaglet.target.chat_template import chat_template_text
 from eaglet.target.load import serving

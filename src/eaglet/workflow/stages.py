@@ -12,7 +12,7 @@ The rule files are read as text, never run: a rule is a line ``rule NAME:``, ``c
 Of a block it reads:
 
 - ``shell:`` (string literals, joined): the last ``-m eaglet.<module>`` in it, with the word after
-  it when that is a subcommand (``eaglet.eval.evaluate offline``); the launcher in front of it
+  it when that is a subcommand (``eaglet.x.y subcommand``); the launcher in front of it
   (``-m eaglet.planner.gpu_slots ... --``) is skipped that way. ``script:``, ``run:``, ``wrapper:``
   and ``notebook:`` are named as such; a ``use rule`` without its own shell has its parent's.
 - ``output:`` as Python call arguments (``ast``): each path, through ``report(...)``,

@@ -10,7 +10,7 @@ names it does not know. So every export is checked four ways, each recorded in `
               load_weights, in its environment envs/sglang: eaglet.export.contract.sglang_check): every parameter
               written exactly once and equal to the export, no weight name dropped without a word;
 3. parity   — an independent reference forward written here from vLLM's semantics reproduces the
-              trainer's (``eaglet.drafter.model``) step-0 logits and pre-norm hidden within 1e-4 in fp32;
+              trainer's (``eaglet.drafter.eagle3``) step-0 logits and pre-norm hidden within 1e-4 in fp32;
 4. vllm     — the real thing: vLLM-CPU loads target + drafter, output equals plain greedy, the aux
               layers it reports equal the trained ones, its acceptance equals eaglet's exact chain
               along the same text (eaglet.export.contract.reference.agreement: no slack but near ties). First,
@@ -54,7 +54,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.files import read_json, write_json
+from eaglet.base.logs import setup_logging
 from eaglet.engines import vllm_env
 from eaglet.export.contract import reference, vllm_checks
 from eaglet.export.contract.loaders import emulate_vllm
@@ -201,7 +202,7 @@ def train_tau(summary, k: int | None = None) -> float | None:
     before the chain τ): the teacher-forced ``tf_tau`` overstates acceptance and gates nothing."""
     if summary is None:
         return None
-    s = summary if isinstance(summary, dict) else io.read_json(summary)
+    s = summary if isinstance(summary, dict) else read_json(summary)
     for key in ("best_val", "final_val"):
         row = s.get(key)
         if not isinstance(row, dict):
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--accept-not-run", action="append", default=[], metavar="CHECK",
                    help="a check that may stay not run (repeatable; like the config's export.accept_not_run)")
     a = p.parse_args(argv)
-    io.setup_logging()
+    setup_logging()
     from eaglet.target.load import load_identity
 
     ident = load_identity(a.identity)
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     rep = check_export(a.drafter_dir, ident, trained_path=a.trained, train_summary=a.train_summary,
                        vllm=vllm, accept_not_run=a.accept_not_run, k=a.k, sglang=not a.no_sglang)
     if a.out:
-        io.write_json(a.out, rep)
+        write_json(a.out, rep)
     else:
         print(json.dumps(rep, indent=2))
     for ch in rep["checks"]:

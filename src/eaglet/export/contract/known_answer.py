@@ -21,7 +21,9 @@ import json
 import re
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.files import read_json
+from eaglet.base.tensors import load_tensors, tensor_metadata
 from eaglet.engines import vllm_env
 from eaglet.export.contract import record, vllm_checks
 from eaglet.export.contract.twin import build_drafter, build_twin, chain, prompt_ids, unsupported, write_export
@@ -36,7 +38,7 @@ def offline_first_draft(twin: dict, drafter_path: str | Path, prompts: list[str]
     """eaglet's own speculative loop (hf_loop.speculative: the twin in HF, the drafter's
     forward_step with its KV cache) on the prompts: the output must be the known chain and every
     first draft accepted."""
-    from eaglet.drafter.model import load_drafter
+    from eaglet.drafter.eagle3 import load_drafter
 
     drafter, cfg, d2t, _ = load_drafter(drafter_path, twin)
     return _offline(twin, drafter, cfg, d2t, prompts, k, max_tokens)
@@ -62,15 +64,16 @@ def drafter_from_export(export_dir: str | Path, drafter_path: str | Path, twin: 
     from the trainer's file), so a broken export can be run through eaglet's own forward."""
     import dataclasses
 
-    from eaglet.drafter import model as em
+    from eaglet.drafter.eagle3 import META_KEY, DrafterConfig, Eagle3Drafter
+    from eaglet.target.load import load_target_embedding
 
     d = Path(export_dir)
-    cfg = em.DrafterConfig.from_json(io.tensor_metadata(drafter_path)[em.META_KEY], where=str(drafter_path))
-    cfg = dataclasses.replace(cfg, layer_ids=list(io.read_json(d / "config.json")["eagle_aux_hidden_state_layer_ids"]))
-    t = io.load_tensors(d / "model.safetensors")
+    cfg = DrafterConfig.from_json(tensor_metadata(drafter_path)[META_KEY], where=str(drafter_path))
+    cfg = dataclasses.replace(cfg, layer_ids=list(read_json(d / "config.json")["eagle_aux_hidden_state_layer_ids"]))
+    t = load_tensors(d / "model.safetensors")
     d2t = t.pop("d2t")
     t.pop("t2d", None)
-    drafter = em.Eagle3Drafter(cfg, em.load_target_embedding(twin["path"]))
+    drafter = Eagle3Drafter(cfg, load_target_embedding(twin["path"]))
     drafter.load_state_dict({**t, "embed_tokens.weight": drafter.embed_tokens.weight}, strict=True)
     return drafter.eval(), cfg, d2t
 
@@ -141,7 +144,7 @@ def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | P
     try:
         if twin is None:
             twin, drafter_dir = prepare(identity, list(layer_ids), work, prompts, k=k, max_tokens=max_tokens)
-    except (ValueError, RuntimeError, io.ArtifactError) as e:
+    except (ValueError, RuntimeError, ArtifactError) as e:
         return record.check(name, False,
                                      {"error": f"building the known answer failed: {type(e).__name__}: {e}"})
     spec = vllm_checks.run_vllm(twin["path"], drafter_dir, prompts, work_dir=work / "vllm", python=py, k=k,

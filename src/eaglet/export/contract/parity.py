@@ -1,5 +1,5 @@
 """Contract check 3, parity: an independent reference forward, written here from vLLM's semantics
-(not from eaglet.drafter.model), reproduces the trainer's step-0 logits and pre-norm hidden within 1e-4 in
+(not from eaglet.drafter.eagle3), reproduces the trainer's step-0 logits and pre-norm hidden within 1e-4 in
 fp32 (eaglet.export.contract).
 
 Shape legend: B batch, T tokens, H draft hidden, Ht target hidden, V target vocab, Vd draft vocab.
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.tensors import load_tensors
 from eaglet.export.contract.record import check
 from eaglet.export.contract.static_checks import dims, effective_config, read_export, variants
 
@@ -24,12 +25,12 @@ def target_embedding(model_dir: str | Path):
             for key in fh.keys():
                 if key.endswith("embed_tokens.weight"):
                     return fh.get_tensor(key)
-    raise io.ArtifactError(f"{model_dir}: no embed_tokens.weight in {[f.name for f in files]}")
+    raise ArtifactError(f"{model_dir}: no embed_tokens.weight in {[f.name for f in files]}")
 
 
 def reference_inv_freq(c: dict, head_dim: int):
     """(inv_freq [d/2], attention scaling) of an exported drafter config, via transformers'
-    config parsing and its rope init functions (never through eaglet.drafter.model)."""
+    config parsing and its rope init functions (never through eaglet.drafter.eagle3)."""
     import torch
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -50,7 +51,7 @@ def reference_inv_freq(c: dict, head_dim: int):
 
 def reference_step0(w: dict, c: dict, embed_VH, aux_BT3H, ids_BT, pos_BT):
     """Step 0 of an EAGLE-3 drafter as vLLM's Eagle3LlamaForCausalLM computes it, written from
-    its semantics (not from eaglet.drafter.model), its config variants included (norm_before_fc,
+    its semantics (not from eaglet.drafter.eagle3), its config variants included (norm_before_fc,
     norm_before_residual, norm_output): returns (logits over the full vocab [B,T,V] with −inf
     outside the draft vocab, the hidden [B,T,H] fed to the next draft step: pre-norm, or post-norm
     with norm_output)."""
@@ -107,7 +108,7 @@ def reference_step0(w: dict, c: dict, embed_VH, aux_BT3H, ids_BT, pos_BT):
 
 def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, identity: dict,
                  tol: float = 1e-4, seed: int = 0) -> dict:
-    """Reference forward on the exported files vs eaglet.drafter.model on the trainer's file, step 0
+    """Reference forward on the exported files vs eaglet.drafter.eagle3 on the trainer's file, step 0
     (``identity``: the target's; its checkpoint gives the embedding). Without the trainer's file
     (a directory checked alone), eaglet's model reads the directory's own weights
     (eaglet.export.contract.reference.load_exported): the two implementations must then agree on the same
@@ -115,13 +116,13 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, ident
     import torch
 
     try:
-        from eaglet.drafter import model as em
+        from eaglet.drafter.eagle3 import load_drafter
     except ImportError as e:
-        return check("parity.step0", None, {"skipped": f"eaglet.drafter.model not importable ({e})"})
+        return check("parity.step0", None, {"skipped": f"eaglet.drafter.eagle3 not importable ({e})"})
     conf, _ = read_export(drafter_dir)
     _, c = effective_config(conf)
-    w = {n: t.float() for n, t in io.load_tensors(Path(drafter_dir) / "model.safetensors").items()}
-    w["d2t"] = io.load_tensors(Path(drafter_dir) / "model.safetensors", ["d2t"])["d2t"]
+    w = {n: t.float() for n, t in load_tensors(Path(drafter_dir) / "model.safetensors").items()}
+    w["d2t"] = load_tensors(Path(drafter_dir) / "model.safetensors", ["d2t"])["d2t"]
     embed = target_embedding(identity["path"]).float()
     k = dims(c)
     g = torch.Generator().manual_seed(seed)
@@ -136,7 +137,7 @@ def parity_check(drafter_dir: str | Path, trained_path: str | Path | None, ident
 
             drafter, _cfg, d2t = load_exported(drafter_dir, identity)
         else:
-            drafter, _cfg, d2t, _t2d = em.load_drafter(trained_path, identity, embed_weight=embed)
+            drafter, _cfg, d2t, _t2d = load_drafter(trained_path, identity, embed_weight=embed)
         drafter.float()
         logits, pre = drafter.forward_step(ids, drafter.project(aux.view(B, T, 3, k["Ht"])), pos)
         d2t = d2t.long()

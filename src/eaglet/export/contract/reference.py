@@ -36,7 +36,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.files import read_json, write_json
+from eaglet.base.tensors import load_tensors
 from eaglet.drafter.chain import chain_along
 
 FILE = "reference.json"
@@ -49,7 +51,7 @@ def tensor_digests(path: str | Path) -> dict[str, str]:
     """sha256 of every tensor in a safetensors file: its dtype, shape and bytes."""
     import torch
 
-    tensors = io.load_tensors(path)
+    tensors = load_tensors(path)
     out = {}
     for name in sorted(tensors):
         t = tensors[name].contiguous()
@@ -76,7 +78,7 @@ def weights_check(drafter_dir: str | Path, ref: dict) -> dict:
 
 def config_digest(path: str | Path) -> str:
     """sha256 of config.json's content (keys sorted: a re-indented file is the same config)."""
-    return hashlib.sha256(json.dumps(io.read_json(path), sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(read_json(path), sort_keys=True).encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------- the exported drafter
@@ -85,13 +87,13 @@ def load_exported(drafter_dir: str | Path, identity: dict):
     config's ``eaglet`` block names the target digest it was exported for."""
     import torch
 
-    from eaglet.drafter.model import DrafterConfig, Eagle3Drafter, load_target_embedding
+    from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter, load_target_embedding
     from eaglet.export.contract.static_checks import VARIANTS
 
     d = Path(drafter_dir)
-    c = io.read_json(d / "config.json")
+    c = read_json(d / "config.json")
     if "speculators_model_type" in c:
-        raise io.ArtifactError(f"{d}: format B (speculators); the reference is recorded for format A")
+        raise ArtifactError(f"{d}: format B (speculators); the reference is recorded for format A")
     meta = c.get("eaglet") or {}
     cfg = DrafterConfig(
         hidden_size=c["hidden_size"], target_hidden_size=c.get("target_hidden_size") or c["hidden_size"],
@@ -106,16 +108,16 @@ def load_exported(drafter_dir: str | Path, identity: dict):
         rope_parameters=c.get("rope_parameters"),
         **{f: bool(c.get(f)) for f in VARIANTS})
     if cfg.target_digest and cfg.target_digest != identity.get("digest"):
-        raise io.ArtifactError(f"{d}: exported for target {cfg.target_digest[:12]}, not "
-                               f"{str(identity.get('digest'))[:12]} ({identity.get('name')})")
-    tensors = io.load_tensors(d / "model.safetensors")
+        raise ArtifactError(f"{d}: exported for target {cfg.target_digest[:12]}, not "
+                            f"{str(identity.get('digest'))[:12]} ({identity.get('name')})")
+    tensors = load_tensors(d / "model.safetensors")
     d2t = tensors.pop("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
     tensors.pop("t2d", None)
     model = Eagle3Drafter(cfg, load_target_embedding(identity["path"]))
     want = set(model.trainable_state_dict())
     if set(tensors) != want:
-        raise io.ArtifactError(f"{d}: tensors missing {sorted(want - set(tensors))}, "
-                               f"unexpected {sorted(set(tensors) - want)}")
+        raise ArtifactError(f"{d}: tensors missing {sorted(want - set(tensors))}, "
+                            f"unexpected {sorted(set(tensors) - want)}")
     model.load_state_dict({**{k: v.float() for k, v in tensors.items()},
                            "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
     return model.eval(), cfg, d2t
@@ -136,7 +138,7 @@ def reference_chain(drafter, identity: dict, prompt_ids: list[list[int]] | None,
     if Path(drafter).is_dir():
         model, cfg, d2t = load_exported(drafter, identity)
     else:
-        from eaglet.drafter.model import load_drafter
+        from eaglet.drafter.eagle3 import load_drafter
 
         model, cfg, d2t, _ = load_drafter(drafter, identity)
     tgt = hf_loop.Target(load_model(identity["path"], dtype=ld["dtype"], trust_remote_code=ld["trust_remote_code"],
@@ -206,7 +208,7 @@ def write(drafter_dir: str | Path, weights_from: str | Path, chain: dict | None,
     ref = {"version": VERSION, "weights_sha256": tensor_digests(weights_from),
            "config_sha256": config_digest(Path(drafter_dir) / "config.json"),
            "chain": chain, "chain_not_recorded": why_no_chain}
-    io.write_json(Path(drafter_dir) / FILE, ref)
+    write_json(Path(drafter_dir) / FILE, ref)
     return ref
 
 
@@ -217,4 +219,4 @@ def read(drafter_dir: str | Path) -> dict | None:
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise io.ArtifactError(f"{p}: not JSON ({e})") from None
+        raise ArtifactError(f"{p}: not JSON ({e})") from None

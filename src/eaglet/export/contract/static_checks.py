@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.files import read_json
+from eaglet.base.tensors import load_tensors, tensor_metadata
 from eaglet.export.contract.record import check
 
 ARCH_A = "LlamaForCausalLMEagle3"  # vLLM's registry maps it to Eagle3LlamaForCausalLM; SGLang's name
 ARCH_B = "Eagle3Speculator"
-# Drafter variants the trainer can train (eaglet.drafter.model.DrafterConfig, same names) and vLLM 0.32's
+# Drafter variants the trainer can train (eaglet.drafter.eagle3.DrafterConfig, same names) and vLLM 0.32's
 # llama_eagle3 reads from config.json (``norm_before_fc`` also inside ``eagle_config``).
 VARIANTS = ("norm_before_fc", "norm_before_residual", "norm_output")
 
@@ -35,10 +37,10 @@ def read_export(drafter_dir: str | Path) -> tuple[dict, dict]:
     from safetensors import safe_open
 
     d = Path(drafter_dir)
-    conf = io.read_json(d / "config.json")
+    conf = read_json(d / "config.json")
     path = d / "model.safetensors"
     if not path.exists():
-        raise io.ArtifactError(f"{path}: missing")
+        raise ArtifactError(f"{path}: missing")
     with safe_open(str(path), framework="pt") as f:
         header = {k: (tuple(f.get_slice(k).get_shape()), str(f.get_slice(k).get_dtype())) for k in f.keys()}
     return conf, header
@@ -46,13 +48,13 @@ def read_export(drafter_dir: str | Path) -> tuple[dict, dict]:
 
 def trained_config(path: str | Path) -> dict:
     """The trainer's DrafterConfig from its drafter.safetensors metadata."""
-    meta = io.tensor_metadata(path)
+    meta = tensor_metadata(path)
     if "eaglet" not in meta:
-        raise io.ArtifactError(f"{path}: no 'eaglet' DrafterConfig in the safetensors metadata")
+        raise ArtifactError(f"{path}: no 'eaglet' DrafterConfig in the safetensors metadata")
     try:
         return json.loads(meta["eaglet"])
     except json.JSONDecodeError as e:
-        raise io.ArtifactError(f"{path}: metadata 'eaglet' is not JSON ({e})") from None
+        raise ArtifactError(f"{path}: metadata 'eaglet' is not JSON ({e})") from None
 
 
 def effective_config(conf: dict) -> tuple[str, dict]:
@@ -214,7 +216,7 @@ def vocab_map_check(weights: Path, header: dict, c: dict) -> dict:
     import torch
 
     if "d2t" in header:
-        t = io.load_tensors(weights, ["d2t"] + (["t2d"] if "t2d" in header else []))
+        t = load_tensors(weights, ["d2t"] + (["t2d"] if "t2d" in header else []))
         d2t = t["d2t"].long()
         tgt = torch.arange(d2t.numel()) + d2t
         vp = []

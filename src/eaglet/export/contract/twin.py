@@ -57,7 +57,9 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import folder_manifest
+from eaglet.base.files import read_json, write_json
 from eaglet.target.load import read_target_tensor
 
 SUPPORTED = ("llama", "qwen2", "qwen3")  # Llama parameter names, w * x RMSNorm, o_proj, gate/up/down
@@ -71,14 +73,14 @@ KNOWN = "known.json"
 
 # --------------------------------------------------------------------------- what can be built
 def _text_config(target_dir: str | Path) -> dict:
-    return io.read_json(Path(target_dir) / "config.json")
+    return read_json(Path(target_dir) / "config.json")
 
 
 def unsupported(identity: dict) -> str | None:
     """Why no twin can be built for this target (None: it can)."""
     try:
         conf = _text_config(identity["path"])
-    except (io.ArtifactError, OSError) as e:
+    except (ArtifactError, OSError) as e:
         return f"target config.json not readable ({e})"
     mt = conf.get("model_type")
     if "text_config" in conf or mt not in SUPPORTED:
@@ -174,15 +176,15 @@ def build_twin(identity: dict, out_dir: str | Path, seed: int = 0) -> dict:
     if spread > 1e-4 or len({round(s, 6) for s in S}) != N:
         raise RuntimeError(f"twin register not constant per layer or not distinct: {S} (spread {spread})")
     model.save_pretrained(tmp, safe_serialization=True)
-    io.write_json(tmp / KNOWN, {"layout": lay, "register": S, "seed": seed, "pi_head": pi[:8].tolist(),
-                                "note": "eaglet known-answer twin: greedy(v) = pi(v)"})
+    write_json(tmp / KNOWN, {"layout": lay, "register": S, "seed": seed, "pi_head": pi[:8].tolist(),
+                             "note": "eaglet known-answer twin: greedy(v) = pi(v)"})
     torch.save(pi, tmp / "pi.pt")
     shutil.rmtree(model_dir, ignore_errors=True)
     tmp.rename(model_dir)
     ident = identity_of(model_dir, f"{identity.get('name', 'target')}-known-answer-twin",
                         "eaglet.export.contract.known_answer")
-    ident["files"] = io.folder_manifest(model_dir)  # what load_identity checks on every read
-    io.write_json(out / "identity.json", ident)
+    ident["files"] = folder_manifest(model_dir)  # what load_identity checks on every read
+    write_json(out / "identity.json", ident)
     return load_identity(out / "identity.json")
 
 
@@ -227,7 +229,7 @@ def _qk_scale(cfg, head_dim: int, max_len: int) -> float:
     pos = torch.arange(max_len + 1)[None]
     cos, sin = rot(pos, torch.float64)
     c = torch.ones(1, 1, max_len + 1, head_dim, dtype=torch.float64)
-    from eaglet.drafter.model import rope
+    from eaglet.drafter.eagle3 import rope
 
     r = rope(c, cos, sin)[0, 0]                            # [L, d]
     scores = (r @ r[0]) / math.sqrt(head_dim)              # relative: position 0 vs 0..max_len
@@ -240,14 +242,14 @@ def _qk_scale(cfg, head_dim: int, max_len: int) -> float:
 def build_drafter(twin: dict, identity: dict, path: str | Path, prompts: list[str], *, layer_ids: list[int],
                   max_tokens: int = 64, k: int = 3, draft_vocab_size: int = 1024, max_len: int = 2048,
                   seed: int = 0) -> Path:
-    """The known-answer drafter in the trainer's file format (eaglet.drafter.model.save_drafter) for the twin,
+    """The known-answer drafter in the trainer's file format (eaglet.drafter.eagle3.save_drafter) for the twin,
     with the shapes and RoPE of a drafter for ``identity`` (the real target). The draft vocabulary
     holds every token of the prompts' greedy chains (max_tokens + k + 2 of them) plus random ids."""
-    from eaglet.drafter import model as em
-    from eaglet.target.load import validate_layer_ids
+    from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter, save_drafter
+    from eaglet.target.load import load_target_embedding, validate_layer_ids
 
     tdir = Path(twin["path"])
-    known = io.read_json(tdir / KNOWN)
+    known = read_json(tdir / KNOWN)
     lay, S = known["layout"], known["register"]
     ids = validate_layer_ids([int(i) for i in layer_ids], int(twin["num_layers"]))
     V = int(twin["vocab_size"])
@@ -260,12 +262,12 @@ def build_drafter(twin: dict, identity: dict, path: str | Path, prompts: list[st
     rest = torch.randperm(V, generator=g)
     rest = rest[~torch.isin(rest, seen)][: vd - len(seen)]
     used = torch.cat([seen, rest]).sort().values
-    cfg = em.DrafterConfig.from_identity(identity, draft_vocab_size=vd, layer_ids=ids,
-                                         target_digest=twin["digest"])
+    cfg = DrafterConfig.from_identity(identity, draft_vocab_size=vd, layer_ids=ids,
+                                      target_digest=twin["digest"])
     H, d = cfg.hidden_size, cfg.head_dim
     m, bias, reg = lay["m"], lay["bias"], lay["reg"]
-    emb = em.load_target_embedding(tdir).float()
-    drafter = em.Eagle3Drafter(cfg, emb)
+    emb = load_target_embedding(tdir).float()
+    drafter = Eagle3Drafter(cfg, emb)
     gamma = _qk_scale(cfg, d, max_len)
     delta = torch.randn(m, generator=g)
     D = delta / delta.norm() * DECOY * math.sqrt(H)         # the decoy, in the answer space
@@ -289,7 +291,7 @@ def build_drafter(twin: dict, identity: dict, path: str | Path, prompts: list[st
             drafter.fc.weight[:m, s * H + reg] = -D / (3.0 * S[lid])
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[used] = True
-    em.save_drafter(path, drafter, cfg, used - torch.arange(vd), t2d)
+    save_drafter(path, drafter, cfg, used - torch.arange(vd), t2d)
     return Path(path)
 
 
@@ -298,7 +300,7 @@ def write_export(drafter_path: str | Path, twin: dict, out_dir: str | Path) -> P
     from eaglet.export import vllm_format
 
     tensors, cfg = vllm_format.read_trained(drafter_path, twin)
-    target_conf = io.read_json(Path(twin["path"]) / "config.json")
+    target_conf = read_json(Path(twin["path"]) / "config.json")
     out = Path(out_dir)
     vllm_format.write_dir(out, vllm_format.vllm_config(cfg, twin, target_conf),
                           vllm_format.export_tensors(tensors, cfg, "midlayer"))
@@ -314,7 +316,7 @@ def break_export(good_dir: str | Path, how: str, out_dir: str | Path) -> Path:
     good, out = Path(good_dir), Path(out_dir)
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(good, out)
-    conf = io.read_json(out / "config.json")
+    conf = read_json(out / "config.json")
     t = load_file(out / "model.safetensors")
     if how == "d2t_shifted":
         d2t = t["d2t"]
@@ -332,5 +334,5 @@ def break_export(good_dir: str | Path, how: str, out_dir: str | Path) -> Path:
             raise ValueError("fc blocks are not square (target hidden != draft hidden): no transpose")
         t["fc.weight"] = torch.cat([b.T for b in blocks], dim=1).contiguous()
     save_file(t, out / "model.safetensors", metadata={"format": "pt"})
-    io.write_json(out / "config.json", conf)
+    write_json(out / "config.json", conf)
     return out

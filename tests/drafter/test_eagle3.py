@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from eaglet.base import io
-from eaglet.drafter.model import (
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.tensors import load_tensors, save_tensors, tensor_metadata
+from eaglet.drafter.eagle3 import (
     DrafterConfig,
     Eagle3Drafter,
     KVCache,
@@ -241,11 +242,11 @@ def test_save_load_round_trip(tiny_target, tmp_path):
     t2d[torch.arange(VD) + d2t] = True
     path = tmp_path / "drafter.safetensors"
     save_drafter(path, m, cfg, d2t, t2d)
-    raw = io.load_tensors(path)
+    raw = load_tensors(path)
     assert "embed_tokens.weight" not in raw and raw["d2t"].dtype == torch.int64 and raw["t2d"].dtype == torch.bool
     # relocatable: the file names no path (only the target's digest); moved elsewhere, it loads
     # against the target given explicitly
-    assert str(tiny_target["path"]) not in json.dumps(io.tensor_metadata(path))
+    assert str(tiny_target["path"]) not in json.dumps(tensor_metadata(path))
     moved = tmp_path / "elsewhere" / "copy.safetensors"
     moved.parent.mkdir()
     path.rename(moved)
@@ -254,15 +255,15 @@ def test_save_load_round_trip(tiny_target, tmp_path):
     for k, v in m.state_dict().items():
         assert torch.equal(v, m2.state_dict()[k]), k
     # the digest is the check that the given target is the one it was trained for
-    with pytest.raises(io.ArtifactError, match="trained for target"):
+    with pytest.raises(ArtifactError, match="trained for target"):
         load_drafter(moved, {**tiny_target, "digest": "f" * 64})
     # without the target checkpoint the embedding is unknown: refuse clearly, naming the folder
-    with pytest.raises(io.ArtifactError, match="nowhere"):
+    with pytest.raises(ArtifactError, match="nowhere"):
         load_drafter(moved, {**tiny_target, "path": str(tmp_path / "nowhere")})
     # a file written when the config still held the target's path loads (the key is ignored)
-    meta = json.loads(io.tensor_metadata(moved)["eaglet"])
-    io.save_tensors(tmp_path / "old.safetensors", io.load_tensors(moved),
-                    metadata={"eaglet": json.dumps({**meta, "target_path": "/gone/away"})})
+    meta = json.loads(tensor_metadata(moved)["eaglet"])
+    save_tensors(tmp_path / "old.safetensors", load_tensors(moved),
+                 metadata={"eaglet": json.dumps({**meta, "target_path": "/gone/away"})})
     assert load_drafter(tmp_path / "old.safetensors", tiny_target)[1] == cfg
 
 
@@ -271,7 +272,7 @@ def test_read_target_rows(tiny_target):
     full = read_target_tensor(Path(tiny_target["path"]), "lm_head.weight")
     part = read_target_tensor(tiny_target["path"], "lm_head.weight", rows=rows, chunk_rows=1000)
     assert torch.equal(part, full[rows])
-    with pytest.raises(io.ArtifactError, match="no tensor"):
+    with pytest.raises(ArtifactError, match="no tensor"):
         read_target_tensor(tiny_target["path"], "model.nothing.weight")
 
 

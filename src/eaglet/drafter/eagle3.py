@@ -55,7 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglet.base import io
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.tensors import load_tensors, save_tensors, tensor_metadata
 from eaglet.drafter.rope import Rotary, drafter_rope
 
 # the TTT attention lives in its own module; re-exported (tests and eaglet.planner.plan's notes name it here)
@@ -129,8 +130,8 @@ class DrafterConfig:
         unknown, missing = set(d) - names, {f.name for f in dataclasses.fields(cls)
                                             if f.default is dataclasses.MISSING} - set(d)
         if unknown or missing:
-            raise io.ArtifactError(f"{where}: drafter config has unknown keys {sorted(unknown)} "
-                                   f"or lacks {sorted(missing)}")
+            raise ArtifactError(f"{where}: drafter config has unknown keys {sorted(unknown)} "
+                                f"or lacks {sorted(missing)}")
         return cls(**d)
 
 
@@ -357,7 +358,7 @@ def save_drafter(path: str | Path, model: Eagle3Drafter, cfg: DrafterConfig,
     tensors = {k: v.detach().float().cpu() for k, v in model.trainable_state_dict().items()}
     tensors["d2t"] = d2t.to(torch.int64).cpu()
     tensors["t2d"] = t2d.to(torch.bool).cpu()
-    io.save_tensors(path, tensors, metadata={META_KEY: cfg.to_json()})
+    save_tensors(path, tensors, metadata={META_KEY: cfg.to_json()})
 
 
 def load_drafter(path: str | Path, target: dict, map_location: str = "cpu",
@@ -367,29 +368,29 @@ def load_drafter(path: str | Path, target: dict, map_location: str = "cpu",
     for, which must be ``target["digest"]``; the frozen embedding is read from ``target["path"]``
     unless ``embed_weight`` is given. Returns ``(model, cfg, d2t, t2d)``; the model is in eval mode."""
     path = Path(path)
-    meta = io.tensor_metadata(path) if path.exists() else None
+    meta = tensor_metadata(path) if path.exists() else None
     if meta is None:
-        raise io.ArtifactError(f"{path}: missing")
+        raise ArtifactError(f"{path}: missing")
     if META_KEY not in meta:
-        raise io.ArtifactError(f"{path}: no {META_KEY!r} metadata (not written by eaglet.train.train)")
+        raise ArtifactError(f"{path}: no {META_KEY!r} metadata (not written by eaglet.train.train)")
     cfg = DrafterConfig.from_json(meta[META_KEY], where=str(path))
-    tensors = io.load_tensors(path, device=map_location)
+    tensors = load_tensors(path, device=map_location)
     d2t, t2d = tensors.pop("d2t", None), tensors.pop("t2d", None)
     if d2t is None or t2d is None:
-        raise io.ArtifactError(f"{path}: missing d2t/t2d")
+        raise ArtifactError(f"{path}: missing d2t/t2d")
     if cfg.target_digest and cfg.target_digest != target.get("digest"):
-        raise io.ArtifactError(f"{path}: trained for target {cfg.target_digest[:12]}, not "
-                               f"{str(target.get('digest'))[:12]} ({target.get('name')} at {target.get('path')})")
+        raise ArtifactError(f"{path}: trained for target {cfg.target_digest[:12]}, not "
+                            f"{str(target.get('digest'))[:12]} ({target.get('name')} at {target.get('path')})")
     if embed_weight is None:
         tp = Path(str(target.get("path", "")))
         if not target.get("path") or not tp.is_dir():
-            raise io.ArtifactError(f"{path}: target checkpoint {tp} (the identity's path) not found; "
-                                   "the drafter shares the target's embedding")
+            raise ArtifactError(f"{path}: target checkpoint {tp} (the identity's path) not found; "
+                                "the drafter shares the target's embedding")
         embed_weight = load_target_embedding(tp)
     model = Eagle3Drafter(cfg, embed_weight)
     want = set(model.trainable_state_dict())
     if set(tensors) != want:
-        raise io.ArtifactError(f"{path}: tensors missing {sorted(want - set(tensors))}, "
-                               f"unexpected {sorted(set(tensors) - want)}")
+        raise ArtifactError(f"{path}: tensors missing {sorted(want - set(tensors))}, "
+                            f"unexpected {sorted(set(tensors) - want)}")
     model.load_state_dict({**tensors, "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
     return model.to(map_location).eval(), cfg, d2t.to(map_location), t2d.to(map_location)
