@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from eaglet.base import capability  # noqa: E402
 from eaglet.data.prompts import build_prompts  # noqa: E402
-from eaglet.data.tokenize import tokenize_rows  # noqa: E402
+from eaglet.data.tokenization import tokenize_rows  # noqa: E402
 from eaglet.target.load import load_identity, load_model, load_tokenizer  # noqa: E402
 
 

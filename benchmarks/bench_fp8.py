@@ -59,12 +59,12 @@ def subset_tokens(src: Path, dst: Path, n: int, identity: str) -> tuple[int, str
         table = table.slice(0, min(n, table.num_rows))
         write_parquet(dst, table)
         return table.num_rows, f"first of {src}"
-    from eaglet.data import prompts, tokenize
+    from eaglet.data import prompts, tokenization
 
     rows = prompts.build_prompts("sharegpt", n=n, heldout=0, seed=0, max_turns=2)["train"]
     write_conversations(dst.parent / "conv.parquet", rows)
-    meta = tokenize.run(dst.parent / "conv.parquet", identity, dst.parent, max_length=1024)
-    return meta["samples_processed"], f"{src} missing: ShareGPT seed 0 through eaglet.data.tokenize"
+    meta = tokenization.run(dst.parent / "conv.parquet", identity, dst.parent, max_length=1024)
+    return meta["samples_processed"], f"{src} missing: ShareGPT seed 0 through eaglet.data.tokenization"
 
 
 def ensure_vocab(vocab_map: Path | None, tokens: Path, identity: str, work: Path, vd: int) -> Path:

@@ -13,7 +13,7 @@ linear interpolation over the few percent of difference; the raw figures are pri
 <= 2.3 (2.0 is linear; fixed costs pull it lower).
 
 Each stage is its module's stage function, timed whole, as the workflow calls it (minus the
-Python start-up, the same at both sizes): ``eaglet.data.tokenize.run`` (read conversations, load the
+Python start-up, the same at both sizes): ``eaglet.data.tokenization.run`` (read conversations, load the
 tokenizer, tokenise, write tokens + metadata); ``eaglet.features.extract.extract`` (config's extract dtype
 and token budget; the target is loaded once before timing, so neither size pays it; the final
 sha256 re-read counts); ``eaglet.train.train.train`` (config's train section, one epoch, no
@@ -50,7 +50,7 @@ import torch  # noqa: E402
 from eaglet.base.conversations import read_conversations, write_conversations  # noqa: E402
 from eaglet.base.files import read_parquet, write_parquet  # noqa: E402
 from eaglet.base.logs import quiet_third_party, setup_logging  # noqa: E402
-from eaglet.data import tokenize  # noqa: E402
+from eaglet.data import tokenization  # noqa: E402
 from eaglet.features.extract import extract, pick_device  # noqa: E402
 from eaglet.target import capture  # noqa: E402
 from eaglet.target.load import load_identity  # noqa: E402
@@ -192,7 +192,7 @@ def prepare_pool(a: argparse.Namespace, tmp: Path, max_len: int, overlong: str):
     inputs; returns the pool's tokens table."""
     print(f"input: {conversation_pool(a.conversations, a.n_tokenize, tmp)}", flush=True)
     # The warm-up of tokenize, and every conversation's token count (0: skipped by the stage).
-    tokenize.run(tmp / "pool.parquet", a.identity, tmp / "tok_pool", max_len, overlong)
+    tokenization.run(tmp / "pool.parquet", a.identity, tmp / "tok_pool", max_len, overlong)
     pool_tok = read_parquet(tmp / "tok_pool/tokens.parquet")
     ntok = dict(zip(pool_tok.column("id").to_pylist(), pool_tok.column("num_tokens").to_pylist()))
     conv = read_conversations(tmp / "pool.parquet")
@@ -206,7 +206,7 @@ def prepare_pool(a: argparse.Namespace, tmp: Path, max_len: int, overlong: str):
 def scale_tokenize(a: argparse.Namespace, tmp: Path, max_len: int, overlong: str) -> None:
     """tokenize on the pool's first conversations (1x) and the prefix with about twice their tokens (2x)."""
     def tok_run(k: int, r: int) -> dict:
-        return tokenize.run(tmp / f"conv_{k}x.parquet", a.identity, tmp / f"tok_{k}x_{r}", max_len,
+        return tokenization.run(tmp / f"conv_{k}x.parquet", a.identity, tmp / f"tok_{k}x_{r}", max_len,
                             overlong)
 
     wall, cpu, res = alternate(tok_run, a.repeats)

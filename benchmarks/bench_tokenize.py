@@ -3,7 +3,7 @@
     python benchmarks/bench_tokenize.py [--identity resources/targets/smollm2-135m-instruct/identity.json]
         [--n 1000] [--repeats 8]
 
-The stage (eaglet.data.tokenize.tokenize_rows) renders every conversation with the chat template,
+The stage (eaglet.data.tokenization.tokenize_rows) renders every conversation with the chat template,
 renders the prefixes that locate the assistant spans, encodes, builds the loss mask from the span
 edges and verifies it by decoding the masked tokens. The baseline is the tokenizer's own batch
 encode of the already-rendered texts (``tokenizer(texts)``: no template, no mask): the floor a
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.paired import spread_note  # noqa: E402
 from eaglet.base.logs import quiet_third_party  # noqa: E402
-from eaglet.data import prompts, tokenize  # noqa: E402
+from eaglet.data import prompts, tokenization  # noqa: E402
 from eaglet.target import reasoning  # noqa: E402
 from eaglet.target.load import load_identity, load_tokenizer  # noqa: E402
 
@@ -48,13 +48,13 @@ def main() -> None:
     quiet_third_party()
     tok = load_tokenizer(load_identity(a.identity)["path"])
     rows = prompts.build_prompts("sharegpt", n=a.n, heldout=0, seed=0)["train"]
-    fmt = reasoning.detect(tokenize.Renderer(tok), tok.get_vocab())
+    fmt = reasoning.detect(tokenization.Renderer(tok), tok.get_vocab())
     texts = [tok.apply_chat_template([fmt.message(m) for m in r["messages"]], tokenize=False) for r in rows]
-    batch = 256  # the stage's batch_size (tokenize.tokenize_rows)
+    batch = 256  # the stage's batch_size (tokenization.tokenize_rows)
     chunks = [(rows[i:i + batch], texts[i:i + batch]) for i in range(0, len(rows), batch)]
     n_tokens = sum(len(x) for x in tok(texts, add_special_tokens=False)["input_ids"])
-    fast = tokenize.backend(tok)
-    renderer = tokenize.Renderer(tok)
+    fast = tokenization.backend(tok)
+    renderer = tokenization.Renderer(tok)
     kept: list = []
     skipped: Counter = Counter()
 
@@ -65,7 +65,7 @@ def main() -> None:
         fast.encode_batch(ts, add_special_tokens=False)
 
     def stage(rs, ts) -> None:
-        k, sk, _ = tokenize.tokenize_rows(tok, rs, max_length=a.max_length, batch_size=batch, renderer=renderer)
+        k, sk, _ = tokenization.tokenize_rows(tok, rs, max_length=a.max_length, batch_size=batch, renderer=renderer)
         kept.extend(k)
         skipped.update(sk)
 

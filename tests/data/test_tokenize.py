@@ -9,7 +9,7 @@ import pytest
 
 from eaglet.base.conversations import read_conversations, write_conversations
 from eaglet.base.files import read_json, read_parquet
-from eaglet.data import tokenize
+from eaglet.data import tokenization
 from eaglet.target import reasoning
 from eaglet.target.load import load_identity, load_tokenizer
 
@@ -30,7 +30,7 @@ A = lambda c, **kw: {"role": "assistant", "content": c, **kw}
 def test_mask_covers_exactly_the_assistant_turns(tok):
     msgs = [U("What is the capital of France?"), A("Paris is the capital."), U("And of Italy?"),
             A("Rome.")]
-    kept, skipped, _ = tokenize.tokenize_rows(tok, [row(0, msgs)])
+    kept, skipped, _ = tokenization.tokenize_rows(tok, [row(0, msgs)])
     assert not skipped
     r = kept[0]
     ids, mask = r["input_ids"], r["loss_mask"].astype(bool)
@@ -48,15 +48,15 @@ def test_mask_covers_exactly_the_assistant_turns(tok):
 
 def test_reasoning_is_wrapped_in_thinking_tokens_where_the_template_reads_none(tok):
     msgs = [U("2+2?"), A("4", reasoning_content="two plus two is four")]
-    kept, _, _ = tokenize.tokenize_rows(tok, [row(0, msgs)])
+    kept, _, _ = tokenization.tokenize_rows(tok, [row(0, msgs)])
     masked = tok.decode(kept[0]["input_ids"][kept[0]["loss_mask"].astype(bool)].tolist())
     assert masked.startswith("<think>\ntwo plus two is four\n</think>\n\n4")
     assert kept[0]["reasoning_turns"] == kept[0]["reasoning_shown"] == 1
-    # tokenize.think_markers: the configured pair instead, recorded as such
-    fmt = reasoning.detect(tokenize.Renderer(tok), tok.get_vocab(), ["<reasoning>", "</reasoning>"])
+    # tokenization.think_markers: the configured pair instead, recorded as such
+    fmt = reasoning.detect(tokenization.Renderer(tok), tok.get_vocab(), ["<reasoning>", "</reasoning>"])
     assert fmt.record() | {"frame": None} == {"rendered_as": "markers", "field": None, "frame": None,
                                                "markers": ["<reasoning>", "</reasoning>"], "markers_from": "config"}
-    kept, _, _ = tokenize.tokenize_rows(tok, [row(0, msgs)], fmt=fmt)
+    kept, _, _ = tokenization.tokenize_rows(tok, [row(0, msgs)], fmt=fmt)
     masked = tok.decode(kept[0]["input_ids"][kept[0]["loss_mask"].astype(bool)].tolist())
     assert masked.startswith("<reasoning>\ntwo plus two is four\n</reasoning>\n\n4") and "think" not in masked
 
@@ -83,7 +83,7 @@ def test_server_reasoning_is_rendered_in_the_targets_own_format(family, tiny_fam
     qs = ["REASON 2+2?", "THINK name a colour", "plain question"]
     write_conversations(tmp_path / "in.parquet", [row(i, [U(q)]) for i, q in enumerate(qs)])
     generate(tmp_path / "in.parquet", ident, tmp_path / "gen", {"backend": "openai", "base_urls": [canned]})
-    meta = tokenize.run(tmp_path / "gen" / "conversations.parquet", ident, tmp_path / "tok")
+    meta = tokenization.run(tmp_path / "gen" / "conversations.parquet", ident, tmp_path / "tok")
     assert meta["samples_processed"] == 3 and meta["reasoning"]["field"] == FIELD[family]
     assert meta["reasoning"]["rendered_as"] == f"field {FIELD[family]}"
     assert meta["reasoning"]["turns"] == meta["reasoning"]["in_sequence"] == 2
@@ -113,7 +113,7 @@ def test_raw_thinking_markers_and_malformed_rows_are_skipped_by_reason(tok):
             row(5, [U("q"), A("fine")]),
             row(5, [U("q"), A("dup")]),
             row(6, [A("first"), U("q"), A("a")])]
-    kept, skipped, _ = tokenize.tokenize_rows(tok, rows)
+    kept, skipped, _ = tokenization.tokenize_rows(tok, rows)
     assert [r["id"] for r in kept] == ["r5"]
     assert skipped == {"raw_thinking_markers": 1, "empty_conversation": 1, "no_assistant_turn": 1,
                        "non_string_content": 1, "unknown_role": 1, "duplicate_id": 1, "assistant_first": 1}
@@ -121,15 +121,15 @@ def test_raw_thinking_markers_and_malformed_rows_are_skipped_by_reason(tok):
 
 def test_overlong_skip_or_truncate(tok):
     long = [U("hello"), A(" ".join(["word"] * 300))]
-    kept, skipped, _ = tokenize.tokenize_rows(tok, [row(0, long)], max_length=64, overlong="skip")
+    kept, skipped, _ = tokenization.tokenize_rows(tok, [row(0, long)], max_length=64, overlong="skip")
     assert not kept and skipped == {"overlong": 1}
-    kept, skipped, _ = tokenize.tokenize_rows(tok, [row(0, long)], max_length=64, overlong="truncate")
+    kept, skipped, _ = tokenization.tokenize_rows(tok, [row(0, long)], max_length=64, overlong="truncate")
     assert kept[0]["num_tokens"] == 64 and kept[0]["loss_mask"][-1] == 1
     assert kept[0]["truncated"] is True
     # Truncation that cuts every assistant token leaves nothing to learn: skipped, and said to be a
     # truncation (not an empty answer)
     late = [U(" ".join(["word"] * 300)), A("a")]
-    kept, skipped, _ = tokenize.tokenize_rows(tok, [row(0, late)], max_length=64)
+    kept, skipped, _ = tokenization.tokenize_rows(tok, [row(0, late)], max_length=64)
     assert not kept and skipped == {"truncated_no_answer": 1}
 
 
@@ -141,7 +141,7 @@ def test_metadata_counts_every_truncation(tiny_target, tmp_path):
     write_conversations(convs, [row(0, [U("hello"), A(" ".join(["word"] * 300))]),
                                 row(1, [U(" ".join(["word"] * 300)), A("a")]),
                                 row(2, [U("hi"), A("short")])])
-    meta = tokenize.run(convs, tiny_target_identity_path(tiny_target), tmp_path / "out", max_length=64)
+    meta = tokenization.run(convs, tiny_target_identity_path(tiny_target), tmp_path / "out", max_length=64)
     assert meta["samples_processed"] == 2 and meta["skipped_by_reason"] == {"truncated_no_answer": 1}
     assert meta["truncated"] == 2 and meta["truncated_kept"] == 1
 
@@ -150,7 +150,7 @@ def test_run_writes_tokens_and_seed_metadata(tiny_target, tmp_path):
     convs = tmp_path / "c.parquet"
     write_conversations(convs, [row(i, [U(f"q{i}"), A(f"answer number {i}")]) for i in range(5)]
                         + [row(9, [U("q")])])
-    meta = tokenize.run(convs, tiny_target_identity_path(tiny_target), tmp_path / "out")
+    meta = tokenization.run(convs, tiny_target_identity_path(tiny_target), tmp_path / "out")
     for key in ("samples_processed", "samples_skipped", "total_tokens", "total_assistant_tokens",
                 "vocab_size", "unique_assistant_tokens"):
         assert key in meta
@@ -176,21 +176,21 @@ def test_backend_encode_gives_the_wrappers_ids_and_masks(tok):
     texts, spans = [], []
     for content in ["Paris.", "naïve café — 東京タワー 🚀🚀 ok", "x" * 40 + " 😀", "  spaced  ", "\n\n"]:
         msgs = [U("q 🙂 ü"), A(content), U("again"), A(content[::-1] or "r")]
-        text, sp = tokenize.render(tok, msgs)
+        text, sp = tokenization.render(tok, msgs)
         texts.append(text)
         spans.append(sp + [(sp[0][0] + 1, sp[0][1])])  # a span starting mid-token too
-    assert tokenize.backend(tok) is not None
-    ids, masks = tokenize.encode_masked(tok, texts, spans)
+    assert tokenization.backend(tok) is not None
+    ids, masks = tokenization.encode_masked(tok, texts, spans)
     enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
     for i in range(len(texts)):
         assert ids[i].tolist() == enc["input_ids"][i]
-        want = tokenize.mask_from_offsets(enc["offset_mapping"][i], spans[i])
+        want = tokenization.mask_from_offsets(enc["offset_mapping"][i], spans[i])
         assert np.array_equal(masks[i], want), texts[i]
         assert masks[i].any()
     slow = copy.deepcopy(tok)
     slow._tokenizer.enable_truncation(max_length=10_000)  # a configured backend: the wrapper path
-    assert tokenize.backend(slow) is None
-    ids2, masks2 = tokenize.encode_masked(slow, texts, spans)
+    assert tokenization.backend(slow) is None
+    ids2, masks2 = tokenization.encode_masked(slow, texts, spans)
     assert all(np.array_equal(a, b) for a, b in zip(ids + masks, ids2 + masks2))
 
 
@@ -207,7 +207,7 @@ def test_template_kwargs_render_what_the_server_prefills(tok):
     served = {"enable_thinking": False}
 
     def masked(kwargs):
-        kept, skipped, _ = tokenize.tokenize_rows(q, [row(0, msgs)], template_kwargs=kwargs)
+        kept, skipped, _ = tokenization.tokenize_rows(q, [row(0, msgs)], template_kwargs=kwargs)
         assert not skipped
         return q.decode(kept[0]["input_ids"][kept[0]["loss_mask"].astype(bool)].tolist()), kept[0]["input_ids"]
 
@@ -246,7 +246,7 @@ def test_qwen3_history_turns_are_found_in_the_full_rendering(tok, served):
     q.chat_template = QWEN3_TEMPLATE
     msgs = [U("Name a colour."), A("Blue.", reasoning_content="Pick one."), U("Another?"), A("Green."),
             U("And a third?"), A("Red, of course.")]
-    kept, skipped, _ = tokenize.tokenize_rows(q, [row(0, msgs)], template_kwargs=served)
+    kept, skipped, _ = tokenization.tokenize_rows(q, [row(0, msgs)], template_kwargs=served)
     assert not skipped, skipped
     full = q.apply_chat_template(msgs, tokenize=False, **served)
     assert q.decode(kept[0]["input_ids"].tolist()) == full
@@ -267,7 +267,7 @@ def test_gpt_oss_earlier_turns_are_trained_as_the_conversation_goes_on():
     g = build_tokenizer("gpt_oss")
     msgs = [U("Name a colour."), A("Blue.", reasoning_content="Pick one."), U("Another?"),
             A("Green.", reasoning_content="A different one.")]
-    kept, skipped, _ = tokenize.tokenize_rows(g, [row(0, msgs)])
+    kept, skipped, _ = tokenization.tokenize_rows(g, [row(0, msgs)])
     assert not skipped, skipped
     assert "Pick one." not in g.decode(kept[0]["input_ids"].tolist())
     assert kept[0]["reasoning_turns"] == 2 and kept[0]["reasoning_shown"] == 1
@@ -287,5 +287,5 @@ def test_history_span_refuses_a_turn_it_cannot_place(tok):
         "{%- else %}\n            {{- '<|im_start|>' + message.role + '\\n' + content|upper }}\n        {%- endif %}")
     assert q.chat_template != QWEN3_TEMPLATE
     msgs = [U("Name a colour."), A("Blue."), U("Another?"), A("Green.")]
-    kept, skipped, _ = tokenize.tokenize_rows(q, [row(0, msgs)])
+    kept, skipped, _ = tokenization.tokenize_rows(q, [row(0, msgs)])
     assert not kept and skipped == {"template_not_prefix": 1}

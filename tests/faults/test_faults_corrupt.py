@@ -38,7 +38,7 @@ def _conversations(path: Path, n: int = 12) -> None:
 
 
 def _tokens(path: Path, n: int = 12) -> None:
-    from eaglet.data.tokenize import write_tokens
+    from eaglet.data.tokenization import write_tokens
 
     rng = np.random.default_rng(0)
     write_tokens(path, [{"id": f"s{i}", "source": "t", "input_ids": rng.integers(0, 49152, 20 + i).astype(np.int32),
@@ -47,9 +47,9 @@ def _tokens(path: Path, n: int = 12) -> None:
 
 
 def _run_tokenize(art, ident, out):
-    from eaglet.data import tokenize
+    from eaglet.data import tokenization
 
-    tokenize.run(art, ident, out)
+    tokenization.run(art, ident, out)
 
 
 def _run_freq(art, ident, out):

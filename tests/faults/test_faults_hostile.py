@@ -282,7 +282,7 @@ def test_hostile_config_strings_execute_nothing(tmp_path, monkeypatch):
     # there: a preview writes them only under EAGLET_PREVIEW_SETTINGS).
     assert {"eaglet.data.prompts", "eaglet.generate.generate", "eaglet.data.vocab", "eaglet.eval.evaluate_offline",
             "eaglet.eval.evaluate_vllm",
-            "eaglet.data.tokenize", "eaglet.report.provenance"} <= modules, modules
+            "eaglet.data.tokenization", "eaglet.report.provenance"} <= modules, modules
     assert not (wf / "logs" / "smoke" / "config").exists()
     written = json.loads((tmp_path / "preview/logs/smoke/config/generate.json").read_text())
     assert written["base_urls"] == [f"http://{evil}/v1"] and written["model"] == evil

@@ -76,7 +76,7 @@ def test_generate_input_malformed_rows_are_skipped_by_reason(canned, tiny_target
 def test_tokenize_stage_counts_null_rows_written_by_other_tools(tiny_target, tmp_path):
     """tokenize, reading the file (not a list in memory): null message lists and null turns are
     counted by reason, the rest is tokenized."""
-    from eaglet.data import tokenize
+    from eaglet.data import tokenization
 
     good = [{"id": f"g{i}", "source": "t", "messages": [_msg("user", f"q{i}"), _msg("assistant", f"a{i}")]}
             for i in range(3)]
@@ -85,7 +85,7 @@ def test_tokenize_stage_counts_null_rows_written_by_other_tools(tiny_target, tmp
            {"id": "n3", "source": "t", "messages": [_msg("user", "q"), _msg("assistant", None)]},
            {"id": "n4", "source": "t", "messages": [_msg("user", "q"), _msg("assistant", "   ")]}]
     write_parquet(tmp_path / "c.parquet", _conversation_table(good + bad))
-    meta = tokenize.run(tmp_path / "c.parquet", identity_path(tiny_target), tmp_path / "out")
+    meta = tokenization.run(tmp_path / "c.parquet", identity_path(tiny_target), tmp_path / "out")
     assert meta["samples_processed"] == 3 and meta["samples_in"] == 7
     assert meta["skipped_by_reason"] == {"empty_conversation": 1, "malformed_turn": 1, "non_string_content": 1,
                                          "empty_assistant_turn": 1}

@@ -84,7 +84,7 @@ def test_local_backend_puts_the_targets_reasoning_in_the_reasoning_field(family,
     scripted to reply as a reasoning model of the family does."""
     import torch
 
-    from eaglet.data import tokenize
+    from eaglet.data import tokenization
     from eaglet.target import load
 
     reply, thought, content = SCRIPTED[family]
@@ -105,7 +105,7 @@ def test_local_backend_puts_the_targets_reasoning_in_the_reasoning_field(family,
     assert s["samples"] == 3 and s["reasoning_capture_rate"] == 1.0
     for r in read_conversations(tmp_path / "out" / "conversations.parquet"):
         assert r["messages"][-1] == {"role": "assistant", "content": content, "reasoning_content": thought}
-    m = tokenize.run(tmp_path / "out" / "conversations.parquet", ident, tmp_path / "tok")
+    m = tokenization.run(tmp_path / "out" / "conversations.parquet", ident, tmp_path / "tok")
     assert m["samples_processed"] == 3 and m["reasoning"]["in_sequence"] == 3
     row = read_parquet(tmp_path / "tok" / "tokens.parquet").to_pylist()[0]
     masked = tok.decode([i for i, k in zip(row["input_ids"], row["loss_mask"], strict=True) if k])
@@ -167,10 +167,10 @@ def test_over_limit_rule_is_exact_at_the_boundary(tiny_target):
 
 
 def test_prompt_over_the_limit_is_not_generated_and_tokenize_cuts_no_answer(tiny_target, tmp_path):
-    """Issue 15: prompts under generation's limit but over tokenize.max_length lost their whole
-    answer at tokenize. Filtered before generating, such a row is never generated, is counted with
+    """Issue 15: prompts under generation's limit but over tokenization.max_length lost their whole
+    answer at tokenization. Filtered before generating, such a row is never generated, is counted with
     its reason, and tokenize reports no truncated_no_answer; without the filter it does."""
-    from eaglet.data import tokenize
+    from eaglet.data import tokenization
 
     ident = Path(tiny_target["path"]).parent / "identity.json"
     _short_and_long(tmp_path / "in.parquet")
@@ -183,12 +183,12 @@ def test_prompt_over_the_limit_is_not_generated_and_tokenize_cuts_no_answer(tiny
     err = read_parquet(tmp_path / "on" / "errors.parquet").to_pylist()
     assert [(e["id"], e["error_kind"]) for e in err] == [("long", "prompt_over_limit")]
     assert f"max_length {limit}" in err[0]["reason"]
-    m = tokenize.run(tmp_path / "on" / "conversations.parquet", ident, tmp_path / "tok_on", max_length=limit)
+    m = tokenization.run(tmp_path / "on" / "conversations.parquet", ident, tmp_path / "tok_on", max_length=limit)
     assert m["samples_processed"] == 3 and "truncated_no_answer" not in m["skipped_by_reason"]
     # The same data without the filter: the long prompt is generated, then cut away whole.
     s = generate(tmp_path / "in.parquet", ident, tmp_path / "off", cfg)
     assert s["filtered"] == 0 and s["samples"] == 4
-    m = tokenize.run(tmp_path / "off" / "conversations.parquet", ident, tmp_path / "tok_off", max_length=limit)
+    m = tokenization.run(tmp_path / "off" / "conversations.parquet", ident, tmp_path / "tok_off", max_length=limit)
     assert m["skipped_by_reason"].get("truncated_no_answer") == 1
     # A rerun under a higher limit sends the row it filtered (the others are kept from before).
     s = generate(tmp_path / "in.parquet", ident, tmp_path / "on", {**cfg, "max_length": 1024})
@@ -200,7 +200,7 @@ def test_an_original_response_over_the_limit_is_not_passed_on(tiny_target, tmp_p
     """data.mix 0: no row is regenerated, and a row whose prompt leaves no room for its own answer
     under the limit is dropped at generate with its reason, as a regenerated one would be; tokenize
     then cuts no answer away whole."""
-    from eaglet.data import tokenize
+    from eaglet.data import tokenization
 
     ident = Path(tiny_target["path"]).parent / "identity.json"
     _short_and_long(tmp_path / "in.parquet")
@@ -212,7 +212,7 @@ def test_an_original_response_over_the_limit_is_not_passed_on(tiny_target, tmp_p
     assert "long" not in assistant_texts(tmp_path / "o" / "conversations.parquet")
     err = read_parquet(tmp_path / "o" / "errors.parquet").to_pylist()
     assert [(e["id"], e["error_kind"]) for e in err] == [("long", "prompt_over_limit")]
-    m = tokenize.run(tmp_path / "o" / "conversations.parquet", ident, tmp_path / "tok", max_length=limit)
+    m = tokenization.run(tmp_path / "o" / "conversations.parquet", ident, tmp_path / "tok", max_length=limit)
     assert m["samples_processed"] == 3 and "truncated_no_answer" not in m["skipped_by_reason"]
     s = generate(tmp_path / "in.parquet", ident, tmp_path / "o", cfg)  # no limit: all four passed on
     assert (s["original"], s["filtered"]) == (4, 0)

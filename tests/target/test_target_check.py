@@ -329,7 +329,8 @@ def test_user_text_with_braces_reaches_every_stage_verbatim(tmp_path):
                 if template in (d.get("chat_template") or "", (d.get("target") or {}).get("chat_template")):
                     seen[module] = "json"
     # target_model gets the key (a path); every stage that renders conversations gets the text
-    stages = {"eaglet.data.tokenize", "eaglet.data.vocab", "eaglet.generate.generate", "eaglet.eval.evaluate_offline"}
+    stages = {"eaglet.data.tokenization", "eaglet.data.vocab", "eaglet.generate.generate",
+              "eaglet.eval.evaluate_offline"}
     assert stages <= set(seen), (seen, out[-3000:])
     vocab_args = args["eaglet.data.vocab"]
     assert json.loads(vocab_args[vocab_args.index("--pinned") + 1]) == ["{run}", "{{ eos_token }}"]

@@ -319,7 +319,7 @@ def test_a_refusal_inside_a_cached_folder_names_the_entry_and_its_evict_command(
 def test_vocab_and_drafter_are_checked_against_their_producers_record(tiny_target, tmp_path):
     """train refuses a vocab.safetensors, export and evaluate a drafter.safetensors, whose sha256
     is not the one its producing stage recorded (vocab.json, train_summary.json)."""
-    from eaglet.data import freq, tokenize, vocab
+    from eaglet.data import freq, tokenization, vocab
     from eaglet.eval import evaluate_offline
     from eaglet.export import export
     from eaglet.train import train
@@ -329,7 +329,7 @@ def test_vocab_and_drafter_are_checked_against_their_producers_record(tiny_targe
     write_conversations(conv, [{"id": f"c{i}", "messages": [
         {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i} " * 5}]}
         for i in range(4)])
-    tokenize.run(conv, ident, tmp_path / "tok")
+    tokenization.run(conv, ident, tmp_path / "tok")
     freq.run(tmp_path / "tok" / "tokens.parquet", ident, tmp_path / "freq")
     vocab.run(tmp_path / "freq" / "freq.safetensors", ident, tmp_path / "vocab", draft_vocab_size=64)
     v = tmp_path / "vocab" / "vocab.safetensors"
@@ -375,7 +375,7 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
     import torch
 
     from eaglet.base import datasets
-    from eaglet.data import freq, prompts, tokenize, vocab
+    from eaglet.data import freq, prompts, tokenization, vocab
     from eaglet.eval import eval_summary, evaluate_vllm, hf_stage
     from eaglet.generate import generate
     from eaglet.report import plots
@@ -398,10 +398,10 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
     assert read_json(gen / "generate_summary.json")[DIGESTS_KEY] == record_digests(
         gen, ["conversations.parquet", "errors.parquet"])
     tok_args = ["--target", ident, "--out-dir", str(tmp_path / "tok")]
-    tokenize.main(["--conversations", str(gen / "conversations.parquet"), *tok_args])  # intact, it reads
+    tokenization.main(["--conversations", str(gen / "conversations.parquet"), *tok_args])  # intact, it reads
 
     _other_rows(pr / "train.parquet")
-    refused(pr / "train.parquet", lambda: tokenize.main(["--conversations", str(pr / "train.parquet"), *tok_args]))
+    refused(pr / "train.parquet", lambda: tokenization.main(["--conversations", str(pr / "train.parquet"), *tok_args]))
     refused(pr / "train.parquet", lambda: generate.main([
         "--conversations", str(pr / "train.parquet"), "--target", ident, "--out-dir", str(tmp_path / "g2"),
         "--config", json.dumps({"backend": "local"})]))
@@ -409,7 +409,7 @@ def test_every_recorded_artifact_altered_is_refused_by_its_consumers(tiny_target
     refused(pr / "heldout.parquet", lambda: datasets.load_set(str(pr / "heldout.parquet")))
     _other_rows(gen / "conversations.parquet")
     refused(gen / "conversations.parquet",
-            lambda: tokenize.main(["--conversations", str(gen / "conversations.parquet"), *tok_args]))
+            lambda: tokenization.main(["--conversations", str(gen / "conversations.parquet"), *tok_args]))
 
     # token_freq -> vocab_map
     fr = tmp_path / "freq"

@@ -91,7 +91,7 @@ def test_a_rule_runs_a_module_of_its_rule_files_package():
     for name, r in rules().items():
         if r["stage"]:
             assert package_of(r["stage"]) == r["file"], f"rule {name} ({r['file']}.smk) runs eaglet.{r['stage']}"
-    assert {"data.target_model", "data.prompts", "data.tokenize", "data.freq", "data.vocab", "features.extract",
+    assert {"data.target_model", "data.prompts", "data.tokenization", "data.freq", "data.vocab", "features.extract",
             "train.train", "export.export", "eval.evaluate_offline", "eval.evaluate_speculative", "eval.evaluate_modes",
             "eval.evaluate_vllm", "eval.regenerated", "eval.eval_summary",
             "generate.generate", "report.plots", "report.provenance"} <= STAGES, STAGES
@@ -211,7 +211,7 @@ def test_the_contract_is_code_of_the_export_and_what_follows_only():
     extraction or training."""
     users = {s for s in STAGES if "export.contract.record" in code_inputs.closure(s)}
     assert "export.export" in users
-    assert not users & {"data.target_model", "data.prompts", "data.tokenize", "data.freq", "data.vocab",
+    assert not users & {"data.target_model", "data.prompts", "data.tokenization", "data.freq", "data.vocab",
                         "generate.generate", "features.extract", "train.train"}, users
 
 
@@ -224,3 +224,65 @@ def test_imports_are_read_as_written():
     assert {"src/eaglet/export/__init__.py", "src/eaglet/export/contract/__init__.py",
             "src/eaglet/export/contract/record.py"} <= set(code_inputs.files("export.contract.record"))
     assert "engines.vllm_env" in code_inputs.imports("engines.vllm_eval_runner")
+
+
+# --------------------------------------------------------------------------- names that hide nothing
+
+
+def _is_eaglet_module(dotted: str) -> bool:
+    parts = dotted.split(".")
+    if parts[0] != "eaglet":
+        return False
+    path = SRC.joinpath(*parts[1:])
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def module_aliases(text: str) -> list[tuple[int, str]]:
+    """Each import that gives one of eaglet's modules another name (``from eaglet.x import y as z``,
+    ``import eaglet.x.y as z``, z != y), with its line."""
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                if a.asname and a.asname != a.name and _is_eaglet_module(f"{node.module}.{a.name}"):
+                    out.append((node.lineno, f"{node.module}.{a.name} as {a.asname}"))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.asname != a.name.rsplit(".", 1)[-1] and _is_eaglet_module(a.name):
+                    out.append((node.lineno, f"{a.name} as {a.asname}"))
+    return out
+
+
+def test_no_import_renames_a_module():
+    """A module is read under its own name everywhere (code, tests, benchmarks, scripts, rule files):
+    an alias (``model as em``, ``load as target``) hides where the code lives (issue 42)."""
+    found = []
+    files = [*SRC.rglob("*.py"), *(REPO / "tests").rglob("*.py"), *(REPO / "benchmarks").rglob("*.py"),
+             *(REPO / "scripts").rglob("*.py")]
+    for f in files:
+        found += [f"{f.relative_to(REPO)}:{line}: {what}" for line, what in module_aliases(f.read_text())]
+    for f in RULES:  # rule files: their Python import statements
+        text = f.read_text()
+        statements = r"^[ \t]*((?:from eaglet\S* import (?:\([^)]*\)|[^\n]+))|import eaglet[^\n]*)$"
+        for m in re.finditer(statements, text, re.M):
+            line = text.count("\n", 0, m.start()) + 1
+            found += [f"{f.relative_to(REPO)}:{line}: {what}" for _, what in module_aliases(m.group(1))]
+    assert not found, "imports that rename a module:\n" + "\n".join(found)
+
+
+def test_the_alias_check_finds_what_it_is_for():
+    """The check above finds a renamed module and leaves names and third-party aliases alone."""
+    text = ("from eaglet.drafter import eagle3 as em\nimport eaglet.base.files as f\n"
+            "from eaglet.base.files import read_json as rj\nimport numpy as np\nfrom eaglet.base import files\n")
+    assert [what for _, what in module_aliases(text)] == ["eaglet.drafter.eagle3 as em", "eaglet.base.files as f"]
+
+
+def test_no_module_shadows_the_standard_library():
+    """No module of eaglet is named like a standard-library module or a builtin (``io``, ``format``,
+    ``tokenize``): inside its package, or run as a script, it would hide the real one."""
+    import builtins
+    import sys
+
+    clash = sorted(str(p.relative_to(REPO)) for p in SRC.rglob("*.py")
+                   if p.stem in sys.stdlib_module_names or p.stem in vars(builtins))
+    assert not clash, f"modules named like the standard library or a builtin: {clash}"

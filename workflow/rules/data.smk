@@ -75,7 +75,7 @@ rule prompts:
 
 rule tokenize:
     input:
-        code=stage_code("data.tokenize"),
+        code=stage_code("data.tokenization"),
         conversations=R.tokenize_conversations,
         identity=TARGET_ID,
     output:
@@ -101,7 +101,7 @@ rule tokenize:
         chat_template_kwargs=as_json(R.chat_template_kwargs),
         think_markers=as_json(config["tokenize"]["think_markers"]),
     shell:
-        "python -m eaglet.data.tokenize --conversations {input.conversations:q} --target {input.identity:q}"
+        "python -m eaglet.data.tokenization --conversations {input.conversations:q} --target {input.identity:q}"
         " --max-length {params.max_length} --overlong {params.overlong} --chat-template={params.chat_template:q}"
         " --chat-template-kwargs={params.chat_template_kwargs:q} --think-markers={params.think_markers:q}"
         " --batch-size {params.batch_size} --out-dir {params.out:q} --log {log:q}"

@@ -109,7 +109,7 @@ def share_modelinfos(cache: Path, python: str | os.PathLike) -> Path | None:
 
 def copy_runner(runner: Path, work: Path) -> Path:
     """Copy a runner script, and this module it imports, into ``work``; the copy's path. Run from
-    src/eaglet/, eaglet/data/tokenize.py would head sys.path and shadow the standard library's tokenize
+    src/eaglet/, eaglet/data/tokenization.py would head sys.path and shadow the standard library's tokenize
     inside vLLM's interpreter."""
     work.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(__file__), work / Path(__file__).name)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from eaglet.base import datasets as eval_sets
+from eaglet.base import datasets
 from eaglet.base.files import write_json
 from eaglet.base.settings_files import parse_json_arg
 from eaglet.engines.hf_loop import setup
@@ -50,7 +50,7 @@ def evaluate_modes(drafter: str | Path, identity: str | Path, sets: list[str], o
     rendered, per_mode, matrix = {}, {}, []
     for name, kw in modes.items():
         mo = {**o, "chat_template_kwargs": {**o["chat_template_kwargs"], **kw}}
-        prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+        prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
                                          mo["chat_template_kwargs"])
         ids = [tuple(p["prompt_ids"]) for p in prompts]
         same = [m for m, other in rendered.items() if other == ids]

@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from eaglet.base import datasets as eval_sets
+from eaglet.base import datasets
 from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.files import write_json, write_parquet
 from eaglet.drafter.chain import (
@@ -74,7 +74,7 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
                                ("offline_positions.parquet", "offline_rounds.parquet"))
     ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
                                                target_load(o))
-    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+    prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
                                      o["chat_template_kwargs"])
     res, pos_rows, round_rows = offline_results(target, proposer, prompts, o)
     res = {"stage": "evaluate_offline", "drafter": str(drafter), "target": ident["name"],

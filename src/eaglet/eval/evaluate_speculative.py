@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.base import datasets as eval_sets
+from eaglet.base import datasets
 from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.files import write_json, write_parquet
 from eaglet.drafter.chain import prompt_chain, rounds_tau
@@ -136,7 +136,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
                                                target_load(o))
     max_new, eps, ks, repeats = o["max_new_tokens"], o["tie_eps"], o["k_values"], int(o["repeats"])
-    prompts = eval_sets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
+    prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
                                      o["chat_template_kwargs"])
     greedy(target, prompts[0]["prompt_ids"], 4)  # warm-up: first calls pay allocator/thread start-up
     target.times.clear()

@@ -24,7 +24,7 @@ reasoning is a loss token; where the template drops an earlier turn's reasoning 
 gpt-oss's do), it is not in the sequence at all. ``metadata.json``'s ``reasoning`` says which way it went and counts
 the turns rendered with it.
 
-    python -m eaglet.data.tokenize --conversations results/smollm2/prompts/train.parquet \
+    python -m eaglet.data.tokenization --conversations results/smollm2/prompts/train.parquet \
         --target resources/targets/smollm2-135m-instruct/identity.json --out-dir results/smollm2/tokenize
 """
 
@@ -46,7 +46,7 @@ from eaglet.base.files import write_json, write_parquet
 from eaglet.base.logs import setup_logging
 from eaglet.target import reasoning
 
-log = logging.getLogger("eaglet.data.tokenize")
+log = logging.getLogger("eaglet.data.tokenization")
 
 
 class Renderer:
