@@ -31,28 +31,24 @@ SHARED = {"base", "target", "hidden", "drafter", "engines", "planner"}
 STAGE_PACKAGES = {"data", "generate", "features", "train", "export", "eval", "learning_curve", "report"}
 
 
+def _may_import(init: Path) -> tuple[str, ...]:
+    """The MAY_IMPORT tuple an ``__init__.py`` declares, read without importing it."""
+    tree = ast.parse(init.read_text())
+    may = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+           and any(getattr(t, "id", None) == "MAY_IMPORT" for t in n.targets)]
+    assert len(may) == 1, f"{init}: one MAY_IMPORT = (...) tuple"
+    return tuple(may[0])
+
+
 def packages() -> dict[str, tuple[str, ...]]:
     """{package: its MAY_IMPORT}, read from each ``__init__.py`` without importing it."""
-    out = {}
-    for init in sorted(SRC.glob("*/__init__.py")):
-        tree = ast.parse(init.read_text())
-        may = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-               and any(getattr(t, "id", None) == "MAY_IMPORT" for t in n.targets)]
-        assert len(may) == 1, f"{init}: one MAY_IMPORT = (...) tuple"
-        out[init.parent.name] = tuple(may[0])
-    return out
+    return {init.parent.name: _may_import(init) for init in sorted(SRC.glob("*/__init__.py"))}
 
 
 def sub_packages() -> dict[str, tuple[str, ...]]:
     """{sub-package (``export.contract``): its MAY_IMPORT}, read as :func:`packages` reads a package's."""
-    out = {}
-    for init in sorted(SRC.glob("*/*/__init__.py")):
-        tree = ast.parse(init.read_text())
-        may = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
-               and any(getattr(t, "id", None) == "MAY_IMPORT" for t in n.targets)]
-        assert len(may) == 1, f"{init}: one MAY_IMPORT = (...) tuple"
-        out[".".join(init.parent.relative_to(SRC).parts)] = tuple(may[0])
-    return out
+    return {".".join(init.parent.relative_to(SRC).parts): _may_import(init)
+            for init in sorted(SRC.glob("*/*/__init__.py"))}
 
 
 def package_of(module: str) -> str:
