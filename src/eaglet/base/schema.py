@@ -93,3 +93,17 @@ def settings(path: str, given: dict | None, name: str | None = None, extra: tupl
     if unknown:
         raise ValueError(f"{name or path} settings: unknown keys {sorted(unknown)} (known: {sorted(known)})")
     return base | given
+
+
+def settings_at(stage: str, paths: tuple[str, ...], given: dict | None, extra: dict | None = None) -> dict:
+    """A stage's settings drawn from several sections: ``given`` (a None value counts as not given)
+    over the defaults of the settings at ``paths``, each taken under its name
+    (``evaluate.vllm.k_values`` -> ``k_values``); ``extra``: keys the stage takes beside them, each
+    with the value a direct call gets. A key neither names is refused, naming ``stage`` and the keys
+    it takes."""
+    base = {p.rsplit(".", 1)[-1]: default(p) for p in paths} | dict(extra or {})
+    given = {k: v for k, v in (given or {}).items() if v is not None}
+    unknown = set(given) - set(base)
+    if unknown:
+        raise ValueError(f"{stage}: unknown options {sorted(unknown)} (known: {', '.join(base)})")
+    return base | given

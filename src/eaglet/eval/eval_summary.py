@@ -39,17 +39,17 @@ from pathlib import Path
 
 import pandas as pd
 
+from eaglet.base import schema
 from eaglet.base.digests import verify_recorded
 from eaglet.base.files import atomic_path, read_json, read_parquet, write_json, write_parquet
 from eaglet.base.logs import setup_logging
 from eaglet.base.settings_files import parse_json_arg
 from eaglet.eval import stats
-from eaglet.eval.options import resolve
 
 log = logging.getLogger("eaglet.eval.eval_summary")
 
 # The settings it takes (eval.smk's rule eval_summary), by the schema settings that give their
-# defaults (eaglet.eval.options)
+# defaults (eaglet.base.schema.settings_at)
 SETTINGS = ("evaluate.tie_eps", "evaluate.headline_k")
 # The goals the headline is checked against (``goals``): offline τ at the headline k on MT-Bench,
 # the HF loop's best speedup; the project's, no settings
@@ -352,7 +352,7 @@ def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: di
 
 
 def summary_options(given: dict | None) -> dict:
-    return resolve("eval_summary", SETTINGS, given)
+    return schema.settings_at("eval_summary", SETTINGS, given)
 
 
 def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_curve: str | Path | None = None,

