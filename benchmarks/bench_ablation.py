@@ -119,7 +119,9 @@ def tiny_store(out: Path, n: int, new_tokens: int) -> tuple[list[str], str, dict
         T = P + new_tokens // 2 + i % (new_tokens // 2)
         mask = torch.zeros(T, dtype=torch.int8)
         mask[P:] = 1
-        w.add(f"s{i:04d}", seqs[i, :T], mask, aux[i, :T], captured["pre"][i, :T])
+        lg = o.logits[i, :T].float()  # the target's own full-vocabulary statistics, as extraction stores them
+        w.add(f"s{i:04d}", seqs[i, :T], mask, aux[i, :T], captured["pre"][i, :T], torch.logsumexp(lg, -1),
+              lg.argmax(-1))
         v, top = o.logits[i, :T:5].topk(2, -1)
         w.add_references([[f"s{i:04d}", 5 * j, int(top[j, 0]), float(v[j, 0] - v[j, 1])] for j in range(len(top))])
         counts.index_add_(0, seqs[i, P:T], torch.ones(T - P, dtype=torch.long))

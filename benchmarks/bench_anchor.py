@@ -118,24 +118,23 @@ class Scorer:
     """eaglet's validation figures for any drafter, by the very code of eaglet.train.loop.validate:
     the exact greedy chain τ (valid_positions, chain_positions, chain_counts) from the drafter's
     per-step greedy tokens, and the expected chain τ at T = 1 (expected_counts_BT) from its per-step
-    acceptance α = Σ min(p, q), p being the target's probabilities of the draft vocab (TargetHead with
-    the draft vocab's mass, as the trainer's validation reads it)."""
+    acceptance α = Σ min(p, q), p being the target's probabilities of the draft vocab (DraftLabels with
+    the draft vocab's mass from the store's statistics, as the trainer's validation reads it)."""
 
     def __init__(self, ds, ident, d2t, t2d, p, val_batches, K):
         import torch
 
         from eaglet.drafter import ttt
         from eaglet.train.data import collate
-        from eaglet.train.setup import TargetHead
+        from eaglet.train.setup import DraftLabels
 
         self.ds, self.val_batches, self.K, self.d2t, self.t2d = ds, val_batches, K, d2t, t2d
-        head = TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), p["oov_rule"] == "greedy",
-                          "cpu", mass_rows=True)
+        head = DraftLabels(ident, t2d, bool(ds.meta["final_is_prenorm"]), p["oov_rule"] == "greedy", "cpu")
         self.batches = []
         with torch.no_grad():
             for vb in val_batches:
                 b = collate([ds.sample(i) for i in vb], "cpu")
-                p_BTVd, inv, mass_BT = head(b["final"], mass=True, need_BT=ttt.rest_positions(b))
+                p_BTVd, inv, mass_BT = head(b["final"], b["target_lse"], b["target_top1"], mass=True)
                 valid = ttt.valid_positions(b, t2d, inv)
                 self.batches.append((vb, b, p_BTVd, mass_BT, ttt.chain_positions(b, valid, p_BTVd, d2t)))
 
@@ -216,7 +215,7 @@ def main() -> None:
     from eaglet.hidden.reader import HiddenStateDataset
     from eaglet.target.load import load_identity
     from eaglet.train.loop import SELECT_KEY, autocast_on
-    from eaglet.train.setup import TargetHead, check_vocab
+    from eaglet.train.setup import DraftLabels, check_vocab
 
     tmp_ctx = tempfile.TemporaryDirectory(prefix="bench_anchor_") if a.keep is None else None
     tmp = Path(a.keep or tmp_ctx.name)
@@ -252,7 +251,7 @@ def main() -> None:
 
     # -- the exchange files shared by every seed: each sample any plan reads, eaglet's frozen rows,
     # the target's probabilities at the validation positions
-    head = TargetHead(ident, t2d, bool(ds.meta["final_is_prenorm"]), False, "cpu")
+    head = DraftLabels(ident, t2d, bool(ds.meta["final_is_prenorm"]), False, "cpu")
     exact = torch.bfloat16 if ds.meta["dtype"] == "bfloat16" else torch.float32  # lossless for the store
     used = sorted({i for pl in plans.values() for mb in pl["micro"] for i in mb}
                   | {i for vb in val_batches for i in vb})

@@ -47,7 +47,7 @@ from eaglet.hidden.dtypes import bytes_per_token  # noqa: E402
 from eaglet.hidden.reader import HiddenStateDataset  # noqa: E402
 from eaglet.target import capture  # noqa: E402
 from eaglet.target.load import default_layer_ids, load_identity  # noqa: E402
-from eaglet.train.setup import TargetHead  # noqa: E402
+from eaglet.train.setup import DraftLabels  # noqa: E402
 from eaglet.train.train import resolve_params, train  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def store_bytes(shard: Path) -> int:
 
 
 @torch.no_grad()
-def compare_stores(bf16: Path, fp8: Path, head: TargetHead) -> dict:
+def compare_stores(bf16: Path, fp8: Path, head: DraftLabels) -> dict:
     """fp8 vs bf16 decoded states: relative RMS error per aux layer and final; greedy agreement."""
     a, b = HiddenStateDataset([bf16], verify="header"), HiddenStateDataset([fp8], verify="header")
     order = {s: i for i, s in enumerate(b.ids)}
@@ -193,7 +193,7 @@ def measure(a: argparse.Namespace, ident: dict, p: dict, vd: int) -> dict:
         stores = m["stores"]
 
         vt = load_tensors(vocab, ["t2d"])
-        head = TargetHead(ident, vt["t2d"].bool(), True, False, "cpu")
+        head = DraftLabels(ident, vt["t2d"].bool(), True, False, "cpu")
         cmp = compare_stores(stores["bfloat16"], stores["fp8"], head)
         del head
 

@@ -12,8 +12,8 @@ metrics.parquet, so setup and the checkpoint write do not count); the first step
 
 FLOPs counted are the matmuls the trainer actually executes per micro-batch of B x T padded
 tokens (forward 2mnk; backward twice that for weights + activations, once for fc, whose input
-needs no gradient): target logits over the draft rows (+ the other rows for oov_rule greedy and the
-LK losses, no grad), fc, and per TTT step q/k/v/o, MLP, lm_head and attention (step 0 causal SDPA
+needs no gradient): target logits over the draft rows (no grad; what the other rows gave comes from
+the store's full-vocabulary statistics), fc, and per TTT step q/k/v/o, MLP, lm_head and attention (step 0 causal SDPA
 counted as half of T^2, later steps compute the full T x T block). The peak is the best of several
 square matmuls in the trainer's dtype on the same device, measured before and after training; the
 larger counts (with bf16 autocast an fp32 peak would read > 1 and say nothing of the limit).
@@ -37,9 +37,9 @@ import torch  # noqa: E402
 
 from eaglet.base.logs import setup_logging  # noqa: E402
 from eaglet.base.tensors import load_tensors, save_tensors  # noqa: E402
-from eaglet.drafter.ttt import LK  # noqa: E402
 from eaglet.hidden.reader import HiddenStateDataset  # noqa: E402
-from eaglet.hidden.store import ShardWriter  # noqa: E402
+from eaglet.hidden.store import ShardWriter, storage_round  # noqa: E402
+from eaglet.target.head import TargetHead  # noqa: E402
 from eaglet.target.load import default_layer_ids, load_identity  # noqa: E402
 from eaglet.train.data import plan_micro_batches  # noqa: E402
 from eaglet.train.loop import autocast_on  # noqa: E402
@@ -60,11 +60,11 @@ def matmul_peak(device: torch.device, n: int, repeats: int = 5, dtype=torch.floa
     return 2 * n**3 / best
 
 
-def micro_flops(ident: dict, vd: int, B: int, T: int, K: int, greedy: bool) -> float:
+def micro_flops(ident: dict, vd: int, B: int, T: int, K: int) -> float:
     H, h, g = ident["hidden_size"], ident["num_heads"], ident["num_kv_heads"]
-    d, inter, V = ident["head_dim"], ident["intermediate_size"], ident["vocab_size"]
+    d, inter = ident["head_dim"], ident["intermediate_size"]
     N = B * T
-    head = 2 * N * H * (V if greedy else vd)                       # no grad
+    head = 2 * N * H * vd                                          # no grad
     fc = 2 * N * 3 * H * H * 2                                     # fwd + weight grad
     lin = 2 * N * (2 * H * (h + 2 * g) * d + h * d * H + 3 * H * inter + H * vd)
     att_full = 4 * B * h * T * T * d                               # QK^T and PV
@@ -77,10 +77,13 @@ def synthetic(ident: dict, out: Path, n: int, length: int, vd: int) -> tuple[lis
     g = torch.Generator().manual_seed(0)
     w = ShardWriter(out / "shard_0", 0, 1, default_layer_ids(ident["num_layers"]), True, "bfloat16", H,
                     ident["digest"], 256 << 20)
+    head = TargetHead(ident["path"])  # the statistics extraction stores, of the states as stored (bf16)
+    chunks = head.full_head()
     for i in range(n):
         T = int(torch.randint(length // 2, 3 * length // 2 + 1, (1,), generator=g))
+        final = torch.randn(T, H, generator=g)
         w.add(f"b{i:05d}", torch.randint(0, V, (T,), generator=g), torch.ones(T, dtype=torch.int8),
-              torch.randn(T, 3, H, generator=g), torch.randn(T, H, generator=g))
+              torch.randn(T, 3, H, generator=g), final, *head.full_stats(storage_round(final, "bfloat16"), chunks))
     w.finish()
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[:vd] = True
@@ -153,8 +156,7 @@ def main() -> None:
         for s in range(1, len(rows)):  # step 0 is warm-up
             for mb in micro[s * M:(s + 1) * M]:
                 T = max(ds.num_tokens[i] for i in mb)
-                flops += micro_flops(ident, vd, len(mb), T, p["ttt_steps"],
-                                     p["oov_rule"] == "greedy" or p["loss"] in LK)
+                flops += micro_flops(ident, vd, len(mb), T, p["ttt_steps"])
             secs += rows.tokens[s] / rows.tok_s[s]
             tokens += rows.tokens[s]
     achieved = flops / secs

@@ -1,15 +1,16 @@
-"""What the acceptance losses add to a training step: the trainer's target head on a real store's
-first micro-batches as the trainer plans them (padded), the draft rows alone against the draft rows
-plus the other rows' logsumexp (the draft vocabulary's probability mass, which ``lk_alpha`` needs
-and a first epoch computes at every step), the latter at every slot and only where the trainer
-reads it (an assistant token next: eaglet.drafter.ttt.rest_positions, which the trainer passes).
+"""What the target's labels cost a training step: the trainer's labels on a real store's first
+micro-batches as the trainer plans them (padded), as it computes them now (the head's draft rows,
+the draft vocabulary's probability mass and the greedy flag from the full-vocabulary statistics
+extraction stored: eaglet.train.setup.DraftLabels) against the way it computed them before the
+statistics were stored (the draft rows plus the head's other rows' max and logsumexp, at every slot,
+eaglet.target.head.TargetHead.max_lse_over).
 
     python benchmarks/profile_head.py [--run results/smollm2] [--tokens 2048] [--batches 4] [--repeats 7]
 
-Times eaglet.train.setup.TargetHead as the trainer builds it (fp32 on a CPU), the three calls
-alternated in triples, the first dropped as warm-up; the store is found by bench_anchor's rule
-(find_store). Prints each median and the median of the paired ratios with its interval
-(paired.median_interval).
+Both in fp32 on a CPU, as the trainer builds them, alternated in pairs, the first pair dropped as
+warm-up; the store is found by bench_anchor's rule (find_store). Prints each median and the median of
+the paired ratios with its interval (paired.median_interval), and the largest difference between the
+two masses (the same figures, or the timing compares different work).
 """
 
 from __future__ import annotations
@@ -41,11 +42,10 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from eaglet.drafter.ttt import rest_positions
     from eaglet.hidden.reader import HiddenStateDataset
     from eaglet.target.load import load_identity
     from eaglet.train.data import collate, plan_batches
-    from eaglet.train.setup import TargetHead
+    from eaglet.train.setup import DraftLabels
 
     run = Path(a.run)
     found = find_store(run.parent, run.name)
@@ -56,34 +56,41 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     t2d = load_file(str(vocab))["t2d"].bool()
     ds = HiddenStateDataset([str(i) for i in index], verify="header")
-    head = TargetHead(load_identity(a.identity), t2d, True, False, "cpu", mass_rows=True)
+    labels = DraftLabels(load_identity(a.identity), t2d, True, True, "cpu")
+    head = labels.head
+    rest = head.row_chunks((~t2d).nonzero().squeeze(1))
     # the trainer's micro-batches (eaglet.train.data.plan_batches: B x T_max <= the budget, padded)
     micro = plan_batches(list(range(len(ds.ids))), ds.num_tokens, a.tokens, 0, 0)[:a.batches]
     batches = [collate([ds.sample(i) for i in mb], "cpu") for mb in micro]
-    need = [rest_positions(b) for b in batches]
-    calls = {"draft rows": lambda b, nd: head(b["final"], rest=False),
-             "draft + other rows": lambda b, nd: head(b["final"], mass=True),
-             "draft + other rows where read": lambda b, nd: head(b["final"], mass=True, need_BT=nd)}
+
+    def before(b):
+        x = head.normed(b["final"])
+        lg = head.logits(x, normed=True)
+        top, lse = head.max_lse_over(x, rest, normed=True)
+        lse_d = torch.logsumexp(lg, -1)
+        return torch.softmax(lg, -1), lg.amax(-1) >= top, torch.exp(lse_d - torch.logaddexp(lse_d, lse))
+
+    calls = {"stored statistics (now)": lambda b: labels(b["final"], b["target_lse"], b["target_top1"], mass=True),
+             "other rows (before)": before}
+    gap = max(float((calls["stored statistics (now)"](b)[2] - before(b)[2])[b["mask"]].abs().max()) for b in batches)
     times: dict[str, list[float]] = {key: [] for key in calls}
     for _ in range(a.repeats):
         for key, call in calls.items():
             t = time.perf_counter()
-            for b, nd in zip(batches, need):
-                call(b, nd)
+            for b in batches:
+                call(b)
             times[key].append(time.perf_counter() - t)
     for key, v in times.items():
         v = v[1:]
         print(f"{key}: median {statistics.median(v):.3f} s (range {min(v):.3f}-{max(v):.3f}) over {len(v)} repeats")
     slots = sum(b["final"].shape[0] * b["final"].shape[1] for b in batches)
-    print(f"{len(batches)} micro-batches: {slots} slots, {sum(b['tokens'] for b in batches)} tokens, "
-          f"{sum(int(n.sum()) for n in need)} read; draft vocab {int(t2d.sum())}, other rows "
-          f"{int((~t2d).sum())}, {a.threads} threads")
-    for num, den in (("draft + other rows", "draft rows"), ("draft + other rows where read", "draft rows"),
-                     ("draft + other rows", "draft + other rows where read")):
-        ratios = [r / d for d, r in zip(times[den][1:], times[num][1:])]
-        lo, hi, cover = median_interval(ratios)
-        print(f"{num} / {den}: {statistics.median(ratios):.2f}x ({cover:.0%} interval {lo:.2f}-{hi:.2f}, "
-              f"{len(ratios)} triples)")
+    print(f"{len(batches)} micro-batches: {slots} slots, {sum(b['tokens'] for b in batches)} tokens; draft vocab "
+          f"{int(t2d.sum())}, other rows {int((~t2d).sum())}, {a.threads} threads; largest mass difference "
+          f"{gap:.2e}")
+    ratios = [r / d for d, r in zip(times["stored statistics (now)"][1:], times["other rows (before)"][1:])]
+    lo, hi, cover = median_interval(ratios)
+    print(f"other rows (before) / stored statistics (now): {statistics.median(ratios):.2f}x ({cover:.0%} interval "
+          f"{lo:.2f}-{hi:.2f}, {len(ratios)} pairs)")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,14 @@ def write_tokens(path, n, seed=0, lo=3, hi=48):
 
 
 
+def target_stats(identity, final_TH):
+    """(target_lse, target_top1) of pre-norm final states by the target's own head, as extraction
+    stores them (eaglet.target.head.TargetHead.full_stats)."""
+    from eaglet.target.head import TargetHead
+
+    return TargetHead(identity["path"]).full_stats(final_TH)
+
+
 def hidden_data(tiny_target, out):
     """Greedy continuations of the tiny target (its own data, as the pipeline generates), with
     aux states at LAYERS and the pre-norm final state, in a real shard; plus a vocab map."""
@@ -66,7 +74,8 @@ def hidden_data(tiny_target, out):
         T = P + 14 + i % 13  # causal: a prefix's states are those of the whole sequence
         mask = torch.zeros(T, dtype=torch.int8)
         mask[P:] = 1
-        w.add(f"s{i}", seqs[i, :T], mask, aux[i, :T], captured["pre"][i, :T])
+        lg = o.logits[i, :T].float()  # the target's own full-vocabulary statistics, as extraction stores them
+        w.add(f"s{i}", seqs[i, :T], mask, aux[i, :T], captured["pre"][i, :T], torch.logsumexp(lg, -1), lg.argmax(-1))
         v, top = o.logits[i, :T:5].topk(2, -1)  # the real model's top-1 (as eaglet.features.extract records it)
         w.add_references([[f"s{i}", 5 * j, int(top[j, 0]), float(v[j, 0] - v[j, 1])] for j in range(len(top))])
         counts.index_add_(0, seqs[i, P:T], torch.ones(T - P, dtype=torch.long))

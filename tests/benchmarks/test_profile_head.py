@@ -1,6 +1,6 @@
 """benchmarks/profile_head.py on a real shard of the tiny target: it plans the trainer's padded
-micro-batches, times the three head calls and prints their medians and paired ratios, reading the
-other rows at fewer positions than it has tokens (prompt positions left out)."""
+micro-batches, times the trainer's labels from the stored statistics against the other rows'
+computation, prints both medians and their paired ratio, and the two masses agree."""
 
 import re
 import shutil
@@ -24,10 +24,11 @@ def test_profile_head_times_the_trainers_micro_batches(tiny_target, tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout
-    for key in ("draft rows", "draft + other rows", "draft + other rows where read"):
+    for key in ("stored statistics (now)", "other rows (before)"):
         assert re.search(rf"^{re.escape(key)}: median \d+\.\d+ s .* over 3 repeats$", out, re.M), out
-    m = re.search(r"3 micro-batches: (\d+) slots, (\d+) tokens, (\d+) read", out)
+    m = re.search(r"3 micro-batches: (\d+) slots, (\d+) tokens; .* largest mass difference (\S+)", out)
     assert m, out
-    slots, tokens, read = map(int, m.groups())
-    assert 0 < read < tokens <= slots <= 3 * 256, out  # each sample's prompt positions are not read
-    assert len(re.findall(r" / .*: \d+\.\d+x \(\d+% interval \d+\.\d+-\d+\.\d+, 3 triples\)", out)) == 3, out
+    slots, tokens, gap = int(m[1]), int(m[2]), float(m[3])
+    assert 0 < tokens <= slots <= 3 * 256 and gap < 1e-5, out
+    assert re.search(r"other rows \(before\) / stored statistics \(now\): \d+\.\d+x \(\d+% interval "
+                     r"\d+\.\d+-\d+\.\d+, 3 pairs\)", out), out

@@ -24,6 +24,7 @@ from eaglet.base.conversations import write_conversations
 from eaglet.base.files import read_json, read_parquet
 from eaglet.base.tensors import save_tensors
 from faults_common import corrupt_parquet, generate_run, identity_path
+from train_common import target_stats
 
 pytestmark = pytest.mark.faults
 
@@ -128,8 +129,9 @@ def train_inputs(tiny_target, tmp_path):
                     chunk_bytes=40 * 4 * H * 4, final_layer=tiny_target["num_layers"])
     for i in range(12):
         T = 12 + i
+        final = torch.randn(T, H, generator=g)
         w.add(f"s{i}", torch.randint(0, VD, (T,), generator=g), torch.ones(T, dtype=torch.int8),
-              torch.randn(T, 3, H, generator=g), torch.randn(T, H, generator=g))
+              torch.randn(T, 3, H, generator=g), final, *target_stats(tiny_target, final))
     index = w.finish()
     assert len(index["chunks"]) >= 3
     t2d = torch.zeros(tiny_target["vocab_size"], dtype=torch.bool)
@@ -251,7 +253,8 @@ def test_corrupt_chunk_in_a_killed_extraction_is_recomputed(tmp_path, caplog):
     H = 16
     g = torch.Generator().manual_seed(1)
     samples = [(f"s{i}", torch.randint(0, 99, (6 + i,), generator=g), torch.ones(6 + i, dtype=torch.int8),
-                torch.randn(6 + i, 3, H, generator=g), torch.randn(6 + i, H, generator=g)) for i in range(10)]
+                torch.randn(6 + i, 3, H, generator=g), torch.randn(6 + i, H, generator=g),
+                torch.randn(6 + i, generator=g), torch.randint(0, 99, (6 + i,), generator=g)) for i in range(10)]
     args = (0, 1, [1, 2, 3], True, "float32", H, "digest", 1500)
     w = ShardWriter(tmp_path / "s", *args)
     for s in samples[:8]:

@@ -74,6 +74,42 @@ def test_captured_states_equal_output_hidden_states(tgt, tokens, one_shard):
         assert not torch.allclose(s["final"], hs[N][0], atol=1e-3)
 
 
+def test_stored_target_statistics_are_the_targets_own_and_the_trainers_figures(tgt, tokens, one_shard, tmp_path):
+    """Every stored token carries the target's log-sum-exp and argmax over its whole vocabulary: on
+    float32 states the real model's own (its full forward, unpadded), and on bf16 states what the
+    trainer computed before from the head's other rows of the stored (rounded) state, so the draft
+    vocab's mass and the greedy flag it reads are unchanged (eaglet.train.setup.DraftLabels)."""
+    from eaglet.target.head import TargetHead
+
+    ident, ident_path = tgt
+    ds = HiddenStateDataset([one_shard])
+    model = load_model(ident["path"])
+    rows = {r["id"]: r for r in tokens[1]}
+    for i in range(len(ds)):
+        s = ds.sample(i)
+        with torch.no_grad():
+            lg = model(torch.tensor([rows[s["id"]]["input_ids"]])).logits[0].float()
+        torch.testing.assert_close(s["target_lse"], torch.logsumexp(lg, -1), atol=2e-5, rtol=1e-5)
+        top2 = lg.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1e-4  # a tie may go either way under other batching
+        assert torch.equal(s["target_top1"][clear], lg.argmax(-1)[clear]) and bool(clear.float().mean() > 0.9)
+    out = tmp_path / "bf16"
+    extract(tokens[0], ident_path, out, 0, 1, dtype="bfloat16", token_budget=96, chunk_mb=0.05, progress=False)
+    ds = HiddenStateDataset([out])
+    V = ident["vocab_size"]
+    draft = torch.arange(V) % 3 == 0
+    head = TargetHead(ident["path"], rows=draft.nonzero().squeeze(1))
+    rest = head.row_chunks((~draft).nonzero().squeeze(1))
+    for i in range(0, len(ds), 5):
+        s = ds.sample(i)
+        x = head.normed(s["final"][None])
+        lse_d = torch.logsumexp(head.logits(x, normed=True), -1)[0]
+        top_rest, lse_rest = head.max_lse_over(x, rest, normed=True)
+        before = torch.exp(lse_d - torch.logaddexp(lse_d, lse_rest[0]))
+        torch.testing.assert_close(torch.exp(lse_d - s["target_lse"]).clamp(max=1), before, atol=1e-5, rtol=1e-5)
+        assert torch.equal(draft[s["target_top1"]], head.logits(x, normed=True)[0].amax(-1) >= top_rest[0])
+
+
 def test_index_records_the_real_models_top1(tgt, tokens, one_shard):
     """label_reference rows are the real model's own top-1 token (and margin) at their position."""
     ident, _ = tgt

@@ -23,7 +23,8 @@ def make_samples(n=12, seed=0):
     for i in range(n):
         T = 3 + i
         out.append((f"s{i}", torch.randint(0, 1000, (T,), generator=g), torch.randint(0, 2, (T,), generator=g),
-                    torch.randn(T, 3, H, generator=g) * (i + 1), torch.randn(T, H, generator=g)))
+                    torch.randn(T, 3, H, generator=g) * (i + 1), torch.randn(T, H, generator=g),
+                    torch.randn(T, generator=g) + 5, torch.randint(0, 1000, (T,), generator=g)))
     return out
 
 
@@ -43,9 +44,11 @@ def test_round_trip(tmp_path, dtype, tol):
     ds = HiddenStateDataset([tmp_path / "s" / "index.json"])
     assert ds.ids == [s[0] for s in samples] and ds.num_tokens == [len(s[1]) for s in samples]
     assert ds.meta["layer_ids"] == [1, 2, 3] and ds.meta["final_is_prenorm"] is True
-    for i, (sid, ids, mask, aux, final) in enumerate(samples):
+    for i, (sid, ids, mask, aux, final, lse, top1) in enumerate(samples):
         got = ds.sample(i)
         assert got["id"] == sid and got["input_ids"].dtype == torch.long
+        # the target's full-vocabulary statistics are kept exactly, whatever the states' dtype
+        assert torch.equal(got["target_lse"], lse) and torch.equal(got["target_top1"], top1)
         assert torch.equal(got["input_ids"], ids) and torch.equal(got["loss_mask"].long(), mask)
         assert got["aux"].dtype == torch.float32 and got["aux"].shape == aux.shape
         # Relative error per token: bf16 keeps 8 bits, e4m3 3 bits of mantissa.
@@ -210,3 +213,19 @@ def test_shards_of_different_targets_are_refused(tmp_path):
     w.finish()
     with pytest.raises(ArtifactError, match="target_digest"):
         HiddenStateDataset([tmp_path / "a", tmp_path / "b"])
+
+
+@pytest.mark.faults
+def test_a_store_of_the_older_format_is_refused_saying_how_to_rebuild_it(tmp_path):
+    """Format 1 stores held no target statistics: the trainer would have to guess them, so every
+    reader refuses such a store, naming the rule to rerun."""
+    write(tmp_path / "s", make_samples(3))
+    idx = read_json(tmp_path / "s" / "index.json")
+    assert idx["format"] == reader.FORMAT == 2
+    del idx["format"]  # as eaglet wrote it before the statistics
+    (tmp_path / "s" / "index.json").write_text(json.dumps(idx))
+    with pytest.raises(reader.FormatError, match=r"format 1, this eaglet reads format 2.*extract_hidden_states"):
+        HiddenStateDataset([tmp_path / "s"])
+    with pytest.raises(ValueError, match="lse"):  # a writer is never given states without them
+        ShardWriter(tmp_path / "t", 0, 1, [1, 2, 3], True, "float32", H, "d", 4000).add(*make_samples(1)[0][:5],
+                                                                                        torch.zeros(2), torch.zeros(2))

@@ -164,7 +164,7 @@ def test_cli_prints_the_table_and_refuses(kimi, tmp_path, capsys):
                "--target-config", str(ckpt / "config.json"), "--target-bytes", "547e9"])
     out = capsys.readouterr().out
     print(out)
-    assert "57,349 B" in out and "2.349 TB" in out and "PEAK (bfloat16, B=4, T=4096" in out
+    assert "57,357 B" in out and "2.349 TB" in out and "PEAK (bfloat16, B=4, T=4096" in out
     assert re.search(r"target_head +\| 0.9 GiB", out)  # oov_rule: label, merged from config.yaml
     assert "vLLM server /GPU" in out and "140 GiB per GPU" in out
     small = tmp_path / "small.yaml"

@@ -8,6 +8,7 @@ import torch
 from eaglet.features.extract import Capture, reference_positions
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.hidden.store import ShardWriter
+from eaglet.target.head import TargetHead
 from eaglet.train import labels
 
 
@@ -41,13 +42,19 @@ def test_head_is_the_targets_own_computation(tmp_path):
         _, final, _ = cap(ids, torch.ones_like(ids))
         real = model(input_ids=ids).logits
     rows = torch.arange(0, 512, 2)
-    head = labels.TargetHead(path, rows=rows)
+    head = TargetHead(path, rows=rows)
     assert head.norm_class == "Gemma3RMSNorm" and head.tied
     assert torch.allclose(head.logits(final), real[..., rows], atol=1e-4)
     assert real.abs().max() <= 30.0 + 1e-4  # soft-capped, and so is the reconstruction
     top1, margin = head.full_top1(final.reshape(-1, 128))
     assert torch.equal(top1, real.argmax(-1).reshape(-1))
     assert (margin >= 0).all()
+    # extraction's statistics over the whole (soft-capped) vocabulary, in small row chunks and position
+    # blocks that do not divide it: the target's own log-sum-exp and argmax
+    head.chunk_rows = 100
+    lse, top = head.full_stats(final.reshape(-1, 128), block=7)
+    assert torch.allclose(lse, torch.logsumexp(real.float(), -1).reshape(-1), atol=1e-4)
+    assert torch.equal(top, top1)
 
 
 class _HandWrittenLlamaNorm(torch.nn.Module):
@@ -72,7 +79,10 @@ def _store(tmp_path, model, n=6, T=20):
         with torch.no_grad():
             aux, final, lg = cap(ids, torch.ones_like(ids), pos)
         v, top = lg.float().topk(2, -1)
-        w.add(f"s{i}", ids[0], torch.ones(T, dtype=torch.int8), torch.stack(aux, 2)[0], final[0])
+        with torch.no_grad():
+            full = model(input_ids=ids).logits[0].float()  # the target's own full-vocabulary statistics
+        w.add(f"s{i}", ids[0], torch.ones(T, dtype=torch.int8), torch.stack(aux, 2)[0], final[0],
+              torch.logsumexp(full, -1), full.argmax(-1))
         w.add_references([[f"s{i}", int(p), int(top[0, j, 0]), float(v[0, j, 0] - v[0, j, 1])]
                           for j, p in enumerate(pos.tolist())])
     w.finish()
@@ -88,7 +98,7 @@ def test_check_passes_on_the_real_head_and_refuses_a_hand_written_norm(tmp_path)
     def final_of(sid):
         return ds.sample(where[sid])["final"]
 
-    head = labels.TargetHead(path, rows=torch.arange(512))
+    head = TargetHead(path, rows=torch.arange(512))
     rec = labels.check_against_reference(head, ds.label_references, final_of, "float32")
     assert rec["ok"] is True and rec["agreement"] == 1.0 and rec["judged"] >= 30
     # the defect: Llama's norm formula on a Gemma target
@@ -101,23 +111,24 @@ def test_check_passes_on_the_real_head_and_refuses_a_hand_written_norm(tmp_path)
 def test_check_does_not_pass_without_references(tmp_path):
     """No recorded references: the check is 'not run' (ok None), never a pass."""
     model, path = _gemma3(tmp_path)
-    head = labels.TargetHead(path, rows=torch.arange(512))
+    head = TargetHead(path, rows=torch.arange(512))
     rec = labels.check_against_reference(head, [], lambda sid: None, "bfloat16")
     assert rec["ok"] is None and "only 0" in rec["reason"]
 
 
 def test_trainer_refuses_unproven_labels(tiny_target, tmp_path):
     """eaglet.train.setup.prove_labels: a store without references fails unless accepted explicitly."""
-    from eaglet.train.setup import TargetHead, prove_labels
+    from eaglet.train.setup import DraftLabels, prove_labels
     from eaglet.train.train import resolve_params
 
     w = ShardWriter(tmp_path / "s", 0, 1, [2, 4, 5], True, "float32", 128, tiny_target["digest"], 1 << 20)
-    w.add("a", torch.arange(10), torch.ones(10, dtype=torch.int8), torch.randn(10, 3, 128), torch.randn(10, 128))
+    w.add("a", torch.arange(10), torch.ones(10, dtype=torch.int8), torch.randn(10, 3, 128), torch.randn(10, 128),
+          torch.zeros(10), torch.zeros(10, dtype=torch.long))
     w.finish()
     ds = HiddenStateDataset([tmp_path / "s" / "index.json"])
     t2d = torch.zeros(tiny_target["vocab_size"], dtype=torch.bool)
     t2d[:64] = True
-    head = TargetHead(tiny_target, t2d, True, False, "cpu")
+    head = DraftLabels(tiny_target, t2d, True, False, "cpu")
     with pytest.raises(labels.LabelMismatch, match="accept_unchecked_labels"):
         prove_labels(head, ds, resolve_params({}))
     rec = prove_labels(head, ds, resolve_params({"accept_unchecked_labels": True}))

@@ -118,32 +118,55 @@ def test_the_trainer_trains_on_an_lk_loss_and_selects_by_the_named_temperature(
     assert math.isfinite(s["final_train"]["loss"])
 
 
-def test_the_other_head_rows_are_read_once_per_sample_and_training_is_unchanged(
+def test_no_training_step_reads_the_other_head_rows_and_training_is_unchanged(
         tiny_target, data, tmp_path, monkeypatch):  # noqa: F811
-    """The LK losses' draft-vocab mass (and the greedy rule's mask) come from the target head's other
-    rows; the trainer computes them once per sample and reads them back in later epochs and
-    validation passes. The same run with that cache emptied before every micro-batch (every figure
-    recomputed, as before the cache) trains the same drafter: the same losses and the same kept τ."""
+    """The LK losses' draft-vocab mass and the greedy rule's mask come from the statistics stored at
+    extraction: after set-up (whose label proof reads the whole head at its few recorded positions)
+    no training step or validation pass builds a head row outside the draft vocab. The same run with
+    those figures recomputed at every micro-batch from the head's other rows (as the trainer did
+    before) trains the same drafter: the same losses and the same kept τ."""
+    from eaglet.target.head import TargetHead
     from eaglet.train import loop
 
     params = {**TRAIN, "loss": "lk_alpha", "oov_rule": "greedy", "epochs": 2, "max_steps": None,
               "val_every": 3}
-    cached = train(data["index"], data["vocab"], tiny_target, tmp_path / "cached", params)
-    done = cached["head_rest_batches"]
-    assert done["cached"] > 0 and done["computed"] > 0, done
+    draft = set(data["t2d"].nonzero().squeeze(1).tolist())
+    built = []  # (phase, rows outside the draft vocab) of every head piece built
+    phase = ["set-up"]
+    rows_linear = TargetHead._rows_linear
 
-    fresh = loop.Batches.targets
+    def record(self, rows):
+        built.append((phase[0], sum(int(r) not in draft for r in rows.tolist())))
+        return rows_linear(self, rows)
 
-    def recompute(self, b, batch_idx, mass):
-        self.rest.clear()
-        return fresh(self, b, batch_idx, mass)
+    fresh_targets = loop.Batches.targets
 
-    monkeypatch.setattr(loop.Batches, "targets", recompute)
+    def training_starts(self, b, mass):
+        phase[0] = "training"
+        return fresh_targets(self, b, mass)
+
+    monkeypatch.setattr(TargetHead, "_rows_linear", record)
+    monkeypatch.setattr(loop.Batches, "targets", training_starts)
+    stored = train(data["index"], data["vocab"], tiny_target, tmp_path / "stored", params)
+    assert stored["target_stats"].startswith("stored by extraction")
+    assert any(n > 0 for ph, n in built if ph == "set-up")  # the label proof: the whole head, once
+    assert stored["steps"] > 3 and [n for ph, n in built if ph == "training" and n > 0] == []
+
+    def from_other_rows(self, b, mass):  # the figures from the head's other rows, every micro-batch
+        head = self.r.head.head
+        rest = head.row_chunks((~self.r.t2d).nonzero().squeeze(1))
+        x = head.normed(b["final"])
+        lg = head.logits(x, normed=True)
+        top, lse = head.max_lse_over(x, rest, normed=True)
+        lse_d = torch.logsumexp(lg, -1)
+        mass_BT = torch.exp(lse_d - torch.logaddexp(lse_d, lse)) if mass else None
+        return torch.softmax(lg, -1), lg.amax(-1) >= top, mass_BT
+
+    monkeypatch.setattr(loop.Batches, "targets", from_other_rows)
     plain = train(data["index"], data["vocab"], tiny_target, tmp_path / "plain", params)
-    assert plain["head_rest_batches"]["cached"] == 0
-    assert plain["steps"] == cached["steps"]
-    m_c = pd.read_parquet(tmp_path / "cached" / "metrics.parquet")
+    assert plain["steps"] == stored["steps"]
+    m_c = pd.read_parquet(tmp_path / "stored" / "metrics.parquet")
     m_p = pd.read_parquet(tmp_path / "plain" / "metrics.parquet")
     assert m_c.loss.tolist() == pytest.approx(m_p.loss.tolist(), rel=1e-4)
     for key in ("chain_tau", "exp_tau", "alpha_0"):
-        assert cached["best_val"][key] == pytest.approx(plain["best_val"][key], rel=1e-4), key
+        assert stored["best_val"][key] == pytest.approx(plain["best_val"][key], rel=1e-4), key

@@ -291,7 +291,7 @@ def test_dry_run_shows_the_storage_choice(tiny_target, tmp_path):
 
 
 def test_kimi_storage_choice_and_the_online_training_rank(tmp_path):
-    """At Kimi-K2.5's shapes: 57,349 B per token in bf16; the budget picks bf16, fp8 or online;
+    """At Kimi-K2.5's shapes: 57,357 B per token in bf16; the budget picks bf16, fp8 or online;
     online, the memory plan puts the whole target (547 GB) in each training rank and refuses it on
     a 140 GiB GPU, saying to train offline."""
     from eaglet.planner import plan, shapes, storage
@@ -301,11 +301,11 @@ def test_kimi_storage_choice_and_the_online_training_rank(tmp_path):
     config["target"]["path"] = str(make_config_only_checkpoint(tmp_path / "Kimi-K2.5"))
     s = shapes.target_shapes(config, target_bytes=547e9)
     f = storage.figures(config, s)
-    assert f["tokens"] == 10_000 * 4096 and f["hidden"]["bfloat16"] == f["tokens"] * 57_349
+    assert f["tokens"] == 10_000 * 4096 and f["hidden"]["bfloat16"] == f["tokens"] * 57_357
     assert 0.49 < f["hidden"]["fp8"] / f["hidden"]["bfloat16"] < 0.51
     for budget, want in ((2500, ("offline", "bfloat16")), (1500, ("offline", "fp8")), (100, ("online", "bfloat16"))):
         mode, dtype, lines = storage.decide({**config, "storage": {"budget_gb": budget}}, s)
-        assert (mode, dtype) == want and "bf16 2,349.0 GB, fp8 1,175.3 GB" in lines[0], (budget, lines)
+        assert (mode, dtype) == want and "bf16 2,349.3 GB, fp8 1,175.6 GB" in lines[0], (budget, lines)
     with pytest.raises(ValueError, match=r"storage\.budget_gb: 0\.1 GB fits no storage choice"):
         storage.decide({**config, "storage": {"budget_gb": 0.1}}, s)
     with pytest.raises(ValueError, match=r"storage\.budget_gb: the target's hidden size is not known"):

@@ -17,7 +17,7 @@ from eaglet.drafter.ttt import TTTObjective
 from eaglet.export.contract import contract, vllm_checks
 from eaglet.export.export import ContractError, export
 from eaglet.target.load import load_target_embedding
-from eaglet.train.setup import TargetHead
+from eaglet.train.setup import DraftLabels
 from eaglet.train.train import resolve_params, train
 
 VD = 128
@@ -149,7 +149,7 @@ def test_frozen_head_keeps_the_target_rows_and_trains_the_rest(tiny_target, data
     _train(tiny_target, data, tmp_path / "frozen", seed=0, freeze_lm_head=True)
     free, _, _, t2d = load_drafter(tmp_path / "free" / "drafter.safetensors", tiny_target)
     frozen, _, _, _ = load_drafter(tmp_path / "frozen" / "drafter.safetensors", tiny_target)
-    target_rows = TargetHead(tiny_target, t2d, True, False, "cpu").w_VdH.float()  # what lm_head_init copies
+    target_rows = DraftLabels(tiny_target, t2d, True, False, "cpu").w_VdH.float()  # what lm_head_init copies
     assert torch.equal(frozen.lm_head.weight, target_rows)  # not one bit moved
     assert not torch.equal(free.lm_head.weight, target_rows)  # the default trains it
     assert not torch.equal(frozen.fc.weight, free.fc.weight) or not torch.equal(

@@ -14,10 +14,11 @@ from eaglet.base.artifacts import ArtifactError
 from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.tensors import load_tensors, save_tensors, tensor_metadata
 from eaglet.drafter.eagle3 import load_drafter
-from eaglet.drafter.ttt import TTTObjective, is_better, rest_positions, tf_tau, valid_positions
+from eaglet.drafter.ttt import TTTObjective, is_better, tf_tau, valid_positions
 from eaglet.hidden.reader import HiddenStateDataset
+from eaglet.target.head import TargetHead
 from eaglet.train.data import collate, is_val, plan_batches
-from eaglet.train.setup import TargetHead
+from eaglet.train.setup import DraftLabels
 from eaglet.train.train import resolve_params, train
 from train_common import LAYERS, PARAMS, VD, hidden_data, train_cmd
 
@@ -27,45 +28,51 @@ def data(tiny_target, tmp_path_factory):
     return hidden_data(tiny_target, tmp_path_factory.mktemp("hidden"))
 
 
-def test_target_head_matches_the_target(tiny_target, data):
+def test_draft_labels_match_the_target(tiny_target, data):
     ds = HiddenStateDataset(data["index"])
     s = ds.sample(3)
-    head = TargetHead(tiny_target, data["t2d"], True, True, "cpu")
-    p, inv, _ = head(s["final"][None])
+    head = DraftLabels(tiny_target, data["t2d"], True, True, "cpu")
+    p, inv, mass = head(s["final"][None], s["target_lse"][None], s["target_top1"][None], mass=True)
     with torch.no_grad():
         full = data["model"](s["input_ids"][None]).logits[0]
     assert torch.allclose(p[0], torch.softmax(full[:, data["t2d"]], -1), atol=1e-5)
     assert torch.equal(inv[0], data["t2d"][full.argmax(-1)])
     assert 0 < int(inv.sum()) < inv.numel()  # the fixture exercises both sides of the drop rule
+    assert torch.allclose(mass[0], torch.softmax(full, -1)[:, data["t2d"]].sum(-1), atol=1e-5)
+    with pytest.raises(ValueError, match="full-vocabulary statistics"):
+        head(s["final"][None], mass=True)  # a caller without the statistics is refused, not guessed
 
 
-def test_other_rows_only_where_read_agree_with_every_position(tiny_target, data):
-    """The trainer multiplies the head's other rows only at the positions something reads (an
-    assistant token next: rest_positions): there the greedy flag and the draft vocab's mass equal
-    the every-position call's, elsewhere (padding, prompt) they are False and 1, and the validity
-    mask and the draft-row probabilities are unchanged. The mass is the target's own, by hand."""
+def test_stored_statistics_give_what_the_other_head_rows_gave(tiny_target, data):
+    """The draft vocab's mass and the greedy flag from the statistics extraction stores (log-sum-exp
+    and argmax over the whole vocabulary) equal what the trainer computed before from the head's
+    other V - V_d rows on the same stored states (TargetHead.max_lse_over), at every real position,
+    and the stored figures are the target's own (its forward, by hand)."""
     ds = HiddenStateDataset(data["index"])
     rows = (0, 5, 7)
     b = collate([ds.sample(i) for i in rows], "cpu")
-    head = TargetHead(tiny_target, data["t2d"], True, True, "cpu", mass_rows=True)
-    need = rest_positions(b)
-    real = sum(int(ds.num_tokens[i]) for i in rows)
-    assert 0 < int(need.sum()) < real < need.numel()  # prompt tokens and padding left out
-    p_all, inv_all, mass_all = head(b["final"], mass=True)
-    p, inv, mass = head(b["final"], mass=True, need_BT=need)
-    assert torch.equal(p, p_all)
-    assert torch.equal(inv[need], inv_all[need]) and not inv[~need].any()
-    assert torch.allclose(mass[need], mass_all[need], atol=1e-6) and bool((mass[~need] == 1).all())
-    assert torch.equal(valid_positions(b, data["t2d"], inv), valid_positions(b, data["t2d"], inv_all))
-    _, inv_only, none = head(b["final"], need_BT=need)  # the greedy flag alone (a soft-CE step)
-    assert none is None and torch.equal(inv_only, inv)
-    row, t = need.nonzero()[-1].tolist()  # a read position, against the target's own forward
+    labels = DraftLabels(tiny_target, data["t2d"], True, True, "cpu")
+    p, inv, mass = labels(b["final"], b["target_lse"], b["target_top1"], mass=True)
+    head = TargetHead(tiny_target["path"], rows=data["t2d"].nonzero().squeeze(1))
+    x = head.normed(b["final"])
+    lg = head.logits(x, normed=True)
+    top_rest, lse_rest = head.max_lse_over(x, head.row_chunks((~data["t2d"]).nonzero().squeeze(1)), normed=True)
+    lse_d = torch.logsumexp(lg, -1)
+    real = b["mask"].new_zeros(b["mask"].shape)
+    for r, i in enumerate(rows):
+        real[r, :ds.num_tokens[i]] = True
+    before_mass = torch.exp(lse_d - torch.logaddexp(lse_d, lse_rest))
+    before_inv = lg.amax(-1) >= top_rest
+    assert torch.allclose(mass[real], before_mass[real], atol=1e-6)
+    assert torch.equal(inv[real], before_inv[real])
+    assert 0 < int(inv[real].sum()) < int(real.sum())
+    assert torch.equal(p, torch.softmax(lg, -1))
+    r, t = 1, int(ds.num_tokens[rows[1]]) - 1  # the last position of a sample, against the target's forward
     with torch.no_grad():
-        one = torch.softmax(data["model"](b["x"][row:row + 1, :t + 1]).logits[0, -1].float(), -1)
-    assert float(mass[row, t]) == pytest.approx(float(one[data["t2d"]].sum()), abs=1e-5)
-    none_read = {"mask": torch.zeros_like(b["mask"])}
-    _, inv0, mass0 = head(b["final"], mass=True, need_BT=rest_positions(none_read))
-    assert not inv0.any() and bool((mass0 == 1).all())
+        logits = data["model"](b["x"][r:r + 1, :t + 1]).logits[0, -1].float()
+    assert float(b["target_lse"][r, t]) == pytest.approx(float(torch.logsumexp(logits, -1)), abs=1e-4)
+    assert int(b["target_top1"][r, t]) == int(logits.argmax())
+    assert float(mass[r, t]) == pytest.approx(float(torch.softmax(logits, -1)[data["t2d"]].sum()), abs=1e-5)
 
 
 def test_loss_alignment_by_hand(tiny_target, data):
@@ -75,8 +82,8 @@ def test_loss_alignment_by_hand(tiny_target, data):
     ds = HiddenStateDataset(data["index"])
     samples = [ds.sample(i) for i in (0, 7)]
     b = collate(samples, "cpu")
-    head = TargetHead(tiny_target, data["t2d"], True, True, "cpu")
-    p, inv, _ = head(b["final"])
+    head = DraftLabels(tiny_target, data["t2d"], True, True, "cpu")
+    p, inv, _ = head(b["final"], b["target_lse"], b["target_top1"])
     from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter
     from eaglet.target.load import load_target_embedding
 
@@ -89,7 +96,7 @@ def test_loss_alignment_by_hand(tiny_target, data):
         for s in samples:
             x, T = s["input_ids"], len(s["input_ids"])
             lg, _ = m.forward_step(x[None, 1:], m.project(s["aux"][None, :-1]), torch.arange(T - 1)[None])
-            ps, invs, _ = head(s["final"][None])
+            ps, invs, _ = head(s["final"][None], s["target_lse"][None], s["target_top1"][None])
             for t in range(T - 2):
                 if s["loss_mask"][t + 2] and invs[0, t + 1]:
                     num += float(-(ps[0, t + 1] * F.log_softmax(lg[0, t], -1)).sum())
@@ -337,7 +344,8 @@ def _copy_store(ds, indices, out, digest, prefix=""):
     keep = {ds.ids[i] for i in indices}
     for i in indices:
         s = ds.sample(i)
-        w.add(prefix + s["id"], s["input_ids"], s["loss_mask"], s["aux"].view(-1, 3, s["aux"].shape[-1]), s["final"])
+        w.add(prefix + s["id"], s["input_ids"], s["loss_mask"], s["aux"].view(-1, 3, s["aux"].shape[-1]), s["final"],
+              s["target_lse"], s["target_top1"])
     w.add_references([[prefix + r[0], *r[1:]] for r in ds.label_references if r[0] in keep])
     w.finish()
     return str(out / "shard_0" / "index.json")

@@ -157,7 +157,8 @@ H = 16
 def _samples(n=8):
     g = torch.Generator().manual_seed(0)
     return [(f"s{i}", torch.randint(0, 99, (6 + i,), generator=g), torch.ones(6 + i, dtype=torch.int8),
-             torch.randn(6 + i, 3, H, generator=g), torch.randn(6 + i, H, generator=g)) for i in range(n)]
+             torch.randn(6 + i, 3, H, generator=g), torch.randn(6 + i, H, generator=g),
+             torch.randn(6 + i, generator=g), torch.randint(0, 99, (6 + i,), generator=g)) for i in range(n)]
 
 
 def _partial(path, samples, layers=(1, 2, 3), chunk=1500, settings=None, **kw):
@@ -228,7 +229,8 @@ def _extract_partial(tiny_target, tokens, work, token_budget=96, layers=(2, 4, 5
     for r in rows[:3]:
         T = len(r["input_ids"])
         w.add(r["id"], r["input_ids"], r["loss_mask"], torch.randn(T, 3, tiny_target["hidden_size"], generator=g),
-              torch.randn(T, tiny_target["hidden_size"], generator=g))
+              torch.randn(T, tiny_target["hidden_size"], generator=g), torch.randn(T, generator=g),
+              torch.randint(0, tiny_target["vocab_size"], (T,), generator=g))
     w.close()
     return {r["id"] for r in rows[:3]} & {s["id"] for s in read_json(work / "progress.json")["samples"]}
 

@@ -162,17 +162,6 @@ def expected_counts_BT(alpha_BTK: torch.Tensor, mask_BT: torch.Tensor) -> torch.
     return out
 
 
-def rest_positions(batch: dict) -> torch.Tensor:
-    """need[s]: x_{s+1} is an assistant token, the positions whose target figures from the head's
-    other rows anything reads: the greedy rule's flag (valid_positions), the LK losses' mass at
-    counted positions (TTTObjective), and the validation's α where its drafted token is an
-    assistant token (expected_counts_BT). Padding and prompt tokens are not among them."""
-    m = batch["mask"]
-    need = torch.zeros(m.shape, dtype=torch.bool, device=m.device)
-    need[:, :-1] = m[:, 1:].bool()
-    return need
-
-
 def valid_positions(batch: dict, t2d: torch.Tensor, inv_BT) -> torch.Tensor:
     """valid[s]: x_{s+1} is an assistant token and the target's greedy pick at s is draftable."""
     x, m = batch["x"], batch["mask"]

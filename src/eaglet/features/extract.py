@@ -7,7 +7,12 @@ stream entering decoder layer j = HF ``hidden_states[j]`` = the output of layer 
 state is the last layer's output **before** the final norm (``final_is_prenorm: true``; a hook
 reads the norm's input). The model runs its own full forward, but its head only at a few
 positions per batch (``logits_to_keep``): the real top-1 token there goes into the index as
-``label_reference``, the evidence the trainer checks its reconstructed labels against.
+``label_reference``, the evidence the trainer checks its reconstructed labels against. At every
+stored token the target's log-sum-exp and argmax over its whole vocabulary are stored beside the
+states (``target_lse``, ``target_top1``; 8 bytes a token), computed from the final state as stored
+(rounded to the storage dtype) by the target's own norm and head (eaglet.target.head.TargetHead,
+the reconstruction the trainer's labels use): the draft vocabulary's probability mass and whether
+the greedy token is draftable follow from them, so no training step reads the head's other rows.
 Padded positions are never stored. Output format: docs/artifacts.md, ``eaglet.hidden.store``.
 
     python -m eaglet.features.extract --tokens results/r/tokenize/tokens.parquet \
@@ -37,7 +42,7 @@ from eaglet.base.logs import setup_logging
 from eaglet.base.settings_files import parse_json_arg
 from eaglet.hidden.dtypes import bytes_per_token, storage_dtype
 from eaglet.hidden.reader import HiddenStateDataset
-from eaglet.hidden.store import ShardWriter
+from eaglet.hidden.store import ShardWriter, storage_round
 from eaglet.target.capture import (
     REF_PER_BATCH,
     Capture,
@@ -49,6 +54,7 @@ from eaglet.target.capture import (
     read_tokens,
     reference_positions,
 )
+from eaglet.target.head import TargetHead
 from eaglet.target.load import default_layer_ids, load_identity, validate_layer_ids
 
 __all__ = ["extract", "assign_shards", "make_batches", "HiddenStateDataset"]
@@ -111,9 +117,10 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
         in_dev = model.get_input_embeddings().weight.device
         log.info("target loaded in %.1f s on %s (%s)", time.perf_counter() - t0,
                  "device_map=auto" if ngpu > 1 else dev, mdtype)
+        stats = _Stats(ident["path"], trust_remote_code)
         _run(model, writer, [ids[i] for i in todo], [all_input[i] for i in todo],
              [all_mask[i] for i in todo], layer_ids, H, token_budget, in_dev, sdtype,
-             shard_tokens - todo_tokens, shard_tokens, progress)
+             shard_tokens - todo_tokens, shard_tokens, progress, stats)
     index = writer.finish()
     # the target forward's dtype and why (extract.target_dtype, eaglet.base.capability): in the artifact
     write_json(Path(out_dir) / "target_load.json", {"dtype": mdtype, "reason": dtype_reason, "device": dev})
@@ -126,9 +133,24 @@ def extract(tokens_path, identity_path, out_dir, shard: int = 0, num_shards: int
     return index
 
 
+class _Stats:
+    """The target's full-vocabulary statistics of stored final states (TargetHead.full_stats), its
+    head built once on the device the final states come out on (the last GPU under device_map)."""
+
+    def __init__(self, path, trust_remote_code: bool):
+        self.path, self.trust_remote_code = path, trust_remote_code
+        self.head = self.chunks = None
+
+    def __call__(self, stored_NH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.head is None:
+            self.head = TargetHead(self.path, device=stored_NH.device, trust_remote_code=self.trust_remote_code)
+            self.chunks = self.head.full_head()
+        return self.head.full_stats(stored_NH, self.chunks)
+
+
 @torch.inference_mode()
 def _run(model, writer, ids, inputs, masks, layer_ids, H, token_budget, device, sdtype,
-         done_tokens, total_tokens, progress, ref_per_batch: int = REF_PER_BATCH) -> None:
+         done_tokens, total_tokens, progress, stats: _Stats, ref_per_batch: int = REF_PER_BATCH) -> None:
     from tqdm import tqdm
 
     cap = Capture(model, layer_ids)
@@ -152,13 +174,15 @@ def _run(model, writer, ids, inputs, masks, layer_ids, H, token_budget, device, 
                 raise RuntimeError(f"captured hidden size {aux_N3H.shape[-1]}, identity says {H}")
             if not (torch.isfinite(aux_N3H).all() and torch.isfinite(final_NH).all()):
                 raise FloatingPointError(f"NaN/Inf in hidden states of samples {[ids[i] for i in batch]}")
+            lse_N, top1_N = stats(storage_round(final_NH, sdtype))  # of the states as the trainer reads them
             if xfer is not None:
                 aux_N3H, final_NH = aux_N3H.to(xfer), final_NH.to(xfer)
-            aux_N3H, final_NH = aux_N3H.cpu(), final_NH.cpu()
+            aux_N3H, final_NH, lse_N, top1_N = aux_N3H.cpu(), final_NH.cpu(), lse_N.cpu(), top1_N.cpu()
             a = 0
             for i in batch:  # rows of x[keep] are sample-major, in batch order
                 n = len(inputs[i])
-                writer.add(ids[i], inputs[i], masks[i], aux_N3H[a:a + n], final_NH[a:a + n])
+                writer.add(ids[i], inputs[i], masks[i], aux_N3H[a:a + n], final_NH[a:a + n],
+                           lse_N[a:a + n], top1_N[a:a + n])
                 a += n
             bar.update(a)
     except BaseException:

@@ -16,8 +16,9 @@ def storage_dtype(name: str) -> str:
 
 
 def bytes_per_token(dtype: str, hidden_size: int) -> int:
-    """Disk bytes per stored token: (3 aux + 1 final) x H values, plus fp8 scales and ids."""
+    """Disk bytes per stored token: (3 aux + 1 final) x H values, plus fp8 scales, the id, the loss
+    mask and the target's full-vocabulary statistics (log-sum-exp float32, argmax int32)."""
     d = storage_dtype(dtype)
     elem = {"bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}[d]
     scales = 4 * 4 if d == "float8_e4m3fn" else 0
-    return 4 * hidden_size * elem + scales + 4 + 1
+    return 4 * hidden_size * elem + scales + 4 + 1 + 8

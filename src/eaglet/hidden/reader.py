@@ -2,7 +2,8 @@
 dataset, checked on opening and read lazily per chunk.
 
     ds = HiddenStateDataset(["shard_0/index.json", "shard_1/index.json"])
-    ds.sample(0) -> {"id", "input_ids" [T] long, "loss_mask" [T], "aux" [T,3,H] f32, "final" [T,H] f32}
+    ds.sample(0) -> {"id", "input_ids" [T] long, "loss_mask" [T], "aux" [T,3,H] f32, "final" [T,H] f32,
+                     "target_lse" [T] f32, "target_top1" [T] long}
 
 Shape legend: T tokens, S samples, H hidden size, 3 = the three aux layers (ascending).
 """
@@ -19,8 +20,29 @@ from eaglet.base.artifacts import ArtifactError
 from eaglet.base.digests import file_digest
 from eaglet.base.files import read_json
 
+# The store's format: 2 adds the target's full-vocabulary statistics per token (``target_lse``,
+# ``target_top1``: eaglet.target.head.TargetHead.full_stats), so no training step reads the head's
+# rows outside the draft vocabulary. A store of an older format is refused (FormatError).
+FORMAT = 2
+
 HEADER_KEYS = ("shard", "num_shards", "layer_ids", "final_layer", "final_is_prenorm", "dtype",
                "hidden_size", "target_digest")
+
+
+class FormatError(ArtifactError):
+    """A hidden-state store written in another format than this eaglet reads."""
+
+
+def check_format(idx: dict, path: Path) -> None:
+    """Refuse a store of another format, saying how to rebuild it."""
+    got = idx.get("format", 1)
+    if got != FORMAT:
+        raise FormatError(
+            f"{path}: hidden-state store format {got}, this eaglet reads format {FORMAT} (it stores the "
+            "target's full-vocabulary log-sum-exp and argmax per token, which the trainer reads instead of "
+            "the head's other rows). Rebuild it: rerun the workflow (the extract_hidden_states jobs rerun: "
+            "their code changed), or `snakemake --forcerun extract_hidden_states`, or "
+            "`python -m eaglet.features.extract` on its tokens file for a store made by hand")
 
 
 class HiddenStateDataset:
@@ -58,6 +80,7 @@ class HiddenStateDataset:
         if path.is_dir():
             path = path / "index.json"
         idx = read_json(path)
+        check_format(idx, path)
         missing = [k for k in (*HEADER_KEYS, "chunks", "samples", "complete") if k not in idx]
         if missing:
             raise ArtifactError(f"{path}: not a hidden-state index (missing {missing})")
@@ -81,7 +104,8 @@ class HiddenStateDataset:
                 self._sha[f] = (c["sha256"], path)
             shapes = _chunk_shapes(f)
             T, S = c["num_tokens"], c["num_samples"]
-            want = {"input_ids": [T], "loss_mask": [T], "offsets": [S + 1], "aux": [T, 3, H], "final": [T, H]}
+            want = {"input_ids": [T], "loss_mask": [T], "offsets": [S + 1], "aux": [T, 3, H], "final": [T, H],
+                    "target_lse": [T], "target_top1": [T]}
             bad = {k: shapes.get(k) for k, v in want.items() if shapes.get(k) != v}
             if bad:
                 raise ArtifactError(f"{f}: shapes {bad} disagree with {path} (want {want})")
@@ -145,7 +169,9 @@ class HiddenStateDataset:
             aux = aux * h.get_slice("aux_scale")[a:b].unsqueeze(-1)
             final = final * h.get_slice("final_scale")[a:b].unsqueeze(-1)
         return {"id": self.ids[i], "input_ids": h.get_slice("input_ids")[a:b].long(),
-                "loss_mask": h.get_slice("loss_mask")[a:b], "aux": aux, "final": final}
+                "loss_mask": h.get_slice("loss_mask")[a:b], "aux": aux, "final": final,
+                "target_lse": h.get_slice("target_lse")[a:b].float(),
+                "target_top1": h.get_slice("target_top1")[a:b].long()}
 
     def input_ids(self, i: int) -> torch.Tensor:
         """Only the token ids of sample i (cheap: no hidden states read)."""

@@ -14,10 +14,14 @@ chunks are discarded and the log line names each difference (before -> after).
     w = ShardWriter(out_dir, shard=0, num_shards=1, layer_ids=[2, 15, 27], final_is_prenorm=True,
                     dtype="bfloat16", hidden_size=576, target_digest=digest, chunk_bytes=512 << 20)
     todo = [s for s in samples if s.id not in w.done_ids]
-    w.add(sample_id, input_ids_T, loss_mask_T, aux_T3H, final_TH); ...; w.finish()
+    w.add(sample_id, input_ids_T, loss_mask_T, aux_T3H, final_TH, lse_T, top1_T); ...; w.finish()
 
     ds = HiddenStateDataset(["shard_0/index.json", "shard_1/index.json"])
-    ds.sample(0) -> {"id", "input_ids" [T] long, "loss_mask" [T], "aux" [T,3,H] f32, "final" [T,H] f32}
+    ds.sample(0) -> {"id", "input_ids" [T] long, "loss_mask" [T], "aux" [T,3,H] f32, "final" [T,H] f32,
+                     "target_lse" [T] f32, "target_top1" [T] long}
+
+``lse_T``/``top1_T``: the target's log-sum-exp and argmax over its whole vocabulary at each token,
+from the stored (rounded) final state (eaglet.target.head.TargetHead.full_stats): format 2.
 
 Shape legend: T tokens, S samples, H hidden size, 3 = the three aux layers (ascending).
 """
@@ -39,6 +43,7 @@ from eaglet.base.files import read_json, write_json
 from eaglet.base.settings_files import setting_changes
 from eaglet.base.tensors import save_tensors
 from eaglet.hidden.dtypes import bytes_per_token, storage_dtype
+from eaglet.hidden.reader import FORMAT
 
 log = logging.getLogger("eaglet.hidden.store")
 
@@ -85,7 +90,7 @@ class ShardWriter:
                  source_digest: str | None = None, settings: dict | None = None):
         self.out_dir = Path(out_dir)
         self.work_dir = Path(work_dir) if work_dir else self.out_dir
-        self.header = {"shard": int(shard), "num_shards": int(num_shards),
+        self.header = {"format": FORMAT, "shard": int(shard), "num_shards": int(num_shards),
                        "layer_ids": [int(i) for i in layer_ids], "final_layer": final_layer,
                        "final_is_prenorm": bool(final_is_prenorm), "dtype": storage_dtype(dtype),
                        "hidden_size": int(hidden_size), "target_digest": str(target_digest),
@@ -159,16 +164,21 @@ class ShardWriter:
         self._write_progress()
 
     def add(self, sample_id: str, input_ids, loss_mask, aux_T3H: torch.Tensor,
-            final_TH: torch.Tensor) -> None:
+            final_TH: torch.Tensor, lse_T: torch.Tensor, top1_T: torch.Tensor) -> None:
         ids_T = torch.as_tensor(input_ids).to(torch.int32).reshape(-1)
         mask_T = torch.as_tensor(loss_mask).to(torch.int8).reshape(-1)
         T, H = ids_T.numel(), self.header["hidden_size"]
-        if mask_T.numel() != T or tuple(aux_T3H.shape) != (T, 3, H) or tuple(final_TH.shape) != (T, H):
+        if mask_T.numel() != T or tuple(aux_T3H.shape) != (T, 3, H) or tuple(final_TH.shape) != (T, H) \
+                or tuple(lse_T.shape) != (T,) or tuple(top1_T.shape) != (T,):
             raise ValueError(f"sample {sample_id}: shapes ids {T}, mask {mask_T.numel()}, "
-                             f"aux {tuple(aux_T3H.shape)}, final {tuple(final_TH.shape)}; want H={H}")
+                             f"aux {tuple(aux_T3H.shape)}, final {tuple(final_TH.shape)}, lse {tuple(lse_T.shape)}, "
+                             f"top1 {tuple(top1_T.shape)}; want H={H}")
+        if not torch.isfinite(lse_T).all():
+            raise FloatingPointError(f"sample {sample_id}: the target's log-sum-exp is not finite")
         if self._buf and (self._buf_tokens + T) * self.bpt > self.chunk_bytes:
             self._flush()
-        self._buf.append((str(sample_id), ids_T, mask_T, aux_T3H.detach().cpu(), final_TH.detach().cpu()))
+        self._buf.append((str(sample_id), ids_T, mask_T, aux_T3H.detach().cpu(), final_TH.detach().cpu(),
+                          lse_T.detach().float().cpu(), top1_T.detach().to(torch.int32).cpu()))
         self._buf_tokens += T
         if self._buf_tokens * self.bpt >= self.chunk_bytes:
             self._flush()
@@ -198,7 +208,8 @@ class ShardWriter:
         aux = torch.cat([b[3] for b in buf])
         final = torch.cat([b[4] for b in buf])
         t = {"input_ids": torch.cat([b[1] for b in buf]), "loss_mask": torch.cat([b[2] for b in buf]),
-             "offsets": offsets}
+             "offsets": offsets, "target_lse": torch.cat([b[5] for b in buf]),
+             "target_top1": torch.cat([b[6] for b in buf])}
         if self.header["dtype"] == "float8_e4m3fn":
             t["aux"], t["aux_scale"] = fp8_encode(aux)
             t["final"], t["final_scale"] = fp8_encode(final)
@@ -206,7 +217,7 @@ class ShardWriter:
             dt = getattr(torch, self.header["dtype"])
             t["aux"], t["final"] = aux.to(dt), final.to(dt)
         path = self.work_dir / entry["file"]
-        save_tensors(path, t, metadata={"format": "eaglet-hidden-states-v1"})
+        save_tensors(path, t, metadata={"format": f"eaglet-hidden-states-v{FORMAT}"})
         entry["sha256"] = file_digest(path)
         entry["bytes"] = path.stat().st_size
         self._write_progress(upto=j + 1)  # chunks are saved in order by the one worker

@@ -1,8 +1,9 @@
 """eaglet.target: The target model as every stage reads it: its identity, tokenizer and weights (load),
 its chat template (chat_template) and how it reads reasoning (reasoning), what the installed
 engine can serve and other file-only facts (check), the layer ids from its config (shape), the
-tiny in-process families (families, family_templates), and the capture of its aux + final hidden
-states from its own forward (capture).
+tiny in-process families (families, family_templates), the capture of its aux + final hidden
+states from its own forward (capture), and its logits and full-vocabulary statistics from pre-norm
+final states by its own norm and head (head).
 """
 
 # The packages this one may import (tests/workflow/test_layering.py reads it): nothing above it.

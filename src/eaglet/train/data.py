@@ -50,13 +50,16 @@ def collate(samples: list[dict], device) -> dict:
     B, T = len(samples), max(len(s["input_ids"]) for s in samples)
     H = samples[0]["final"].shape[-1]
     out = {"x": torch.zeros(B, T, dtype=torch.long), "mask": torch.zeros(B, T, dtype=torch.bool),
-           "aux": torch.zeros(B, T, 3, samples[0]["aux"].shape[-1]), "final": torch.zeros(B, T, H)}
+           "aux": torch.zeros(B, T, 3, samples[0]["aux"].shape[-1]), "final": torch.zeros(B, T, H),
+           "target_lse": torch.zeros(B, T), "target_top1": torch.zeros(B, T, dtype=torch.long)}
     for b, s in enumerate(samples):
         n = len(s["input_ids"])
         out["x"][b, :n] = s["input_ids"]
         out["mask"][b, :n] = s["loss_mask"].bool()
         out["aux"][b, :n] = s["aux"]
         out["final"][b, :n] = s["final"]
+        out["target_lse"][b, :n] = s["target_lse"]
+        out["target_top1"][b, :n] = s["target_top1"]
     out = {k: v.to(device, non_blocking=True) for k, v in out.items()}
     out["tokens"] = sum(len(s["input_ids"]) for s in samples)
     return out

@@ -17,7 +17,6 @@ from eaglet.drafter.ttt import (
     chain_positions,
     expected_counts_BT,
     is_better,
-    rest_positions,
     tf_tau,
     valid_positions,
 )
@@ -36,42 +35,11 @@ class Batches:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train-data")
         self.pending: dict[tuple, Future] = {}
         self.t2d = r.t2d.to(r.device)
-        # What the head's other V - V_d rows give, per sample: (greedy-in-draft-vocab [n] or None,
-        # the draft vocab's mass [n] or None). Both are functions of the sample's stored final
-        # states alone, so they are computed once (the first epoch, the first validation pass) and
-        # read after that: the LK losses' per-step cost, an extra no-grad matmul over ~45k rows on
-        # SmolLM2, is paid once per sample instead of once per epoch and validation pass.
-        # 5 bytes a token (Kimi-K2.5's 21M tokens: ~100 MB).
-        self.rest: dict[int, tuple] = {}
-        self.rest_hits = self.rest_misses = 0
 
-    def targets(self, b: dict, batch_idx: list[int], mass: bool):
-        """r.head's (p_BTVd, inv_BT or None, mass_BT or None) for the micro-batch ``batch_idx``
-        (rows in that order, each row's first num_tokens positions its sample's), the other rows'
-        figures read from the per-sample cache when every sample of the batch has them."""
-        head = self.r.head
-        if not head.reads_rest(mass):
-            return head(b["final"], mass)
-        got = [self.rest.get(i) for i in batch_idx]
-        if all(g is not None and (not mass or g[1] is not None) for g in got):
-            self.rest_hits += 1
-            p_BTVd, _, _ = head(b["final"], rest=False)
-            B, T = p_BTVd.shape[:2]
-            inv = torch.zeros(B, T, dtype=torch.bool, device=p_BTVd.device) if head.greedy_rows else None
-            mass_BT = torch.ones(B, T, device=p_BTVd.device) if mass else None
-            for row, (g_inv, g_mass) in enumerate(got):
-                if inv is not None:
-                    inv[row, :len(g_inv)] = g_inv
-                if mass_BT is not None:
-                    mass_BT[row, :len(g_mass)] = g_mass
-            return p_BTVd, inv, mass_BT
-        self.rest_misses += 1
-        p_BTVd, inv, mass_BT = head(b["final"], mass, need_BT=rest_positions(b))
-        for row, i in enumerate(batch_idx):
-            n = int(self.r.ds.num_tokens[i])
-            self.rest[i] = (None if inv is None else inv[row, :n].clone(),
-                            None if mass_BT is None else mass_BT[row, :n].clone())
-        return p_BTVd, inv, mass_BT
+    def targets(self, b: dict, mass: bool):
+        """r.head's (p_BTVd, inv_BT or None, mass_BT or None) for the micro-batch ``b``: the draft
+        rows multiplied here, the rest read from the batch's full-vocabulary statistics."""
+        return self.r.head(b["final"], b.get("target_lse"), b.get("target_top1"), mass)
 
     def _fetch(self, batch_idx: list[int]) -> Future:
         ds = self.r.ds
@@ -88,7 +56,7 @@ class Batches:
         if ahead is not None:
             self.pending[tuple(ahead)] = self._fetch(ahead)
         b = {k: v.to(r.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in fut.result().items()}
-        p_BTVd, inv, mass_BT = self.targets(b, batch_idx, mass)
+        p_BTVd, inv, mass_BT = self.targets(b, mass)
         noise = None
         if gen_seed is not None and r.p["noise_std"] > 0:
             gen = torch.Generator(device=r.device).manual_seed(gen_seed)

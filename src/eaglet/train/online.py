@@ -7,7 +7,9 @@ target loaded in this process (extraction's loading, ``eaglet.target.capture``, 
 ``target.dtype``; ``target.device: cpu`` keeps it on the CPU). Each micro-batch runs one no-grad
 target forward with extraction's own hooks (``capture.Capture``), and the aux and pre-norm final
 states are rounded to the storage dtype (``extract.dtype``: bf16, fp8 or float32) exactly as a
-shard write + read rounds them (``hidden_store.storage_round``). So, on the same samples, the
+shard write + read rounds them (``hidden_store.storage_round``), and the target's full-vocabulary
+statistics of the rounded final states are computed as extraction stores them
+(eaglet.target.head.TargetHead.full_stats). So, on the same samples, the
 trainer sees the states offline training reads from disk, up to what batching changes in the
 target's own forward (padded batches of other shapes than extraction's; see docs/clusters.md,
 "Hidden states: offline or online").
@@ -28,6 +30,7 @@ from eaglet.base import schema
 from eaglet.hidden.dtypes import storage_dtype
 from eaglet.hidden.store import storage_round
 from eaglet.target import capture
+from eaglet.target.head import TargetHead
 from eaglet.target.load import default_layer_ids, validate_layer_ids
 
 log = logging.getLogger("eaglet.train.online")
@@ -62,6 +65,9 @@ class OnlineHiddenStates:
         log.info("online hidden states: target loaded in %.1f s on %s (%s); states rounded to %s; %d samples, "
                  "%d tokens", time.perf_counter() - t0, dev, mdtype, self.dtype, len(self.ids), sum(self.num_tokens))
         self.cap = capture.Capture(self.model, self.layer_ids)
+        # the target's full-vocabulary statistics of the rounded states, as extraction stores them
+        self.stats_head = TargetHead(identity["path"], device=self.device, trust_remote_code=bool(trust_remote_code))
+        self._stats_chunks = self.stats_head.full_head()
         self._token_budget = int(token_budget)
         self._ref_final: dict[str, dict[int, torch.Tensor]] = {}
         self._refs: list[list] | None = None
@@ -85,9 +91,18 @@ class OnlineHiddenStates:
         final_BTH = torch.where(keep[..., None], storage_round(final_BTH, self.dtype), zero.float())
         return aux_BT3H, final_BTH, keep, logits
 
+    def _stats(self, final_BTH: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target_lse_BT, target_top1_BT) of the rounded states (zero at padding), as stored offline."""
+        lse_N, top1_N = self.stats_head.full_stats(final_BTH[keep], self._stats_chunks)
+        lse = torch.zeros(keep.shape, device=final_BTH.device)
+        top1 = torch.zeros(keep.shape, dtype=torch.long, device=final_BTH.device)
+        lse[keep], top1[keep] = lse_N.to(lse.device), top1_N.to(lse.device)
+        return lse, top1
+
     def collate(self, batch: list[int]) -> dict:
         """The micro-batch as eaglet.train.data.collate builds it from stored samples (on the target's device)."""
         aux, final, keep, _ = self._forward(batch)
+        lse, top1 = self._stats(final, keep)
         B, T = keep.shape
         x = torch.zeros(B, T, dtype=torch.long)
         m = torch.zeros(B, T, dtype=torch.bool)
@@ -96,14 +111,15 @@ class OnlineHiddenStates:
             x[b, :n] = torch.as_tensor(self.inputs[i], dtype=torch.long)
             m[b, :n] = torch.as_tensor(self.masks[i]).bool()
         return {"x": x.to(final.device), "mask": m.to(final.device), "aux": aux, "final": final,
-                "tokens": sum(self.num_tokens[i] for i in batch)}
+                "target_lse": lse, "target_top1": top1, "tokens": sum(self.num_tokens[i] for i in batch)}
 
     def sample(self, i: int) -> dict:
         """One sample, run alone (the label check; tests)."""
-        aux, final, _, _ = self._forward([i])
+        aux, final, keep, _ = self._forward([i])
+        lse, top1 = self._stats(final, keep)
         return {"id": self.ids[i], "input_ids": torch.as_tensor(self.inputs[i], dtype=torch.long),
                 "loss_mask": torch.as_tensor(self.masks[i], dtype=torch.int8), "aux": aux[0].cpu(),
-                "final": final[0].cpu()}
+                "final": final[0].cpu(), "target_lse": lse[0].cpu(), "target_top1": top1[0].cpu()}
 
     @property
     def label_references(self) -> list[list]:

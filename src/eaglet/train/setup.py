@@ -1,7 +1,8 @@
-"""The trainer's set-up (eaglet.train.train): the target's head over the draft vocab and the proof of the
-labels against the real model, the vocab check, processes, data, drafter, the data plan with its
-optimizer and schedule, and the resume from a checkpoint of this very run (run_identity). What set-up
-builds, the loop (eaglet.train.loop) reads: one ``TrainRun``.
+"""The trainer's set-up (eaglet.train.train): the target's head over the draft vocab (with the stored
+full-vocabulary statistics) and the proof of the labels against the real model, the vocab check,
+processes, data, drafter, the data plan with its optimizer and schedule, and the resume from a
+checkpoint of this very run (run_identity). What set-up builds, the loop (eaglet.train.loop) reads:
+one ``TrainRun``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter
 from eaglet.drafter.ttt import TTTObjective, drafter_options, freeze_head
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.planner.plan import TRAIN_NOT_DEFINING, bf16_autocast
+from eaglet.target.head import TargetHead
 from eaglet.target.load import load_target_embedding
 from eaglet.train import labels
 from eaglet.train.data import plan_batches, plan_micro_batches
@@ -33,70 +35,49 @@ log = logging.getLogger("eaglet.train.train")
 
 
 # --------------------------------------------------------------------------- target logits
-class TargetHead:
+class DraftLabels:
     """The target's next-token distribution over the draft vocab, from stored pre-norm final
-    states, computed by the target's own modules (eaglet.train.labels). ``greedy_rows``: also
-    whether the target's greedy token is in the draft vocab (oov_rule greedy); ``mass_rows``: also
-    the target's probability mass on the draft vocab (the acceptance figures: vLLM's rejection
-    sampler sees the unrenormalised target probabilities). Either reads the other head rows."""
+    states, computed by the target's own modules (eaglet.target.head), and what follows from the
+    target's whole vocabulary, read from the statistics extraction stored beside the states
+    (``target_lse``, ``target_top1``; online training computes them in its own forward): whether
+    the target's greedy token is in the draft vocab (``greedy_rows``: oov_rule greedy) and the
+    target's probability mass on the draft vocab (the acceptance figures: vLLM's rejection sampler
+    sees the unrenormalised target probabilities). Only the draft rows of the head are multiplied:
+    no call reads the head's other rows."""
 
-    def __init__(self, identity: dict, t2d: torch.Tensor, final_is_prenorm: bool, greedy_rows: bool,
-                 device, mass_rows: bool = False):
+    def __init__(self, identity: dict, t2d: torch.Tensor, final_is_prenorm: bool, greedy_rows: bool, device):
         if not final_is_prenorm:
             raise ArtifactError("hidden states store the final state after the norm; eaglet.features.extract "
                                 "stores it before (re-extract)")
-        self.head = labels.TargetHead(identity["path"], rows=t2d.nonzero().squeeze(1), device=device,
-                                      trust_remote_code=bool(identity.get("trust_remote_code", False)))
+        self.head = TargetHead(identity["path"], rows=t2d.nonzero().squeeze(1), device=device,
+                               trust_remote_code=bool(identity.get("trust_remote_code", False)))
         self.w_VdH = self.head.row_linear.weight.detach()
-        self.greedy_rows, self.mass_rows, self.full = greedy_rows, mass_rows, bool(t2d.all())
-        self.rest = []
-        if (greedy_rows or mass_rows) and not bool(t2d.all()):
-            dt = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-            self.rest = self.head.row_chunks((~t2d).nonzero().squeeze(1), dt)
-
-    def reads_rest(self, mass: bool) -> bool:
-        """Whether a call with ``mass`` reads the head's other rows (the costly part: V - V_d rows)."""
-        return bool(self.rest) and (mass or self.greedy_rows)
+        self.greedy_rows, self.full = greedy_rows, bool(t2d.all())
+        self.t2d = t2d.to(self.head.device)
 
     @torch.no_grad()
-    def __call__(self, final_BTH: torch.Tensor, mass: bool = False, rest: bool = True,
-                 need_BT: torch.Tensor | None = None):
+    def __call__(self, final_BTH: torch.Tensor, lse_BT: torch.Tensor | None = None,
+                 top1_BT: torch.Tensor | None = None, mass: bool = False):
         """-> (p_BTVd float32, greedy_in_draft_vocab_BT bool or None, mass_BT float32 or None).
-        mass_BT (with ``mass``): the target's probability of the draft vocab, 1 when it is the whole vocab.
-        ``rest=False``: the draft rows only (p_BTVd, None, None), for a caller that keeps the figures
-        of the other rows per sample (eaglet.train.loop.Batches). ``need_BT`` (bool [B, T], from
-        eaglet.drafter.ttt.rest_positions): the positions whose other-row figures anything reads; the
-        other rows (the costly part) are multiplied there only, and elsewhere (padding, prompt
-        tokens) the greedy flag is False and the mass 1. None: every position."""
-        x = self.head.normed(final_BTH)
-        logits = self.head.logits(x, normed=True)
-        if not rest:
-            return torch.softmax(logits, -1), None, None
+        ``lse_BT``/``top1_BT``: the target's log-sum-exp and argmax over its whole vocabulary at
+        each position (the batch's ``target_lse``/``target_top1``), needed for the mass (``mass``)
+        and the greedy flag (greedy_rows) unless the draft vocab is the whole vocab. mass_BT: the
+        target's probability of the draft vocab, exp(lse_draft - lse), at most 1."""
+        logits = self.head.logits(self.head.normed(final_BTH), normed=True)
         inv = mass_BT = None
-        if mass and not self.rest:
-            if not self.full:
-                raise ValueError("TargetHead: the draft vocab's mass needs the other head rows (mass_rows)")
-            mass_BT = torch.ones(logits.shape[:-1], device=logits.device)
-        elif self.reads_rest(mass):
-            shape = logits.shape[:-1]
-            inv = torch.zeros(shape, dtype=torch.bool, device=logits.device) if self.greedy_rows else None
-            mass_BT = torch.ones(shape, device=logits.device) if mass else None
-            # every position ([B, T] as they are), or the read ones gathered into one row ([1, N])
-            at, row = (..., lambda v: v) if need_BT is None else (need_BT, lambda v: v[0])
-            if need_BT is None or bool(need_BT.any()):  # else nothing reads them
-                x_N, lg_N = (x, logits) if need_BT is None else (x[need_BT][None], logits[need_BT][None])
-                if mass:  # one pass over the other rows for both figures
-                    top, lse = self.head.max_lse_over(x_N, self.rest, normed=True)
-                    lse_d = torch.logsumexp(lg_N, -1)
-                    mass_BT[at] = row(torch.exp(lse_d - torch.logaddexp(lse_d, lse)))
-                else:  # the training step's usual case: no logsumexp
-                    top = self.head.max_over(x_N, self.rest, normed=True)
-                if inv is not None:
-                    inv[at] = row(lg_N.amax(-1) >= top)
+        if (mass or self.greedy_rows) and not self.full and (lse_BT is None or top1_BT is None):
+            raise ValueError("DraftLabels: the draft vocab's mass and the greedy flag need the target's "
+                             "full-vocabulary statistics (target_lse, target_top1)")
+        if self.greedy_rows:
+            inv = torch.ones(logits.shape[:-1], dtype=torch.bool, device=logits.device) if self.full \
+                else self.t2d[top1_BT.to(logits.device)]
+        if mass:
+            mass_BT = torch.ones(logits.shape[:-1], device=logits.device) if self.full else \
+                torch.exp(torch.logsumexp(logits, -1) - lse_BT.to(logits.device)).clamp(max=1.0)
         return torch.softmax(logits, -1), inv, mass_BT
 
 
-def prove_labels(head: TargetHead, ds: HiddenStateDataset, p: dict) -> dict:
+def prove_labels(head: DraftLabels, ds: HiddenStateDataset, p: dict) -> dict:
     """The reconstructed labels against the real model's top-1 tokens recorded by extraction;
     raises LabelMismatch on disagreement, and when the check cannot run unless
     ``accept_unchecked_labels`` (a check that did not run is not a pass)."""
@@ -132,7 +113,7 @@ class TrainRun:
     d2t: torch.Tensor
     t2d: torch.Tensor
     cfg: DrafterConfig
-    head: TargetHead
+    head: DraftLabels
     label_check: dict
     drafter: Eagle3Drafter
     objective: TTTObjective
@@ -219,8 +200,7 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
     d2t, t2d = check_vocab(vocab, identity)
     cfg = DrafterConfig.from_identity(identity, len(d2t), meta["layer_ids"], ttt_steps=int(p["ttt_steps"]),
                                       **drafter_options(p))
-    head = TargetHead(identity, t2d, bool(meta["final_is_prenorm"]), p["oov_rule"] == "greedy", device,
-                      mass_rows=True)  # the validation's expected acceptance; the LK losses' at every step
+    head = DraftLabels(identity, t2d, bool(meta["final_is_prenorm"]), p["oov_rule"] == "greedy", device)
     label_check = prove_labels(head, ds, p)
     if rank == 0:
         log.info("labels: top-1 agreement with the real model %s on %d of %d recorded positions (norm %s)",

@@ -38,7 +38,10 @@ x_{t+1+k}); it counts iff x_{t+2+k} is an assistant token (loss_mask) and the ta
 token there lies in the draft vocab. (SpecForge masks with the unshifted loss_mask[t]; only the
 boundary tokens of assistant turns differ.) Loss = sum_k gamma^k L_k, L_k = soft cross-entropy
 summed over counted positions / their number. Target logits are computed on the fly from the
-stored final hidden state and only the draft-vocab rows of the target lm_head.
+stored final hidden state and only the draft-vocab rows of the target lm_head; what needs the
+target's whole vocabulary (the draft vocab's probability mass, whether the greedy token is
+draftable) follows from the log-sum-exp and argmax extraction stored per token (or online
+training's own forward computes), so no step reads the head's other rows.
 
 Shape legend: B batch, T padded tokens, H hidden, V_d draft vocab, K TTT steps.
 """
@@ -88,7 +91,7 @@ def _fmt(x) -> str:
     return "n/a" if x is None else f"{x:.3f}"
 
 
-def write_outputs(r: TrainRun, tokens_seen: int, elapsed: float, head_rest: dict) -> dict:
+def write_outputs(r: TrainRun, tokens_seen: int, elapsed: float) -> dict:
     """Rank 0: the selected weights, metrics and summary under out_dir; returns the summary."""
     import pandas as pd
 
@@ -116,9 +119,10 @@ def write_outputs(r: TrainRun, tokens_seen: int, elapsed: float, head_rest: dict
                "best_val_chain_by_sequence": (r.best or {}).get("chain_by_sequence"),
                "tokens_this_run": tokens_seen, "seconds_this_run": elapsed,
                "tok_s": tokens_seen / max(elapsed, 1e-9),
-               # micro-batches whose figures from the head's other rows (the draft vocab's mass, the
-               # greedy-in-draft-vocab mask) were computed, and read back per sample after that
-               "head_rest_batches": head_rest,
+               # where the figures from the target's whole vocabulary (the draft vocab's mass, the
+               # greedy-in-draft-vocab mask) came from: no step multiplies the head's other rows
+               "target_stats": "online: the target's forward in this job" if hasattr(r.ds, "collate")
+               else "stored by extraction (target_lse, target_top1)",
                "final_train": last_train, "final_val": last_val, "selected": selected, "best_val": best_val,
                "draft_vocab_size": len(r.d2t), "layer_ids": cfg.layer_ids, "label_check": r.label_check,
                "target_digest": identity_digest, "params": r.p, "config": json.loads(cfg.to_json()),
@@ -164,8 +168,7 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
     bar.close()
     batches.close()
     elapsed = time.time() - t_start
-    head_rest = {"computed": batches.rest_misses, "cached": batches.rest_hits}
-    summary = write_outputs(r, tokens_seen, elapsed, head_rest) if r.main else {}
+    summary = write_outputs(r, tokens_seen, elapsed) if r.main else {}
     if r.ws > 1:
         import torch.distributed as dist
 
