@@ -22,8 +22,13 @@ each scored at T = 0 (the exact greedy chain τ) and T = 1 (the expected chain �
 along the validation unroll: ``exp_tau``), one table per temperature with the seed spread, and a
 third table with τ at T = 1 measured by the HF loop's real speculative sampling (``--hf-prompts``
 MT-Bench questions per drafter, default 16, ``--hf-tokens`` new tokens each, the same seeded
-generators for every drafter: ``hf_tau``). The verdict line names an objective that beats soft CE
-beyond the spread of the expected τ at T = 1 without falling beyond it at T = 0, or says none does.
+generators for every drafter: ``hf_tau``). With it, on the same questions along the target's own
+seeded samples at T = 1, the offline expected τ under each rule vLLM serves at T > 0
+(eaglet.engines.hf_loop.expected_prompt; vLLM's ``draft_sample_method``): ``exp_tau_greedy``, greedy
+drafts accepted with probability p(argmax q) (vLLM's default), and ``exp_tau_probabilistic``, drafts
+sampled from q, Σ min(p, q); one table each (issue 43: which objective to pick for which serving
+setting). The verdict line names an objective that beats soft CE beyond the spread of the expected
+τ at T = 1 without falling beyond it at T = 0, or says none does.
 
 Data: a run's stored hidden states (``<run-dir>/extract/shard_*/index.json`` and
 ``vocab_map/vocab.safetensors``; the first ``results/*`` that has both, e.g. the SmolLM2 default run)
@@ -180,7 +185,8 @@ def reused(path: str | None, name: str, seed: int, base: dict, source: str, hf: 
         return None
     old = json.loads(Path(path).read_text())
     run = old.get("runs", {}).get(name, {}).get(str(seed))
-    if run is None or old.get("base") != base or old.get("data") != source or (hf and "hf_tau" not in run):
+    if run is None or old.get("base") != base or old.get("data") != source or \
+            (hf and not all(x in run for x in ("hf_tau", *RULE_KEYS.values()))):
         return None
     if run.get("train_tokens") is None:  # written before runs reported it: all the data, when --val trained on all
         if not (hidden_all_trained and name == "baseline" and base.get("data_fraction", 1.0) == 1.0):
@@ -191,15 +197,21 @@ def reused(path: str | None, name: str, seed: int, base: dict, source: str, hf: 
     return run
 
 
+# The offline expected τ at T = 1 under each rule vLLM serves (eaglet.drafter.chain.ACCEPT), by run key
+RULE_KEYS = {"greedy": "exp_tau_greedy", "probabilistic": "exp_tau_probabilistic"}
+
+
 def hf_tau(drafter: Path, identity: str, prompts: int, max_new: int, k: int, temperature: float = 1.0,
            seed: int = 0) -> dict:
     """τ measured by the HF loop's real speculative sampling (eaglet.engines.hf_loop.speculative_sampling,
     as evaluate_speculative runs it) at ``temperature`` over the first ``prompts`` MT-Bench questions,
     ``max_new`` tokens each, k drafts: 1 + accepted / rounds over every round, and the per-prompt τ.
-    Each prompt's generator is seeded from (seed, prompt) alone, the same for every drafter."""
+    Each prompt's generator is seeded from (seed, prompt) alone, the same for every drafter. Beside
+    it, on the same questions along the target's own seeded sample, the expected τ at k under each
+    rule vLLM serves (RULE_KEYS; eaglet.engines.hf_loop.expected_prompt, as evaluate_offline)."""
     from eaglet.base.datasets import load_prompts
-    from eaglet.drafter.chain import rounds_tau
-    from eaglet.engines.hf_loop import setup, speculative_sampling
+    from eaglet.drafter.chain import expected_counts, rounds_tau
+    from eaglet.engines.hf_loop import expected_prompt, setup, speculative_sampling
     from eaglet.eval.hf_stage import run_generator
 
     t0 = time.time()
@@ -211,8 +223,19 @@ def hf_tau(drafter: Path, identity: str, prompts: int, max_new: int, k: int, tem
                                    run_generator(seed, "bench_ablation", temperature, i))
         rounds += res["rounds"]
         per.append(rounds_tau(res["rounds"]))
+    sums = {r: [0.0, 0] for r in RULE_KEYS}
+    for i, p in enumerate(rows):
+        e = expected_prompt(target, proposer, p["prompt_ids"], k, temperature, max_new,
+                            run_generator(seed, "bench_ablation_expected", temperature, i))
+        valid = [s["valid"] for s in e["starts"]]
+        for r in RULE_KEYS:
+            a, n = expected_counts([s["alpha_by_rule"][r] for s in e["starts"]], valid, k)
+            sums[r][0] += a
+            sums[r][1] += n
     return {"hf_tau": rounds_tau(rounds), "hf_prompts": len(rows), "hf_rounds": sum(r[1] > 0 for r in rounds),
-            "hf_per_prompt": per, "hf_seconds": round(time.time() - t0, 1)}
+            "hf_per_prompt": per, **{key: 1 + sums[r][0] / sums[r][1] if sums[r][1] else None
+                                     for r, key in RULE_KEYS.items()},
+            "hf_seconds": round(time.time() - t0, 1)}
 
 
 def table(res: dict, seeds: list[int], key: str = "chain_tau") -> tuple[list[str], dict]:
@@ -373,6 +396,7 @@ def main() -> None:
         lines, verdict = table(res, a.seeds)
         lines1, verdict1 = table(res, a.seeds, "exp_tau")
         lines_hf, verdict_hf = table(res, a.seeds, "hf_tau") if hf else (None, None)
+        by_rule = {r: table(res, a.seeds, key) for r, key in RULE_KEYS.items()} if hf else {}
     print(f"\nT = 0: chain tau at k = {base['ttt_steps']} on the same validation positions; delta = mean - baseline "
           f"mean; beyond noise = |delta| > the larger seed-to-seed range of the two ({time.time() - t0:.0f} s)")
     print("\n".join(lines))
@@ -384,6 +408,12 @@ def main() -> None:
               f"MT-Bench questions, {hf['max_new']} new tokens each, every drafter with the same seeded "
               "generators; tau = 1 + accepted / rounds, same rule")
         print("\n".join(lines_hf))
+    for rule, (lines_r, _) in by_rule.items():
+        how = ("greedy drafts (argmax q, vLLM's default) accepted with probability p(argmax q)" if rule == "greedy"
+               else "drafts sampled from q, accepted with min(1, p/q): sum min(p, q)")
+        print(f"\nT = 1 offline, vLLM draft_sample_method {rule}: expected tau at k = {base['ttt_steps']}, {how}, "
+              f"along the target's own seeded samples of the same {n_hf} MT-Bench questions")
+        print("\n".join(lines_r))
     if a.losses:
         print(loss_verdict(verdict, verdict1))
     if a.curve:
@@ -400,6 +430,7 @@ def main() -> None:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"data": source, "base": base, "seeds": a.seeds, "runs": res,
                                            "table": verdict, "table_t1": verdict1, "table_hf": verdict_hf,
+                                           **{f"table_{r}": v[1] for r, v in by_rule.items()},
                                            "hf": hf}, indent=2) + "\n")
 
 

@@ -32,6 +32,11 @@ def test_the_losses_ablation_prints_both_temperatures_and_a_verdict(tmp_path):
     assert all(r["hf_tau"] >= 1 and r["hf_rounds"] > 0 and len(r["hf_per_prompt"]) == 2
                for by_seed in runs.values() for r in by_seed.values())
     assert set(res["table_hf"]) == set(runs)
+    # and the offline expected τ at T = 1 under each rule vLLM serves, one table each (issue 43)
+    for rule in ("greedy", "probabilistic"):
+        assert f"\nT = 1 offline, vLLM draft_sample_method {rule}: expected tau" in p.stdout
+        assert all(1 <= r[f"exp_tau_{rule}"] <= 1 + 3 for by_seed in runs.values() for r in by_seed.values())
+        assert set(res[f"table_{rule}"]) == set(runs)
 
 
 def test_the_learning_curve_fits_a_gain_per_doubling_at_both_temperatures(tmp_path):

@@ -95,3 +95,28 @@ def test_expected_acceptance_of_certain_drafts_is_the_greedy_count():
         assert chain.expected_tau(alphas, valid, k) == pytest.approx(chain.tau_all_positions(accepted, valid, k))
     assert chain.expected_position_rates(alphas, valid, K)["accept_rate_per_pos"] == \
         pytest.approx(chain.position_rates(accepted, valid, K)["accept_rate_per_pos"])
+
+
+def test_greedy_acceptance_is_the_targets_probability_of_the_drafters_argmax():
+    """vLLM's default at T > 0 (draft_sample_method greedy): the draft is argmax q, accepted with
+    probability p(draft); it can be above or below Σ min(p, q) (issue 43)."""
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    q = torch.tensor([[0.1, 0.6, 0.0, 0.3], [0.1, 0.1, 0.7, 0.1], [0.4, 0.3, 0.2, 0.1]])
+    assert chain.greedy_accept(p, q).tolist() == pytest.approx([0.3, 0.25, 0.7])
+    assert chain.overlap(p, q).tolist() == pytest.approx([0.4, 0.55, 0.7])
+    assert chain.ACCEPT["greedy"] is chain.greedy_accept and chain.ACCEPT["probabilistic"] is chain.overlap
+
+
+def test_round_moments_match_the_distribution_of_the_accepted_count():
+    """E[a] and E[a²] of a round from P(a > j) = Π α: against the distribution written out."""
+    alpha, k = [0.6, 0.5, 0.8], 3
+    # P(a = 0) = 0.4, P(a = 1) = 0.6 * 0.5, P(a = 2) = 0.3 * 0.2, P(a = 3) = 0.24
+    dist = {0: 0.4, 1: 0.3, 2: 0.06, 3: 0.24}
+    m1, m2 = chain.expected_moments(alpha, k)
+    assert m1 == pytest.approx(sum(a * w for a, w in dist.items())) == pytest.approx(chain.expected_accepted(alpha, k))
+    assert m2 == pytest.approx(sum(a * a * w for a, w in dist.items()))
+    st = chain.expected_round_stats([alpha, [1.0, 1.0, 1.0], [0.0]], [3, 3, 1], 3)
+    assert st["starts"] == 2 and st["mean"] == pytest.approx((m1 + 3) / 2)
+    assert st["second"] == pytest.approx((m2 + 9) / 2)
+    assert st["spread"] == pytest.approx(((m1 - 3) / 2) ** 2)
+    assert chain.expected_round_stats([[0.5]], [1], 2) == {"starts": 0, "mean": None, "second": None, "spread": None}

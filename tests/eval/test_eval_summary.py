@@ -153,9 +153,11 @@ def test_results_matrix_concatenates_every_stage_and_prints_one_table():
     offline = {"matrix": stats.matrix_rows(
         "chain", 0.0, [1, 3], {"prompts": 3, "tau": {"1": iv, "3": iv}}, {"mtbench": {"prompts": 3, "tau": {1: iv}}},
         {"mtbench/writing": {"set": "mtbench", "prompts": 1, "tau": {3: {"estimate": 1.2, "lo": None, "hi": None}}}})}
-    spec = {"matrix": [stats.matrix_row("hf_loop", 1.0, 3, "all", "all", iv, 3)]}
+    spec = {"matrix": [stats.matrix_row("hf_loop", 1.0, 3, "all", "all", iv, 3, "probabilistic")]}
     vllm = {"matrix": [{"engine": "vllm", "temperature": 1.0, "k": 3, "set": "all", "domain": "all", "tau": 1.45,
-                        "ci": [1.2, 1.6], "prompts": 3}]}
+                        "ci": [1.2, 1.6], "prompts": 3, "rule": "greedy"}]}
+    with pytest.raises(ValueError, match="names its rule"):  # at T > 0 a row says how it drafted
+        stats.matrix_row("hf_loop", 1.0, 3, "all", "all", iv, 3)
     rows = results_matrix(offline, spec, vllm)
     assert [r["engine"] for r in rows] == ["chain"] * 6 + ["hf_loop", "vllm"]
     # a set without k = 3, a domain with one prompt: null tau / null interval, never a made-up one
@@ -165,7 +167,9 @@ def test_results_matrix_concatenates_every_stage_and_prints_one_table():
         ("mtbench", "mtbench/writing", 1): (None, None), ("mtbench", "mtbench/writing", 3): (1.2, None)}
     assert results_matrix(offline, None) == offline["matrix"] and results_matrix({"status": "not run"}) == []
     table = stats.matrix_table(rows).splitlines()
-    assert table[0].split()[:6] == ["set", "domain", "k", "T", "engine", "tau"] and len(table) == 1 + len(rows)
+    assert table[0].split()[:7] == ["set", "domain", "k", "T", "engine", "rule", "tau"] and len(table) == 1 + len(rows)
+    assert {r["rule"] for r in rows if r["engine"] == "chain"} == {"greedy"}  # T = 0: the greedy chain
     # domain x k x T x engine: the whole-run rows last, their k = 3 block ordered by T, then engine
-    assert [line.split()[4] for line in table[-3:]] == ["chain", "hf_loop", "vllm"]
+    assert [line.split()[4:6] for line in table[-3:]] == [["chain", "greedy"], ["hf_loop", "probabilistic"],
+                                                           ["vllm", "greedy"]]
     assert "1.20-1.60" in table[-1] and "1.450" in table[-1]

@@ -209,21 +209,38 @@ def test_both_temperatures_in_the_matrix_the_sampling_figures_and_the_summary(st
         mine = [r for r in rows if (r["engine"], r["temperature"]) == cell]
         assert {r["domain"] for r in mine} == domains and {r["k"] for r in mine} == {1, 2, 3}
         assert {r["set"] for r in mine if r["domain"] == "all"} == set(off["sets"]) | {"all"}
-    by = {(r["engine"], r["temperature"], r["set"], r["domain"], r["k"]): r for r in rows}
+    by = {(r["engine"], r["temperature"], r["set"], r["domain"], r["k"], r["rule"]): r for r in rows}
+    assert len(by) == len(rows)  # the rule tells the two expected rows of a cell apart
+    assert {r["rule"] for r in rows if r["temperature"] == 0} == {"greedy"}
+    assert {(r["engine"], r["rule"]) for r in rows if r["temperature"] == 1} == {
+        ("expected", "greedy"), ("expected", "probabilistic"), ("hf_loop", "probabilistic")}
     smp_off, smp_spec = off["sampling"][0], spec["sampling"][0]
     for k in (1, 2, 3):
         # the T = 0 rows are today's figures, where they always were
-        assert by["chain", 0.0, "all", "all", k]["tau"] == pytest.approx(off["overall"]["tau_chain"][k])
-        assert by["hf_loop", 0.0, "all", "all", k]["tau"] == pytest.approx(spec["overall"]["k"][k]["tau"])
+        assert by["chain", 0.0, "all", "all", k, "greedy"]["tau"] == pytest.approx(off["overall"]["tau_chain"][k])
+        assert by["hf_loop", 0.0, "all", "all", k, "greedy"]["tau"] == pytest.approx(spec["overall"]["k"][k]["tau"])
         # expected τ pooled from the per-prompt (Σ expected accepted, starts) written beside the texts
         pairs = [p["sampling"]["1.0"]["expected"][k] for p in off["per_prompt"]]
         pooled = 1 + sum(a for a, _ in pairs) / sum(n for _, n in pairs)
-        assert by["expected", 1.0, "all", "all", k]["tau"] == pytest.approx(pooled)
+        assert by["expected", 1.0, "all", "all", k, "probabilistic"]["tau"] == pytest.approx(pooled)
         assert smp_off["overall"]["tau"][k] == pytest.approx(pooled)
+        assert smp_off["rules"]["probabilistic"]["overall"]["tau"][k] == pytest.approx(pooled)
         assert 1 <= pooled <= 1 + k
+        # the greedy rule (vLLM's default: argmax q accepted with p(argmax q)) from the same unroll
+        pairs = [p["sampling"]["1.0"]["expected_by_rule"]["greedy"][k] for p in off["per_prompt"]]
+        greedy = 1 + sum(a for a, _ in pairs) / sum(n for _, n in pairs)
+        assert by["expected", 1.0, "all", "all", k, "greedy"]["tau"] == pytest.approx(greedy)
+        assert smp_off["rules"]["greedy"]["overall"]["tau"][k] == pytest.approx(greedy) and 1 <= greedy <= 1 + k
+        # the moments of a round that evaluate_vllm's T > 0 gate reads, per rule and set
+        for rule in ("greedy", "probabilistic"):
+            rd = smp_off["rules"][rule]["overall"]["rounds"][k]
+            assert rd["mean"] == pytest.approx(smp_off["rules"][rule]["overall"]["tau"][k] - 1)
+            assert rd["second"] >= rd["mean"] ** 2 - 1e-12 and rd["spread"] >= 0
+            assert sum(v["rounds"][k]["starts"] for v in smp_off["rules"][rule]["sets"].values()) == rd["starts"]
+        by_hf = by["hf_loop", 1.0, "all", "all", k, "probabilistic"]
         # measured: τ = 1 + accepted / rounds of the sampling runs, with its interval over prompts
         chains = [p["sampling"]["1.0"]["chain"][k] for p in spec["per_prompt"]]
-        measured = by["hf_loop", 1.0, "all", "all", k]
+        measured = by_hf
         assert measured["tau"] == pytest.approx(1 + sum(a for a, _ in chains) / sum(n for _, n in chains))
         assert measured["ci"][0] <= measured["tau"] <= measured["ci"][1] and measured["prompts"] == N_PROMPTS
         assert smp_spec["overall"]["k"][k]["speedup"] > 0

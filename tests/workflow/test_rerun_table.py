@@ -194,7 +194,7 @@ TABLE = {
     "evaluate.vllm.enabled": (True, {"evaluate_vllm"}),
     **{f"evaluate.vllm.{k}": (v, OFF) for k, v in {  # vLLM evaluation is off in the smoke run
         "k_values": [2], "iomp": True, "max_num_seqs": 2, "kv_cache_gb": 1, "timeout_s": 600,
-        "env": "envs/vllm/.venv-other", "agreement_alpha": 0.01}.items()},
+        "env": "envs/vllm/.venv-other", "agreement_alpha": 0.01, "draft_sample_methods": ["greedy"]}.items()},
 }
 
 

@@ -17,11 +17,16 @@ The evaluation's counts over the same numbers: acceptance per draft position fro
 (:func:`position_rates`, :func:`tau_all_positions`) and vLLM's per-position counters of a chain
 (:func:`chain_counts`, :func:`prompt_chain`).
 
-At temperature T > 0 nothing is fixed by the text: a draft is accepted with probability
-α = Σ_x min(p(x), q(x)) (:func:`overlap`; docs/eagle3.md §13). Along a continuation, a round of k
-drafts from a start whose drafts have α_0, α_1, ... accepts Σ_{j<k} Π_{i≤j} α_i drafts in
-expectation (:func:`expected_accepted`); :func:`expected_tau` and :func:`expected_position_rates`
-are the T > 0 counterparts of :func:`tau_all_positions` and :func:`position_rates`.
+At temperature T > 0 nothing is fixed by the text, and what a draft's acceptance probability α is
+depends on the rule the engine serves (vLLM's ``draft_sample_method``, :data:`ACCEPT`): drafts
+sampled from q and accepted with probability min(1, p/q) give α = Σ_x min(p(x), q(x))
+("probabilistic", :func:`overlap`; docs/eagle3.md §13); greedy drafts (argmax q, vLLM's default),
+accepted with probability p(draft), give α = p(argmax q) ("greedy", :func:`greedy_accept`). Along
+a continuation, a round of k drafts from a start whose drafts have α_0, α_1, ... accepts
+Σ_{j<k} Π_{i≤j} α_i drafts in expectation (:func:`expected_accepted`), with second moment
+Σ_{j<k} (2j + 1) Π_{i≤j} α_i (:func:`expected_moments`, for the variance of a round);
+:func:`expected_tau` and :func:`expected_position_rates` are the T > 0 counterparts of
+:func:`tau_all_positions` and :func:`position_rates`.
 """
 
 from __future__ import annotations
@@ -175,6 +180,18 @@ def overlap(p_JV: torch.Tensor, q_JV: torch.Tensor) -> torch.Tensor:
     return torch.minimum(p_JV, q_JV).sum(-1)
 
 
+def greedy_accept(p_JV: torch.Tensor, q_JV: torch.Tensor) -> torch.Tensor:
+    """α_j = p_j(argmax_x q_j(x)): the probability that a rejection sampler accepts the greedy draft
+    (vLLM's ``draft_sample_method: greedy``: the draft's probability taken as 1, so draft x is
+    accepted when p(x) >= u). Both over the same support, as :func:`overlap`."""
+    return p_JV.gather(-1, q_JV.argmax(-1, keepdim=True)).squeeze(-1)
+
+
+# The acceptance probability of one draft under each rule vLLM serves at T > 0, by the name of
+# vLLM's SpeculativeConfig.draft_sample_method (vllm/config/speculative.py): (p_JV, q_JV) -> α_J
+ACCEPT = {"greedy": greedy_accept, "probabilistic": overlap}
+
+
 def expected_accepted(alpha: list[float], k: int) -> float:
     """Expected accepted drafts of a round of k drafts whose acceptance probabilities along the
     text are α_0, α_1, ...: Σ_{j<k} Π_{i≤j} α_i (draft j counts only when 0..j are all accepted)."""
@@ -183,6 +200,31 @@ def expected_accepted(alpha: list[float], k: int) -> float:
         run *= a
         out += run
     return out
+
+
+def expected_moments(alpha: list[float], k: int) -> tuple[float, float]:
+    """(E[a], E[a²]) of the accepted count a of a round of k drafts with acceptance probabilities
+    α_0, α_1, ...: a = Σ_j 1[a > j] and a² = Σ_j (2j + 1) 1[a > j], with P(a > j) = Π_{i≤j} α_i."""
+    m1, m2, run = 0.0, 0.0, 1.0
+    for j, a in enumerate(alpha[:k]):
+        run *= a
+        m1 += run
+        m2 += (2 * j + 1) * run
+    return m1, m2
+
+
+def expected_round_stats(alphas: list[list[float]], valid: list[int], k: int) -> dict:
+    """What the served rounds at k are predicted to average, over the starts with k positions left:
+    ``starts``, ``mean`` (expected accepted per round), ``second`` (mean E[a²]: the per-round
+    variance is second - mean²) and ``spread`` (the variance of the starts' expectations, for the
+    prediction's own sampling error)."""
+    ms = [expected_moments(a, k) for a, v in zip(alphas, valid, strict=True) if v >= k]
+    n = len(ms)
+    if not n:
+        return {"starts": 0, "mean": None, "second": None, "spread": None}
+    mean = sum(m for m, _ in ms) / n
+    return {"starts": n, "mean": mean, "second": sum(s for _, s in ms) / n,
+            "spread": sum((m - mean) ** 2 for m, _ in ms) / n}
 
 
 def expected_counts(alphas: list[list[float]], valid: list[int], k: int) -> tuple[float, int]:

@@ -10,7 +10,7 @@ offline chain (eaglet.export.contract.vllm_checks) and the known-answer check
     offline_prompt(target, proposer, prompt_ids, K, max_new) # K drafts from every verified position
     sample(target, prompt_ids, max_new, T, gen)              # plain sampling at temperature T > 0
     speculative_sampling(target, proposer, prompt_ids, k, max_new, T, gen)  # the real loop at T > 0
-    expected_prompt(target, proposer, prompt_ids, K, T, ...) # Σ min(p, q) from every verified position
+    expected_prompt(target, proposer, prompt_ids, K, T, ...) # α per rule from every verified position
 
 Conventions. The drafter at position t reads g_t = fc(aux_t) and the token x_{t+1} (vLLM's);
 aux id j = HF ``hidden_states[j]`` (residual stream entering layer j). A round starts when the
@@ -46,7 +46,7 @@ from collections import defaultdict
 import torch
 
 from eaglet.base.artifacts import ArtifactError
-from eaglet.drafter.chain import accepted_prefix, overlap
+from eaglet.drafter.chain import ACCEPT, accepted_prefix
 from eaglet.drafter.eagle3 import KVCache, load_drafter
 from eaglet.target.load import job_device, load_identity, load_model, load_tokenizer, stop_ids, target_load
 
@@ -419,8 +419,12 @@ def expected_prompt(target: Target, proposer: EagleProposer, prompt: list[int], 
     every position and the aux states; from every verified start (after g emitted tokens, as
     :func:`offline_prompt`) the drafter is unrolled K steps on its own hidden states, fed the
     text's tokens (training-time test's alignment), and α_j = Σ_x min(p(x), q_j(x)) is the
-    probability that draft j is accepted given the text before it (eaglet.drafter.chain.overlap).
-    It is an estimate: the real loop conditions draft j on the accepted drafts, not on the text."""
+    probability that draft j is accepted given the text before it (eaglet.drafter.chain.overlap),
+    when drafts are sampled from q; ``alpha_by_rule`` holds α under each rule vLLM serves
+    (eaglet.drafter.chain.ACCEPT: "probabilistic", the same as ``alpha``, and "greedy", p(argmax q_j),
+    the greedy draft's acceptance). It is an estimate past draft 0: the real loop conditions draft j
+    on the accepted drafts, not on the text (under the greedy rule an accepted draft is argmax q,
+    where the text holds a sample of p)."""
     if tokens is None:
         tokens = sample(target, prompt, max_new, temperature, gen)["tokens"]
     x, P, N = prompt + list(tokens), len(prompt), len(tokens)
@@ -434,7 +438,8 @@ def expected_prompt(target: Target, proposer: EagleProposer, prompt: list[int], 
         n = min(K, N - g)  # draft positions the text covers
         q = proposer.unroll(x[P + g:P + g + n - 1], temperature)
         p = probs(logits[P + g - 1:P + g - 1 + n], temperature)
-        starts.append({"g": g, "valid": N - g, "alpha": overlap(p[:, proposer.ids], q).tolist()})
+        by_rule = {rule: f(p[:, proposer.ids], q).tolist() for rule, f in ACCEPT.items()}
+        starts.append({"g": g, "valid": N - g, "alpha": by_rule["probabilistic"], "alpha_by_rule": by_rule})
     return {"tokens": list(tokens), "starts": starts}
 
 

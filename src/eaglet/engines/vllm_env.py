@@ -199,9 +199,12 @@ def add_serving_args(p) -> None:
     p.add_argument("--trust-remote-code", action="store_true")
 
 
-def engine_kwargs(a, drafter: str | None = None, max_num_seqs: int | None = None) -> dict:
+def engine_kwargs(a, drafter: str | None = None, max_num_seqs: int | None = None,
+                  draft_sample_method: str | None = None) -> dict:
     """``vllm.LLM`` keyword arguments from a runner's parsed flags (a pure function, tested without
-    vLLM); ``max_num_seqs`` defaults to the runner's ``--max-num-seqs``."""
+    vLLM); ``max_num_seqs`` defaults to the runner's ``--max-num-seqs``; ``draft_sample_method``
+    (vLLM's SpeculativeConfig field: "greedy", its default, or "probabilistic") goes into the
+    speculative config when given."""
     kw = dict(model=a.target, dtype=a.dtype, tensor_parallel_size=a.tensor_parallel_size,
               trust_remote_code=a.trust_remote_code, enforce_eager=True, disable_log_stats=False,
               max_model_len=a.max_model_len, max_num_seqs=max_num_seqs or a.max_num_seqs, seed=0)
@@ -209,4 +212,6 @@ def engine_kwargs(a, drafter: str | None = None, max_num_seqs: int | None = None
         kw["enable_expert_parallel"] = True
     if drafter:
         kw["speculative_config"] = {"method": "eagle3", "model": drafter, "num_speculative_tokens": a.k}
+        if draft_sample_method:
+            kw["speculative_config"]["draft_sample_method"] = draft_sample_method
     return kw

@@ -9,15 +9,18 @@ timing blocks), starts this, and reads the output; this script decides nothing a
         [--drafter DRAFTER_DIR] [--max-num-seqs 1] [--max-model-len 2048] \
         [--dtype float32] [--tensor-parallel-size 1] [--enable-expert-parallel] [--trust-remote-code]
 
-Engines: one ``LLM`` without a drafter ("plain") and one per draft length k ("k3", ...; vLLM fixes
-``num_speculative_tokens`` per engine), all alive for the whole run. Each ``LLM`` runs its model in
-its own engine-core and worker processes, so they do not share vLLM's global state; they do share
-the CPUs. An idle engine is not quite idle: after each step vLLM's worker keeps polling its
-shared-memory queue for ``busy_loop_s`` (1 s, vllm/distributed/device_communicators/shm_broadcast.py,
-SpinCondition), yielding the CPU in a loop. So before a timed call on another engine than the previous
-call's, the runner waits ``settle_s`` (input; eaglet gives 1.2 s) for the other engine's worker to go
-to sleep. Without that wait, measured on the tiny test target on 2 quiet cores, a call after the
-other engine's took 1.6-1.7x as long as one after its own (docs/eagle3.md §9).
+Engines: one ``LLM`` without a drafter ("plain") and one per draft length k and draft sample method
+(input ``draft_sample_methods``, default ["greedy"]; vLLM fixes ``num_speculative_tokens`` and
+``draft_sample_method`` per engine): "k3" drafts greedily (vLLM's default), "k3-probabilistic"
+samples its drafts from the drafter's distribution (:func:`engine_name`); all alive for the whole
+run. Each ``LLM`` runs its model in its own engine-core and worker processes, so they do not share
+vLLM's global state; they do share the CPUs. An idle engine is not quite idle: after each step
+vLLM's worker keeps polling its shared-memory queue for ``busy_loop_s`` (1 s,
+vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition), yielding the CPU in a loop.
+So before a timed call on another engine than the previous call's, the runner waits ``settle_s``
+(input; eaglet gives 1.2 s) for the other engine's worker to go to sleep. Without that wait,
+measured on the tiny test target on 2 quiet cores, a call after the other engine's took 1.6-1.7x as
+long as one after its own (docs/eagle3.md §9).
 
 Each engine is warmed up (a short call at every temperature of the schedule) before timing.
 Temperature 0 is greedy; above 0 the call is seeded (``SamplingParams(seed=...)``, seed from the
@@ -26,11 +29,13 @@ schedule), so plain and speculative calls of one block draw from the same seed.
 Serving flags: ``target.vllm`` and ``target.trust_remote_code`` (eaglet.target.load.vllm_runner_args),
 the same values every vLLM engine of the run uses; the defaults are the vLLM-CPU ones.
 
-Input JSON: {"prompts": [[token ids], ...], "ks": [k, ...], "max_tokens": int, "ignore_eos": bool,
+Input JSON: {"prompts": [[token ids], ...], "ks": [k, ...], "draft_sample_methods": ["greedy", ...],
+"max_tokens": int, "ignore_eos": bool,
 "stop_token_ids": [...], "settle_s": float, "blocks": [{"prompt": i, "repeat": r, "seed": s,
 "order": [{"engine": "plain" | "k3", "temperature": T}, ...]}, ...]}.
 Output JSON: {"vllm_version", "startup_s": {engine: s}, "speculative_config": {draft_sample_method,
-rejection_sample_method} as the engines report it, "blocks": [{"prompt", "repeat", "calls": [{"engine",
+rejection_sample_method} as the first greedy engine reports it, "speculative_configs": {engine: the
+same}, "blocks": [{"prompt", "repeat", "calls": [{"engine",
 "temperature", "seconds", "token_ids", "spec_decode": counter deltas of that one call (spec engines;
 null for plain): num_drafts, num_draft_tokens, num_accepted_tokens, num_accepted_tokens_per_pos}]}],
 "cpu": {"start", "end"}: vllm_env.cpu_times around the timed blocks (this process and its engines' tree)}.
@@ -80,6 +85,17 @@ def sample_methods(llm):
     return {m: getattr(sc, m, None) for m in ("draft_sample_method", "rejection_sample_method")}
 
 
+def engine_name(k, method="greedy"):
+    """The engine of draft length k drafting by ``method``: "k3" (greedy), "k3-probabilistic"."""
+    return f"k{k}" if method == "greedy" else f"k{k}-{method}"
+
+
+def engine_list(spec):
+    """(name, k, draft_sample_method) of every engine of the input: plain first, then per k each method."""
+    methods = spec.get("draft_sample_methods") or ["greedy"]
+    return [("plain", None, None)] + [(engine_name(k, m), k, m) for k in spec["ks"] for m in methods]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True)
@@ -102,17 +118,21 @@ def main():
     prompts = spec["prompts"]
     temps = sorted({c["temperature"] for b in spec["blocks"] for c in b["order"]})
     engines, startup = {}, {}
-    for name, k in [("plain", None)] + [(f"k{k}", k) for k in spec["ks"]]:
+    for name, k, method in engine_list(spec):
         t0 = time.perf_counter()
-        kw = engine_kwargs(argparse.Namespace(**{**vars(a), "k": k}), a.drafter if k else None)
+        kw = engine_kwargs(argparse.Namespace(**{**vars(a), "k": k}), a.drafter if k else None,
+                           draft_sample_method=method if method != "greedy" else None)
         engines[name] = LLM(**kw)
         # warm-up: the first requests (and the first sampled one) pay for allocations; not timed
-        for t in temps:
+        mine = sorted({c["temperature"] for b in spec["blocks"] for c in b["order"] if c["engine"] == name}) or temps
+        for t in mine:
             engines[name].generate([{"prompt_token_ids": prompts[0]}], sampling(SamplingParams, spec, t, 0, 8),
                                    use_tqdm=False)
         startup[name] = round(time.perf_counter() - t0, 2)
-    methods = next((sample_methods(e) for n, e in engines.items() if n != "plain"), {})
-    res = {"vllm_version": vllm.__version__, "startup_s": startup, "speculative_config": methods, "blocks": []}
+    configs = {n: sample_methods(e) for n, e in engines.items() if n != "plain"}
+    methods = next((c for n, c in configs.items() if "-" not in n), next(iter(configs.values()), {}))
+    res = {"vllm_version": vllm.__version__, "startup_s": startup, "speculative_config": methods,
+           "speculative_configs": configs, "blocks": []}
     last, cpu0 = None, cpu_times()
     for b in spec["blocks"]:
         calls = []

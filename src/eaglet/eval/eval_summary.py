@@ -9,10 +9,12 @@ from the eval folder. Writes summary.json (``headline``, ``agreement``, ``recomm
 ``matrix``) and tau_per_position.png, tau_per_k.png, speedup_vs_k.png.
 
 The results matrix: every stage writes a list ``matrix`` of rows {engine, temperature, k, set,
-domain, tau, ci, prompts} (eaglet.eval.stats.matrix_rows): the exact greedy chain offline ("chain",
-T = 0), the expected chain offline at each T > 0 ("expected"), the HF loop ("hf_loop") and vLLM
-("vllm"). The summary concatenates those of offline.json, speculative.json and vllm.json into
-summary.json's ``matrix`` and logs it as a table (domain × k × T × engine, intervals over prompts).
+domain, tau, ci, prompts, rule} (eaglet.eval.stats.matrix_rows): the exact greedy chain offline
+("chain", T = 0), the expected chain offline at each T > 0 ("expected", one row per rule vLLM
+serves: ``rule`` greedy or probabilistic, vLLM's draft_sample_method), the HF loop ("hf_loop",
+probabilistic at T > 0) and vLLM ("vllm", per draft_sample_method served). The summary concatenates
+those of offline.json, speculative.json and vllm.json into summary.json's ``matrix`` and logs it as
+a table (domain × k × T × engine, intervals over prompts).
 
 Recommendation: expected speedup(k) = τ(k) · c_target(1) / (c_target(k+1) + k · c_draft), with τ(k)
 the offline acceptance length from every position (measured acceptance per position) and the costs
@@ -401,7 +403,7 @@ def _with_extras(out: Path, res: dict, regen: dict | None, modes: dict | None) -
     if modes is not None:
         res["modes"] = {"status": modes.get("status", "ran"), "hf_loop_reason": modes.get("hf_loop_reason"),
                         "modes": {m: {k: v.get(k) for k in ("chat_template_kwargs", "prompt_tail", "prompts",
-                                                            "tau_chain", "expected")}
+                                                            "tau_chain", "expected", "expected_by_rule")}
                                   for m, v in modes["modes"].items()}}
         res["modes_matrix"] = results_matrix(modes)
         for m in modes["modes"]:

@@ -67,6 +67,8 @@ def evaluate_modes(drafter: str | Path, identity: str | Path, sets: list[str], o
             "prompt_tail": tok.decode(list(ids[0][-16:])),
             "tau_chain": res["overall"]["tau_chain"],
             "expected": {str(smp["temperature"]): smp["overall"]["tau"] for smp in res["sampling"]},
+            "expected_by_rule": {str(smp["temperature"]): {r: v["overall"]["tau"] for r, v in smp["rules"].items()}
+                                 for smp in res["sampling"]},
             "seconds": res["seconds"] + sum(smp["seconds"] for smp in res["sampling"])}
         matrix += [{**r, "mode": name} for r in res["matrix"]]
         log.info("mode %s: chain tau %s; expected %s", name, per_mode[name]["tau_chain"], per_mode[name]["expected"])

@@ -18,9 +18,15 @@ Temperatures (``temperatures``, default [0.0, 1.0]; docs/eagle3.md §13). T = 0 
 as above: the exact greedy chain; those figures keep their places in offline.json. Each T > 0 adds
 an entry to the list ``sampling``: along the target's own sampled text at T (seeded from ``seed``,
 T and the prompt, eaglet.engines.hf_loop.expected_prompt), from every verified position the
-expected acceptance α = Σ min(p, q) of each draft position; expected τ per k, per draft position,
-per set and domain with intervals. The stage also writes ``matrix``: one row per engine, T, k, set
-and domain (eaglet.eval.stats.matrix_rows) that eval_summary concatenates with the other stages'.
+expected acceptance of each draft position under each rule vLLM serves (``rules``, by vLLM's
+``draft_sample_method``): "probabilistic", drafts sampled from q and accepted with min(1, p/q),
+α = Σ min(p, q); "greedy" (vLLM's default), drafts argmax q accepted with probability p(draft),
+α = p(argmax q). Per rule: expected τ per k, per draft position, per set and domain with intervals,
+and per k the moments of a round's accepted count (``rounds``: what evaluate_vllm's T > 0 gate
+tests vLLM against). The top-level figures
+of a sampling entry (sets, overall, domains) stay the probabilistic rule's. The stage also writes
+``matrix``: one row per engine, T, k, set, domain and rule (eaglet.eval.stats.matrix_rows) that
+eval_summary concatenates with the other stages'.
 
 The settings (eaglet.eval.options), the conventions shared with the real loop and the outputs
 when the HF loop does not run (eaglet.eval.hf_stage) are the HF-loop stages' own.
@@ -37,10 +43,12 @@ from eaglet.base import datasets
 from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.files import write_json, write_parquet
 from eaglet.drafter.chain import (
+    ACCEPT,
     chain_counts,
     chain_replay,
     expected_counts,
     expected_position_rates,
+    expected_round_stats,
     expected_tau,
     position_rates,
     prompt_chain,
@@ -88,7 +96,8 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
     write_json(out / "offline.json", res)
     log.info("offline: tau %s (all positions), chain %s", res["overall"]["tau"], res["overall"]["tau_chain"])
     for smp in res["sampling"]:
-        log.info("offline T=%g: expected tau %s", smp["temperature"], smp["overall"]["tau"])
+        for rule, v in smp["rules"].items():
+            log.info("offline T=%g, %s drafts: expected tau %s", smp["temperature"], rule, v["overall"]["tau"])
     return res
 
 
@@ -139,50 +148,74 @@ def offline_results(target, proposer, prompts: list[dict], o: dict) -> tuple[dic
     return res, pos_rows, round_rows
 
 
-def _expected_stats(starts: list[dict], K: int) -> dict:
-    alphas, valid = [s["alpha"] for s in starts], [s["valid"] for s in starts]
+def _expected_stats(starts: list[dict], K: int, rule: str) -> dict:
+    alphas, valid = [s["alpha_by_rule"][rule] for s in starts], [s["valid"] for s in starts]
     return {"starts": len(starts), "tau": {k: expected_tau(alphas, valid, k) for k in range(1, K + 1)},
+            "rounds": {k: expected_round_stats(alphas, valid, k) for k in range(1, K + 1)},
             **expected_position_rates(alphas, valid, K)}
+
+
+# How each rule's expectation is computed (offline.json sampling[i].rules[rule].estimate)
+ESTIMATES = {"probabilistic": "drafts sampled from q, accepted with probability min(1, p/q): "
+                              "alpha = sum_x min(p(x), q(x))",
+             "greedy": "drafts argmax q (vLLM's default draft_sample_method), accepted with probability "
+                       "p(draft): alpha = p(argmax q)"}
+# The rule of the figures at the top of a sampling entry (sets, overall, domains), as before the rules
+TOP_RULE = "probabilistic"
 
 
 def offline_sampling(target, proposer, prompts: list[dict], per_prompt: list[dict], K: int, max_new: int,
                      temp: float, o: dict, texts: list[list[int]] | None = None) -> dict:
-    """Expected acceptance at ``temp`` along each prompt's sampled text; the text and the per-prompt
-    (Σ expected accepted, starts) go into ``per_prompt[i]["sampling"][str(temp)]``. ``texts``: one
-    continuation (token ids) per prompt produced elsewhere (e.g. vLLM's at ``temp``) instead of the
-    target's own seeded samples."""
-    rows, starts = [], defaultdict(list)
+    """Expected acceptance at ``temp`` along each prompt's sampled text, under each rule vLLM serves
+    (eaglet.drafter.chain.ACCEPT: ``rules``, each with its sets, overall and domains; the top-level
+    sets, overall and domains are the probabilistic rule's, where they always were). The text and
+    the per-prompt (Σ expected accepted, starts) go into ``per_prompt[i]["sampling"][str(temp)]``
+    (``expected``: probabilistic; ``expected_by_rule``: each rule). ``texts``: one continuation
+    (token ids) per prompt produced elsewhere (e.g. vLLM's at ``temp``) instead of the target's own
+    seeded samples."""
+    rows, starts = {r: [] for r in ACCEPT}, defaultdict(list)
     t0 = time.time()
     for i, p in enumerate(prompts):
         e = expected_prompt(target, proposer, p["prompt_ids"], K, temp, max_new,
                             run_generator(o["seed"], "offline", temp, i), tokens=texts[i] if texts else None)
-        alphas, valid = [s["alpha"] for s in e["starts"]], [s["valid"] for s in e["starts"]]
-        exp = {k: list(expected_counts(alphas, valid, k)) for k in range(1, K + 1)}
-        per_prompt[i].setdefault("sampling", {})[str(temp)] = {"tokens": e["tokens"], "expected": exp}
-        rows.append({"set": p["set"], "domain": p["domain"], "expected": exp})
+        valid = [s["valid"] for s in e["starts"]]
+        by_rule = {r: {k: list(expected_counts([s["alpha_by_rule"][r] for s in e["starts"]], valid, k))
+                       for k in range(1, K + 1)} for r in ACCEPT}
+        per_prompt[i].setdefault("sampling", {})[str(temp)] = {"tokens": e["tokens"], "expected": by_rule[TOP_RULE],
+                                                              "expected_by_rule": by_rule}
+        for r in ACCEPT:
+            rows[r].append({"set": p["set"], "domain": p["domain"], "expected": by_rule[r]})
         starts[p["set"]] += e["starts"]
     ks = o["k_values"]
+    every = [x for v in starts.values() for x in v]
+    rules = {r: {"estimate": ESTIMATES[r] + "; expected accepted at k = sum_{j<k} prod_{i<=j} alpha_i, "
+                                            "tau = 1 + mean over starts",
+                 "sets": {s: {"prompts": sum(x["set"] == s for x in rows[r]), **_expected_stats(v, K, r),
+                              "tau_ci": tau_ci([x for x in rows[r] if x["set"] == s], "expected", ks, o)}
+                          for s, v in starts.items()},
+                 "overall": {"prompts": len(rows[r]), **_expected_stats(every, K, r),
+                             "tau_ci": tau_ci(rows[r], "expected", ks, o)},
+                 "domains": domains(rows[r], "expected", ks, o)} for r in ACCEPT}
+    top = rules[TOP_RULE]
     return {"temperature": temp, "seed": o["seed"], "text": "given" if texts else "sampled by the target, seeded",
-            "estimate": "expected acceptance along the text: alpha = sum_x min(p(x), q(x)), "
-                        "expected accepted at k = sum_{j<k} prod_{i<=j} alpha_i, tau = 1 + mean over starts",
-            "sets": {s: {"prompts": sum(r["set"] == s for r in rows), **_expected_stats(v, K),
-                         "tau_ci": tau_ci([r for r in rows if r["set"] == s], "expected", ks, o)}
-                     for s, v in starts.items()},
-            "overall": {"prompts": len(rows), **_expected_stats([x for v in starts.values() for x in v], K),
-                        "tau_ci": tau_ci(rows, "expected", ks, o)},
-            "domains": domains(rows, "expected", ks, o), "seconds": round(time.time() - t0, 2)}
+            "rule": TOP_RULE, "estimate": top["estimate"],
+            "sets": top["sets"], "overall": top["overall"], "domains": top["domains"], "rules": rules,
+            "seconds": round(time.time() - t0, 2)}
 
 
 def offline_matrix(res: dict, o: dict) -> list[dict]:
-    """Matrix rows of the offline stage: the exact chain at T = 0, the expected chain at each T > 0."""
+    """Matrix rows of the offline stage: the exact chain at T = 0, the expected chain at each T > 0
+    under each rule."""
     ks = o["k_values"]
     rows = stats.matrix_rows(
         "chain", 0.0, ks, {"prompts": res["prompts"], "tau": res["overall"]["tau_chain_ci"]},
         {s: {"prompts": v["prompts"], "tau": v["tau_chain_ci"]} for s, v in res["sets"].items()}, res["domains"])
     for smp in res["sampling"]:
-        rows += stats.matrix_rows(
-            "expected", smp["temperature"], ks, {"prompts": smp["overall"]["prompts"], "tau": smp["overall"]["tau_ci"]},
-            {s: {"prompts": v["prompts"], "tau": v["tau_ci"]} for s, v in smp["sets"].items()}, smp["domains"])
+        for rule, v in smp["rules"].items():
+            rows += stats.matrix_rows(
+                "expected", smp["temperature"], ks, {"prompts": v["overall"]["prompts"], "tau": v["overall"]["tau_ci"]},
+                {s: {"prompts": x["prompts"], "tau": x["tau_ci"]} for s, x in v["sets"].items()}, v["domains"],
+                rule=rule)
     return rows
 
 

@@ -277,7 +277,8 @@ def speculative_matrix(res: dict, o: dict) -> list[dict]:
 
     rows = stats.matrix_rows("hf_loop", 0.0, o["k_values"], *block(res))
     for smp in res["sampling"]:
-        rows += stats.matrix_rows("hf_loop", smp["temperature"], o["k_values"], *block(smp))
+        # the HF loop's sampling draws its drafts from q (eaglet.engines.hf_loop.speculative_sampling)
+        rows += stats.matrix_rows("hf_loop", smp["temperature"], o["k_values"], *block(smp), rule="probabilistic")
     return rows
 
 

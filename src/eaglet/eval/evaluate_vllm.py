@@ -49,6 +49,18 @@ chain, expected, hf_loop), so eval_summary concatenates them.
 When ``iomp`` is on and the vLLM venv has ``libiomp5.so`` (vLLM's CPU docs recommend Intel OpenMP in
 LD_PRELOAD), a second process times plain and the first k at T = 0 with it, paired the same way.
 
+Draft sample methods (``draft_sample_methods``, default greedy and probabilistic; vLLM's
+SpeculativeConfig.draft_sample_method): greedy engines run in the process above; each other method
+runs at every T > 0 in a second runner process with its own plain engine, timed in pairs the same
+way (``merged``): vLLM's stat logger unregisters the counters of the LLMs created before it in a
+process (vllm/v1/metrics/prometheus.py, unregister_vllm_metrics), so one process reads its last
+engine's counters only. At each T > 0 vLLM's mean accepted drafts per round, per k, method and set
+(all repeats), is tested against offline.json's expectation under the rule the engine reports
+(``sampled_agreement``, eaglet.eval.evaluate_offline: ``sampling[T].rules[rule].sets[set].rounds[k]``):
+z = (mean_vLLM - mean_offline) / sqrt(v / n_vLLM + s2 / n_offline), v the predicted per-round
+variance, s2 the spread of the offline starts' expectations, two-sided, Bonferroni at
+``agreement_alpha`` over those tests; a failure fails the stage like the T = 0 test below.
+
 With ``--offline`` (the rule always gives it), vLLM's acceptance at temperature 0 is tested against
 eaglet's exact offline chain replay on the same prompts (the stage refuses an offline.json made on
 other prompts), and a difference beyond the sampling error of that many drafts FAILS the stage
@@ -86,6 +98,7 @@ from eaglet.base.files import read_json, write_json
 from eaglet.base.logs import setup_logging
 from eaglet.base.settings_files import parse_json_arg
 from eaglet.engines import vllm_env
+from eaglet.engines.vllm_eval_runner import engine_name
 from eaglet.eval import stats
 from eaglet.target.load import load_identity, load_tokenizer, stop_ids, vllm_runner_args
 
@@ -95,6 +108,7 @@ RUNNER = Path(vllm_env.__file__).with_name("vllm_eval_runner.py")  # engine-side
 # The settings it takes (eval.smk's EVAL_VLLM_OPTS), by the schema settings that give their defaults
 # (eaglet.base.schema.settings_at), beside how vLLM serves the target and SETTLE_S (``vllm_options``)
 SETTINGS = ("evaluate.num_prompts", "evaluate.max_new_tokens", "evaluate.vllm.k_values", "evaluate.temperatures",
+            "evaluate.vllm.draft_sample_methods",
             "evaluate.repeats", "evaluate.confidence", "evaluate.max_relative_width", "evaluate.vllm.iomp",
             "evaluate.vllm.max_num_seqs", "evaluate.vllm.kv_cache_gb", "evaluate.vllm.timeout_s", "evaluate.vllm.env",
             "evaluate.stop_at_eos", "evaluate.max_prompt_tokens", "evaluate.vllm.agreement_alpha",
@@ -111,7 +125,8 @@ class VllmError(RuntimeError):
 
 
 class AgreementError(VllmError):
-    """vLLM's acceptance differs from the offline chain replay beyond sampling error."""
+    """vLLM's acceptance differs from the offline prediction (the chain replay at T = 0, the
+    expected chain under the served rule at T > 0) beyond sampling error."""
 
 
 def iomp_library(py: Path) -> Path | None:
@@ -129,15 +144,19 @@ def timing_order(configs: list, prompt_index: int, repeat: int) -> list:
     return configs[r:] + configs[:r]
 
 
-def configs(ks: list[int], temps: list[float]) -> list[tuple[str, float]]:
+def configs(ks: list[int], temps: list[float], methods: tuple[str, ...] = ("greedy",)) -> list[tuple[str, float]]:
     """(engine, temperature) of one block: plain at every temperature, then each k at every
-    temperature; one engine's calls stay adjacent, so a rotated block switches engine rarely."""
-    return [(PLAIN, t) for t in temps] + [(f"k{k}", t) for k in ks for t in temps]
+    temperature, each draft sample method other than greedy at every T > 0 (at T = 0 vLLM drafts
+    the argmax whatever the method); one engine's calls stay adjacent, so a rotated block switches
+    engine rarely."""
+    return [(PLAIN, t) for t in temps] + [(engine_name(k, m), t) for k in ks for m in methods for t in temps
+                                          if m == "greedy" or t > 0]
 
 
-def schedule(n_prompts: int, ks: list[int], temps: list[float], repeats: int) -> list[dict]:
+def schedule(n_prompts: int, ks: list[int], temps: list[float], repeats: int,
+             methods: tuple[str, ...] = ("greedy",)) -> list[dict]:
     """The runner's blocks: per prompt and repeat, every configuration in rotated order."""
-    cs = configs(ks, temps)
+    cs = configs(ks, temps, methods)
     return [{"prompt": i, "repeat": r, "seed": SEED + 100 * i + r,
              "order": [{"engine": e, "temperature": t} for e, t in timing_order(cs, i, r)]}
             for i in range(n_prompts) for r in range(repeats)]
@@ -185,10 +204,11 @@ def per_prompt_rows(run: dict, prompts: list[dict]) -> list[dict]:
     paired speedup samples per (k, T) and their median, τ's counts per (k, T) over its repeats, and
     the outputs of its first repeat (token ids, per-call spec-decode counters)."""
     rows = [{"set": p["set"], "domain": p["domain"], "id": p["id"], "blocks": [], "first": {}, "counts": {},
+             "per_pos": {},
              "speedup_samples": {}, "speedup": {}, "repeat_mismatches": []} for p in prompts]
     for b in run["blocks"]:
         row = rows[b["prompt"]]
-        block = {"repeat": b["repeat"], "order": [], "seconds": {}, "tokens": {}}
+        block = {"repeat": b["repeat"], "process": b.get("run", "paired"), "order": [], "seconds": {}, "tokens": {}}
         for c in b["calls"]:
             t = tag(c["engine"], c["temperature"])
             block["order"].append(t)
@@ -197,6 +217,10 @@ def per_prompt_rows(run: dict, prompts: list[dict]) -> list[dict]:
             if sd:
                 acc, drafts = row["counts"].get(t, (0, 0))
                 row["counts"][t] = (acc + sd["num_accepted_tokens"], drafts + sd["num_drafts"])
+                pp = row["per_pos"].setdefault(t, [])
+                for i, x in enumerate(sd.get("num_accepted_tokens_per_pos") or []):
+                    pp += [0] * (i + 1 - len(pp))
+                    pp[i] += x
             if b["repeat"] == 0:
                 row["first"][t] = c
             elif c["temperature"] == 0 and t in row["first"] and c["token_ids"] != row["first"][t]["token_ids"]:
@@ -268,38 +292,42 @@ def runs_at_zero(run: dict, rows: list[dict], ks: list[int]) -> list[dict]:
     return out
 
 
-def matrix(rows: list[dict], ks: list[int], temps: list[float], o: dict) -> list[dict]:
-    """τ per temperature, k and domain with its interval over the domain's prompts: the results
-    matrix's rows for engine vllm (the HF stages write the same rows for chain, expected, hf_loop)."""
+def matrix(rows: list[dict], ks: list[int], temps: list[float], o: dict,
+           methods: tuple[str, ...] = ("greedy",)) -> list[dict]:
+    """τ per temperature, k, draft sample method (the row's ``rule``) and domain with its interval
+    over the domain's prompts: the results matrix's rows for engine vllm (the HF stages write the
+    same rows for chain, expected, hf_loop)."""
     out = []
     for T in temps:
         for k in ks:
-            t = tag(f"k{k}", T)
-            for d in dict.fromkeys(r["domain"] for r in rows):
-                mine = [r for r in rows if r["domain"] == d and t in r["counts"]]
-                if not mine:
-                    continue
-                ci = stats.tau_interval([r["counts"][t] for r in mine], o["confidence"], o["max_relative_width"])
-                out.append({"engine": "vllm", "temperature": T, "k": k, "set": mine[0]["set"], "domain": d,
-                            "tau": ci["estimate"], "ci": [ci["lo"], ci["hi"]] if ci["lo"] is not None else None,
-                            "prompts": len(mine)})
+            for m in methods:
+                t = tag(engine_name(k, m), T)
+                for d in dict.fromkeys(r["domain"] for r in rows):
+                    mine = [r for r in rows if r["domain"] == d and t in r["counts"]]
+                    if not mine:
+                        continue
+                    ci = stats.tau_interval([r["counts"][t] for r in mine], o["confidence"], o["max_relative_width"])
+                    out.append(stats.matrix_row("vllm", T, k, mine[0]["set"], d, ci, len(mine), m))
     return out
 
 
-def speedups(rows: list[dict], ks: list[int], temps: list[float], o: dict, load: dict, iomp: bool) -> list[dict]:
-    """Per (k, T): the median over prompts of each prompt's median paired speedup, with its
-    bootstrap interval over prompts and the verdict (not conclusive on a busy machine)."""
+def speedups(rows: list[dict], ks: list[int], temps: list[float], o: dict, load: dict, iomp: bool,
+             methods: tuple[str, ...] = ("greedy",)) -> list[dict]:
+    """Per (k, T, draft sample method): the median over prompts of each prompt's median paired
+    speedup, with its bootstrap interval over prompts and the verdict (not conclusive on a busy
+    machine)."""
     out = []
     for k in ks:
-        for T in temps:
-            t = tag(f"k{k}", T)
-            per = [r["speedup"][t] for r in rows if t in r["speedup"]]
-            if not per:
-                continue
-            ci = stats.busy_verdict(stats.speedup_interval(per, o["confidence"], o["max_relative_width"]),
-                                         load)
-            out.append({"k": k, "temperature": T, "iomp": iomp, **ci,
-                        "samples": sum(len(r["speedup_samples"].get(t, [])) for r in rows)})
+        for m in methods:
+            for T in temps:
+                t = tag(engine_name(k, m), T)
+                per = [r["speedup"][t] for r in rows if t in r["speedup"]]
+                if not per:
+                    continue
+                ci = stats.busy_verdict(stats.speedup_interval(per, o["confidence"], o["max_relative_width"]),
+                                        load)
+                out.append({"k": k, "temperature": T, "rule": m, "iomp": iomp, **ci,
+                            "samples": sum(len(r["speedup_samples"].get(t, [])) for r in rows)})
     return out
 
 
@@ -345,11 +373,11 @@ def _hf_agreement(plain: list[list[int]] | None, sets: list[str], offline: dict 
 
 
 def summarise(run: dict, prompts: list[dict], offline: dict | None, o: dict, ks: list[int], temps: list[float],
-              load: dict, iomp_run: dict | None = None) -> dict:
+              load: dict, iomp_run: dict | None = None, methods: tuple[str, ...] = ("greedy",)) -> dict:
     """vllm.json's figures from the runner's output (and the iomp runner's, when it ran)."""
     rows = per_prompt_rows(run, prompts)
     runs = runs_at_zero(run, rows, ks)
-    spd = speedups(rows, ks, temps, o, load, False)
+    spd = speedups(rows, ks, temps, o, load, False, methods)
     iomp_rows = None
     if iomp_run:
         iomp_rows = per_prompt_rows(iomp_run, prompts)
@@ -357,12 +385,17 @@ def summarise(run: dict, prompts: list[dict], offline: dict | None, o: dict, ks:
         spd += speedups(iomp_rows, ks[:1], [0.0], o, load, True)
     lossless = all(s["lossless"] for r in runs if r["k"] is not None for s in r["sets"].values())
     agreement = offline_agreement(runs, offline, o["agreement_alpha"])
+    served = served_rules(run, ks, methods)
+    sampled = sampled_agreement(rows, offline, served, [t for t in temps if t > 0], o["agreement_alpha"])
     plain0 = [r["first"][tag(PLAIN, 0.0)]["token_ids"] for r in rows]
-    return {"runs": runs, "lossless": lossless, "offline_agreement": agreement,
-            "disagreements": [t["message"] for t in (agreement or {}).get("tests", []) if not t["ok"]],
+    return {"runs": runs, "lossless": lossless, "offline_agreement": agreement, "sampled_agreement": sampled,
+            "disagreements": [t["message"] for g in (agreement, sampled) for t in (g or {}).get("tests", [])
+                              if not t["ok"]],
             "hf_greedy_agreement": _hf_agreement(plain0, [p["set"] for p in prompts], offline),
-            "matrix": matrix(rows, ks, temps, o), "speedup": spd,
+            "matrix": matrix(rows, ks, temps, o, methods), "speedup": spd,
             "drafting": drafting(run.get("speculative_config") or {}),
+            "drafting_by_engine": {e: {"requested": m, **(run.get("speculative_configs") or {}).get(e, {})}
+                                   for e, m in served.items()},
             "repeat_mismatches": [{"id": r["id"], **m} for r in rows + (iomp_rows or [])
                                   for m in r["repeat_mismatches"]],
             "per_prompt": [_public(r) for r in rows],
@@ -411,6 +444,72 @@ def offline_agreement(rows: list[dict], offline: dict | None, alpha: float) -> d
             "alpha": alpha, "z_critical": z_crit, "tests": tests, "pass": all(t["ok"] for t in tests)}
 
 
+def served_rules(run: dict, ks: list[int], methods: tuple[str, ...]) -> dict[str, str]:
+    """engine name -> the rule it served: the draft_sample_method the engine reports
+    (``speculative_configs``), else the one it was started with (a vLLM that does not report it)."""
+    reported = run.get("speculative_configs") or {}
+    return {engine_name(k, m): (reported.get(engine_name(k, m)) or {}).get("draft_sample_method") or m
+            for k in ks for m in methods}
+
+
+def _prediction(offline: dict, T: float, rule: str, name: str, k: int) -> dict | None:
+    """offline.json's expected round at T under ``rule`` for set ``name`` at k (None if not there)."""
+    smp = next((x for x in offline.get("sampling") or [] if float(x["temperature"]) == float(T)), None)
+    st = ((((smp or {}).get("rules") or {}).get(rule) or {}).get("sets") or {}).get(name) or {}
+    r = _k(st.get("rounds"), k)
+    return r if r and r.get("starts") else None
+
+
+def sampled_agreement(rows: list[dict], offline: dict | None, served: dict[str, str], temps: list[float],
+                      alpha: float) -> dict | None:
+    """At each T > 0, per engine (k, draft sample method) and set: vLLM's mean accepted drafts per
+    round (all repeats) against the offline expectation under the rule the engine served
+    (offline.json ``sampling[T].rules[rule].sets[set].rounds[k]``), a z-test on the difference of
+    means, Bonferroni-corrected over all of them at family-wise level ``alpha`` (the module docstring)."""
+    if not offline or not temps:
+        return None
+    cases, missing = [], []
+    for T in temps:
+        for engine, rule in served.items():
+            k = int(engine[1:].split("-")[0])
+            t = tag(engine, T)
+            for name in dict.fromkeys(r["set"] for r in rows):
+                mine = [r for r in rows if r["set"] == name and t in r["counts"]]
+                if not mine:
+                    continue
+                pred = _prediction(offline, T, rule, name, k)
+                if pred is None:
+                    missing.append(f"{name} k={k} T={T:g} {rule}: offline.json has no expected rounds")
+                    continue
+                acc, n = (sum(r["counts"][t][i] for r in mine) for i in (0, 1))
+                per = [r["per_pos"].get(t, []) for r in mine]
+                pp = [sum(x[j] if j < len(x) else 0 for x in per) for j in range(k)]
+                cases.append((T, engine, rule, k, name, acc, n, pp, pred))
+    z_crit = stats.z_critical(alpha, len(cases)) if cases else None
+    tests = []
+    for T, engine, rule, k, name, acc, n, pp, pred in cases:
+        m, var_round = pred["mean"], max(0.0, pred["second"] - pred["mean"] ** 2)
+        se = (var_round / n + pred["spread"] / pred["starts"]) ** 0.5 if n else None
+        mean = acc / n if n else None
+        z = None if not n or (se == 0 and mean == m) else (float("inf") if se == 0 else (mean - m) / se)
+        ok = z is None or abs(z) <= z_crit
+        measured_var = (sum((2 * j + 1) * c for j, c in enumerate(pp)) / n - mean ** 2) if n else None
+        msg = (f"{name} k={k} T={T:g} draft_sample_method {rule}: vLLM accepted {acc} drafts in {n} rounds "
+               f"(mean {_f(mean)}, tau {_f(1 + mean if mean is not None else None)}), offline expectation under "
+               f"the {rule} rule {m:.3f} (tau {1 + m:.3f}, {pred['starts']} starts); |z| "
+               f"{'n/a' if z is None else f'{abs(z):.2f}'} {'<=' if ok else '>'} {z_crit:.2f}")
+        tests.append({"set": name, "k": k, "temperature": T, "engine": engine, "rule": rule, "vllm": [acc, n],
+                      "mean_vllm": mean, "var_round_vllm": measured_var, "mean_offline": m,
+                      "var_round_offline": var_round, "starts_offline": pred["starts"], "se": se, "z": z,
+                      "ok": ok, "message": msg})
+    return {"test": "z-test of vLLM's mean accepted drafts per round against the offline expectation under the "
+                    "served rule, per T > 0, k, draft sample method and set (variance: the predicted per-round "
+                    "variance over vLLM's rounds plus the spread of the offline starts' expectations), two-sided, "
+                    f"family-wise alpha {alpha} with Bonferroni over {len(tests)} tests",
+            "alpha": alpha, "z_critical": z_crit, "tests": tests, "not_tested": missing,
+            "pass": all(t["ok"] for t in tests)}
+
+
 def _k(d: dict, k):
     return d.get(str(k), d.get(k)) if d else None
 
@@ -441,10 +540,11 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     ks = sorted({int(k) for k in o["k_values"]})
     # temperature 0 always: the lossless check and the agreement test with the offline chain need it
     temps = sorted({0.0, *(float(t) for t in o["temperatures"])})
+    methods = tuple(dict.fromkeys(o["draft_sample_methods"]))
     repeats = int(o["repeats"])
-    if not ks or ks[0] < 1 or temps[0] < 0 or repeats < 1:
-        raise ValueError(f"evaluate.vllm: k_values >= 1, temperatures >= 0 and repeats >= 1, got {ks}, {temps}, "
-                         f"{repeats}")
+    if not ks or ks[0] < 1 or temps[0] < 0 or repeats < 1 or not methods:
+        raise ValueError(f"evaluate.vllm: k_values >= 1, temperatures >= 0, repeats >= 1 and a draft sample "
+                         f"method, got {ks}, {temps}, {repeats}, {methods}")
     try:
         py = vllm_env.vllm_python(o["env"])
     except vllm_env.VllmEnvMissing as e:
@@ -465,28 +565,41 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
         same_prompts(prompts, off)
     work = Path(work_dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    spec = {"prompts": [p["prompt_ids"] for p in prompts], "ks": ks, "max_tokens": o["max_new_tokens"],
+    spec = {"prompts": [p["prompt_ids"] for p in prompts], "ks": ks, "draft_sample_methods": list(methods),
+            "max_tokens": o["max_new_tokens"],
             "ignore_eos": not o["stop_at_eos"], "settle_s": o["settle_s"],
             # the HF loop's stops: the template's turn-end marker as well as EOS
             "stop_token_ids": sorted(stop_ids(tok)) if o["stop_at_eos"] else [],
-            "blocks": schedule(len(prompts), ks, temps, repeats)}
+            "blocks": schedule(len(prompts), ks, temps, repeats, ("greedy",))}
     max_len = max(len(p["prompt_ids"]) for p in prompts) + o["max_new_tokens"] + max(ks) + 16
     iomp = iomp_library(py) if o["iomp"] else None
     common = dict(drafter=str(drafter_dir), o=o, max_model_len=max_len)
     t0 = time.time()
-    run = run_one(py, ident["path"], spec, work, "paired", iomp=None, **common)
+    run = run_one(py, ident["path"], {**spec, "draft_sample_methods": ["greedy"]}, work, "paired", iomp=None,
+                  **common)
     load = other_load(run.get("cpu") or {})
+    sampled = [t for t in temps if t > 0]
+    for m in (m for m in methods if m != "greedy" and sampled):
+        # another vLLM process: each LLM's stat logger unregisters the vllm: collectors of the ones
+        # created before it (vllm/v1/metrics/prometheus.py unregister_vllm_metrics), so one process
+        # reads the counters of its last engine only; plain is timed beside it again, paired the same way
+        other = run_one(py, ident["path"], {**spec, "draft_sample_methods": [m],
+                                            "blocks": schedule(len(prompts), ks, sampled, repeats, (m,))},
+                        work, f"paired_{m}", iomp=None, **common)
+        run = merged(run, other)
+        load = _worse(load, other_load(other.get("cpu") or {}))
     iomp_run = None
     if iomp:  # plain and the first k at T = 0 with Intel OpenMP preloaded, paired the same way
-        iomp_run = run_one(py, ident["path"], {**spec, "ks": ks[:1], "blocks": schedule(len(prompts), ks[:1], [0.0],
-                                                                                     repeats)},
+        iomp_run = run_one(py, ident["path"], {**spec, "ks": ks[:1], "draft_sample_methods": ["greedy"],
+                                               "blocks": schedule(len(prompts), ks[:1], [0.0], repeats)},
                            work, "paired_iomp", iomp=iomp, **common)
         load = _worse(load, other_load(iomp_run.get("cpu") or {}))
     if load.get("busy"):
         log.warning("vLLM timings: %s; the speedups are reported not conclusive", load["note"])
     res = {"stage": "evaluate_vllm", "vllm_version": run["vllm_version"], "drafter_dir": str(drafter_dir),
            "layer_ids": conf.get("eagle_aux_hidden_state_layer_ids"), "target": ident["name"],
-           "target_digest": ident["digest"], "options": {**o, "k_values": ks, "temperatures": temps},
+           "target_digest": ident["digest"], "options": {**o, "k_values": ks, "temperatures": temps,
+                                                       "draft_sample_methods": list(methods)},
            "hf_loop": hf_loop or "run", "prompts": {s: sum(p["set"] == s for p in prompts)
                                                     for s in dict.fromkeys(p["set"] for p in prompts)},
            "iomp": {"requested": bool(o["iomp"]), "library": str(iomp) if iomp else None,
@@ -501,8 +614,20 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
                       "per prompt the median; figure = median over prompts with a "
                       f"{100 * o['confidence']:.0f}% bootstrap interval over prompts "
                       f"({stats.BOOTSTRAP_SAMPLES} resamples, seed {stats.SEED})"},
-           **summarise(run, prompts, off, o, ks, temps, load, iomp_run), "seconds": round(time.time() - t0, 1)}
+           **summarise(run, prompts, off, o, ks, temps, load, iomp_run, methods),
+           "seconds": round(time.time() - t0, 1)}
     return finish(res, out_dir)
+
+
+def merged(run: dict, other: dict) -> dict:
+    """One runner output from two processes' (the second serving other draft sample methods): its
+    blocks after the first's, each marked with its process; the startup times and the engines'
+    speculative configs of both (the plain engine's startup is the first process's)."""
+    tagged = [{**b, "run": other.get("name")} for b in other["blocks"]]
+    return {**run, "blocks": run["blocks"] + tagged,
+            "startup_s": {**{k: v for k, v in other["startup_s"].items() if k != PLAIN}, **run["startup_s"]},
+            "speculative_configs": {**(run.get("speculative_configs") or {}),
+                                    **(other.get("speculative_configs") or {})}}
 
 
 def other_load(cpu: dict) -> dict:
@@ -530,13 +655,16 @@ def _worse(a: dict, b: dict) -> dict:
 
 def finish(res: dict, out_dir: str | Path) -> dict:
     """Write vllm.json, or vllm.failed.json and raise AgreementError when vLLM's acceptance
-    differs from the offline chain replay beyond sampling error."""
+    differs from the offline prediction beyond sampling error (at T = 0 the chain replay, at T > 0
+    the expectation under the served rule)."""
     out = Path(out_dir)
     if res["disagreements"]:
         write_json(out / "vllm.failed.json", res)
         (out / "vllm.json").unlink(missing_ok=True)
-        raise AgreementError("vLLM's acceptance differs from eaglet's offline chain replay beyond sampling error ("
-                             f"{res['offline_agreement']['test']}):\n  " + "\n  ".join(res["disagreements"])
+        tests = "; ".join(g["test"] for g in (res.get("offline_agreement"), res.get("sampled_agreement"))
+                          if g and not g["pass"])
+        raise AgreementError("vLLM's acceptance differs from eaglet's offline prediction beyond sampling error ("
+                             f"{tests}):\n  " + "\n  ".join(res["disagreements"])
                              + f"\n(details in {out / 'vllm.failed.json'})")
     (out / "vllm.failed.json").unlink(missing_ok=True)
     write_json(out / "vllm.json", res)

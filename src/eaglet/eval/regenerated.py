@@ -16,8 +16,10 @@ drafter drafts from every verified start:
 - T = 0: the exact greedy chain: how many of its k drafts match the text, replayed round by round
   (eaglet.drafter.chain.chain_replay), τ = 1 + accepted / rounds. Along the target's greedy text this
   is what serving accepts.
-- T > 0: the expected acceptance (eaglet.eval.evaluate_offline.offline_sampling along the given texts): α =
-  Σ_x min(p(x), q(x)) per draft position, the expected chain Σ_{j<k} Π_{i<=j} α_i per start.
+- T > 0: the expected acceptance (eaglet.eval.evaluate_offline.offline_sampling along the given texts) under
+  each rule vLLM serves: α = Σ_x min(p(x), q(x)) per draft position for drafts sampled from q
+  (probabilistic), α = p(argmax q) for greedy drafts; the expected chain Σ_{j<k} Π_{i<=j} α_i per
+  start; one matrix row set per rule (``rule``).
 
 τ per set and per domain with intervals over prompts; the rows go to the results matrix as engine
 ``regen`` (summary.json's ``matrix``), beside the generation's own figures (answers, tok/s).
@@ -144,12 +146,16 @@ def score(drafter: str | Path, identity: str | Path, answers: str | Path, out: s
             per_prompt = [{} for _ in rows]
             r = offline_sampling(target, proposer, prompts, per_prompt, max(ks), None, temp,
                                  {**o, "k_values": ks}, texts=[x["tokens"] for x in rows])
+            for rule, v in r["rules"].items():  # one row set per rule vLLM serves
+                matrix += stats.matrix_rows(ENGINE, temp, ks, {"prompts": v["overall"]["prompts"],
+                                                               "tau": v["overall"]["tau_ci"]},
+                                            {s: {"prompts": x["prompts"], "tau": x["tau_ci"]}
+                                             for s, x in v["sets"].items()}, v["domains"], rule=rule)
             ov = {"prompts": r["overall"]["prompts"], "tau": r["overall"]["tau_ci"]}
-            sets = {s: {"prompts": v["prompts"], "tau": v["tau_ci"]} for s, v in r["sets"].items()}
-            doms = r["domains"]
         r["answers"], r["tokens"] = len(rows), sum(len(x["tokens"]) for x in rows)
         results.append(r)
-        matrix += stats.matrix_rows(ENGINE, temp, ks, ov, sets, doms)
+        if temp == 0:
+            matrix += stats.matrix_rows(ENGINE, temp, ks, ov, sets, doms)
         log.info("T=%g: %d answers, %d tokens, tau %s", temp, r["answers"], r["tokens"],
                  {k: round(ov["tau"][k]["estimate"] or 1, 3) for k in ks})
     res = {"stage": "evaluate_regenerated", "texts": texts_from, "k_values": ks, "temperatures": results,

@@ -184,46 +184,59 @@ def z_critical(alpha: float, m: int) -> float:
 # speculative.json, vllm.json: a list ``matrix``) and concatenated by eaglet.eval.eval_summary. engine:
 # "chain" (the exact greedy chain offline, T = 0), "expected" (Σ min(p, q) offline, T > 0),
 # "hf_loop" (measured in the HF loop), "vllm" (measured in vLLM). ``set``/``domain`` are ALL for
-# the rows over a whole set or over every prompt; ``ci`` is [lo, hi] over prompts or null.
-MATRIX_KEYS = ("engine", "temperature", "k", "set", "domain", "tau", "ci", "prompts")
+# the rows over a whole set or over every prompt; ``ci`` is [lo, hi] over prompts or null. ``rule``:
+# how drafts are made and accepted, by vLLM's draft_sample_method (eaglet.drafter.chain.ACCEPT):
+# "greedy" (argmax q, accepted with probability p(draft); at T = 0 every engine's chain),
+# "probabilistic" (sampled from q, accepted with min(1, p/q): the HF loop at T > 0). A consumer
+# that keys rows by engine, temperature, k, set and domain keys them by the rule too: at T > 0 the
+# expected chain and vLLM have a row per rule.
+MATRIX_KEYS = ("engine", "temperature", "k", "set", "domain", "tau", "ci", "prompts", "rule")
 ALL = "all"
 
 
 def matrix_row(engine: str, temperature: float, k: int, set_name: str, domain: str, interval: dict | None,
-               prompts: int) -> dict:
-    """One matrix row from a τ interval (:func:`tau_interval`'s dict, or None when nothing was measured)."""
+               prompts: int, rule: str | None = None) -> dict:
+    """One matrix row from a τ interval (:func:`tau_interval`'s dict, or None when nothing was
+    measured). ``rule``: required at T > 0; at T = 0 drafting is greedy whatever the setting."""
+    if rule is None:
+        if temperature > 0:
+            raise ValueError(f"{engine} at T={temperature:g}: a row at T > 0 names its rule (greedy or probabilistic)")
+        rule = "greedy"
     iv = interval or {}
     lo, hi = iv.get("lo"), iv.get("hi")
     return {"engine": engine, "temperature": float(temperature), "k": int(k), "set": set_name, "domain": domain,
             "tau": iv.get("estimate"), "ci": [lo, hi] if lo is not None and hi is not None else None,
-            "prompts": int(prompts)}
+            "prompts": int(prompts), "rule": rule}
 
 
-def matrix_rows(engine: str, temperature: float, ks: list[int], overall: dict, sets: dict, domains: dict) -> list[dict]:
-    """The rows of one engine at one temperature: every prompt, each set, each domain. Each of
-    ``overall``, ``sets[name]``, ``domains[name]`` is {"prompts": n, "tau": {k: interval}} (a domain
-    also names its "set"); intervals keyed by int or str k."""
+def matrix_rows(engine: str, temperature: float, ks: list[int], overall: dict, sets: dict, domains: dict,
+                rule: str | None = None) -> list[dict]:
+    """The rows of one engine at one temperature (and rule: :func:`matrix_row`): every prompt, each
+    set, each domain. Each of ``overall``, ``sets[name]``, ``domains[name]`` is {"prompts": n,
+    "tau": {k: interval}} (a domain also names its "set"); intervals keyed by int or str k."""
     def iv(d, k):
         t = d.get("tau") or {}
         return t.get(k, t.get(str(k)))
 
-    rows = [matrix_row(engine, temperature, k, ALL, ALL, iv(overall, k), overall["prompts"]) for k in ks]
-    rows += [matrix_row(engine, temperature, k, s, ALL, iv(v, k), v["prompts"]) for s, v in sets.items() for k in ks]
-    rows += [matrix_row(engine, temperature, k, v["set"], d, iv(v, k), v["prompts"])
+    rows = [matrix_row(engine, temperature, k, ALL, ALL, iv(overall, k), overall["prompts"], rule) for k in ks]
+    rows += [matrix_row(engine, temperature, k, s, ALL, iv(v, k), v["prompts"], rule)
+             for s, v in sets.items() for k in ks]
+    rows += [matrix_row(engine, temperature, k, v["set"], d, iv(v, k), v["prompts"], rule)
              for d, v in domains.items() for k in ks]
     return rows
 
 
 def matrix_table(rows: list[dict]) -> str:
     """The matrix as a text table, one line per domain x k x T x engine, sorted in that order."""
-    head = f"{'set':<12} {'domain':<22} {'k':>2} {'T':>4} {'engine':<9} {'tau':>6}  {'interval':<13} prompts"
+    head = (f"{'set':<12} {'domain':<22} {'k':>2} {'T':>4} {'engine':<9} {'rule':<13} {'tau':>6}  {'interval':<13} "
+            "prompts")
     order = {"chain": 0, "expected": 1, "regen": 2, "hf_loop": 3, "vllm": 4}
     lines = [head]
     for r in sorted(rows, key=lambda r: (str(r["set"]) == ALL, str(r["set"]), str(r["domain"]) != ALL,
                                          str(r["domain"]), r["k"], r["temperature"], order.get(r["engine"], 9),
-                                         str(r["engine"]))):
+                                         str(r["engine"]), str(r.get("rule")))):
         tau = "n/a" if r.get("tau") is None else f"{r['tau']:.3f}"
         ci = "-" if not r.get("ci") else f"{r['ci'][0]:.2f}-{r['ci'][1]:.2f}"
         lines.append(f"{str(r['set'])[:12]:<12} {str(r['domain'])[:22]:<22} {r['k']:>2} {r['temperature']:>4g} "
-                     f"{r['engine']:<9} {tau:>6}  {ci:<13} {r.get('prompts')}")
+                     f"{r['engine']:<9} {str(r.get('rule')):<13} {tau:>6}  {ci:<13} {r.get('prompts')}")
     return "\n".join(lines)

@@ -11,6 +11,8 @@ library, tags, datasets, metrics; then Markdown).
 The card says what the drafter is for (target, k, layer ids, draft vocabulary), the data it saw,
 how it trained, the results matrix of the evaluation (τ per domain × temperature × engine at the
 headline k, and over every prompt per k; per chat-template mode when evaluate.modes lists them),
+which vLLM ``draft_sample_method`` serves it best at each T > 0 (the higher predicted τ, with the
+numbers: :func:`serving_recommendation`),
 the export contract's verdict, the files' digests, and how to serve it: vLLM's Python API (the
 block marked ``# eaglet: vllm-snippet``, which tests/report/test_card.py runs on the CPU build),
 ``vllm serve`` and SGLang's launch command, and how to check a downloaded copy (``python -m eaglet.export.contract``).
@@ -35,7 +37,7 @@ SNIPPET_MARK = "# eaglet: vllm-snippet"
 # The prompt data sets eaglet reads, by their names on the model hubs
 DATASETS = {"sharegpt": "anon8231489123/ShareGPT_Vicuna_unfiltered"}
 EVAL_DATASETS = {"mtbench": "HuggingFaceH4/mt_bench_prompts", "humaneval": "openai/openai_humaneval"}
-ENGINES = {"chain": "exact chain (offline)", "expected": "expected Σmin(p,q) (offline)",
+ENGINES = {"chain": "exact chain (offline)", "expected": "expected (offline)",
            "regen": "along the target's regenerated answers", "hf_loop": "HF loop (measured)",
            "vllm": "vLLM (measured)"}
 
@@ -47,10 +49,25 @@ def _fmt(r: dict | None) -> str:
     return f"{r['tau']:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
 
 
-def columns(rows: list[dict]) -> list[tuple[str, float]]:
-    """The (engine, temperature) columns of matrix rows: by temperature, then in ENGINES' order."""
-    return sorted({(r["engine"], r["temperature"]) for r in rows},
-                  key=lambda c: (c[1], list(ENGINES).index(c[0]) if c[0] in ENGINES else 9, c[0]))
+# How drafts are made and accepted at T > 0 (a matrix row's ``rule``, vLLM's draft_sample_method)
+RULES = {"greedy": "greedy drafts, p(draft)", "probabilistic": "sampled drafts, Σmin(p,q)"}
+
+
+def columns(rows: list[dict]) -> list[tuple[str, float, str | None]]:
+    """The (engine, temperature, rule) columns of matrix rows: by temperature, then in ENGINES'
+    order, then by rule (the rule named only at T > 0, where it matters)."""
+    return sorted({(r["engine"], r["temperature"], r.get("rule") if r["temperature"] > 0 else None) for r in rows},
+                  key=lambda c: (c[1], list(ENGINES).index(c[0]) if c[0] in ENGINES else 9, c[0], str(c[2])))
+
+
+def _label(e: str, t: float, rule: str | None) -> str:
+    return f"{ENGINES.get(e, e)}, T={t:g}" + (f", {RULES.get(rule, rule)}" if rule else "")
+
+
+def _key(r: dict, *extra) -> tuple:
+    """A matrix row's cell: engine, temperature, rule (at T > 0), then ``extra`` fields of it."""
+    return (r["engine"], r["temperature"], r.get("rule") if r["temperature"] > 0 else None,
+            *(r[x] for x in extra))
 
 
 def matrix_tables(matrix: list[dict], k: int) -> str:
@@ -59,21 +76,61 @@ def matrix_tables(matrix: list[dict], k: int) -> str:
     if not matrix:
         return "No evaluation results were recorded.\n"
     cols = columns(matrix)
-    head = "| domain | " + " | ".join(f"{ENGINES.get(e, e)}, T={t:g}" for e, t in cols) + " |\n"
+    head = "| domain | " + " | ".join(_label(*c) for c in cols) + " |\n"
     sep = "|---" * (len(cols) + 1) + "|\n"
     rows = sorted({(r["set"], r["domain"]) for r in matrix if r["k"] == k and r["domain"] != "all"})
-    by = {(r["engine"], r["temperature"], r["k"], r["set"], r["domain"]): r for r in matrix}
+    by = {_key(r, "k", "set", "domain"): r for r in matrix}
     out = [f"τ (accepted tokens per target forward, 95% bootstrap interval over prompts) at k = {k}:\n\n",
            head, sep]
     for s, d in rows + [("all", "all")]:
         out.append(f"| {'**every prompt**' if d == 'all' else d} | "
-                   + " | ".join(_fmt(by.get((e, t, k, s, d))) for e, t in cols) + " |\n")
+                   + " | ".join(_fmt(by.get((*c, k, s, d))) for c in cols) + " |\n")
     ks = sorted({r["k"] for r in matrix})
     out += ["\nOver every prompt, per draft length k:\n\n", "| k | " + " | ".join(
-        f"{ENGINES.get(e, e)}, T={t:g}" for e, t in cols) + " |\n", sep]
+        _label(*c) for c in cols) + " |\n", sep]
     for kk in ks:
-        out.append(f"| {kk} | " + " | ".join(_fmt(by.get((e, t, kk, "all", "all"))) for e, t in cols) + " |\n")
+        out.append(f"| {kk} | " + " | ".join(_fmt(by.get((*c, kk, "all", "all"))) for c in cols) + " |\n")
     return "".join(out)
+
+
+def serving_recommendation(matrix: list[dict], k: int) -> str:
+    """Which vLLM ``draft_sample_method`` serves this drafter best at each T > 0: the rule with the
+    higher expected τ (offline, every prompt, at k), both figures with their intervals, and vLLM's
+    measured τ under each rule where it ran. Empty without T > 0 rows."""
+    def cell(engine, T, rule):
+        return next((r for r in matrix if r["engine"] == engine and r["temperature"] == T and r.get("rule") == rule
+                     and r["k"] == k and r["set"] == "all" and r["domain"] == "all"), None)
+
+    out = []
+    for T in sorted({r["temperature"] for r in matrix if r["temperature"] > 0 and r["engine"] == "expected"}):
+        exp = {rule: cell("expected", T, rule) for rule in RULES}
+        known = {rule: r["tau"] for rule, r in exp.items() if r and r.get("tau") is not None}
+        if not known:
+            continue
+        best = max(known, key=known.get)
+        others = [r for r in known if r != best]
+        cfg = json.dumps({"draft_sample_method": best})
+        line = (f"- T = {T:g}: serve with `{cfg}` in vLLM's speculative config: expected τ "
+                f"{_fmt(exp[best])} under the {best} rule")
+        if others:
+            o = others[0]
+            ci_b, ci_o = (exp[best] or {}).get("ci"), (exp[o] or {}).get("ci")
+            overlap = ci_b and ci_o and ci_b[0] <= ci_o[1] and ci_o[0] <= ci_b[1]
+            line += (f", against {_fmt(exp[o])} under the {o} rule"
+                     + (" (the intervals overlap: either setting serves it about as well)" if overlap else "")
+                     + ("" if known[best] > known[o] else " (a tie)"))
+        measured = {rule: cell("vllm", T, rule) for rule in RULES}
+        seen = [f"{rule} {_fmt(r)}" for rule, r in measured.items() if r and r.get("tau") is not None]
+        if seen:
+            line += f"; vLLM measured τ: {', '.join(seen)}"
+        out.append(line + ".\n")
+    if not out:
+        return ""
+    return ("\n## Serving at temperature > 0\n\n"
+            "vLLM drafts greedily by default (`draft_sample_method: greedy`: the drafter's argmax, accepted with "
+            "the target's probability of it); with `probabilistic` it samples each draft from the drafter's "
+            f"distribution and accepts it with min(1, p/q). The setting with the higher predicted τ at k = {k}:\n\n"
+            + "".join(out))
 
 
 def modes_section(modes: dict | None, rows: list[dict], k: int) -> str:
@@ -84,15 +141,15 @@ def modes_section(modes: dict | None, rows: list[dict], k: int) -> str:
     if modes.get("status") == "not run":
         return f"\n## By chat-template mode\n\nNot run: {modes.get('hf_loop_reason')}.\n"
     cols = columns(rows)
-    by = {(r["mode"], r["engine"], r["temperature"], r["k"], r["set"], r["domain"]): r for r in rows}
+    by = {(r["mode"], *_key(r, "k", "set", "domain")): r for r in rows}
     out = ["\n## By chat-template mode\n\n",
            "A drafter trained in one mode of the template (thinking on, say) can collapse in another, so "
            f"each mode was evaluated on the same prompts rendered its way. τ at k = {k} over every prompt:\n\n",
-           "| mode | template arguments | " + " | ".join(f"{ENGINES.get(e, e)}, T={t:g}" for e, t in cols) + " |\n",
+           "| mode | template arguments | " + " | ".join(_label(*c) for c in cols) + " |\n",
            "|---" * (len(cols) + 2) + "|\n"]
     for m, v in modes["modes"].items():
         out.append(f"| {m} | `{json.dumps(v.get('chat_template_kwargs'))}` | "
-                   + " | ".join(_fmt(by.get((m, e, t, k, "all", "all"))) for e, t in cols) + " |\n")
+                   + " | ".join(_fmt(by.get((m, *c, k, "all", "all"))) for c in cols) + " |\n")
     for m in modes["modes"]:
         out += [f"\n### {m}\n\n", matrix_tables([r for r in rows if r["mode"] == m], k)]
     return "".join(out)
@@ -189,9 +246,10 @@ def card(drafter_dir: str | Path, identity: dict, evaluation: dict | None, train
              f"at k = {k}\n\n",
              "## Results\n\n", matrix_tables(ev.get("matrix") or [], k),
              "\nEngines: the exact chain replays greedy drafting along the target's greedy text; the "
-             "expected chain is Σ min(p, q) per draft position along its sampled text; the HF loop and "
-             "vLLM are measured runs (vLLM drafts greedily at every temperature and accepts a draft x "
-             "with probability p(x)).\n",
+             "expected chain is each draft's acceptance probability along its sampled text, under each "
+             "rule vLLM serves (greedy drafts: p(argmax q); sampled drafts: Σ min(p, q)); the HF loop "
+             "(sampled drafts) and vLLM (each `draft_sample_method`) are measured runs.\n",
+             serving_recommendation(ev.get("matrix") or [], k),
              f"\n{h.get('recommendation') or ''}\n",
              modes_section(ev.get("modes"), ev.get("modes_matrix") or [], k),
              "\n## The export contract\n\n",

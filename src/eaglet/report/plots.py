@@ -150,16 +150,19 @@ def matrix_table(summary: dict) -> str:
         return ""
     order = {"chain": 0, "expected": 1, "hf_loop": 2, "vllm": 3}
     rows = sorted(rows, key=lambda r: (r["set"] == "all", str(r["set"]), r["domain"] != "all", str(r["domain"]),
-                                       r["k"], r["temperature"], order.get(r["engine"], 9), str(r["engine"])))
+                                       r["k"], r["temperature"], order.get(r["engine"], 9), str(r["engine"]),
+                                       str(r.get("rule"))))
     num = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
     body = "".join(f"<tr><td>{html.escape(str(r['set']))}</td><td>{html.escape(str(r['domain']))}</td>"
                    f"<td>{r['k']}</td><td>{r['temperature']:g}</td><td>{html.escape(str(r['engine']))}</td>"
+                   f"<td>{html.escape(str(r.get('rule')))}</td>"
                    f"<td>{num(r['tau'])}</td>"
                    f"<td>{'-' if not r.get('ci') else num(r['ci'][0]) + ' - ' + num(r['ci'][1])}</td>"
                    f"<td>{r.get('prompts')}</td></tr>" for r in rows)
-    return ("<h3 id='matrix'>Results matrix (τ; chain: exact greedy offline, expected: Σ min(p, q) offline, "
-            "hf_loop / vllm: measured)</h3><table><tr><th>set</th><th>domain</th><th>k</th><th>T</th>"
-            f"<th>engine</th><th>τ</th><th>interval</th><th>prompts</th></tr>{body}</table>")
+    return ("<h3 id='matrix'>Results matrix (τ; chain: exact greedy offline, expected: offline under the rule, "
+            "hf_loop / vllm: measured; rule: greedy drafts accepted with p(draft), probabilistic: sampled drafts, "
+            "Σ min(p, q))</h3><table><tr><th>set</th><th>domain</th><th>k</th><th>T</th>"
+            f"<th>engine</th><th>rule</th><th>τ</th><th>interval</th><th>prompts</th></tr>{body}</table>")
 
 
 def tables_html(out: str | Path, metadata: str | Path | None = None, vocab: str | Path | None = None,

@@ -184,7 +184,8 @@ def sampled_parts(matrix: list[dict], k) -> list[str]:
               and r["domain"] == "all"]
         if at:
             out.append(f"at T={temp:g} τ(k={k}) with 95% CI: "
-                       + ", ".join(f"{ENGINES.get(r['engine'], r['engine'])} {_ci(r)}" for r in at))
+                       + ", ".join(f"{ENGINES.get(r['engine'], r['engine'])}"
+                                   f"{' (' + r['rule'] + ')' if r.get('rule') else ''} {_ci(r)}" for r in at))
     return out
 
 
