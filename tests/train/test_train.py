@@ -107,6 +107,43 @@ def test_loss_alignment_by_hand(tiny_target, data):
     assert 0 < float(st[2, 1]) <= den  # step 1 drafts x_{t+3}: never more positions
 
 
+@pytest.mark.parametrize(("loss", "norm_output"), [("soft_ce", False), ("kl", True), ("lk_alpha", False),
+                                                 ("lk_lambda", True)])
+def test_the_head_at_counted_positions_only_gives_the_same_loss_stats_and_gradients(tiny_target, data, loss,
+                                                                                  norm_output):
+    """A training step runs the drafter's head and softmax at the counted positions only
+    (TTTObjective counted_only): the loss, the per-step stats and every parameter's gradient equal
+    the every-position computation's, for each loss, on padded batches with prompt positions."""
+    from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter
+    from eaglet.target.load import load_target_embedding
+
+    ds = HiddenStateDataset(data["index"])
+    b = collate([ds.sample(i) for i in (0, 7, 12)], "cpu")
+    head = DraftLabels(tiny_target, data["t2d"], True, True, "cpu")
+    p, inv, mass = head(b["final"], b["target_lse"], b["target_top1"], mass=True)
+    valid = valid_positions(b, data["t2d"], inv)
+    assert 0 < int(valid.sum()) < valid.numel()  # prompt, padding and dropped positions present
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_identity(tiny_target, VD, LAYERS, norm_output=norm_output)
+    m = Eagle3Drafter(cfg, load_target_embedding(tiny_target["path"]))
+    obj = TTTObjective(m, steps=3, gamma=0.8, loss=loss)
+    out = {}
+    for counted_only in (False, True):
+        m.zero_grad(set_to_none=True)
+        L, st, _, alpha = obj(b["x"], b["aux"], p, valid, mass_BT=mass, counted_only=counted_only)
+        L.backward()
+        out[counted_only] = (L.detach(), st, {n: q.grad.clone() for n, q in m.named_parameters()
+                                              if q.grad is not None}, alpha)
+    (l0, s0, g0, a0), (l1, s1, g1, a1) = out[False], out[True]
+    assert torch.allclose(l0, l1, rtol=1e-5, atol=1e-6) and torch.allclose(s0, s1, rtol=1e-5, atol=1e-6)
+    assert g0.keys() == g1.keys() and len(g0) > 5
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], rtol=1e-4, atol=1e-6), n
+    assert a1 is None and a0 is not None  # alpha is the validation's, every position
+    with pytest.raises(ValueError, match="counted_only"):
+        obj(b["x"], b["aux"], p, valid, chain_BT=valid, mass_BT=mass, counted_only=True)
+
+
 def test_plan_and_split_are_deterministic():
     lengths = [5, 50, 7, 30, 12, 40, 8, 9, 60, 3] * 3
     a = plan_batches(list(range(30)), lengths, 100, seed=1, epoch=0)

@@ -269,12 +269,14 @@ class Eagle3Drafter(nn.Module):
     def logits(self, h_BTH: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h_BTH))
 
-    def _out(self, h_BTH: torch.Tensor):
-        """(logits, the hidden fed to the next draft step): pre-norm h, or norm(h) (norm_output)."""
+    def _out(self, h_BTH: torch.Tensor, at_BT: torch.Tensor | None = None):
+        """(logits, the hidden fed to the next draft step): pre-norm h, or norm(h) (norm_output).
+        ``at_BT`` (bool): the logits at those positions only, [N, V_d] in row-major order (the head
+        is per position, so they equal the full logits there)."""
         if not self.cfg.norm_output:
-            return self.logits(h_BTH), h_BTH
+            return self.logits(h_BTH if at_BT is None else h_BTH[at_BT]), h_BTH
         n = self.norm(h_BTH)
-        return self.lm_head(n), n
+        return self.lm_head(n if at_BT is None else n[at_BT]), n
 
     def _qkv(self, ids_BT, hidden_BTH, pos_BT):
         a, c = self.midlayer, self.cfg
@@ -315,8 +317,12 @@ class Eagle3Drafter(nn.Module):
     forward = forward_step
 
     # ----------------------------------------------------------------- training-time test
-    def ttt_unroll(self, x_BT: torch.Tensor, g_BTH: torch.Tensor, steps: int, attention=None):
+    def ttt_unroll(self, x_BT: torch.Tensor, g_BTH: torch.Tensor, steps: int, attention=None, logits_at=None):
         """Yield ``(k, logits_k_BTVd, h_k_BTH)`` for k = 0..steps-1 over whole sequences x.
+        ``logits_at``: k -> bool [B, T] or None; the head runs at those positions of step k only and
+        its logits come as [N, V_d] (the training step's counted positions: the head and the
+        softmax over V_d are the step's largest per-position cost, and padding or prompt positions
+        read none of it).
 
         Alignment (docs/eagle3.md §3; vLLM feeds the drafter the target's hidden state at position t
         together with the NEXT token): at index t, step 0 reads g_t = fc(aux_t) and x_{t+1} at
@@ -347,7 +353,7 @@ class Eagle3Drafter(nn.Module):
                 diag_k.append(self._rep(kk))
                 diag_v.append(self._rep(vv))
                 att = attend(q, k0, v0, diag_k, diag_v)
-            logits, hidden = self._out(self._finish(att, hidden))
+            logits, hidden = self._out(self._finish(att, hidden), None if logits_at is None else logits_at(k))
             yield k, logits, hidden
 
 

@@ -99,34 +99,54 @@ class TTTObjective(nn.Module):
         self.drafter, self.steps, self.gamma, self.loss = drafter, steps, gamma, loss
         self.kl_scale, self.kl_decay = kl_scale, kl_decay
 
-    def forward(self, x_BT, aux_BT3H, p_BTVd, valid_BT, noise=None, chain_BT=None, mass_BT=None):
+    def forward(self, x_BT, aux_BT3H, p_BTVd, valid_BT, noise=None, chain_BT=None, mass_BT=None,
+                counted_only: bool = False):
         """valid_BT[s] = target position s counts (its next token x_{s+1} is an assistant token
         whose greedy target prediction is in the draft vocab). -> (loss, stats [3, K], hits, alpha).
         ``chain_BT`` (validation): chain_BT[s] = x_{s+1} is the target's greedy pick at s; then
         hits [B, T, K] bool: step k at index t drafts the target's greedy token x_{t+2+k}
         (None without chain_BT). ``mass_BT``: the target's probability of the draft vocab at each
         position (TargetHead with mass): then alpha [B, T, K] = step k's acceptance α at index t
-        (0 past the sequence), else None. The LK losses need it."""
+        (0 past the sequence), else None. The LK losses need it. ``counted_only`` (a training step):
+        the drafter's head, softmax and loss run at the counted positions only; loss and stats are
+        the same (positions that do not count add nothing to either), hits and alpha are None."""
         if noise is not None:
             aux_BT3H = aux_BT3H + noise
         if self.loss in LK and mass_BT is None:
             raise ValueError(f"loss {self.loss}: the target's mass on the draft vocab (mass_BT) is needed")
+        if counted_only and chain_BT is not None:
+            raise ValueError("TTTObjective: counted_only computes no chain hits (validation needs every position)")
         g = self.drafter.project(aux_BT3H)
-        T = x_BT.shape[1]
+        B, T = x_BT.shape
         loss = g.new_zeros((), dtype=torch.float32)
         stats = torch.zeros(3, self.steps, device=x_BT.device)  # L_k, correct_k, count_k
         hits = None if chain_BT is None else torch.zeros(*x_BT.shape, self.steps, dtype=torch.bool,
                                                          device=x_BT.device)
-        alpha = None if mass_BT is None else torch.zeros(*x_BT.shape, self.steps, device=x_BT.device)
-        for k, logits, _ in self.drafter.ttt_unroll(x_BT, g, self.steps):
+        alpha = None if mass_BT is None or counted_only else torch.zeros(*x_BT.shape, self.steps,
+                                                                         device=x_BT.device)
+        counted = None
+        if counted_only:  # step k's index t counts iff target position t + 1 + k does
+            counted = torch.zeros(self.steps, B, T, dtype=torch.bool, device=x_BT.device)
+            for k in range(self.steps):
+                if T - 2 - k > 0:
+                    counted[k, :, :T - 2 - k] = valid_BT[:, 1 + k:T - 1]
+        at = None if counted is None else counted.__getitem__
+        for k, logits, _ in self.drafter.ttt_unroll(x_BT, g, self.steps, logits_at=at):
             n = T - 2 - k  # indices t whose drafted token x_{t+2+k} exists
             if n <= 0:
                 loss = loss + 0.0 * logits.sum()  # keep every parameter in the graph (DDP)
                 continue
-            lp = F.log_softmax(logits[:, :n].float(), -1)
-            tgt = p_BTVd[:, 1 + k:1 + k + n]
-            valid = valid_BT[:, 1 + k:1 + k + n]
-            mass = None if mass_BT is None else mass_BT[:, 1 + k:1 + k + n]
+            if counted is None:
+                lp = F.log_softmax(logits[:, :n].float(), -1)
+                tgt = p_BTVd[:, 1 + k:1 + k + n]
+                valid = valid_BT[:, 1 + k:1 + k + n]
+                mass = None if mass_BT is None else mass_BT[:, 1 + k:1 + k + n]
+            else:  # [N] rows of the counted positions, in the order the head returned them
+                lp = F.log_softmax(logits.float(), -1)
+                sel = counted[k, :, :n]
+                tgt = p_BTVd[:, 1 + k:1 + k + n][sel]
+                valid = torch.ones(len(lp), dtype=torch.bool, device=lp.device)
+                mass = None if mass_BT is None else mass_BT[:, 1 + k:1 + k + n][sel]
             L, a = step_loss(lp, tgt, valid, self.loss, mass, self.kl_scale, self.kl_decay)
             loss = loss + self.gamma ** k * L
             with torch.no_grad():

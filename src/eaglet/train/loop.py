@@ -73,9 +73,9 @@ def autocast_on(setting: str, device: torch.device) -> bool:
     return bf16_autocast(setting, device.type == "cuda")
 
 
-def _forward(r: TrainRun, m, b, p_BTVd, valid, noise, chain_BT=None, mass_BT=None):
+def _forward(r: TrainRun, m, b, p_BTVd, valid, noise, chain_BT=None, mass_BT=None, counted_only=False):
     with torch.autocast(r.device.type, dtype=torch.bfloat16, enabled=autocast_on(r.p["autocast"], r.device)):
-        return m(b["x"], b["aux"], p_BTVd, valid, noise, chain_BT, mass_BT)
+        return m(b["x"], b["aux"], p_BTVd, valid, noise, chain_BT, mass_BT, counted_only)
 
 
 # The validation τ that selects the kept weights, by train.select_temperature
@@ -146,7 +146,8 @@ def train_step(r: TrainRun, batches: Batches, step: int) -> dict:
             mass=p["loss"] in LK)
         ctx = r.model.no_sync() if r.ws > 1 and a < A - 1 else contextlib.nullcontext()
         with ctx:
-            loss, st, _, _ = _forward(r, r.model, b, p_BTVd, valid, noise, mass_BT=mass)
+            # the drafter's head and softmax at the counted positions only (TTTObjective.counted_only)
+            loss, st, _, _ = _forward(r, r.model, b, p_BTVd, valid, noise, mass_BT=mass, counted_only=True)
             (loss / A).backward()
         stats[0] += st[0]
         stats[1:] += st[1:]
