@@ -32,3 +32,28 @@ def spread_note(ratios: list[float], goal: float, what: str = "pair ratios") -> 
     if lo < goal <= hi:
         return head + f": the interval holds the goal {goal}, cannot conclude; rerun on a quiet machine"
     return head + (": above the goal" if lo >= goal else ": below the goal")
+
+
+def alternate(calls: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each zero-argument call in ``calls``, run in turn ``repeats`` times (paired by
+    round); the first round, warm-up, is dropped."""
+    import time
+
+    times: dict[str, list[float]] = {key: [] for key in calls}
+    for _ in range(repeats):
+        for key, call in calls.items():
+            t = time.perf_counter()
+            call()
+            times[key].append(time.perf_counter() - t)
+    return {key: v[1:] for key, v in times.items()}
+
+
+def print_paired(times: dict[str, list[float]], num: str, den: str) -> None:
+    """Each call's median and range, then ``num / den``: the median of the paired ratios with its
+    interval (median_interval)."""
+    for key, v in times.items():
+        print(f"{key}: median {statistics.median(v):.3f} s (range {min(v):.3f}-{max(v):.3f}) over {len(v)} repeats")
+    ratios = [n / d for n, d in zip(times[num], times[den], strict=True)]
+    lo, hi, cover = median_interval(ratios)
+    print(f"{num} / {den}: {statistics.median(ratios):.2f}x ({cover:.0%} interval {lo:.2f}-{hi:.2f}, "
+          f"{len(ratios)} pairs)")

@@ -16,9 +16,7 @@ two masses (the same figures, or the timing compares different work).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_anchor import find_store  # noqa: E402
-from paired import median_interval  # noqa: E402
+from paired import alternate, print_paired  # noqa: E402
 
 
 def main() -> None:
@@ -73,24 +71,13 @@ def main() -> None:
     calls = {"stored statistics (now)": lambda b: labels(b["final"], b["target_lse"], b["target_top1"], mass=True),
              "other rows (before)": before}
     gap = max(float((calls["stored statistics (now)"](b)[2] - before(b)[2])[b["mask"]].abs().max()) for b in batches)
-    times: dict[str, list[float]] = {key: [] for key in calls}
-    for _ in range(a.repeats):
-        for key, call in calls.items():
-            t = time.perf_counter()
-            for b in batches:
-                call(b)
-            times[key].append(time.perf_counter() - t)
-    for key, v in times.items():
-        v = v[1:]
-        print(f"{key}: median {statistics.median(v):.3f} s (range {min(v):.3f}-{max(v):.3f}) over {len(v)} repeats")
+    times = alternate({key: (lambda call=call: [call(b) for b in batches]) for key, call in calls.items()},
+                      a.repeats)
     slots = sum(b["final"].shape[0] * b["final"].shape[1] for b in batches)
     print(f"{len(batches)} micro-batches: {slots} slots, {sum(b['tokens'] for b in batches)} tokens; draft vocab "
           f"{int(t2d.sum())}, other rows {int((~t2d).sum())}, {a.threads} threads; largest mass difference "
           f"{gap:.2e}")
-    ratios = [r / d for d, r in zip(times["stored statistics (now)"][1:], times["other rows (before)"][1:])]
-    lo, hi, cover = median_interval(ratios)
-    print(f"other rows (before) / stored statistics (now): {statistics.median(ratios):.2f}x ({cover:.0%} interval "
-          f"{lo:.2f}-{hi:.2f}, {len(ratios)} pairs)")
+    print_paired(times, "other rows (before)", "stored statistics (now)")
 
 
 if __name__ == "__main__":

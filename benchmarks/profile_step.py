@@ -16,9 +16,7 @@ largest difference of the two losses (the same loss, or the timing compares diff
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_anchor import find_store  # noqa: E402
-from paired import median_interval  # noqa: E402
+from paired import alternate, print_paired  # noqa: E402
 
 
 def main() -> None:
@@ -87,25 +85,14 @@ def main() -> None:
         return total
 
     gap = abs(step(False) - step(True))
-    calls = {"every position (before)": False, "counted positions (now)": True}
-    times: dict[str, list[float]] = {key: [] for key in calls}
-    for _ in range(a.repeats):
-        for key, flag in calls.items():
-            t = time.perf_counter()
-            step(flag)
-            times[key].append(time.perf_counter() - t)
-    for key, v in times.items():
-        v = v[1:]
-        print(f"{key}: median {statistics.median(v):.3f} s (range {min(v):.3f}-{max(v):.3f}) over {len(v)} repeats")
+    times = alternate({"every position (before)": lambda: step(False), "counted positions (now)": lambda: step(True)},
+                      a.repeats)
     slots = sum(b["x"].numel() for b, *_ in batches)
     counted = sum(int(v.sum()) for _, _, v, _ in batches)
     print(f"{len(batches)} micro-batches: {slots} slots, {sum(b['tokens'] for b, *_ in batches)} tokens, {counted} "
           f"counted ({counted / slots:.0%}); loss {a.loss}, k = {a.ttt_steps}, draft vocab {int(t2d.sum())}, "
           f"{'bf16 autocast' if bf16 else 'fp32'}, {a.threads} threads; largest loss difference {gap:.2e}")
-    ratios = [r / d for d, r in zip(times["counted positions (now)"][1:], times["every position (before)"][1:])]
-    lo, hi, cover = median_interval(ratios)
-    print(f"every position (before) / counted positions (now): {statistics.median(ratios):.2f}x ({cover:.0%} "
-          f"interval {lo:.2f}-{hi:.2f}, {len(ratios)} pairs)")
+    print_paired(times, "every position (before)", "counted positions (now)")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,18 @@ def target_stats(identity, final_TH):
     return TargetHead(identity["path"]).full_stats(final_TH)
 
 
+def tiny_run(tiny_target, results):
+    """``results/tiny`` laid out as a workflow run (extract/shard_0, vocab_map/vocab.safetensors)
+    holding hidden_data's store: what the benchmarks' find_store reads."""
+    import shutil
+
+    run = results / "tiny"
+    hidden_data(tiny_target, run / "extract")
+    (run / "vocab_map").mkdir()
+    shutil.move(run / "extract" / "vocab.safetensors", run / "vocab_map" / "vocab.safetensors")
+    return run
+
+
 def hidden_data(tiny_target, out):
     """Greedy continuations of the tiny target (its own data, as the pipeline generates), with
     aux states at LAYERS and the pre-norm final state, in a real shard; plus a vocab map."""

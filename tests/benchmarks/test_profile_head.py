@@ -3,21 +3,17 @@ micro-batches, times the trainer's labels from the stored statistics against the
 computation, prints both medians and their paired ratio, and the two masses agree."""
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from train_common import hidden_data
+from train_common import tiny_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_profile_head_times_the_trainers_micro_batches(tiny_target, tmp_path):
-    run = tmp_path / "results" / "tiny"
-    hidden_data(tiny_target, run / "extract")
-    (run / "vocab_map").mkdir()
-    shutil.move(run / "extract" / "vocab.safetensors", run / "vocab_map" / "vocab.safetensors")
+    run = tiny_run(tiny_target, tmp_path / "results")
     p = subprocess.run([sys.executable, "benchmarks/profile_head.py", "--run", str(run), "--identity",
                         str(Path(tiny_target["path"]).parent / "identity.json"), "--tokens", "256",
                         "--batches", "3", "--repeats", "4", "--threads", "1"],
