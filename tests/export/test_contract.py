@@ -441,6 +441,10 @@ def test_engine_error_puts_the_root_cause_first():
                                       "line 1, in f\n[rank0]: RuntimeError: start (0) + length (512) exceeds "
                                       "dimension size (256).\n") == [
         "RuntimeError: start (0) + length (512) exceeds dimension size (256)."]
+    # ... twice in an engine started after another in the same process (the contract's one runner)
+    assert vllm_checks.engine_error("[rank0]: [rank0]: Traceback (most recent call last):\n[rank0]: [rank0]:   "
+                                      "File \"x.py\", line 1, in f\n[rank0]: [rank0]: RuntimeError: bad\n") == [
+        "RuntimeError: bad"]
 
 
 def test_failure_errors_collects_the_error_of_each_failed_check():

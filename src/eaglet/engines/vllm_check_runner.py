@@ -1,8 +1,11 @@
 """One vLLM (CPU) generation run, plain or with an EAGLE-3 drafter, for the export contract check.
 
 Run by the vLLM environment's interpreter, not eaglet's: it imports only the standard library and
-vllm (eaglet's venv has a different torch/transformers). eaglet.export.contract starts it twice, once
-without and once with the drafter, each in its own process, and compares the two JSON results.
+vllm (eaglet's venv has a different torch/transformers). eaglet.export.contract starts it once for
+the export's runs (the known-answer twin with its drafter, the target with the drafter, the target
+plain: eaglet.export.contract.vllm_checks.run_vllm_batch), a fresh ``LLM`` for each run, and compares
+their JSON results. One process for the runs saves the interpreter start and the vLLM import of
+each further run; a run that raises ends the process, and eaglet starts the runs after it afresh.
 
 On one device (tensor parallel size 1) vLLM's engine core runs inside this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the environment says otherwise): the check compares token
@@ -13,13 +16,16 @@ vLLM's own processes, as a deployment runs them.
 
     envs/vllm/.venv/bin/python src/eaglet/engines/vllm_check_runner.py --target MODEL_DIR \
         --prompts prompts.json --max-tokens 32 --out spec.json [--drafter DRAFTER_DIR --k 3]
-        [--more '[["DRAFTER2", "spec2.json"], ...]']   # more drafters, a fresh LLM each (export.contract.known_answer)
+        [--more '[{"out": "plain.json", "drafter": null, "target": DIR, "max_tokens": 34, "k": 3}, ...]']
+        # more runs after the first, a fresh LLM each; a key left out is the flags' value
         [--dtype float32] [--tensor-parallel-size 1] [--enable-expert-parallel] [--trust-remote-code]
 
 The serving flags are ``target.vllm`` and ``target.trust_remote_code`` (eaglet.target.load.vllm_runner_args);
 the defaults are the vLLM-CPU ones.
 
-Output JSON: {"vllm_version", "token_ids": [[...] per prompt], "prompt_token_ids": [[...] per prompt], "texts": [...],
+Each run's log section starts with the line ``eaglet-runner: start OUT``.
+Output JSON: {"vllm_version", "seconds", "token_ids": [[...] per prompt], "prompt_token_ids": [[...] per prompt],
+              "texts": [...],
               "spec_decode": {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
                               "num_accepted_tokens_per_pos"}, "metrics": [every spec_decode metric]}
 """
@@ -60,8 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--out", required=True)
     p.add_argument("--more", default=None,
-                   help="JSON list of [drafter_dir, out] run after the first, each with a fresh LLM in this "
-                        "process (saves the interpreter and vLLM import per drafter)")
+                   help="JSON list of runs after the first, each {out, and any of drafter (null: plain), target, "
+                        "max_tokens, k; else the flags'}, each with a fresh LLM in this process (saves the "
+                        "interpreter start and vLLM import per run)")
     add_serving_args(p)
     return p.parse_args(argv)
 
@@ -72,33 +79,35 @@ def main():
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with open(a.prompts) as fh:
         prompts = json.load(fh)
-    run(a, a.drafter, a.out, prompts)
-    for drafter, out in json.loads(a.more or "[]"):
-        run(a, drafter, out, prompts)
+    for more in [{}] + json.loads(a.more or "[]"):
+        run(argparse.Namespace(**{**vars(a), **more}), prompts)
 
 
-def run(a, drafter, out, prompts):
+def run(a, prompts):
     import gc
+    import time
 
     import vllm
     from vllm import LLM, SamplingParams
 
-    print(f"eaglet-runner: start {drafter}", flush=True)
-    llm = LLM(**engine_kwargs(a, drafter))
+    print(f"eaglet-runner: start {a.out}", flush=True)
+    t0 = time.monotonic()
+    llm = LLM(**engine_kwargs(a, a.drafter))
     # ignore_eos: every prompt runs to max_tokens, so both runs compare the same number of tokens
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     got = llm.get_metrics()
     metrics = [_metric_json(m) for m in got if "spec_decode" in m.name]
     sd = spec_decode_counters(metric_samples(got))  # summed over engines
-    res = {"vllm_version": vllm.__version__, "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+    res = {"vllm_version": vllm.__version__, "seconds": round(time.monotonic() - t0, 1),
+           "token_ids": [list(o.outputs[0].token_ids) for o in outs],
            "prompt_token_ids": [list(o.prompt_token_ids) for o in outs],
            "texts": [o.outputs[0].text for o in outs], "spec_decode": sd, "metrics": metrics}
-    tmp = out + ".tmp"
+    tmp = a.out + ".tmp"
     with open(tmp, "w") as fh:
         json.dump(res, fh)
-    os.replace(tmp, out)
-    print(f"eaglet-runner: done {drafter}", flush=True)
+    os.replace(tmp, a.out)
+    print(f"eaglet-runner: done {a.out}", flush=True)
     llm.llm_engine.engine_core.shutdown()  # workers and their memory go before the next LLM
     del llm
     gc.collect()

@@ -119,9 +119,13 @@ def check_export(drafter_dir: str | Path, identity: dict, *, trained_path: str |
     tau = train_tau(train_summary, k=k)
     if vllm is not None:
         want = (trained or {}).get("layer_ids") or conf.get("eagle_aux_hidden_state_layer_ids")
-        checks += _guarded(KNOWN_ANSWER, lambda: [known_answer_check(identity, want, vllm)])
+        try:  # the known answer's engine run goes first in the trained drafter's runner process
+            ka = known_answer_check(identity, want, vllm)
+        except Exception as e:
+            ka = check(KNOWN_ANSWER, False, {"error": f"{type(e).__name__}: {e}"})
+        checks += [ka] if isinstance(ka, dict) else []
         checks += vllm_checks.vllm_checks(drafter_dir, identity, want, train_tau=tau, trained_path=trained_path,
-                                          recorded=recorded, **vllm)
+                                          recorded=recorded, before=None if isinstance(ka, dict) else ka, **vllm)
     else:
         checks += [not_run(n, "the real vLLM-CPU load + run was off (export.vllm_check: false / no --vllm)")
                    for n in VLLM_CHECKS]
@@ -177,13 +181,15 @@ def _chain_to_record(acc: dict | None, trained_path, identity: dict, k: int, siz
     return vllm_checks.simulated_chain(trained_path, identity, None, None, k, max_tokens, load, prompts=prompts)
 
 
-def known_answer_check(identity: dict, layer_ids, vllm: dict) -> dict:
+def known_answer_check(identity: dict, layer_ids, vllm: dict):
     """``vllm.known_answer`` (eaglet.export.contract.known_answer), run before the trained drafter's vLLM checks:
-    proves vLLM reads this export format, layer ids, d2t, norm and fc as eaglet writes them."""
+    proves vLLM reads this export format, layer ids, d2t, norm and fc as eaglet writes them. The check
+    when it cannot run, else its pending engine run (known_answer.Pending), which
+    vllm_checks.vllm_checks runs first in the trained drafter's runner process."""
     from eaglet.export.contract import known_answer
 
     kw = {key: vllm[key] for key in ("python", "k", "n_prompts", "max_tokens", "serving") if key in vllm}
-    return known_answer.vllm_check(identity, layer_ids, work_dir=Path(vllm["work_dir"]) / "known_answer", **kw)
+    return known_answer.pending_check(identity, layer_ids, work_dir=Path(vllm["work_dir"]) / "known_answer", **kw)
 
 
 def _guarded(name: str, fn) -> list[dict]:

@@ -12,13 +12,14 @@ which serves the twin with it in real vLLM-CPU. Only the first draft of a round 
 vLLM's ``num_accepted_tokens_per_pos[0] / num_drafts`` must be ~1 (``MIN_FIRST_ACCEPT``).
 
     offline_first_draft(twin, path, prompts)                       # eaglet's own forward: ~1.0
-    vllm_check(identity, layer_ids, work_dir=..., python=...)      # contract check vllm.known_answer
+    pending_check(identity, layer_ids, work_dir=..., python=...)   # contract check vllm.known_answer, its
+                                                                   # engine run in the contract's process
 """
 
 from __future__ import annotations
 
-import json
-import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from eaglet.base.artifacts import ArtifactError
@@ -27,7 +28,6 @@ from eaglet.base.tensors import load_tensors, tensor_metadata
 from eaglet.engines import vllm_env
 from eaglet.export.contract import record, vllm_checks
 from eaglet.export.contract.twin import build_drafter, build_twin, chain, prompt_ids, unsupported, write_export
-from eaglet.target.load import vllm_runner_args
 
 MIN_FIRST_ACCEPT = 0.9          # the contract's bar on first-draft acceptance (by construction 1.0)
 
@@ -120,14 +120,27 @@ def prepare(identity: dict, layer_ids: list[int], work_dir: str | Path, prompts:
     return twin, write_export(path, twin, work / "drafter")
 
 
-def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | Path, python=None, k: int = 3,
-               n_prompts: int = 4, max_tokens: int = 32, drafter_dir: str | Path | None = None,
-               twin: dict | None = None, serving: dict | None = None) -> dict:
-    """The contract check ``vllm.known_answer``: serve the twin with the known-answer drafter (built
-    with the trained layer ids, written by the export writer) in real vLLM-CPU; pass when the output
-    is the twin's known chain and first-draft acceptance >= MIN_FIRST_ACCEPT. Not run (with the
-    reason) when no twin can be built for this target. ``drafter_dir``/``twin``: check a given
-    (e.g. deliberately broken) export of an already built twin instead."""
+@dataclass
+class Pending:
+    """``vllm.known_answer`` ready for its engine run: the run (eaglet.export.contract.vllm_checks.run_vllm_batch,
+    tag "known_answer"; the contract puts it in the trained drafter's runner process), the serving it
+    needs, and ``finish(result) -> check``."""
+    run: dict
+    prompts: list[str]
+    serving: dict
+    python: Path
+    finish: Callable[[dict], dict]
+
+
+def pending_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | Path, python=None, k: int = 3,
+                  n_prompts: int = 4, max_tokens: int = 32, drafter_dir: str | Path | None = None,
+                  twin: dict | None = None, serving: dict | None = None) -> dict | Pending:
+    """The contract check ``vllm.known_answer`` up to its vLLM run: the check itself when it cannot run
+    (not run, with the reason, when no twin can be built for this target; failed when vLLM is missing
+    or the known answer cannot be built), else a :class:`Pending` run of the twin with the known-answer
+    drafter (built with the trained layer ids, written by the export writer). Its ``finish`` passes
+    when the output is the twin's known chain and first-draft acceptance >= MIN_FIRST_ACCEPT.
+    ``drafter_dir``/``twin``: check a given (e.g. deliberately broken) export of an already built twin."""
     name = record.KNOWN_ANSWER
     why = unsupported(identity) if twin is None else None
     if why:
@@ -139,23 +152,36 @@ def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | P
     except vllm_env.VllmEnvMissing as e:
         return record.check(name, False, {"error": f"vLLM environment not found or incomplete: {e}"})
     built = twin is None
-    prompts = [vllm_checks.PROMPTS[i % len(vllm_checks.PROMPTS)] for i in range(n_prompts)]
-    work = Path(work_dir)
+    prompts = vllm_checks.check_prompts(n_prompts)
     try:
         if twin is None:
-            twin, drafter_dir = prepare(identity, list(layer_ids), work, prompts, k=k, max_tokens=max_tokens)
+            twin, drafter_dir = prepare(identity, list(layer_ids), Path(work_dir), prompts, k=k,
+                                        max_tokens=max_tokens)
     except (ValueError, RuntimeError, ArtifactError) as e:
-        return record.check(name, False,
-                                     {"error": f"building the known answer failed: {type(e).__name__}: {e}"})
-    spec = vllm_checks.run_vllm(twin["path"], drafter_dir, prompts, work_dir=work / "vllm", python=py, k=k,
-                                  max_tokens=max_tokens, serving=twin_serving(serving))
-    ok, det = judge(twin, prompts, spec, max_tokens)
-    det.update(twin=twin["path"], drafter_dir=str(drafter_dir), layer_ids=list(layer_ids), k=k)
-    if built:  # a SmolLM2-size twin is ~330 MB: build_twin(identity, dir) rebuilds it bit for bit (seed 0)
-        for f in Path(twin["path"]).glob("*.safetensors"):
-            f.unlink()
-        det["twin_weights"] = "removed after the run; eaglet.export.contract.twin.build_twin rebuilds them (seed 0)"
-    return record.check(name, ok, det)
+        return record.check(name, False, {"error": f"building the known answer failed: {type(e).__name__}: {e}"})
+
+    def finish(spec: dict) -> dict:
+        ok, det = judge(twin, prompts, spec, max_tokens)
+        det.update(twin=twin["path"], drafter_dir=str(drafter_dir), layer_ids=list(layer_ids), k=k)
+        if built:  # a SmolLM2-size twin is ~330 MB: build_twin(identity, dir) rebuilds it bit for bit (seed 0)
+            for f in Path(twin["path"]).glob("*.safetensors"):
+                f.unlink()
+            det["twin_weights"] = "removed after the run; eaglet.export.contract.twin.build_twin rebuilds them (seed 0)"
+        return record.check(name, ok, det)
+
+    run = {"tag": "known_answer", "target": twin["path"], "drafter": drafter_dir, "k": k, "max_tokens": max_tokens}
+    return Pending(run, prompts, twin_serving(serving), py, finish)
+
+
+def vllm_check(identity: dict, layer_ids: list[int] | None, *, work_dir: str | Path, **kw) -> dict:
+    """The contract check ``vllm.known_answer`` on its own (:func:`pending_check`, its run in its own
+    runner process under ``work_dir``/vllm)."""
+    p = pending_check(identity, layer_ids, work_dir=work_dir, **kw)
+    if isinstance(p, dict):
+        return p
+    res = vllm_checks.run_vllm_batch([p.run], p.prompts, work_dir=Path(work_dir) / "vllm", python=p.python,
+                                     serving=p.serving)
+    return p.finish(res[p.run["tag"]])
 
 
 def twin_serving(serving: dict | None) -> dict:
@@ -169,47 +195,11 @@ def twin_serving(serving: dict | None) -> dict:
 def run_batch(target_dir: str | Path, drafter_dirs: list[str | Path], prompts: list[str], *, work_dir: str | Path,
               python, k: int = 3, max_tokens: int = 32, timeout_each: float = 600,
               serving: dict | None = None) -> list[dict]:
-    """Several drafters on one target in ONE runner process (a fresh ``LLM`` per drafter: the
-    interpreter start and vLLM import, ~25-40 s of each run, are paid once). Each result is what
-    :func:`eaglet.export.contract.vllm_checks.run_vllm` returns for one drafter (rc, token_ids, spec_decode, aux_layers,
-    log); a run that did not finish has rc != 0 and the log tail."""
-    import subprocess
-    import time
-
-    work = Path(work_dir).absolute()
-    work.mkdir(parents=True, exist_ok=True)
-    pfile, logf = work / "prompts.json", work / "batch.log"
-    pfile.write_text(json.dumps(prompts))
-    runner = vllm_env.copy_runner(vllm_checks.RUNNER, work)
-    outs = [work / f"spec{i}.json" for i in range(len(drafter_dirs))]
-    for o in outs:
-        o.unlink(missing_ok=True)
-    dirs = [str(Path(d).resolve()) for d in drafter_dirs]
-    cmd = [str(python), str(runner), "--target", str(Path(target_dir).resolve()), "--prompts", str(pfile),
-           "--max-tokens", str(max_tokens), "--k", str(k), "--drafter", dirs[0], "--out", str(outs[0]),
-           "--more", json.dumps([[d, str(o)] for d, o in zip(dirs[1:], outs[1:], strict=True)])]
-    cmd += vllm_runner_args(twin_serving(serving))
-    env = vllm_env.process_env(work, python, VLLM_LOGGING_LEVEL="INFO")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    t0 = time.time()
-    with open(logf, "w") as fh:
-        try:
-            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                timeout=vllm_env.timeout(timeout_each * len(dirs))).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    text = logf.read_text(errors="replace")
-    parts = text.split("eaglet-runner: start ")[1:] or [text]
-    res = []
-    for i, o in enumerate(outs):
-        section = parts[i] if i < len(parts) else ""
-        r = json.loads(o.read_text()) if o.exists() else {}
-        r.update(rc=0 if o.exists() else (rc or "no result"), log=str(logf), drafter=dirs[i],
-                 seconds=round(time.time() - t0, 1))
-        if not o.exists():
-            r["log_tail"] = section[-3000:] or text[-3000:]
-        m = re.findall(r"Using (?:Eagle3 )?auxiliary layers from ([\w ]+?): \(([\d,\s]*)\)", section)
-        if m:
-            r["aux_layers"] = [int(x) for x in m[-1][1].replace(" ", "").split(",") if x]
-        res.append(r)
-    return res
+    """Several drafters on one target in ONE runner process (eaglet.export.contract.vllm_checks.run_vllm_batch):
+    each result is what that returns for one run (rc, token_ids, spec_decode, aux_layers, log), plus
+    ``drafter``."""
+    runs = [{"tag": f"spec{i}", "target": target_dir, "drafter": d, "k": k, "max_tokens": max_tokens}
+            for i, d in enumerate(drafter_dirs)]
+    res = vllm_checks.run_vllm_batch(runs, prompts, work_dir=work_dir, python=python, timeout_each=timeout_each,
+                                     serving=twin_serving(serving))
+    return [{**res[r["tag"]], "drafter": str(Path(r["drafter"]).resolve())} for r in runs]

