@@ -452,3 +452,68 @@ def test_failure_errors_collects_the_error_of_each_failed_check():
               {"name": "b", "ok": True, "details": {"error": "ignored: it passed"}},
               {"name": "c", "ok": False, "details": {"max_abs_logits": 1.0}}]
     assert contract.failure_errors(checks) == {"a": "TypeError: x"}
+
+
+# The runner's side of run_vllm_batch's protocol without vLLM (what is tested is eaglet's handing out of
+# runs to processes, not the engine: every real engine run of the contract is in test_export and
+# test_known_answer): each run's marker line, its JSON, and a crash on a drafter named "broken".
+_STAND_IN_RUNNER = '''
+import argparse, json, os, sys
+p = argparse.ArgumentParser()
+for f in ("--target", "--drafter", "--prompts", "--out", "--more", "--dtype"):
+    p.add_argument(f)
+for f in ("--k", "--max-tokens", "--tensor-parallel-size"):
+    p.add_argument(f, type=int)
+a = p.parse_args(sys.argv[2:])
+with open(os.path.join(os.path.dirname(a.out), "processes.txt"), "a") as fh:
+    fh.write(str(os.getpid()) + "\\n")
+print("importing", flush=True)
+for more in [{}] + json.loads(a.more or "[]"):
+    r = {**vars(a), **more}
+    print("eaglet-runner: start " + r["out"], flush=True)
+    print("Using auxiliary layers from speculative config: (1, 2, 3)" if r["drafter"] else "plain", flush=True)
+    if r["drafter"] and "broken" in r["drafter"]:
+        print("[rank0]: [rank0]: Traceback (most recent call last):", flush=True)
+        print("[rank0]: [rank0]: RuntimeError: cannot load", flush=True)
+        sys.exit(1)
+    json.dump({"token_ids": [[r["max_tokens"]]], "target": r["target"], "drafter": r["drafter"]}, open(r["out"], "w"))
+'''
+
+
+def test_batch_runs_in_one_process_and_starts_afresh_after_a_failure(tmp_path):
+    """run_vllm_batch: runs share one process until one fails; the runs after a failed one go to a
+    new process, except one that ``needs`` it (skipped, with the reason); each result has its own
+    log section (the engine's error of its own run, the aux layers of its own run)."""
+    py = tmp_path / "venv" / "bin" / "python"
+    py.parent.mkdir(parents=True)
+    py.write_text(f"#!{sys.executable}\n" + _STAND_IN_RUNNER)
+    py.chmod(0o755)
+    for name in ("t", "good", "broken"):
+        (tmp_path / name).mkdir()
+
+    def run(tag, drafter, needs=None, target="t"):
+        return {"tag": tag, "target": tmp_path / target, "drafter": tmp_path / drafter if drafter else None,
+                "k": 3, "max_tokens": 7 if drafter else 9, "needs": needs}
+
+    work = tmp_path / "w"
+    res = vllm_checks.run_vllm_batch([run("known_answer", "good", target="good"), run("spec", "good"),
+                                      run("plain", None, needs="spec")], ["p"], work_dir=work, python=py)
+    assert [res[t]["rc"] for t in ("known_answer", "spec", "plain")] == [0, 0, 0]
+    assert len((work / "processes.txt").read_text().split()) == 1  # one process for the three
+    assert res["known_answer"]["target"] == str(tmp_path / "good") and res["plain"]["drafter"] is None
+    assert res["plain"]["token_ids"] == [[9]] and res["spec"]["aux_layers"] == [1, 2, 3]
+    assert "aux_layers" not in res["plain"] and "importing" in Path(res["known_answer"]["log"]).read_text()
+
+    work = tmp_path / "w2"
+    res = vllm_checks.run_vllm_batch([run("known_answer", "broken", target="good"), run("spec", "good"),
+                                      run("plain", None, needs="spec")], ["p"], work_dir=work, python=py)
+    assert res["known_answer"]["rc"] == 1 and res["known_answer"]["engine_error"] == ["RuntimeError: cannot load"]
+    assert res["spec"]["rc"] == res["plain"]["rc"] == 0  # afresh, in a second process
+    assert len((work / "processes.txt").read_text().split()) == 2
+    assert "cannot load" not in Path(res["spec"]["log"]).read_text()
+
+    work = tmp_path / "w3"
+    res = vllm_checks.run_vllm_batch([run("spec", "broken"), run("plain", None, needs="spec"), run("other", "good")],
+                                     ["p"], work_dir=work, python=py)
+    assert res["spec"]["rc"] == 1 and res["plain"] == {"rc": None, "skipped": "the spec run failed"}
+    assert res["other"]["rc"] == 0 and len((work / "processes.txt").read_text().split()) == 2
