@@ -6,16 +6,20 @@ import sys
 from pathlib import Path
 
 from snakemake.logging import logger
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 
-validate(config, schema="../schemas/config.schema.yaml", set_default=True)
-
-# This workflow's own library (not whichever eaglet is installed) checks the target at parse time:
-# a wrong target.path, layer ids, a missing chat template or an engine that cannot serve the
-# drafter stop `snakemake -n` already, naming the key.
+# This workflow's own library (not whichever eaglet is installed) checks the config and the target at
+# parse time: a bad value, an unknown key (target.tiny's included), a wrong target.path, layer ids, a
+# missing chat template or an engine that cannot serve the drafter stop `snakemake -n` already, naming
+# the key.
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+from eaglet.base import schema
+
+# workflow/schemas/config.schema.yaml, and what JSON Schema lets through (a float where an integer is
+# meant, a non-finite number); defaults filled as snakemake.utils.validate(set_default=True) fills them
+schema.validate(config)
 from eaglet.workflow import code_inputs
 from eaglet.workflow.inputs import user_files
 from eaglet.workflow.params import (

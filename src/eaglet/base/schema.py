@@ -107,3 +107,79 @@ def settings_at(stage: str, paths: tuple[str, ...], given: dict | None, extra: d
     if unknown:
         raise ValueError(f"{stage}: unknown options {sorted(unknown)} (known: {', '.join(base)})")
     return base | given
+
+
+# --------------------------------------------------------------------------- parse-time validation
+def dotted(parts) -> str:
+    """A config key's whole path as a message names it: ``extract.layer_ids[0]``."""
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "the config"
+
+
+def _types(n: dict) -> list[str]:
+    t = n.get("type", [])
+    return [t] if isinstance(t, str) else list(t)
+
+
+def _walk(value: Any, n: dict, path: tuple) -> list[str]:
+    """What JSON Schema lets through and the workflow must refuse, under the schema node ``n``:
+    a float where only an integer is meant (JSON Schema counts 2.0 as an integer, and the stage
+    then fails on it, naming no key), a non-finite number (NaN or infinity passes every minimum
+    and maximum) and an unknown key of a section that takes none (``additionalProperties: false``;
+    also refused by the schema, named here by its whole path). One message per value."""
+    import math
+
+    types = _types(n)
+    if isinstance(value, float) and "integer" in types and "number" not in types:
+        return [f"{dotted(path)}: {value!r} is a float; expected {' or '.join(types)}"
+                + (f" (write {int(value)})" if value.is_integer() else "")]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{dotted(path)}: {value!r} is not a finite number; expected a finite {' or '.join(types) or 'value'}"]
+    out = []
+    if isinstance(value, dict):
+        props = n.get("properties") or {}
+        extra = n.get("additionalProperties")
+        for key, sub in value.items():
+            if key in props:
+                out += _walk(sub, props[key], (*path, key))
+            elif extra is False:
+                out.append(f"{dotted((*path, key))}: unknown key (value {sub!r}); "
+                           f"expected one of {dotted(path)}'s keys: {', '.join(props)}")
+            elif isinstance(extra, dict):
+                out += _walk(sub, extra, (*path, key))
+    elif isinstance(value, list) and isinstance(n.get("items"), dict):
+        for i, item in enumerate(value):
+            out += _walk(item, n["items"], (*path, i))
+    return out
+
+
+def refusals(config: dict) -> list[str]:
+    """Every refusal of ``config`` (as written, before defaults) against the schema, each naming the
+    key's whole dotted path, the value and what is expected: :func:`_walk`'s, then the schema's own
+    (JSON Schema's errors, with the path written out). Empty for a valid config."""
+    import jsonschema
+
+    out = _walk(config, _schema(), ())
+    named = {m.split(":", 1)[0] for m in out}
+    cls = jsonschema.validators.validator_for(_schema())
+    for e in sorted(cls(_schema()).iter_errors(config), key=lambda e: [str(p) for p in e.absolute_path]):
+        path = dotted(e.absolute_path)
+        # an unknown key is named above, with its whole path; so is a float refused above
+        if not (e.validator == "additionalProperties" and e.validator_value is False) and path not in named:
+            out.append(f"{path}: {e.message}")
+    return out
+
+
+def validate(config: dict) -> dict:
+    """The workflow's validation at parse time (workflow/rules/common.smk), in place: refuse the
+    config with every :func:`refusals` message (a ValueError), then fill the schema's defaults as
+    ``snakemake.utils.validate(..., set_default=True)`` does (the config the stages receive)."""
+    bad = refusals(config)
+    if bad:
+        raise ValueError(f"config refused by {SCHEMA_PATH.name} ({len(bad)}):\n  " + "\n  ".join(bad))
+    from snakemake.utils import validate as snakemake_validate
+
+    snakemake_validate(config, str(SCHEMA_PATH), set_default=True)
+    return config

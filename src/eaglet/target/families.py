@@ -203,13 +203,62 @@ def vocab_size_for(family: str, tokenizer) -> int:
     return n if not pad_to else -(-n // pad_to) * pad_to
 
 
-def _config(family: str, tokenizer, overrides: dict):
+def config_class(family: str):
+    """The family's transformers config class (imports transformers, and with it torch)."""
+    _check(family)
     import transformers
 
-    cls = {"llama3": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
-           "gemma3_text": transformers.Gemma3TextConfig, "deepseek_v3": transformers.DeepseekV3Config,
-           "gpt_oss": transformers.GptOssConfig}[family]
+    return {"llama": transformers.LlamaConfig, "llama3": transformers.LlamaConfig,
+            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+            "qwen3_moe": transformers.Qwen3MoeConfig, "gemma3_text": transformers.Gemma3TextConfig,
+            "deepseek_v3": transformers.DeepseekV3Config, "gpt_oss": transformers.GptOssConfig}[family]
+
+
+def _tiny_defaults(family: str) -> dict:
+    return TINY_LLAMA if family == "llama" else FAMILY_CONFIGS[family]
+
+
+def tiny_keys(family: str) -> frozenset[str]:
+    """The keys ``target.tiny`` may hold for the family: the schema's (family, seed), the family's
+    tiny defaults, and the fields of the family's transformers config class (its constructor's
+    named parameters, and the aliases of its attribute_map). A config class takes any other keyword
+    too, and keeps it as a stray attribute: a misspelt override would change nothing, silently."""
+    import inspect
+
+    cls = config_class(family)
+    params = {name for name, p in inspect.signature(cls.__init__).parameters.items()
+              if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return frozenset(schema.node("target.tiny")["properties"]) | set(_tiny_defaults(family)) | params \
+        | set(getattr(cls, "attribute_map", {}))
+
+
+def check_tiny(tiny: dict | None) -> None:
+    """Refuse a ``target.tiny`` key that is not one of :func:`tiny_keys` (a ValueError naming each
+    key's path, its value and what the family takes). The family's config class is imported only
+    for a key that is neither the schema's nor one of the family's tiny defaults."""
+    if tiny is None:
+        return
+    family = tiny.get("family", DEFAULT_FAMILY)
+    _check(family)
+    cheap = set(schema.node("target.tiny")["properties"]) | set(_tiny_defaults(family))
+    if all(k in cheap for k in tiny):
+        return
+    import difflib
+
+    known = tiny_keys(family)
+    bad = [k for k in tiny if k not in known]
+    if bad:
+        cls = config_class(family).__name__
+        lines = []
+        for k in bad:
+            close = difflib.get_close_matches(str(k), sorted(known), n=1)
+            lines.append(f"target.tiny.{k}: unknown key (value {tiny[k]!r}) for family {family}; expected family, "
+                         f"seed or a field of transformers' {cls}" + (f" (did you mean {close[0]}?)" if close else ""))
+        raise ValueError("\n".join(lines))
+
+
+def _config(family: str, tokenizer, overrides: dict):
+    cls = config_class(family)
     spec = TOKENIZERS[family]
     stop = [tokenizer.convert_tokens_to_ids(t) for t in spec["stop"]]
     kw = dict(FAMILY_CONFIGS[family], vocab_size=vocab_size_for(family, tokenizer),

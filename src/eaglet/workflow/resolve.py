@@ -29,6 +29,7 @@ from eaglet.base.capability import resolve_autocast, resolve_target_dtype
 from eaglet.base.settings_files import write_settings
 from eaglet.planner import plan, storage
 from eaglet.target.chat_template import chat_template_text
+from eaglet.target.families import check_tiny
 from eaglet.target.load import LOAD_KEYS, serving
 from eaglet.target.shape import layer_ids
 from eaglet.workflow import checks
@@ -182,9 +183,10 @@ def storage_why(mode: str, dtype: str, lines: list[str]) -> str:
 
 
 def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
-    """Resolve a validated workflow config (``snakemake.utils.validate(..., set_default=True)``) in
+    """Resolve a validated workflow config (``eaglet.base.schema.validate``, defaults filled) in
     the workflow folder ``workdir``; ``config`` is left as it is. Raises ValueError naming the key
     when the run cannot succeed (each check is the named function's)."""
+    check_tiny(config["target"]["tiny"])  # the schema leaves target.tiny's keys to the family's config class
     lines = checks.parse_time(config, workdir)
     checks.settings_consistent(config)
     mode, dtype, storage_lines = storage.decide(config, plan.parse_time_shapes(config, workdir))
