@@ -13,7 +13,9 @@ Engines: one ``LLM`` without a drafter ("plain") and one per draft length k and 
 (input ``draft_sample_methods``, default ["greedy"]; vLLM fixes ``num_speculative_tokens`` and
 ``draft_sample_method`` per engine): "k3" drafts greedily (vLLM's default), "k3-probabilistic"
 samples its drafts from the drafter's distribution (:func:`engine_name`); all alive for the whole
-run. Each ``LLM`` runs its model in its own engine-core and worker processes, so they do not share
+run. Each engine's spec-decode counters are read from its own prometheus collectors (each LLM's
+stat logger unregisters the earlier ones' from the registry: :func:`spec_counters` puts the engine's
+own back for the read). Each ``LLM`` runs its model in its own engine-core and worker processes, so they do not share
 vLLM's global state; they do share the CPUs. An idle engine is not quite idle: after each step
 vLLM's worker keeps polling its shared-memory queue for ``busy_loop_s`` (1 s,
 vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition), yielding the CPU in a loop.
@@ -54,8 +56,26 @@ except ImportError:  # imported as part of eaglet (tests of the argument buildin
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
 
 
-def spec_counters(llm):
-    """Spec-decode counters summed over engines; per-position as a list."""
+def vllm_collectors(registry=None):
+    """The ``vllm:`` collectors now in prometheus' registry: right after an ``LLM`` is made, its own
+    (each LLM's stat logger unregisters the ones of the LLMs made before it,
+    vllm/v1/metrics/prometheus.py unregister_vllm_metrics; theirs go on counting, unread)."""
+    if registry is None:
+        from prometheus_client import REGISTRY as registry
+    return [c for c in list(registry._collector_to_names) if getattr(c, "_name", "").startswith("vllm:")]
+
+
+def spec_counters(llm, collectors=None, registry=None):
+    """Spec-decode counters summed over engines; per-position as a list. ``collectors``: the LLM's own
+    (:func:`vllm_collectors` right after it was made), put back in the registry for the read, so
+    that each of several engines in one process reads its own counters, not the last one's."""
+    if collectors is not None:
+        if registry is None:
+            from prometheus_client import REGISTRY as registry
+        for c in vllm_collectors(registry):
+            registry.unregister(c)
+        for c in collectors:
+            registry.register(c)
     return spec_decode_counters(metric_samples(llm.get_metrics()))
 
 
@@ -117,12 +137,13 @@ def main():
         spec = json.load(fh)
     prompts = spec["prompts"]
     temps = sorted({c["temperature"] for b in spec["blocks"] for c in b["order"]})
-    engines, startup = {}, {}
+    engines, collectors, startup = {}, {}, {}
     for name, k, method in engine_list(spec):
         t0 = time.perf_counter()
         kw = engine_kwargs(argparse.Namespace(**{**vars(a), "k": k}), a.drafter if k else None,
                            draft_sample_method=method if method != "greedy" else None)
         engines[name] = LLM(**kw)
+        collectors[name] = vllm_collectors()  # this engine's counters, read back by spec_counters
         # warm-up: the first requests (and the first sampled one) pay for allocations; not timed
         mine = sorted({c["temperature"] for b in spec["blocks"] for c in b["order"] if c["engine"] == name}) or temps
         for t in mine:
@@ -141,14 +162,15 @@ def main():
             if last is not None and last != c["engine"]:
                 time.sleep(spec.get("settle_s", 0))  # the previous engine's worker stops polling
             last = c["engine"]
-            before = spec_counters(llm) if c["engine"] != "plain" else None
+            own = collectors[c["engine"]]
+            before = spec_counters(llm, own) if c["engine"] != "plain" else None
             sp = sampling(SamplingParams, spec, c["temperature"], b["seed"])
             t = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": prompts[b["prompt"]]}], sp, use_tqdm=False)
             secs = time.perf_counter() - t
             calls.append({"engine": c["engine"], "temperature": c["temperature"], "seconds": secs,
                           "token_ids": list(out[0].outputs[0].token_ids),
-                          "spec_decode": delta(spec_counters(llm), before) if before is not None else None})
+                          "spec_decode": delta(spec_counters(llm, own), before) if before is not None else None})
         res["blocks"].append({"prompt": b["prompt"], "repeat": b["repeat"], "calls": calls})
     res["cpu"] = {"start": cpu0, "end": cpu_times()}  # engines alive: their processes count as ours
     tmp = a.out + ".tmp"

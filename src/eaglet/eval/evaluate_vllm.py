@@ -50,12 +50,12 @@ When ``iomp`` is on and the vLLM venv has ``libiomp5.so`` (vLLM's CPU docs recom
 LD_PRELOAD), a second process times plain and the first k at T = 0 with it, paired the same way.
 
 Draft sample methods (``draft_sample_methods``, default greedy and probabilistic; vLLM's
-SpeculativeConfig.draft_sample_method): greedy engines run in the process above; each other method
-runs at every T > 0 in a second runner process with its own plain engine, timed in pairs the same
-way (``merged``): vLLM's stat logger unregisters the counters of the LLMs created before it in a
-process (vllm/v1/metrics/prometheus.py, unregister_vllm_metrics), so one process reads its last
-engine's counters only. At each T > 0 vLLM's mean accepted drafts per round, per k, method and set
-(all repeats), is tested against offline.json's expectation under the rule the engine reports
+SpeculativeConfig.draft_sample_method): one engine per k and method in the process above, greedy
+ones at every temperature, each other method at every T > 0, timed in pairs with the same plain
+engine (vLLM's stat logger unregisters the counters of the LLMs created before it in a process,
+vllm/v1/metrics/prometheus.py unregister_vllm_metrics: the runner reads each engine's own,
+eaglet.engines.vllm_eval_runner.spec_counters). At each T > 0 vLLM's mean accepted drafts per round,
+per k, method and set (all repeats), is tested against offline.json's expectation under the rule the engine reports
 (``sampled_agreement``, eaglet.eval.evaluate_offline: ``sampling[T].rules[rule].sets[set].rounds[k]``):
 z = (mean_vLLM - mean_offline) / sqrt(v / n_vLLM + s2 / n_offline), v the predicted per-round
 variance, s2 the spread of the offline starts' expectations, two-sided, Bonferroni at
@@ -208,7 +208,7 @@ def per_prompt_rows(run: dict, prompts: list[dict]) -> list[dict]:
              "speedup_samples": {}, "speedup": {}, "repeat_mismatches": []} for p in prompts]
     for b in run["blocks"]:
         row = rows[b["prompt"]]
-        block = {"repeat": b["repeat"], "process": b.get("run", "paired"), "order": [], "seconds": {}, "tokens": {}}
+        block = {"repeat": b["repeat"], "order": [], "seconds": {}, "tokens": {}}
         for c in b["calls"]:
             t = tag(c["engine"], c["temperature"])
             block["order"].append(t)
@@ -570,24 +570,13 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
             "ignore_eos": not o["stop_at_eos"], "settle_s": o["settle_s"],
             # the HF loop's stops: the template's turn-end marker as well as EOS
             "stop_token_ids": sorted(stop_ids(tok)) if o["stop_at_eos"] else [],
-            "blocks": schedule(len(prompts), ks, temps, repeats, ("greedy",))}
+            "blocks": schedule(len(prompts), ks, temps, repeats, methods)}
     max_len = max(len(p["prompt_ids"]) for p in prompts) + o["max_new_tokens"] + max(ks) + 16
     iomp = iomp_library(py) if o["iomp"] else None
     common = dict(drafter=str(drafter_dir), o=o, max_model_len=max_len)
     t0 = time.time()
-    run = run_one(py, ident["path"], {**spec, "draft_sample_methods": ["greedy"]}, work, "paired", iomp=None,
-                  **common)
+    run = run_one(py, ident["path"], spec, work, "paired", iomp=None, **common)
     load = other_load(run.get("cpu") or {})
-    sampled = [t for t in temps if t > 0]
-    for m in (m for m in methods if m != "greedy" and sampled):
-        # another vLLM process: each LLM's stat logger unregisters the vllm: collectors of the ones
-        # created before it (vllm/v1/metrics/prometheus.py unregister_vllm_metrics), so one process
-        # reads the counters of its last engine only; plain is timed beside it again, paired the same way
-        other = run_one(py, ident["path"], {**spec, "draft_sample_methods": [m],
-                                            "blocks": schedule(len(prompts), ks, sampled, repeats, (m,))},
-                        work, f"paired_{m}", iomp=None, **common)
-        run = merged(run, other)
-        load = _worse(load, other_load(other.get("cpu") or {}))
     iomp_run = None
     if iomp:  # plain and the first k at T = 0 with Intel OpenMP preloaded, paired the same way
         iomp_run = run_one(py, ident["path"], {**spec, "ks": ks[:1], "draft_sample_methods": ["greedy"],
@@ -617,17 +606,6 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
            **summarise(run, prompts, off, o, ks, temps, load, iomp_run, methods),
            "seconds": round(time.time() - t0, 1)}
     return finish(res, out_dir)
-
-
-def merged(run: dict, other: dict) -> dict:
-    """One runner output from two processes' (the second serving other draft sample methods): its
-    blocks after the first's, each marked with its process; the startup times and the engines'
-    speculative configs of both (the plain engine's startup is the first process's)."""
-    tagged = [{**b, "run": other.get("name")} for b in other["blocks"]]
-    return {**run, "blocks": run["blocks"] + tagged,
-            "startup_s": {**{k: v for k, v in other["startup_s"].items() if k != PLAIN}, **run["startup_s"]},
-            "speculative_configs": {**(run.get("speculative_configs") or {}),
-                                    **(other.get("speculative_configs") or {})}}
 
 
 def other_load(cpu: dict) -> dict:
