@@ -517,3 +517,31 @@ def test_batch_runs_in_one_process_and_starts_afresh_after_a_failure(tmp_path):
                                      ["p"], work_dir=work, python=py)
     assert res["spec"]["rc"] == 1 and res["plain"] == {"rc": None, "skipped": "the spec run failed"}
     assert res["other"]["rc"] == 0 and len((work / "processes.txt").read_text().split()) == 2
+
+
+def test_the_command_leaves_no_temporary_files_when_it_is_stopped(good, tiny_target, tmp_path):
+    """``python -m eaglet.export.contract`` removes its temporary folders (its own and SGLang's loader's)
+    when it is stopped (SIGTERM, exit 143) while its checks run (issue 46: it left eaglet-contract-*
+    behind every run; a run that ends: test_export's CLI run with vLLM); ``--work-dir`` keeps the files
+    where the user asks, and then no temporary folder is made."""
+    import signal
+    import time
+
+    ident = str(Path(tiny_target["path"]).parent / "identity.json")
+    cmd = [sys.executable, "-m", "eaglet.export.contract", str(good), "--identity", ident,
+           "--out", str(tmp_path / "rep.json")]
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not any(x.name.startswith("eaglet-contract-") for x in tmp.iterdir()):
+        assert proc.poll() is None and time.time() < deadline, "the command ended before its folder was made"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143, proc.stderr.read()[-2000:]
+    assert list(tmp.iterdir()) == []
+    kept = tmp_path / "kept"
+    p = subprocess.run(cmd + ["--work-dir", str(kept), "--no-sglang"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1 and kept.is_dir() and list(tmp.iterdir()) == []

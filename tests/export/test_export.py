@@ -3,6 +3,7 @@ on every export, and no complete-looking output when it fails. The real vLLM loa
 test marked ``vllm``."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -278,10 +279,13 @@ def test_permuted_lm_head_fails_vllm_acceptance_and_the_directory_alone(vllm_exp
     t["lm_head.weight"] = t["lm_head.weight"].roll(1, 0).contiguous()
     save_tensors(bad / "model.safetensors", t, metadata={"format": "pt"})
     report = tmp_path / "alone.json"
+    tmp = tmp_path / "tmp"  # the command's temporary folders (its vLLM runs', SGLang's): gone when it ends
+    tmp.mkdir()
     p = subprocess.run([sys.executable, "-m", "eaglet.export.contract", str(bad),
                         "--identity", str(_ident(tiny_target)), "--vllm", "--out", str(report)],
-                       capture_output=True, text=True, timeout=900)
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "TMPDIR": str(tmp)})
     assert p.returncode == 1, p.stderr[-3000:]
+    assert list(tmp.iterdir()) == []
     rep = json.loads(report.read_text())
     by = {c["name"]: c for c in rep["checks"]}
     assert sorted(rep["failed"]) == ["reference.chain", "reference.weights", "vllm.acceptance"], rep["failed"]

@@ -30,7 +30,7 @@ apply to a format are not listed for it: SGLang loads format A only, so format B
 
     python -m eaglet.export.contract results/run/drafter --identity resources/targets/x/identity.json \
         [--trained results/run/train/drafter.safetensors] [--vllm [--vllm-python VENV]] [--no-sglang] \
-        [--out contract.json]
+        [--out contract.json] [--work-dir DIR]
 
 Without ``--trained`` (a directory as a user who downloads it has it), the directory proves itself by
 the ``reference.json`` the export wrote (eaglet.export.contract.reference): ``reference.weights`` (every tensor's
@@ -47,8 +47,10 @@ all (``python -m eaglet.export.contract`` runs its main).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -234,6 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-sglang", action="store_true",
                    help="leave SGLang's own loader out (loader.sglang is then not run: accept it by name)")
     p.add_argument("--out", default=None, help="write the report here (else stdout)")
+    p.add_argument("--work-dir", default=None,
+                   help="keep the vLLM runs' files and logs here (default: a temporary folder, removed at the "
+                        "end, also on failure or interruption: the report then holds each failure's error lines)")
     p.add_argument("--accept-not-run", action="append", default=[], metavar="CHECK",
                    help="a check that may stay not run (repeatable; like the config's export.accept_not_run)")
     a = p.parse_args(argv)
@@ -242,13 +247,19 @@ def main(argv: list[str] | None = None) -> None:
 
     ident = load_identity(a.identity)
     ident["identity_path"] = str(a.identity)
-    work = tempfile.mkdtemp(prefix="eaglet-contract-")
-    vllm = {"work_dir": work, "k": a.k, "python": a.vllm_python} if a.vllm else None
-    ref = reference.read(a.drafter_dir) if not a.trained else None
-    if vllm and ref and ref.get("chain"):  # vLLM runs the recorded prompts at the recorded length
-        vllm.update(n_prompts=len(ref["chain"]["prompt_token_ids"]), max_tokens=ref["chain"]["max_tokens"])
-    rep = check_export(a.drafter_dir, ident, trained_path=a.trained, train_summary=a.train_summary,
-                       vllm=vllm, accept_not_run=a.accept_not_run, k=a.k, sglang=not a.no_sglang)
+    # SIGTERM as an exception (exit 143): the engine's process is killed (subprocess.run does it on any
+    # exception) and the temporary folder removed, as on success, failure and Ctrl-C
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    kept = contextlib.nullcontext(a.work_dir) if a.work_dir else None
+    if a.work_dir:
+        Path(a.work_dir).mkdir(parents=True, exist_ok=True)
+    with kept or tempfile.TemporaryDirectory(prefix="eaglet-contract-") as work:
+        vllm = {"work_dir": work, "k": a.k, "python": a.vllm_python} if a.vllm else None
+        ref = reference.read(a.drafter_dir) if not a.trained else None
+        if vllm and ref and ref.get("chain"):  # vLLM runs the recorded prompts at the recorded length
+            vllm.update(n_prompts=len(ref["chain"]["prompt_token_ids"]), max_tokens=ref["chain"]["max_tokens"])
+        rep = check_export(a.drafter_dir, ident, trained_path=a.trained, train_summary=a.train_summary,
+                           vllm=vllm, accept_not_run=a.accept_not_run, k=a.k, sglang=not a.no_sglang)
     if a.out:
         write_json(a.out, rep)
     else:
