@@ -62,6 +62,22 @@ class LLM:
                    [6 * scale * n, 4 * scale * n, 2 * scale * n]),
             Counter("vllm:prompt_tokens", {"engine": engine}, 99))]
 '''
+# ... and of `prometheus_client` (a dependency of vLLM, not of eaglet): the registry the eval runner swaps
+# each engine's own collectors into (vllm_eval_runner.spec_counters); the stand-in LLM registers none.
+FAKE_PROMETHEUS = '''
+class _Registry:
+    def __init__(self):
+        self._collector_to_names = {}
+
+    def register(self, collector):
+        self._collector_to_names[collector] = {collector._name}
+
+    def unregister(self, collector):
+        del self._collector_to_names[collector]
+
+
+REGISTRY = _Registry()
+'''
 SUMMED = {"num_drafts": 30, "num_draft_tokens": 90, "num_accepted_tokens": 36,
           "num_accepted_tokens_per_pos": [18, 12, 6]}
 
@@ -82,6 +98,7 @@ def fake_vllm(tmp_path):
     d = tmp_path / "fake"
     (d / "vllm").mkdir(parents=True)
     (d / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (d / "prometheus_client.py").write_text(FAKE_PROMETHEUS)
     return d
 
 
@@ -200,3 +217,35 @@ def test_vllm_time_limits_are_capped_by_the_environment(monkeypatch):
     assert vllm_env.timeout(900) == 900.0
     monkeypatch.setenv("EAGLET_VLLM_TIMEOUT_S", "420")
     assert vllm_env.timeout(900) == 420.0 and vllm_env.timeout(60) == 60.0
+
+
+def test_eval_runner_reads_each_engines_own_counters():
+    """Each LLM's stat logger unregisters the vllm: collectors of the LLMs made before it (vLLM 0.32):
+    the runner keeps each engine's collectors as made and puts them back in the registry for the
+    read, so an engine made before the last reads its own counters (it read the last one's)."""
+    from types import SimpleNamespace
+
+    from eaglet.engines import vllm_eval_runner as runner
+
+    ns: dict = {}
+    exec(FAKE_PROMETHEUS, ns)
+    reg = ns["_Registry"]()
+
+    class Collector:  # hashable, as prometheus_client's metrics are
+        def __init__(self, name, value):
+            self._name, self.value = name, value
+
+    def make_llm(drafts: int) -> list:  # what an LLM's stat logger does at its construction
+        for c in runner.vllm_collectors(reg):
+            reg.unregister(c)
+        own = [Collector("vllm:spec_decode_num_drafts", drafts)]
+        for c in own:
+            reg.register(c)
+        return runner.vllm_collectors(reg)
+
+    first, last = make_llm(5), make_llm(7)
+    llm = SimpleNamespace(get_metrics=lambda: [SimpleNamespace(name=c._name, labels={}, value=c.value)
+                                               for c in reg._collector_to_names])
+    assert runner.spec_counters(llm)["num_drafts"] == 7  # the registry as vLLM leaves it: the last engine's
+    assert runner.spec_counters(llm, first, reg)["num_drafts"] == 5
+    assert runner.spec_counters(llm, last, reg)["num_drafts"] == 7
