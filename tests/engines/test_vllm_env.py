@@ -225,7 +225,7 @@ def test_eval_runner_reads_each_engines_own_counters():
     read, so an engine made before the last reads its own counters (it read the last one's)."""
     from types import SimpleNamespace
 
-    from eaglet.engines import vllm_eval_runner as runner
+    from eaglet.engines import vllm_eval_runner
 
     ns: dict = {}
     exec(FAKE_PROMETHEUS, ns)
@@ -236,16 +236,16 @@ def test_eval_runner_reads_each_engines_own_counters():
             self._name, self.value = name, value
 
     def make_llm(drafts: int) -> list:  # what an LLM's stat logger does at its construction
-        for c in runner.vllm_collectors(reg):
+        for c in vllm_eval_runner.vllm_collectors(reg):
             reg.unregister(c)
         own = [Collector("vllm:spec_decode_num_drafts", drafts)]
         for c in own:
             reg.register(c)
-        return runner.vllm_collectors(reg)
+        return vllm_eval_runner.vllm_collectors(reg)
 
     first, last = make_llm(5), make_llm(7)
     llm = SimpleNamespace(get_metrics=lambda: [SimpleNamespace(name=c._name, labels={}, value=c.value)
                                                for c in reg._collector_to_names])
-    assert runner.spec_counters(llm)["num_drafts"] == 7  # the registry as vLLM leaves it: the last engine's
-    assert runner.spec_counters(llm, first, reg)["num_drafts"] == 5
-    assert runner.spec_counters(llm, last, reg)["num_drafts"] == 7
+    assert vllm_eval_runner.spec_counters(llm)["num_drafts"] == 7  # the registry as vLLM leaves it: the last engine's
+    assert vllm_eval_runner.spec_counters(llm, first, reg)["num_drafts"] == 5
+    assert vllm_eval_runner.spec_counters(llm, last, reg)["num_drafts"] == 7
