@@ -229,8 +229,6 @@ def vllm_checks(drafter_dir: str | Path, identity: dict, layer_ids: list[int] | 
     if unread:
         return head + [check("vllm.load_run", False, {"error": unread})]
     spec, plain = res["spec"], res["plain"]
-    if plain.get("skipped"):
-        plain["skipped"] = "the run with the drafter failed"
     keys = ("rc", "seconds", "log", "engine_error", "log_tail", "vllm_version", "skipped")
     det = {"plain": {x: plain[x] for x in keys if x in plain}, "spec": {x: spec[x] for x in keys if x in spec},
            "sharing_log": spec.get("sharing_log")}
