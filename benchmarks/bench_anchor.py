@@ -1,7 +1,7 @@
 """eaglet's trainer against the anchor, the speculators library's Eagle3 model, on the same data.
 
     python benchmarks/bench_anchor.py [--quick] [--seeds 0 1 2] [--results results] [--run smollm2]
-        [--epochs 3] [--data-fraction 1.0] [--optimizer adamw|muon]
+        [--epochs 3] [--data-fraction 1.0] [--autocast float32] [--optimizer adamw|muon]
         [--anchor-python envs/anchor/.venv/bin/python] [--keep DIR] [--out results/anchor.json]
 
 Both drafters train on the SAME stored hidden states (a real store: results/<run>/extract, the run
@@ -107,6 +107,8 @@ def train_params(run_params: dict | None, a) -> dict:
         run_params.setdefault("val_fraction", 0.2)
     p = resolve_params(run_params)
     p.update(checkpoint_every=10**9, gpus=0, max_steps=None, hidden_states="offline", data_fraction=a.data_fraction)
+    if a.autocast is not None:
+        p["autocast"] = a.autocast
     if a.epochs is not None:
         p["epochs"] = a.epochs
     elif a.quick:
@@ -194,6 +196,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one epoch")
     ap.add_argument("--epochs", type=float, default=None, help="override the run's train.epochs")
     ap.add_argument("--data-fraction", type=float, default=1.0, help="train on this share of the training samples")
+    from eaglet.base import schema
+
+    ap.add_argument("--autocast", default=None, choices=schema.allowed("train.autocast"),
+                    help="eaglet's train.autocast instead of the run's: float32 compares both trainers in fp32 on "
+                    "a CPU whose bf16 units auto would use")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one paired run of both per seed")
     ap.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                     help="the anchor's (speculators' builder): adamw, its TrainerConfig default, or muon, its CLI's")
