@@ -3,6 +3,7 @@ content, the user's own checkpoint never re-permissioned, the cache folder close
 every stage refusing an artifact altered inside the cache, naming the file, its cache entry and the
 command evicting it, and that command (scripts/cache_evict.py) evicting it."""
 
+import copy
 import json
 import os
 import re
@@ -589,3 +590,37 @@ def test_an_edited_prompts_file_reruns_prompts_and_misses_the_cache(tmp_path):
     answers = {m["content"] for r in read_parquet(b / target).to_pylist() for m in r["messages"]
                if m["role"] == "assistant"}
     assert answers and all(x.startswith("second ") for x in answers), answers
+
+
+def test_extraction_is_keyed_by_its_dtype_not_the_reason_it_was_chosen(tmp_path, monkeypatch):
+    """The same forward dtype chosen for different reasons (auto on this CPU or on a GPU job, or set
+    in the config) is one cache entry of extract_hidden_states, as Snakemake keys it; another dtype
+    is another. The job still receives the reason (its settings file), to log and record it."""
+    from dag_preview import cache_keys
+    from eaglet.base import capability
+
+    wf = clone(tmp_path / "wf")
+    base = yaml.safe_load((wf / "config/smoke.yaml").read_text())
+    auto, why = capability.cpu_target_dtype()
+    other = "float32" if auto == "bfloat16" else "bfloat16"
+    monkeypatch.setenv("EAGLET_PREVIEW_SETTINGS", str(tmp_path / "preview"))
+
+    def key(name: str, **extract) -> tuple[str, dict]:
+        conf = copy.deepcopy(base)
+        conf["extract"].update(extract)
+        (wf / f"config/{name}.yaml").write_text(yaml.safe_dump(conf))
+        k = cache_keys(wf, wf / f"config/{name}.yaml", tmp_path / "cache", ["extract_hidden_states"])
+        load = json.loads((tmp_path / "preview/logs/smoke/config/extract_load.json").read_text())
+        return k["extract_hidden_states"]["key"], load
+
+    (tmp_path / "cache").mkdir()
+    cpu_auto, load_auto = key("auto", target_dtype="auto")
+    cpu_set, load_set = key("set", target_dtype=auto)
+    assert (load_auto["dtype"], load_auto["dtype_reason"]) == (auto, why)  # the reason still reaches the job
+    assert load_set["dtype"] == auto and load_set["dtype_reason"] != why
+    assert cpu_auto == cpu_set
+    assert key("other", target_dtype=other)[0] != cpu_auto
+    gpu_auto, load_gpu = key("gpu_auto", target_dtype="auto", gpus_per_shard=1)
+    gpu_set, _ = key("gpu_set", target_dtype="bfloat16", gpus_per_shard=1)
+    assert load_gpu["dtype_reason"] == "GPU job" and gpu_auto == gpu_set
+    assert gpu_auto != cpu_auto  # where the forward runs is in the key (a GPU's numbers are not a CPU's)
