@@ -2,7 +2,7 @@
 folder and a config, read from what Snakemake prints (`rule X:` ... `reason: ...`). One preview
 costs ~0.5 s here instead of a new interpreter's ~2 s, so a table of every config key can be
 previewed within the test budget; and the between-workflow cache's key of a job, as Snakemake computes
-it (``cache_keys``)."""
+it (``cache_keys``) and its params (``job_params``)."""
 
 import contextlib
 import io
@@ -64,6 +64,20 @@ def preview(workdir: Path, configfile: Path, cache: Path, targets: list[str] | N
         pass
     jobs = dict(re.findall(r"^(?:local)?rule (\w+):\n(?:    (?!reason:).*\n)*    reason: (.*)$", out, re.M))
     return {r: why for r, why in jobs.items() if r != "all"}
+
+
+def job_params(workdir: Path, configfile: Path, cache: Path, rules: list[str]) -> dict[str, dict]:
+    """``{rule: {param: value}}`` of the first job of each of ``rules`` in the DAG of ``workdir``
+    with ``configfile``: every param as Snakemake expands it for the job (what its cache key hashes)."""
+    found: dict[str, dict] = {}
+    with _dry_run(workdir, configfile, cache) as (_, dag):
+        for job in sorted(dag.jobs, key=str):
+            if job.rule.name in rules and job.rule.name not in found:
+                found[job.rule.name] = dict(job.params.items())
+    missing = set(rules) - set(found)
+    if missing:
+        raise RuntimeError(f"no job of {sorted(missing)} in the DAG of {configfile}")
+    return found
 
 
 def cache_keys(workdir: Path, configfile: Path, cache: Path, rules: list[str]) -> dict[str, dict]:
