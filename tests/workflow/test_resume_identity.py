@@ -8,6 +8,7 @@ The workflow-level case (layer ids changed after a finished smoke run) is tests/
 import json
 import logging
 import shutil
+from importlib import metadata
 from pathlib import Path
 
 import pandas as pd
@@ -16,9 +17,10 @@ import torch
 import yaml
 
 from canned_server import make_conversations
-from conftest import clone
+from conftest import VLLM_ENV, clone
 from eaglet.base.digests import file_digest
 from eaglet.base.files import read_json, write_json
+from eaglet.base.library_versions import libraries
 from eaglet.base.settings_files import setting_changes
 from eaglet.base.tensors import load_tensors, save_tensors
 from eaglet.features.extract import extract
@@ -274,7 +276,9 @@ def test_parts_key_holds_what_defines_a_row(tiny_target):
     cfg = resolve_config({"backend": "openai", "base_urls": ["http://a/v1"], "model": "m"})
     base = parts_key(cfg, tiny_target, None)
     # the engine: backend and model asked for (the servers are only where it is asked)
-    assert engine_key(cfg) == {"backend": "openai", "settings": {"model": "m"}}
+    assert engine_key(cfg) == {"backend": "openai", "settings": {"model": "m"},
+                               # the prompt limit renders and counts the prompts here
+                               "libraries": {n: metadata.version(n) for n in ("jinja2", "tokenizers", "transformers")}}
     same = {**cfg, "base_urls": ["http://b/v1"], "concurrency": 99, "timeout_s": 1}
     assert parts_key(same, tiny_target, None) == base
     assert parts_key({**cfg, "model": "other"}, tiny_target, None) != base
@@ -335,12 +339,17 @@ def test_the_cache_key_and_the_resumed_rows_hold_one_engine_definition(tmp_path,
                                                  if backend == "openai" else {})}
     (wf / "config/b.yaml").write_text(yaml.safe_dump(conf))
     monkeypatch.setenv("EAGLET_PREVIEW_SETTINGS", str(tmp_path / "preview"))
+    if VLLM_ENV.is_dir():  # vLLM's version is read from the venv the jobs would serve with
+        (wf / "envs/vllm/.venv").symlink_to(VLLM_ENV)
     jobs = job_params(wf, wf / "config/b.yaml", tmp_path / "cache", ["generate", "generate_eval"])
+    monkeypatch.chdir(wf)  # where the jobs run
     for rule, params in jobs.items():
         handed = json.loads((tmp_path / f"preview/logs/smoke/config/{rule}.json").read_text())
         want = {name: value(None) for name, value in key_params("engine", engine_key(resolve_config(handed))).items()}
         assert {k: v for k, v in params.items() if k.startswith("engine_")} == want, rule
-        assert len(want) == 1 + len(ENGINE_KEYS[backend])
+        assert len(want) == 1 + len(ENGINE_KEYS[backend]) + len(libraries("generate", backend))
+        if backend == "vllm" and VLLM_ENV.is_dir():
+            assert params["engine_libraries_vllm"].startswith('libraries.vllm="vllm'), params
 
 
 def test_prepare_parts_discards_other_settings_naming_them(tmp_path, caplog):

@@ -30,6 +30,8 @@ rule extract_hidden_states:
         gpu=config["extract"]["gpus_per_shard"],
     params:
         **key_params("load", R.extract_load, ["dtype", "device", "trust_remote_code"]),
+        # the versions of torch and transformers (eaglet.base.library_versions): the forward's numerics
+        **library_params("extract_hidden_states"),
         # where the forward runs (a GPU's numbers are not a CPU's; target.device auto follows it)
         on_gpu=R.extract_on_gpu,
         # Shard index and count in params: otherwise every shard hits one cache entry.

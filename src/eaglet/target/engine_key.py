@@ -26,14 +26,17 @@ replies' text; what changes only how fast or how robustly rows are made is out.
 Out of every backend: base_urls, the concurrency of a server backend, timeouts, retries,
 chunk_size, flush_s, the server's memory (kv_cache_gb), enforce_eager, start-up timeout and the
 venv's path. The sampling settings, the chat template and the prompts are the stage's other keys
-(its params and parts_key); the versions of the libraries that answer are in both keys too
-(eaglet.base.library_versions).
+(its params and parts_key). The versions of the libraries that answer are part of the engine
+(eaglet.base.library_versions): a row made by another vLLM or transformers is made anew, as the
+cache makes the whole output anew.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from eaglet.base.library_versions import versions
 
 # generate's settings (dotted within the section as the stage reads it: ``vllm`` holds the serving
 # settings, ``target_load`` how the local backend loads the target) that define the text, per backend
@@ -54,9 +57,10 @@ def _plain(value: Any) -> Any:
 
 
 def engine_key(cfg: Mapping) -> dict:
-    """``{"backend": ..., "settings": {dotted key: value}}``: the settings of ``ENGINE_KEYS`` for
-    generate's settings ``cfg`` (the workflow's, defaults filled, or the stage's resolved config:
-    the same values)."""
+    """``{"backend": ..., "settings": {dotted key: value}, "libraries": {library: version}}``: the
+    settings of ``ENGINE_KEYS`` for generate's settings ``cfg`` (the workflow's, defaults filled, or
+    the stage's resolved config: the same values), and the versions of the libraries that answer
+    (eaglet.base.library_versions: vLLM's read from ``generate.vllm.env``)."""
     backend = cfg["backend"]
     settings = {}
     for key in ENGINE_KEYS[backend]:
@@ -64,4 +68,5 @@ def engine_key(cfg: Mapping) -> dict:
         for part in key.split("."):
             value = value[part]
         settings[key] = _plain(value)
-    return {"backend": backend, "settings": settings}
+    return {"backend": backend, "settings": settings,
+            "libraries": versions("generate", backend, cfg["vllm"]["env"])}
