@@ -21,9 +21,10 @@ are keyed by too, eaglet.target.engine_key).
 
 Versions are read with importlib.metadata in the interpreter that parses the workflow, the one whose
 venv runs its jobs (``python -m`` from the same ``.venv``); a library not installed reads ``None``.
-Not keyed: target_model (its output is known downstream by its content digest), prompts, export
-(its files are the trained drafter's, in another layout; its contract checks them on every run),
-the report stages.
+Not keyed: target_model (its output is known downstream by its content digest), prompts and
+eval_prompts (they pick and split conversations; nothing is rendered or tokenised), export (its
+files are the trained drafter's, in another layout; its contract checks them on every run), the
+report stages.
 """
 
 from __future__ import annotations
