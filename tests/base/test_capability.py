@@ -3,6 +3,7 @@
 the extraction artifact and handed to the trainer resolved."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,20 +85,24 @@ def test_parse_time_decision_is_logged_and_reaches_extraction(tmp_path):
     a = clone(tmp_path / "wf")
     conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
     want, why = capability.resolve_target_dtype("auto", False)
-    out = {}
+    out, load = {}, {}
     for setting in ("auto", "bfloat16"):
         conf.setdefault("extract", {})["target_dtype"] = setting
         (a / "config/t.yaml").write_text(yaml.safe_dump(conf))
+        # the job's settings file (written by a run when it starts; by a preview only where asked)
+        env = {**os.environ, "EAGLET_PREVIEW_SETTINGS": str(tmp_path / setting)}
         # the target first: --configfile takes several values
         p = subprocess.run([sys.executable, "-m", "snakemake", "results/smoke/extract/shard_0", "-n", "-p",
-                            "--cores", "1", "--configfile", "config/t.yaml"], cwd=a, capture_output=True,
+                            "--cores", "1", "--configfile", "config/t.yaml"], cwd=a, env=env, capture_output=True,
                            text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         out[setting] = p.stdout + p.stderr
+        assert "--target-load @logs/smoke/config/extract_load.json" in out[setting]
+        load[setting] = json.loads((tmp_path / setting / "logs/smoke/config/extract_load.json").read_text())
     assert f"extraction target forward: {want} ({why})" in out["auto"]
-    assert f'"dtype": "{want}"' in out["auto"].split("python -m eaglet.features.extract")[1]
+    assert (load["auto"]["dtype"], load["auto"]["dtype_reason"]) == (want, why)
     assert "extraction target forward: bfloat16 (set in the config" in out["bfloat16"]
-    assert '"dtype": "bfloat16"' in out["bfloat16"].split("python -m eaglet.features.extract")[1]
+    assert load["bfloat16"]["dtype"] == "bfloat16"
 
 
 def test_train_autocast_auto_follows_the_same_bf16_units():

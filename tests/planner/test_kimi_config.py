@@ -69,6 +69,7 @@ def dry_run(repo, name: str, gpus: int = 8, **overrides) -> tuple[str, list[dict
     jobs = {j["rule"]: j for j in planned(out)}
     STAGE_CONFIGS[name] = {
         "generate": json.loads((preview / "logs" / conf["run"] / "config/generate.json").read_text()),
+        "extract_load": json.loads((preview / "logs" / conf["run"] / "config/extract_load.json").read_text()),
         "export": flag_json(jobs["export"]["shell"], "--config"),
         "target_model": json.loads(next((preview / "logs/target_model").glob("*.config.json")).read_text())}
     return out, planned(out)
@@ -241,9 +242,11 @@ def test_evaluation_and_contract_serve_kimi_as_configured(repo, kimi_plan):
     assert ev["shell"].startswith("python -m eaglet.planner.gpu_slots --gpus 8 -- ")
     # export is handed its settings on its command line (--config JSON)
     assert STAGE_CONFIGS["kimi"]["export"]["serving"] == want
-    # extract.target_dtype auto on a GPU job: bf16, with the reason (eaglet.base.capability, issue 15)
-    load = '{"device": "auto", "dtype": "bfloat16", "dtype_reason": "GPU job", "trust_remote_code": true}'
-    assert f"--target-load '{load}'" in by["extract_hidden_states"]["shell"]
+    # extract.target_dtype auto on a GPU job: bf16, with the reason (eaglet.base.capability, issue 15),
+    # handed in a settings file (the reason is in no key)
+    assert STAGE_CONFIGS["kimi"]["extract_load"] == {"device": "auto", "dtype": "bfloat16", "dtype_reason": "GPU job",
+                                                     "trust_remote_code": True}
+    assert "--target-load @logs/kimi-k2.5/config/extract_load.json" in by["extract_hidden_states"]["shell"]
     for rule in ("evaluate_offline", "evaluate_speculative"):
         shell = by[rule]["shell"]
         assert '"hf_loop": false' in shell and '"hf_loop_reason": "evaluate.hf_loop: false' in shell, shell[:600]

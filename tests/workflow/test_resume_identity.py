@@ -8,23 +8,28 @@ The workflow-level case (layer ids changed after a finished smoke run) is tests/
 import json
 import logging
 import shutil
+from importlib import metadata
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+import yaml
 
 from canned_server import make_conversations
+from conftest import VLLM_ENV, clone
 from eaglet.base.digests import file_digest
 from eaglet.base.files import read_json, write_json
+from eaglet.base.library_versions import libraries
 from eaglet.base.settings_files import setting_changes
 from eaglet.base.tensors import load_tensors, save_tensors
 from eaglet.features.extract import extract
-from eaglet.generate.generate import engine_key, generate, parts_key, resolve_config
+from eaglet.generate.generate import generate, parts_key, resolve_config
 from eaglet.generate.parts import prepare_parts
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.hidden.store import ShardWriter
 from eaglet.target.capture import REF_PER_BATCH
+from eaglet.target.engine_key import ENGINE_KEYS, engine_key
 from eaglet.train.train import train
 from train_common import LAYERS, PARAMS, hidden_data, write_tokens
 
@@ -271,7 +276,9 @@ def test_parts_key_holds_what_defines_a_row(tiny_target):
     cfg = resolve_config({"backend": "openai", "base_urls": ["http://a/v1"], "model": "m"})
     base = parts_key(cfg, tiny_target, None)
     # the engine: backend and model asked for (the servers are only where it is asked)
-    assert engine_key(cfg) == {"backend": "openai", "model": "m"}
+    assert engine_key(cfg) == {"backend": "openai", "settings": {"model": "m"},
+                               # the prompt limit renders and counts the prompts here
+                               "libraries": {n: metadata.version(n) for n in ("jinja2", "tokenizers", "transformers")}}
     same = {**cfg, "base_urls": ["http://b/v1"], "concurrency": 99, "timeout_s": 1}
     assert parts_key(same, tiny_target, None) == base
     assert parts_key({**cfg, "model": "other"}, tiny_target, None) != base
@@ -284,6 +291,65 @@ def test_parts_key_holds_what_defines_a_row(tiny_target):
     vkey = parts_key(vl, tiny_target, None)
     assert parts_key({**vl, "vllm": {**vl["vllm"], "dtype": "bfloat16"}}, tiny_target, None) != vkey
     assert parts_key({**vl, "vllm": {**vl["vllm"], "kv_cache_gb": 9}}, tiny_target, None) == vkey
+
+
+def _other(value):
+    """Another value of a setting's kind."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, list):
+        return [*value, "--other"]
+    return f"{value}-other" if value is not None else "other"
+
+
+@pytest.mark.parametrize(("backend", "key"), [(b, k) for b, keys in ENGINE_KEYS.items() for k in keys])
+def test_a_row_made_under_another_engine_setting_is_made_anew(tiny_target, tmp_path, caplog, backend, key):
+    """Every setting of the one definition of what defines the text (eaglet.target.engine_key, which
+    the workflow's cache key reads too): rows written under another value are discarded, naming it."""
+    cfg = resolve_config({"backend": backend, "model": "m"})
+    *parents, leaf = key.split(".")
+    other = json.loads(json.dumps(cfg))
+    d = other
+    for p in parents:
+        d = d[p]
+    d[leaf] = _other(d[leaf])
+    parts = prepare_parts(tmp_path, parts_key(cfg, tiny_target, None))
+    (parts / "part_000000.parquet").write_bytes(b"x")
+    assert prepare_parts(tmp_path, parts_key(cfg, tiny_target, None)) == parts
+    assert (parts / "part_000000.parquet").exists()  # the same settings: kept
+    with caplog.at_level(logging.WARNING, logger="eaglet"):
+        prepare_parts(tmp_path, parts_key(other, tiny_target, None))
+    assert not (parts / "part_000000.parquet").exists()
+    assert f"engine.settings.{key}: " in caplog.text and "discarding 1 part files" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("backend", sorted(ENGINE_KEYS))
+def test_the_cache_key_and_the_resumed_rows_hold_one_engine_definition(tmp_path, monkeypatch, backend):
+    """The generate and generate_eval jobs' params, as Snakemake expands them for the cache key, hold
+    exactly the engine key the stage computes for its resumed rows from the settings file it is
+    handed: one definition (eaglet.target.engine_key), each of its settings one param."""
+    from dag_preview import job_params
+    from eaglet.workflow.params import key_params
+
+    wf = clone(tmp_path / "wf")
+    conf = yaml.safe_load((wf / "config/smoke.yaml").read_text())
+    conf["generate"] |= {"backend": backend, **({"base_urls": ["http://127.0.0.1:9/v1"], "model": "m"}
+                                                 if backend == "openai" else {})}
+    (wf / "config/b.yaml").write_text(yaml.safe_dump(conf))
+    monkeypatch.setenv("EAGLET_PREVIEW_SETTINGS", str(tmp_path / "preview"))
+    if VLLM_ENV.is_dir():  # vLLM's version is read from the venv the jobs would serve with
+        (wf / "envs/vllm/.venv").symlink_to(VLLM_ENV)
+    jobs = job_params(wf, wf / "config/b.yaml", tmp_path / "cache", ["generate", "generate_eval"])
+    monkeypatch.chdir(wf)  # where the jobs run
+    for rule, params in jobs.items():
+        handed = json.loads((tmp_path / f"preview/logs/smoke/config/{rule}.json").read_text())
+        want = {name: value(None) for name, value in key_params("engine", engine_key(resolve_config(handed))).items()}
+        assert {k: v for k, v in params.items() if k.startswith("engine_")} == want, rule
+        assert len(want) == 1 + len(ENGINE_KEYS[backend]) + len(libraries("generate", backend))
+        if backend == "vllm" and VLLM_ENV.is_dir():
+            assert params["engine_libraries_vllm"].startswith('libraries.vllm="vllm'), params
 
 
 def test_prepare_parts_discards_other_settings_naming_them(tmp_path, caplog):
@@ -319,7 +385,7 @@ def test_generate_redoes_rows_of_another_engine_and_resumes_its_own(tiny_target,
     with caplog.at_level(logging.INFO, logger="eaglet"):
         s = generate(tmp_path / "in.parquet", ident, tmp_path / "out", {**cfg, "concurrency": 3})
     assert s["this_run"]["skipped"] == 0 and s["this_run"]["success"] == 3
-    assert "engine.batch_size: 2 -> 3); discarding 3 part files" in caplog.text, caplog.text
+    assert "engine.settings.concurrency: 2 -> 3); discarding 3 part files" in caplog.text, caplog.text
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

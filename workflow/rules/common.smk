@@ -26,6 +26,7 @@ from eaglet.workflow.params import (
     SettingsFiles,
     as_json,
     key_params,
+    library_params,
     out_dir,
     settings,
     target_digest,

@@ -92,6 +92,9 @@ rule tokenize:
     conda:
         "../../envs/eaglet.yaml"
     params:
+        # the versions of tokenizers, transformers and jinja2 (eaglet.base.library_versions): another
+        # venv's renders and tokenises its own way, so it misses the cache
+        **library_params("tokenize"),
         digest=target_digest,
         out=out_dir,
         max_length=config["tokenize"]["max_length"],
@@ -128,6 +131,7 @@ rule token_freq:
     conda:
         "../../envs/eaglet.yaml"
     params:
+        **library_params("token_freq"),
         digest=target_digest,
         out=out_dir,
     shell:
@@ -154,6 +158,7 @@ rule vocab_map:
     conda:
         "../../envs/eaglet.yaml"
     params:
+        **library_params("vocab_map"),
         digest=target_digest,
         out=out_dir,
         draft_vocab_size=config["vocab"]["draft_vocab_size"],

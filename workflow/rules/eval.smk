@@ -67,6 +67,7 @@ rule evaluate_offline:
     params:
         **key_params("evaluate", EVAL_OPTS, EVAL_KEYS),
         **key_params("set", EVAL_DATA),
+        **library_params("evaluate"),
         sets=as_json(EVAL_SETS),
         opts=settings(EVAL_OPTS),
         out=out_dir,
@@ -98,6 +99,7 @@ rule evaluate_speculative:
     params:
         **key_params("evaluate", EVAL_OPTS, EVAL_KEYS),
         **key_params("set", EVAL_DATA),
+        **library_params("evaluate"),
         sets=as_json(EVAL_SETS),
         opts=settings(EVAL_OPTS),
         out=out_dir,
@@ -154,6 +156,8 @@ rule evaluate_vllm:
     params:
         **key_params("evaluate_vllm", EVAL_VLLM_OPTS, EVAL_VLLM_KEYS),
         **key_params("set", EVAL_DATA),
+        # vLLM's package and version from its venv (eaglet.base.library_versions)
+        **library_params("evaluate_vllm", vllm_env=EVAL["vllm"]["env"]),
         sets=as_json(EVAL_SETS),
         opts=settings(EVAL_VLLM_OPTS),
         drafter=lambda wildcards, input: str(Path(input.config).parent),
@@ -208,6 +212,7 @@ rule evaluate_regenerated:
         **key_params(
             "evaluate", REGEN_OPTS, [k for k in REGEN_OPTS if k != "hf_loop_reason"]
         ),
+        **library_params("evaluate"),
         opts=settings(REGEN_OPTS),
     shell:
         "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
@@ -241,6 +246,7 @@ rule evaluate_modes:
         **key_params("evaluate", EVAL_OPTS, EVAL_KEYS),
         **key_params("evaluate_modes", {"modes": MODES}),
         **key_params("set", EVAL_DATA),
+        **library_params("evaluate"),
         sets=as_json(EVAL_SETS),
         modes=as_json(MODES),
         opts=settings(EVAL_OPTS),

