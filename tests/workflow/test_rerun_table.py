@@ -199,8 +199,10 @@ TABLE = {
 
 
 # Keys whose change is more than one short line in the preview: the template's own text is the
-# param, and online training adds the online settings' keys (layer ids, dtype, how the target loads).
-LONG_REASONS = {"target.chat_template", "train.hidden_states"}
+# param, online training adds the online settings' keys (layer ids, dtype, how the target loads), and
+# another generate.backend swaps the whole set of settings that define the text (eaglet.target.engine_key:
+# the local backend's target load settings for the served model's name and engine settings).
+LONG_REASONS = {"target.chat_template", "train.hidden_states", "generate.backend"}
 
 
 def schema_keys(node: dict, path: str = "") -> list[str]:
