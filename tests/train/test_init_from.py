@@ -193,6 +193,7 @@ def test_too_small_an_overlap_is_refused_and_a_lower_gate_lets_it_through(tiny_t
     ("embedding", r"tensor embed_tokens.weight is not this target's embedding"),
     ("d2t", r"d2t maps 1 draft tokens onto a target token taken"),
     ("not_a_drafter", r"not an EAGLE-3 drafter directory as vLLM loads it \(no model.safetensors\)"),
+    ("speculators", r"format B \(speculators"),
 ])
 def test_a_drafter_for_another_target_or_a_broken_one_is_refused_before_any_step(tiny_target, data, scratch,
                                                                                 tmp_path, case, match):
@@ -201,7 +202,8 @@ def test_a_drafter_for_another_target_or_a_broken_one_is_refused_before_any_step
             "vocab_size": lambda c: {**c, "vocab_size": c["vocab_size"] + 1},
             "layer_ids": lambda c: {**c, "eagle_aux_hidden_state_layer_ids": [1, 3, 6]},
             "layers": lambda c: {**c, "num_hidden_layers": 2},
-            "variant": lambda c: {**c, "norm_before_residual": True}}.get(case)
+            "variant": lambda c: {**c, "norm_before_residual": True},
+            "speculators": lambda c: {**c, "speculators_model_type": "eagle3"}}.get(case)
     tensors = {"missing_tensor": lambda t: {k: v for k, v in t.items() if k != "midlayer.mlp.up_proj.weight"},
                "wrong_shape": lambda t: {**t, "fc.weight": t["fc.weight"][:, 1:].contiguous()},
                "embedding": lambda t: {**t, "embed_tokens.weight": torch.randn(49152, 128)},
