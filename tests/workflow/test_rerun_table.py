@@ -166,6 +166,9 @@ TABLE = {
     "train.keep_checkpoints": (2, OFF),
     "train.label_min_agreement": (0.9, OFF),
     "train.accept_unchecked_labels": (True, OFF),
+    # a published drafter (the smoke run's own export, copied): keyed by its content digest
+    "train.init_from": ("DRAFTER_DIR", {"train"}),
+    "train.init_min_overlap": (0.9, OFF),  # a gate: whether the run may start
     "train.autocast": (OTHER_DTYPE, {"train"}),
     "train.hidden_states": ("online", {"train"}),  # extraction leaves the DAG
     "train.nodes": (2, OFF),  # no GPUs: the launcher is the same plain python
@@ -261,6 +264,10 @@ def run_copy(finished_run, tmp_path_factory):
     rows = [{"id": f"p{i}", "conversations": [{"from": "human", "value": f"What is {i} plus {i}?"},
                                                {"from": "gpt", "value": f"It is {2 * i}."}]} for i in range(60)]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    published = wf / "published_drafter"
+    published.mkdir()
+    for name in ("config.json", "model.safetensors"):  # the run's export, followed out of the cache
+        shutil.copyfile(wf / "results/smoke/drafter" / name, published / name)
     return wf, cache
 
 
@@ -274,7 +281,8 @@ def test_each_key_reruns_exactly_the_stages_it_defines(run_copy):
     for key, row in TABLE.items():
         value, stages, *more = row
         changes = {key: value, **(more[0] if more else {})}
-        changes = {k: str(wf / "prompts.jsonl") if v == "PROMPTS_FILE" else v for k, v in changes.items()}
+        files = {"PROMPTS_FILE": str(wf / "prompts.jsonl"), "DRAFTER_DIR": str(wf / "published_drafter")}
+        changes = {k: files.get(v, v) if isinstance(v, str) else v for k, v in changes.items()}
         (wf / "config/k.yaml").write_text(yaml.safe_dump(changed(base, changes)))
         jobs = preview(wf, wf / "config/k.yaml", cache)
         want = after(stages) | {"provenance"}

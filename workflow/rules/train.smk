@@ -7,9 +7,11 @@ from eaglet.workflow import train_job
 
 # The training job's params, shared with the learning curve's train_fraction (learning_curve.smk):
 # train.* as resolved (R.train: train.hidden_states and train.autocast decided at parse time), the
-# keys that define the drafter one by one (R.train_keys), and online the target's settings.
+# keys that define the drafter one by one (R.train_keys), train.init_from by the drafter's content
+# digest (R.train_init_from: none without it), and online the target's settings.
 TRAIN_PARAMS = dict(
     **key_params("train", R.train, R.train_keys),
+    **key_params("train", R.train_init_from),
     **(
         key_params("online", R.online, ["layer_ids", "dtype", "target_load"])
         if R.storage.online

@@ -98,9 +98,10 @@ def _attention_transient(B: int, T: int, h: int, K: int, dtype: str, attention: 
 # train.* keys that do not change what a training run computes, written once for the workflow (kept
 # out of the train rule's params: no rerun, no other cache key) and the trainer (kept out of its
 # checkpoints' identity, eaglet.train.setup.run_identity): how often a checkpoint is written and how
-# many are kept (writing one draws no random number and changes no state), and the label check's
-# gate (whether the run may start, not what it computes).
-TRAIN_NOT_DEFINING = ("checkpoint_every", "keep_checkpoints", "label_min_agreement", "accept_unchecked_labels")
+# many are kept (writing one draws no random number and changes no state), and the gates of the label
+# check and of train.init_from's vocabulary overlap (whether the run may start, not what it computes).
+TRAIN_NOT_DEFINING = ("checkpoint_every", "keep_checkpoints", "label_min_agreement", "accept_unchecked_labels",
+                      "init_min_overlap")
 
 
 def bf16_autocast(setting: str, on_gpu: bool, flags: set[str] | None = None) -> bool:

@@ -171,16 +171,22 @@ def train_step(r: TrainRun, batches: Batches, step: int) -> dict:
     return row
 
 
+def validate_and_keep(r: TrainRun, batches: Batches, done: int) -> None:
+    """A validation pass after step ``done`` (0: before any step, the weights of train.init_from),
+    its row appended, and its weights kept when they are the best so far."""
+    r.rows.append(validate(r, batches, done))
+    key = SELECT_KEY[float(r.p["select_temperature"])]
+    if is_better(r.rows[-1], r.best, key):
+        r.best = {"step": done, "by": key, "tau": r.rows[-1][key], "chain_tau": r.rows[-1]["chain_tau"],
+                  "chain_by_sequence": r.val_seq[done],
+                  "model": {k: v.detach().cpu().clone() for k, v in r.drafter.trainable_state_dict().items()}}
+
+
 def after_step(r: TrainRun, batches: Batches, done: int) -> None:
     """Validation (and best-weights bookkeeping) and the checkpoint due after step ``done``."""
     p = r.p
     if r.val_batches and (done % p["val_every"] == 0 or done == r.total):
-        r.rows.append(validate(r, batches, done))
-        key = SELECT_KEY[float(p["select_temperature"])]
-        if is_better(r.rows[-1], r.best, key):
-            r.best = {"step": done, "by": key, "tau": r.rows[-1][key], "chain_tau": r.rows[-1]["chain_tau"],
-                      "chain_by_sequence": r.val_seq[done],
-                      "model": {k: v.detach().cpu().clone() for k, v in r.drafter.trainable_state_dict().items()}}
+        validate_and_keep(r, batches, done)
     if r.main and (done % p["checkpoint_every"] == 0) and done < r.total:
         save_checkpoint(r.ckpt_dir, done, {
             "digest": r.digest, "identity": r.identity, "step": done,

@@ -27,7 +27,7 @@ from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.planner.plan import TRAIN_NOT_DEFINING, bf16_autocast
 from eaglet.target.head import TargetHead
 from eaglet.target.load import load_target_embedding
-from eaglet.train import labels
+from eaglet.train import init_from, labels
 from eaglet.train.data import plan_batches, plan_micro_batches
 from eaglet.train.state import dist_setup, load_latest_checkpoint, restore_rng_state
 
@@ -137,6 +137,8 @@ class TrainRun:
     best: dict | None = None  # the validation pass with the best chain τ: {"step", "chain_tau", "model"}
     # step -> [[accepted, rounds] at k = K] per validation sequence, in val_batches order
     val_seq: dict = field(default_factory=dict)
+    # train.init_from: the published drafter it started from and what its check found (eaglet.train.init_from)
+    init: dict | None = None
 
     @property
     def main(self) -> bool:
@@ -200,6 +202,9 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
     d2t, t2d = check_vocab(vocab, identity)
     cfg = DrafterConfig.from_identity(identity, len(d2t), meta["layer_ids"], ttt_steps=int(p["ttt_steps"]),
                                       **drafter_options(p))
+    start = init_from.open_checked(p["init_from"], cfg, identity) if p["init_from"] else None  # before any step
+    if start is not None:
+        cfg = start.cfg
     head = DraftLabels(identity, t2d, bool(meta["final_is_prenorm"]), p["oov_rule"] == "greedy", device)
     label_check = prove_labels(head, ds, p)
     if rank == 0:
@@ -210,6 +215,7 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
     if p["lm_head_init"] == "target":
         with torch.no_grad():
             drafter.lm_head.weight.copy_(head.w_VdH.cpu())
+    init = init_from.load_into(drafter, start, d2t, float(p["init_min_overlap"])) if start is not None else None
     freeze_head(drafter, p)
     drafter.to(device)
     objective = TTTObjective(drafter, cfg.ttt_steps, float(p["gamma"]), p["loss"], float(p["kl_scale"]),
@@ -222,7 +228,7 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
                     broadcast_buffers=False)
     return TrainRun(p=p, out_dir=out_dir, rank=rank, ws=ws, device=device, ds=ds, d2t=d2t, t2d=t2d, cfg=cfg,
                 head=head, label_check=label_check, drafter=drafter, objective=objective, model=model,
-                val_ids=val_ids, data_identity=data_identity(ds, hidden, val_hidden, online))
+                val_ids=val_ids, data_identity=data_identity(ds, hidden, val_hidden, online), init=init)
 
 
 def plan_run(r: TrainRun, hidden: list[str]) -> None:
@@ -281,13 +287,16 @@ def data_identity(ds, hidden: list[str], val_hidden: list[str] | None, online: d
 
 def run_identity(r: TrainRun, vocab: str, identity: dict) -> dict:
     """Everything that defines a run's checkpoints: a checkpoint is resumed only when its recorded
-    identity equals this (eaglet.train.state.load_latest_checkpoint)."""
+    identity equals this (eaglet.train.state.load_latest_checkpoint). train.init_from by the drafter's
+    content digest, not its path (and absent without it: older checkpoints stay this run's)."""
     ident = {"format": 2, "target": identity["digest"], "vocab": file_digest(vocab),
              "layer_ids": r.data_identity["layer_ids"],
              "hidden_states": {k: v for k, v in r.data_identity.items() if k != "layer_ids"},
-             "params": {k: v for k, v in r.p.items() if k not in NOT_DEFINING},
+             "params": {k: v for k, v in r.p.items() if k not in NOT_DEFINING and k != "init_from"},
              "world": r.ws, "device": r.device.type,
              "bf16_autocast": bf16_autocast(r.p["autocast"], r.device.type == "cuda")}
+    if r.init is not None:
+        ident["init_from"] = r.init["digest"]
     return json.loads(json.dumps(ident, default=str))  # plain values, as a checkpoint gives them back
 
 
@@ -300,10 +309,12 @@ def resume(r: TrainRun, vocab: str, identity: dict) -> None:
     state = load_latest_checkpoint(r.ckpt_dir, r.identity) if r.ckpt_dir.exists() else None
     if state is None:
         return
+    # the checkpoint's weights over train.init_from's: the same start (its digest is in the identity)
     r.drafter.load_state_dict({**state["model"], "embed_tokens.weight": r.drafter.embed_tokens.weight})
     r.opt.load_state_dict(state["optimizer"])
     r.sched.load_state_dict(state["scheduler"])
     restore_rng_state(state["rng"])
     r.start, r.rows, r.best = int(state["step"]), list(state["metrics"]), state.get("best")
     if r.main:
-        log.info("resuming from %s/step_%08d.pt", r.ckpt_dir, r.start)
+        log.info("resuming from %s/step_%08d.pt%s", r.ckpt_dir, r.start,
+                 " (its weights replace train.init_from's: the run started from that drafter)" if r.init else "")

@@ -32,6 +32,11 @@ one on a tie; the last weights when there is no validation set), or the best ``e
 ``select_temperature: 1``; ``train_summary.json`` says which
 (``selected``) and carries its validation row as ``best_val``.
 
+``train.init_from: DIR`` starts from a published drafter (eaglet.train.init_from: checked against the
+run, its draft vocabulary used as is or remapped by token id) instead of a fresh one; a validation
+pass before any step scores it (the step-0 ``val`` row, a candidate for the kept weights) and
+``train_summary.json: init_from`` records what was loaded. A checkpoint of this run resumes first.
+
 Alignment (see Eagle3Drafter.ttt_unroll): index t of step k drafts x_{t+2+k}; its target is
 softmax(target_logits(final_{t+1+k})[t2d]) (the target's next-token distribution after reading
 x_{t+1+k}); it counts iff x_{t+2+k} is an assistant token (loss_mask) and the target's greedy
@@ -65,7 +70,7 @@ from eaglet.drafter.ttt import check_recipe
 from eaglet.hidden.reader import HiddenStateDataset
 
 # the phases' parts, in their own modules (re-exported: tests and benchmarks import them from here)
-from eaglet.train.loop import Batches, after_step, autocast_on, train_step
+from eaglet.train.loop import Batches, after_step, autocast_on, train_step, validate_and_keep
 from eaglet.train.setup import TrainRun, plan_run, resume, setup
 
 log = logging.getLogger("eaglet.train.train")
@@ -125,6 +130,8 @@ def write_outputs(r: TrainRun, tokens_seen: int, elapsed: float) -> dict:
                else "stored by extraction (target_lse, target_top1)",
                "final_train": last_train, "final_val": last_val, "selected": selected, "best_val": best_val,
                "draft_vocab_size": len(r.d2t), "layer_ids": cfg.layer_ids, "label_check": r.label_check,
+               # train.init_from: the drafter it continued, its digest and what became of its vocabulary
+               "init_from": r.init,
                "target_digest": identity_digest, "params": r.p, "config": json.loads(cfg.to_json()),
                # checked by export and evaluate (digests.verify_recorded)
                DIGESTS_KEY: record_digests(r.out_dir, ["drafter.safetensors", "metrics.parquet"])}
@@ -154,6 +161,16 @@ def train(hidden: list[str], vocab: str, identity: dict, out_dir: str | Path, pa
     plan_run(r, hidden)
     resume(r, vocab, identity)
     batches = Batches(r)
+    if r.init is not None and r.start == 0 and r.val_batches:
+        # the drafter it starts from, scored before any step: metrics' step-0 validation row, and a
+        # candidate for the kept weights (the continued drafter is never worse on validation than it)
+        validate_and_keep(r, batches, 0)
+        if r.main:
+            log.info("train.init_from: before any step, validation loss %.4f, chain tau %s", r.rows[-1]["loss"],
+                     _fmt(r.rows[-1]["chain_tau"]))
+    if r.init is not None:  # that row, also when resumed (the checkpoint holds the rows so far)
+        row0 = next((x for x in r.rows if x["split"] == "val" and x["step"] == 0), None)
+        r.init["val_before_training"] = row0 and {k: row0[k] for k in ("loss", "chain_tau", "exp_tau", "tf_tau")}
     r.objective.train()
     bar = tqdm(total=r.total, initial=r.start, disable=not r.main, desc="train", mininterval=5)
     t_start = time.time()

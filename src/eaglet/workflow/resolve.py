@@ -25,8 +25,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from eaglet.base.artifacts import ArtifactError
 from eaglet.base.capability import resolve_autocast, resolve_target_dtype
 from eaglet.base.settings_files import write_settings
+from eaglet.drafter import published
 from eaglet.planner import plan, storage
 from eaglet.target.chat_template import chat_template_text
 from eaglet.target.families import check_tiny
@@ -128,8 +130,11 @@ class Resolved:
     # train.hidden_states and train.autocast resolved.
     train: Mapping
     # the train.* keys that define the drafter (its params): all but eaglet.planner.plan.TRAIN_NOT_DEFINING,
-    # which the trainer still reads from its settings
+    # which the trainer still reads from its settings, and init_from (by content: train_init_from)
     train_keys: tuple[str, ...]
+    # train.init_from by content: {"init_from": the directory's digest} (eaglet.drafter.published.digest),
+    # {} without it; the train rule's params, so a changed drafter reruns train and a moved one does not
+    train_init_from: Mapping
     # the storage statement, the training job's first log line (eaglet.planner.storage.job_note)
     train_note: Mapping
     # Online: the tokens, the aux layer ids and storage rounding (extract's keys) and how the target is
@@ -182,6 +187,18 @@ def storage_why(mode: str, dtype: str, lines: list[str]) -> str:
             + " as configured (the target's size is known once target_model has built it)")
 
 
+def init_from_key(path: str | None, workdir: str | Path = ".") -> dict:
+    """train.init_from's cache key and rerun trigger: the drafter directory's content digest (its
+    config.json and model.safetensors hashed at parse time: a second or two for a large drafter);
+    a folder that is not a drafter directory stops the parse, naming the key."""
+    if not path:
+        return {}
+    try:
+        return {"init_from": published.digest(Path(workdir) / path)}
+    except ArtifactError as e:
+        raise ValueError(f"train.init_from: {e}") from None
+
+
 def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
     """Resolve a validated workflow config (``eaglet.base.schema.validate``, defaults filled) in
     the workflow folder ``workdir``; ``config`` is left as it is. Raises ValueError naming the key
@@ -232,7 +249,8 @@ def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
         train_autocast=autocast,
         train_autocast_why=autocast_why,
         train=freeze(train),
-        train_keys=tuple(k for k in train if k not in plan.TRAIN_NOT_DEFINING),
+        train_keys=tuple(k for k in train if k not in (*plan.TRAIN_NOT_DEFINING, "init_from")),
+        train_init_from=freeze(init_from_key(config["train"]["init_from"], workdir)),
         train_note=freeze(storage.job_note(chosen, storage_lines)),
         online=freeze({"tokens": f"{run}/tokenize/tokens.parquet",  # rules.tokenize.output.tokens
                        "layer_ids": ids, "dtype": dtype, "target_load": target_load}),

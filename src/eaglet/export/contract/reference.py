@@ -83,43 +83,22 @@ def config_digest(path: str | Path) -> str:
 
 # --------------------------------------------------------------------------- the exported drafter
 def load_exported(drafter_dir: str | Path, identity: dict):
-    """An exported format-A directory as eaglet's drafter: (model, DrafterConfig, d2t). The
-    config's ``eaglet`` block names the target digest it was exported for."""
-    import torch
-
-    from eaglet.drafter.eagle3 import DrafterConfig, Eagle3Drafter, load_target_embedding
-    from eaglet.export.contract.static_checks import VARIANTS
+    """An exported format-A directory as eaglet's drafter: (model, DrafterConfig, d2t), read by the
+    format's reader (eaglet.drafter.published, which the trainer's train.init_from reads with too).
+    The config's ``eaglet`` block names the target digest it was exported for."""
+    from eaglet.drafter import published
+    from eaglet.drafter.eagle3 import Eagle3Drafter, load_target_embedding
 
     d = Path(drafter_dir)
-    c = read_json(d / "config.json")
-    if "speculators_model_type" in c:
-        raise ArtifactError(f"{d}: format B (speculators); the reference is recorded for format A")
-    meta = c.get("eaglet") or {}
-    cfg = DrafterConfig(
-        hidden_size=c["hidden_size"], target_hidden_size=c.get("target_hidden_size") or c["hidden_size"],
-        num_heads=c["num_attention_heads"], num_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-        head_dim=c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-        intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
-        draft_vocab_size=c.get("draft_vocab_size") or c["vocab_size"],
-        layer_ids=list(c["eagle_aux_hidden_state_layer_ids"]), rms_norm_eps=c["rms_norm_eps"],
-        rope_theta=float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get("rope_theta") or 1e4),
-        hidden_act=c.get("hidden_act", "silu"), max_position_embeddings=c["max_position_embeddings"],
-        target_digest=str(meta.get("target_digest") or ""), ttt_steps=int(meta.get("ttt_steps") or 1),
-        rope_parameters=c.get("rope_parameters"),
-        **{f: bool(c.get(f)) for f in VARIANTS})
+    cfg = published.drafter_config(published.read_config(d), d)
     if cfg.target_digest and cfg.target_digest != identity.get("digest"):
         raise ArtifactError(f"{d}: exported for target {cfg.target_digest[:12]}, not "
                             f"{str(identity.get('digest'))[:12]} ({identity.get('name')})")
-    tensors = load_tensors(d / "model.safetensors")
-    d2t = tensors.pop("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-    tensors.pop("t2d", None)
+    weights, d2t, _t2d, embed = published.read_tensors(d, cfg)
+    if embed is not None:
+        raise ArtifactError(f"{d}: ships its own {published.EMBED} (engines would use it instead of the target's)")
     model = Eagle3Drafter(cfg, load_target_embedding(identity["path"]))
-    want = set(model.trainable_state_dict())
-    if set(tensors) != want:
-        raise ArtifactError(f"{d}: tensors missing {sorted(want - set(tensors))}, "
-                            f"unexpected {sorted(set(tensors) - want)}")
-    model.load_state_dict({**{k: v.float() for k, v in tensors.items()},
-                           "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
+    model.load_state_dict({**weights, "embed_tokens.weight": model.embed_tokens.weight}, strict=True)
     return model.eval(), cfg, d2t
 
 
