@@ -15,6 +15,15 @@ UPSTREAM_ONLY = "Input files updated by another job"
 def preview(workdir: Path, configfile: Path, cache: Path, targets: list[str] | None = None) -> dict[str, str]:
     """``{rule: reason}`` of every job a dry run of ``workdir`` with ``configfile`` plans (with
     --cache and the output cache ``cache``, as the project runs). Raises on a parse or DAG error."""
+    out = _api(workdir, configfile, cache, targets, "dryrun")
+    if "This was a dry-run" not in out and "Nothing to be done" not in out:
+        raise RuntimeError(f"the dry run of {configfile} did not finish:\n{out[-3000:]}")
+    jobs = dict(re.findall(r"^(?:local)?rule (\w+):\n(?:    (?!reason:).*\n)*    reason: (.*)$", out, re.M))
+    return {r: why for r, why in jobs.items() if r != "all"}
+
+
+def _api(workdir: Path, configfile: Path, cache: Path, targets: list[str] | None, pseudo: str) -> str:
+    """Snakemake in this process with ``pseudo`` (dryrun or touch) as the executor; what it printed."""
     from snakemake.api import SnakemakeApi
     from snakemake.settings.types import (
         ConfigSettings,
@@ -42,18 +51,22 @@ def preview(workdir: Path, configfile: Path, cache: Path, targets: list[str] | N
                     snakefile=Path(workdir) / "Snakefile",
                 )
                 dag = wf.dag(DAGSettings(targets=set(targets or [])))
-                dag.execute_workflow(executor="dryrun")
+                dag.execute_workflow(executor=pseudo)
     finally:
         os.chdir(cwd)
         if old_cache is None:
             os.environ.pop("SNAKEMAKE_OUTPUT_CACHE", None)
         else:
             os.environ["SNAKEMAKE_OUTPUT_CACHE"] = old_cache
-    out = text.getvalue()
-    if "This was a dry-run" not in out and "Nothing to be done" not in out:
-        raise RuntimeError(f"the dry run of {configfile} did not finish:\n{out[-3000:]}")
-    jobs = dict(re.findall(r"^(?:local)?rule (\w+):\n(?:    (?!reason:).*\n)*    reason: (.*)$", out, re.M))
-    return {r: why for r, why in jobs.items() if r != "all"}
+    return text.getvalue()
+
+
+def record_finished(workdir: Path, configfile: Path, cache: Path) -> None:
+    """Record every job that ``configfile`` would rerun as finished, without running it: Snakemake's
+    touch executor (``--touch``) touches the outputs and stores each job's metadata (its params, the
+    rerun trigger's record), as a run of the config would. For a preview of a changed config's
+    finished state at the cost of a dry run; the outputs keep what the earlier config computed."""
+    _api(workdir, configfile, cache, None, "touch")
 
 
 def own_reasons(jobs: dict[str, str]) -> set[str]:

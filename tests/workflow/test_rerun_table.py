@@ -199,8 +199,10 @@ TABLE = {
 
 
 # Keys whose change is more than one short line in the preview: the template's own text is the
-# param, and online training adds the online settings' keys (layer ids, dtype, how the target loads).
-LONG_REASONS = {"target.chat_template", "train.hidden_states"}
+# param, online training adds the online settings' keys (layer ids, dtype, how the target loads),
+# and prompts.source with prompts.path swap what prompts reads by content: the packaged file's
+# identity for the user's file's path and full sha256.
+LONG_REASONS = {"target.chat_template", "train.hidden_states", "prompts.source", "prompts.path"}
 
 
 def schema_keys(node: dict, path: str = "") -> list[str]:

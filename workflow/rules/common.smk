@@ -21,7 +21,6 @@ from eaglet.base import schema
 # meant, a non-finite number); defaults filled as snakemake.utils.validate(set_default=True) fills them
 schema.validate(config)
 from eaglet.workflow import code_inputs
-from eaglet.workflow.inputs import user_files
 from eaglet.workflow.params import (
     SettingsFiles,
     as_json,
