@@ -33,7 +33,7 @@ from eaglet.target.chat_template import chat_template_text
 from eaglet.target.families import check_tiny
 from eaglet.target.load import LOAD_KEYS, serving
 from eaglet.target.shape import layer_ids
-from eaglet.workflow import checks
+from eaglet.workflow import checks, environments
 from eaglet.workflow.inputs import local_target, target_source, user_digest, user_sets
 from eaglet.workflow.paths import Paths
 
@@ -188,12 +188,16 @@ def storage_why(mode: str, dtype: str, lines: list[str]) -> str:
             + " as configured (the target's size is known once target_model has built it)")
 
 
-def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
+def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None = None) -> Resolved:
     """Resolve a validated workflow config (``eaglet.base.schema.validate``, defaults filled) in
     the workflow folder ``workdir``; ``config`` is left as it is. Raises ValueError naming the key
-    when the run cannot succeed (each check is the named function's)."""
+    when the run cannot succeed (each check is the named function's). ``job_root``: the repository
+    of the eaglet the jobs import, where they find the separate environments a relative path names
+    (eaglet.workflow.environments; default: this eaglet's)."""
     check_tiny(config["target"]["tiny"])  # the schema leaves target.tiny's keys to the family's config class
-    lines = checks.parse_time(config, workdir)
+    # every separate environment the DAG will run (vLLM, SGLang), before anything else is decided
+    env_lines = environments.check(config, job_root)
+    lines = checks.parse_time(config, workdir) + env_lines
     checks.settings_consistent(config)
     mode, dtype, storage_lines = storage.decide(config, plan.parse_time_shapes(config, workdir))
     # The config as the jobs read it: the user's with the storage choice in, a copy (the memory plan,
