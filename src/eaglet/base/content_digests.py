@@ -7,7 +7,9 @@ Each file is hashed once per change: ``DigestCache`` keeps ``path -> (size, mtim
 ctime_ns, sha256)`` in a small JSON file (``.snakemake/eaglet-digests.json`` of the workflow
 folder), and hashes again only a file whose stat differs. The ctime is in the key because a user
 cannot set it back: a rewrite that keeps or restores an older mtime (``cp -p``, ``touch -d``,
-``rsync -a``, an unpacked archive) still changes it. A corrupt or unreadable cache is an empty one.
+``rsync -a``, an unpacked archive) still changes it. A corrupt or unreadable cache is an empty one;
+of two processes saving at once (the parse and a job) the last one's file stays whole, and an entry
+it lacks is only hashed again.
 
     cache = DigestCache()                      # .snakemake/eaglet-digests.json under the cwd
     content_digest("data/prompts.jsonl", cache)  # 'sha256:9f86d0...'
