@@ -531,7 +531,8 @@ def same_prompts(prompts: list[dict], offline: dict) -> None:
 def vllm_options(given: dict | None) -> dict:
     # serving: eaglet.target.load.serving of the target section, from the workflow; a direct call
     # serves with vLLM-CPU's defaults (eaglet.target.load.vllm_runner_args)
-    return schema.settings_at("evaluate.vllm", SETTINGS, given, extra={"serving": None, "settle_s": SETTLE_S})
+    return schema.settings_at("evaluate.vllm", SETTINGS, given, extra={"serving": None, "settle_s": SETTLE_S,
+                                                                     "set_digests": ()})
 
 
 def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path, *,
