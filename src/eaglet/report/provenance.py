@@ -18,6 +18,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
+from eaglet.base import library_versions
 from eaglet.base.files import read_json, write_json
 from eaglet.base.job_records import stage_times
 from eaglet.base.settings_files import parse_json_arg
@@ -34,15 +35,6 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[p] = None
     return out
-
-
-def vllm_version(env: Path = Path("envs/vllm/.venv")) -> str | None:
-    """vLLM lives in its own venv: read its dist-info instead of importing it."""
-    for d in sorted(env.glob("lib/python*/site-packages/vllm*.dist-info")):
-        for line in (d / "METADATA").read_text(errors="replace").splitlines():
-            if line.startswith("Version:"):
-                return f"{d.name.split('-')[0]} {line.split(':', 1)[1].strip()}"
-    return None
 
 
 def git_describe(cwd: str | Path = ".") -> str | None:
@@ -82,7 +74,7 @@ def manifest(run_dir: str | Path, identity: str | Path | None, config: dict, res
     run_dir = Path(run_dir)
     ident = read_json(identity) if identity and Path(identity).exists() else None
     return {
-        "versions": {**versions(), "vllm (envs/vllm)": vllm_version()},
+        "versions": {**versions(), "vllm (envs/vllm)": library_versions.vllm_version("envs/vllm/.venv")},
         "git_describe": git_describe(),
         "hardware": hardware(),
         "target": {k: ident[k] for k in ("name", "source", "digest", "architecture", "num_layers",
