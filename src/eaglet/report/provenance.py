@@ -15,7 +15,6 @@ import argparse
 import os
 import platform
 import subprocess
-from importlib import metadata
 from pathlib import Path
 
 from eaglet.base import library_versions
@@ -28,13 +27,7 @@ PACKAGES = ("eaglet", "torch", "transformers", "safetensors", "tokenizers", "sna
 
 
 def versions() -> dict[str, str | None]:
-    out = {}
-    for p in PACKAGES:
-        try:
-            out[p] = metadata.version(p)
-        except metadata.PackageNotFoundError:
-            out[p] = None
-    return out
+    return {p: library_versions.installed(p) for p in PACKAGES}
 
 
 def git_describe(cwd: str | Path = ".") -> str | None:
