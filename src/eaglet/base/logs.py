@@ -41,16 +41,22 @@ def _log_uncaught(exc_type, exc, tb) -> None:
 
 
 def quiet_third_party() -> None:
-    """The tokenizer floods the log with warnings (the seed run's lesson): keep them out."""
+    """The tokenizer floods the log with warnings (the seed run's lesson): keep them out. Before
+    transformers is imported, by the variables it reads at import (a stage that never loads a model
+    or a tokenizer, most of the DAG's small ones, does not pay transformers' ~1 s import for this);
+    after, by its own calls (eaglet.target.load calls this again once it has imported it)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for name in ("transformers", "transformers.tokenization_utils_base", "gguf", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    if "transformers" not in sys.modules:
+        return
     try:
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-    except Exception:  # transformers not installed in this environment
+    except Exception:  # transformers half-imported or broken in this environment
         pass
