@@ -105,7 +105,8 @@ def test_accounting_from_stage_to_stage(run):
     assert "vLLM server healthy" in (a / "logs" / RUN / "generate_eval.log").read_text()
     regen = _json(r, "eval/regenerated.json")
     scored = {t["temperature"]: t for t in regen["temperatures"]}
-    assert set(scored) == {0.0, 1.0} and all(t["answers"] == 2 * REGEN and t["tokens"] > 2 * REGEN for t in scored.values())
+    assert set(scored) == {0.0, 1.0}
+    assert all(t["answers"] == 2 * REGEN and t["tokens"] > 2 * REGEN for t in scored.values()), scored
     tok = _json(r, "tokenize/metadata.json")
     assert tok["samples_in"] == gen["samples"], (tok["samples_in"], gen["samples"])
     assert tok["samples_processed"] + tok["samples_skipped"] == tok["samples_in"]
