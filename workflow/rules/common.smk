@@ -25,7 +25,7 @@ from eaglet.base import schema
 # workflow/schemas/config.schema.yaml, and what JSON Schema lets through (a float where an integer is
 # meant, a non-finite number); defaults filled as snakemake.utils.validate(set_default=True) fills them
 schema.validate(config)
-from eaglet.workflow import code_inputs, environments
+from eaglet.workflow import code_inputs, environments, shared_cache
 from eaglet.workflow.params import (
     SettingsFiles,
     as_json,
@@ -37,6 +37,10 @@ from eaglet.workflow.params import (
     verbatim,
 )
 from eaglet.workflow.resolve import resolve
+
+# Runs that share one output cache at the same moment store each entry once, whole, and read no
+# half-stored one (eaglet.workflow.shared_cache wraps Snakemake's local cache).
+shared_cache.install()
 
 R = resolve(config, job_root=environments.job_root(JOB_EAGLET, Path(workflow.basedir) / "src"))
 for _line in R.lines():
