@@ -16,10 +16,13 @@ include: "workflow/rules/eval.smk"
 include: "workflow/rules/report.smk"
 
 
-# Written when a run starts, never by a preview: the settings files of the cached stages
+# When a run starts, never in a preview: SLURM's client commands checked (with --executor slurm),
+# and the settings files of the cached stages written
 # (eaglet.workflow.params.SettingsFiles), and what the parse resolved, with the reasons
 # (eaglet.workflow.resolve.Resolved.record).
 onstart:
+    # SLURM's commands, where the run is sent to SLURM (the environments were checked at parse time)
+    environments.slurm_commands(workflow.executor_plugin.name if workflow.executor_plugin else None)
     SETTINGS_FILES.write()
     R.write_record(f"{LOGS}/resolved.json")
 

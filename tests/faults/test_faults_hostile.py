@@ -24,6 +24,7 @@ import yaml
 
 from conftest import REPO, clone
 from eaglet.base.files import read_json
+from eaglet.engines import vllm_env
 from faults_common import _smk
 
 pytestmark = pytest.mark.faults
@@ -222,10 +223,11 @@ EVIL = "we ird;touch {c}1;$(touch {c}2)`touch {c}3`|touch {c}4&&touch {c}5>x'q'<
 
 def test_hostile_config_strings_execute_nothing(tmp_path, monkeypatch):
     """Shell metacharacters in every free-text config string (paths, URLs, names, markers, set
-    names, extra args): (1) each shell line Snakemake would run, printed by `snakemake -n -p`, is
-    run by bash with a `python` that only records its argv — nothing is executed and every string
-    arrives as one intact argument; (2) a real run of the `prompts` rule reads a source file whose
-    path holds those characters."""
+    names, extra args): (0) an environment path and a prompts file that hold them and are absent are
+    refused by the parse, named intact, before any job; (1) each shell line Snakemake would run,
+    printed by `snakemake -n -p`, is run by bash with a `python` that only records its argv —
+    nothing is executed and every string arrives as one intact argument; (2) a real run of the
+    `prompts` rule reads a source file whose path holds those characters."""
     wf = clone(tmp_path / "wf")
     canary = tmp_path / "PWNED"
     evil = EVIL.format(c=canary)
@@ -236,10 +238,34 @@ def test_hostile_config_strings_execute_nothing(tmp_path, monkeypatch):
     conf["generate"]["vllm"] = {"env": evil, "extra_args": [evil]}
     conf["vocab"]["pinned"] = [evil]
     conf["evaluate"]["sets"] = ["mtbench", evil]
-    conf["evaluate"]["vllm"] = {"enabled": True, "env": evil}
+    # an environment path the parse checks (eaglet.workflow.environments): absent first, then a venv there
+    venv = tmp_path / "venvs" / evil
+    conf["evaluate"]["vllm"] = {"enabled": True, "env": str(venv)}
     conf["evaluate"]["modes"] = {"a": {"k": evil}, "b": {"k": 2}}  # template arguments per mode
     conf["target"]["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}" + evil  # inline Jinja
     (wf / "config" / "evil.yaml").write_text(yaml.safe_dump(conf))
+    # (0) No environment at that path: the parse refuses the run before any job, naming the path
+    # intact, and runs nothing of it.
+    code, out = _smk(wf, "-n", "-p", configfile="config/evil.yaml")
+    assert code != 0 and "environments this run needs are missing, found before any job" in out, out[-3000:]
+    assert f"evaluate.vllm.enabled: {venv / 'bin' / 'python'}: vLLM environment missing" in out, out[-3000:]
+    assert "Shell command: " not in out and not (wf / "results").exists() and not (wf / "resources").exists()
+    assert not list(tmp_path.glob("PWNED*")) and not list(wf.rglob("PWNED*"))
+    # A (stand-in) venv at the hostile path: the check finds it; the prompts file at its hostile path
+    # is read at parse time too (its content digest, eaglet.workflow.inputs.user_digest): absent, it is
+    # refused, named intact, before any job.
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    (venv / vllm_env.SETUP_STAMP).write_text("")
+    src = tmp_path / evil / "data.jsonl"
+    code, out = _smk(wf, "-n", "-p", configfile="config/evil.yaml")
+    assert code != 0 and f"prompts.path: {str(src)!r} does not exist" in out, out[-3000:]
+    assert "Shell command: " not in out and not (wf / "results").exists() and not (wf / "resources").exists()
+    assert not list(tmp_path.glob("PWNED*")) and not list(wf.rglob("PWNED*"))
+    # With both there, the preview goes on to print every job's shell line.
+    src.parent.mkdir(parents=True)
+    src.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}) + "\n" for i in range(12)))
     monkeypatch.setenv("EAGLET_PREVIEW_SETTINGS", str(tmp_path / "preview"))  # the settings files, to read
     code, out = _smk(wf, "-n", "-p", configfile="config/evil.yaml")
     monkeypatch.delenv("EAGLET_PREVIEW_SETTINGS")
@@ -295,11 +321,7 @@ def test_hostile_config_strings_execute_nothing(tmp_path, monkeypatch):
     modes = next(c for c in calls if c[:2] == ["-m", "eaglet.eval.evaluate_modes"])
     assert json.loads(modes[modes.index("--modes") + 1])["a"] == {"k": evil}
 
-    # (2) A real job: the prompts rule reads the file at that path and records it.
-    src = tmp_path / evil / "data.jsonl"
-    src.parent.mkdir(parents=True)
-    src.write_text("".join(json.dumps({"id": f"c{i}", "conversations": [
-        {"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": f"a{i}"}]}) + "\n" for i in range(12)))
+    # (2) A real job: the prompts rule reads the file at that path (written above) and records it.
     code, out = _smk(wf, "results/smoke/prompts/summary.json", configfile="config/evil.yaml")
     assert code == 0, out[-3000:]
     assert read_json(wf / "results/smoke/prompts/summary.json")["path"] == str(src)

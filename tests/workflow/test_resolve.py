@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from eaglet.base.capability import resolve_autocast, resolve_target_dtype
+from eaglet.base.content_digests import DigestCache, content_digest
 from eaglet.planner import plan, storage
 from eaglet.workflow import train_job
-from eaglet.workflow.inputs import target_files, target_source, user_files
+from eaglet.workflow.inputs import target_files, target_source, user_digest, user_sets
 from eaglet.workflow.params import SettingsFiles, as_json, key_params, settings, verbatim
 from eaglet.workflow.resolve import freeze, resolve, thaw
 
@@ -189,27 +190,41 @@ def test_target_files_follow_a_local_folders_content(tmp_path):
     (root / "config.json").write_text("{}")
     (root / ".cache").mkdir()
     target = {"path": str(root), "tiny": None}
-    first = target_files(target)
-    assert re.fullmatch(r"1 files, 2 bytes, names/sizes/mtimes [0-9a-f]{16}", first), first
+    cache = DigestCache(tmp_path / "digests.json")
+    first = target_files(target, cache)
+    assert re.fullmatch(r"1 files, 2 bytes, sha256:[0-9a-f]{64}", first), first
     (root / ".cache" / "x").write_text("download state")  # dot-names are not the model
-    assert target_files(target) == first
+    assert target_files(target, cache) == first
     (root / "chat_template.jinja").write_text("{{ x }}")
-    second = target_files(target)
+    second = target_files(target, cache)
     assert second.startswith("2 files, 9 bytes") and second != first
-    os.utime(root / "config.json", ns=(1, 1))  # a file replaced in place, same size: another mtime
-    assert target_files(target).startswith("2 files, 9 bytes") and target_files(target) != second
+    os.utime(root / "config.json", ns=(1, 1))  # the same bytes, another mtime: the same content
+    assert target_files(target, cache) == second
+    (root / "config.json").write_text("[]")  # replaced in place, same size, its mtime set back
+    os.utime(root / "config.json", ns=(1, 1))
+    assert target_files(target, cache).startswith("2 files, 9 bytes") and target_files(target, cache) != second
     assert target_files({"path": str(tmp_path / "nope"), "tiny": None}) == f"not a local folder: {tmp_path / 'nope'}"
     missing = {"gguf_package": "no_such_package", "gguf_file": "x.gguf"}
     assert target_files(missing) == "not installed: no_such_package/x.gguf"
 
 
-def test_user_files_are_a_rules_inputs(tmp_path):
+def test_user_files_are_in_the_params_by_content(tmp_path):
     (tmp_path / "d" / ".git").mkdir(parents=True)
     (tmp_path / "d" / "a.jsonl").write_text("{}")
     (tmp_path / "d" / ".git" / "x").write_text("")
-    assert user_files(str(tmp_path / "d")) == [str(tmp_path / "d" / "a.jsonl")]
-    assert user_files(str(tmp_path / "d" / "a.jsonl")) == [str(tmp_path / "d" / "a.jsonl")]
-    assert user_files("org/dataset") == [] and user_files(None) == []
+    cache = DigestCache(None)
+    folder = user_digest(str(tmp_path / "d"), "prompts.path", cache)
+    assert folder == content_digest(tmp_path / "d", cache) and folder.startswith("sha256:")
+    relative = user_digest("d/a.jsonl", "prompts.path", cache, base=tmp_path)
+    assert relative == content_digest(tmp_path / "d/a.jsonl", cache)
+    assert user_digest("org/dataset", "prompts.path", cache) == "" and user_digest(None, "prompts.path", cache) == ""
+    with pytest.raises(ValueError, match="prompts.path: 'org/dataset' does not exist"):
+        user_digest("org/dataset", "prompts.path", cache, required=True)
+    (tmp_path / "s.parquet").write_bytes(b"PAR1")
+    sets = user_sets(["mtbench", "heldout", "s.parquet"], "evaluate.sets", cache, base=tmp_path)
+    assert sets == (("s.parquet", content_digest(tmp_path / "s.parquet", cache)),)
+    with pytest.raises(ValueError, match="evaluate.sets: 'gone.parquet' does not exist"):
+        user_sets(["gone.parquet"], "evaluate.sets", cache, base=tmp_path)
 
 
 def test_train_job_launch_and_resources():
@@ -226,7 +241,7 @@ def test_common_smk_only_wires_and_no_rule_file_rewrites_the_config():
     or the Snakefile assigns into the config."""
     common = (REPO / "workflow/rules/common.smk").read_text()
     assert not re.search(r"^\s*def ", common, re.M), "a function in common.smk"
-    assert "R = resolve(config)" in common
+    assert "R = resolve(config, " in common
     for f in [*sorted((REPO / "workflow/rules").glob("*.smk")), REPO / "Snakefile"]:
         text = f.read_text()
         assert not re.search(r"config(\[[^\]]+\])+\s*(=[^=]|\|=|\+=)", text), f"{f.name} writes into the config"

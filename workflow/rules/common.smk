@@ -2,6 +2,7 @@
 # resolved once into R (eaglet.workflow.resolve: the parse-time checks, the storage choice, the layer
 # ids, the dtypes, how the target is run, each with its reason; the config stays as written), R's
 # lines logged, and the names the rule files use.
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -14,14 +15,17 @@ min_version("9.0")
 # parse time: a bad value, an unknown key (target.tiny's included), a wrong target.path, layer ids, a
 # missing chat template or an engine that cannot serve the drafter stop `snakemake -n` already, naming
 # the key.
+# The eaglet the jobs import (an editable install, or $PYTHONPATH), found before this workflow's own
+# src is put first: the separate environments (envs/vllm, envs/sglang) are checked where those jobs
+# will look for them (eaglet.workflow.environments).
+JOB_EAGLET = importlib.util.find_spec("eaglet")
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 from eaglet.base import schema
 
 # workflow/schemas/config.schema.yaml, and what JSON Schema lets through (a float where an integer is
 # meant, a non-finite number); defaults filled as snakemake.utils.validate(set_default=True) fills them
 schema.validate(config)
-from eaglet.workflow import code_inputs
-from eaglet.workflow.inputs import user_files
+from eaglet.workflow import code_inputs, environments, shared_cache
 from eaglet.workflow.params import (
     SettingsFiles,
     as_json,
@@ -34,7 +38,11 @@ from eaglet.workflow.params import (
 )
 from eaglet.workflow.resolve import resolve
 
-R = resolve(config)
+# Runs that share one output cache at the same moment store each entry once, whole, and read no
+# half-stored one (eaglet.workflow.shared_cache wraps Snakemake's local cache).
+shared_cache.install()
+
+R = resolve(config, job_root=environments.job_root(JOB_EAGLET, Path(workflow.basedir) / "src"))
 for _line in R.lines():
     logger.info(_line)
 

@@ -22,26 +22,31 @@ rule target_model:
         # one entry per key; the job's settings (with the chat template it checks) come from a
         # file, so target.device or target.vllm.* rerun nothing here
         **key_params("target", R.target_source),
+        # with the local folder's content digest, which the job checks the folder against
         config=settings_file(
             f"logs/target_model/{config['target']['name']}.config.json",
-            config["target"],
+            config["target"] | {"content_digest": R.user_files["target.path"]},
         ),
         out=out_dir,
     shell:
         "python -m eaglet.data.target_model --config @{params.config:q} --out {params.out:q} --log {log:q}"
 
 
+# What prompts reads, by content: the packaged ShareGPT file (version + recorded sha256, as the
+# target), or a local prompts.path (a file, or a folder of files) by its sha256, so a new content
+# reruns the stage whatever its mtime, and the job checks the file against it before reading ("" for
+# a data set name).
+PROMPTS_SHAREGPT = config["prompts"]["source"] == "sharegpt"
 PROMPTS_DATA = (
     packaged_file_identity(*SHAREGPT)
-    if config["prompts"]["source"] == "sharegpt"
-    else "the user's files (inputs)"
+    if PROMPTS_SHAREGPT
+    else R.user_files["prompts.path"]
 )
 
 
 rule prompts:
     input:
         code=stage_code("data.prompts"),
-        user=user_files(config["prompts"]["path"]),
     output:
         train=f"{RUN}/prompts/train.parquet",
         heldout=f"{RUN}/prompts/heldout.parquet",
@@ -59,9 +64,10 @@ rule prompts:
     params:
         out=out_dir,
         source=config["prompts"]["source"],
-        # the packaged ShareGPT file by content (version + recorded sha256), as the target
-        data=PROMPTS_DATA,
+        data=verbatim(PROMPTS_DATA),
         path=verbatim(config["prompts"]["path"] or ""),
+        # data again, for the job to check the file with (derived from the output: not compared twice)
+        path_digest=lambda wildcards, output: "" if PROMPTS_SHAREGPT else PROMPTS_DATA,
         split=verbatim(config["prompts"]["split"]),
         n=config["prompts"]["n"],
         heldout=config["prompts"]["heldout"],
@@ -69,6 +75,7 @@ rule prompts:
         max_turns=config["prompts"]["max_turns"] or 0,
     shell:
         "python -m eaglet.data.prompts --source {params.source} --path={params.path:q}"
+        " --path-digest={params.path_digest:q}"
         " --split {params.split:q} --n {params.n} --heldout {params.heldout} --seed {params.seed}"
         " --max-turns {params.max_turns} --out-dir {params.out:q} --log {log:q}"
 

@@ -10,6 +10,11 @@ EVAL_DIR = f"{RUN}/eval"
 EVAL_SETS = [
     f"{RUN}/prompts/heldout.parquet" if s == "heldout" else s for s in EVAL["sets"]
 ]
+# A set given as the path to a user's own .parquet: by content, its (path, digest) pairs in the
+# settings the stages compare (a new content reruns them whatever its mtime; each job checks the file
+# before reading it); this run's held-out set is an input file, the output of rule prompts.
+USER_SETS = R.user_files["evaluate.sets"]
+RUN_SETS = [s for s in EVAL_SETS if s.endswith(".parquet") and s not in dict(USER_SETS)]
 EVAL_OPTS = {
     k: EVAL[k]
     for k in (
@@ -32,6 +37,7 @@ EVAL_OPTS = {
     "hf_loop": R.hf_loop,
     "hf_loop_reason": R.hf_loop_why,
     **R.target_load,
+    "set_digests": USER_SETS,
 }
 # The settings that define the measurements, compared one by one (key_params): all but the HF
 # loop's reason, which follows from hf_loop.
@@ -52,7 +58,7 @@ rule evaluate_offline:
         code=stage_code("eval.evaluate_offline", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
-        sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
+        sets=RUN_SETS,
     output:
         offline=f"{EVAL_DIR}/offline.json",
         positions=f"{EVAL_DIR}/offline_positions.parquet",
@@ -84,7 +90,7 @@ rule evaluate_speculative:
         code=stage_code("eval.evaluate_speculative", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
-        sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
+        sets=RUN_SETS,
         after=rules.evaluate_offline.output.offline,
     output:
         speculative=f"{EVAL_DIR}/speculative.json",
@@ -129,6 +135,7 @@ EVAL_VLLM_OPTS = {
     "chat_template": R.chat_template or None,
     "chat_template_kwargs": R.chat_template_kwargs,
     "serving": R.serving,
+    "set_digests": USER_SETS,
 }
 # what defines vLLM's measurements: all but how long a run may take
 EVAL_VLLM_KEYS = [k for k in EVAL_VLLM_OPTS if k != "timeout_s"]
@@ -140,7 +147,7 @@ rule evaluate_vllm:
         config=rules.export.output.config,
         weights=rules.export.output.weights,
         identity=TARGET_ID,
-        sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
+        sets=RUN_SETS,
         offline=rules.evaluate_offline.output.offline,
         after=rules.evaluate_speculative.output.speculative,
     output:
@@ -231,7 +238,7 @@ rule evaluate_modes:
         code=stage_code("eval.evaluate_modes", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         identity=TARGET_ID,
-        sets=[s for s in EVAL_SETS if s.endswith(".parquet")],
+        sets=RUN_SETS,
         after=rules.evaluate_speculative.output.speculative,
     output:
         modes=f"{EVAL_DIR}/modes.json",

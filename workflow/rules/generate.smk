@@ -114,7 +114,13 @@ GENERATE_EVAL = GENERATE | {
 rule eval_prompts:
     input:
         code=stage_code("generate.eval_prompts"),
-        sets=[s for s in REGEN_SETS if s.endswith(".parquet")],
+        # this run's held-out set; a user's own .parquet set is in params, by content
+        sets=[
+            s
+            for s in REGEN_SETS
+            if s.endswith(".parquet")
+            and s not in dict(R.user_files["evaluate.regenerate.sets"])
+        ],
     output:
         prompts=f"{RUN}/generate_eval/prompts.parquet",
     log:
@@ -132,10 +138,12 @@ rule eval_prompts:
             },
         ),
         sets=as_json(REGEN_SETS),
+        set_digests=as_json(R.user_files["evaluate.regenerate.sets"]),
         num_prompts=as_json(REGEN["num_prompts"]),
         temperatures=as_json(config["evaluate"]["temperatures"]),
     shell:
-        "python -m eaglet.generate.eval_prompts --sets {params.sets:q} --num-prompts {params.num_prompts:q}"
+        "python -m eaglet.generate.eval_prompts --sets {params.sets:q} --set-digests {params.set_digests:q}"
+        " --num-prompts {params.num_prompts:q}"
         " --temperatures {params.temperatures:q} --out {output.prompts:q} --log {log:q}"
 
 

@@ -38,6 +38,7 @@ from collections import Counter
 from pathlib import Path
 
 from eaglet.base.artifacts import ArtifactError
+from eaglet.base.content_digests import verify_content
 from eaglet.base.conversations import prompt_problem, read_conversations
 from eaglet.base.digests import verify_beside
 
@@ -99,11 +100,15 @@ def math() -> list[dict]:
             for p in problems.values()]
 
 
-def conversations(path: str | Path) -> list[dict]:
+def conversations(path: str | Path, digest: str = "") -> list[dict]:
     """Prompts from a conversation Parquet: the messages before the last user turn's reply. A stage's
     output (prompts/heldout.parquet, generate/conversations.parquet) is checked against the sha256
-    its stage recorded beside it; a user's own file is read as given."""
-    verify_beside(path, "summary.json", "generate_summary.json")
+    its stage recorded beside it; a user's own file against ``digest``, the content digest the
+    workflow's parse put in the stage's settings (evaluate.sets), when given."""
+    if digest:
+        verify_content(path, digest, "evaluate.sets")
+    else:
+        verify_beside(path, "summary.json", "generate_summary.json")
     out, skipped = [], Counter()
     for r in read_conversations(path):
         reason = prompt_problem(r["messages"])
@@ -135,7 +140,9 @@ def set_name(spec: str) -> str:
     return Path(spec).stem if spec.endswith(".parquet") else spec
 
 
-def load_set(spec: str, n: int | None = None) -> list[dict]:
+def load_set(spec: str, n: int | None = None, digest: str = "") -> list[dict]:
+    """A set's prompts (``n`` evenly spaced of them); ``digest``: the content a .parquet path must
+    have (eaglet.base.content_digests), "" to read it as given."""
     if spec == "mtbench":
         rows = mtbench()
     elif spec == "humaneval":
@@ -143,7 +150,7 @@ def load_set(spec: str, n: int | None = None) -> list[dict]:
     elif spec == "math":
         rows = math()
     elif spec.endswith(".parquet"):
-        rows = conversations(spec)
+        rows = conversations(spec, digest)
     else:
         raise ValueError(f"evaluate.sets: unknown set {spec!r} (mtbench, humaneval, math, or a .parquet path)")
     return spread(rows, n)
@@ -173,13 +180,14 @@ def count_for(n: int | dict | None, name: str) -> int | None:
 
 
 def load_prompts(sets: list[str], tok, n: int | dict | None, max_prompt_tokens: int,
-                 template_kwargs: dict | None = None) -> list[dict]:
+                 template_kwargs: dict | None = None, digests=()) -> list[dict]:
     """Every set's prompts, tokenised with the chat template (and its keyword arguments as served);
-    overlong prompts are left out. ``n``: prompts per set (None = all), or a mapping set name -> that."""
-    rows = []
+    overlong prompts are left out. ``n``: prompts per set (None = all), or a mapping set name -> that.
+    ``digests``: ``(path, content digest)`` pairs of the user's .parquet sets, checked before reading."""
+    rows, want = [], dict(digests or ())
     for spec in sets:
         name = set_name(spec)
-        for r in load_set(spec, count_for(n, name)):
+        for r in load_set(spec, count_for(n, name), want.get(spec, "")):
             ids = encode(tok, r["messages"], template_kwargs)
             if len(ids) > max_prompt_tokens:
                 log.warning("%s %s: prompt of %d tokens > max_prompt_tokens, skipped", name, r["id"], len(ids))

@@ -78,7 +78,7 @@ def verify_beside(path: str | os.PathLike, *records: str) -> Path | None:
     return None
 
 
-def _visible_files(folder: Path) -> list[Path]:
+def visible_files(folder: Path) -> list[Path]:
     """Files under ``folder`` (recursively, links followed), skipping dot-names: Snakemake's
     .snakemake_timestamp and huggingface_hub's .cache/ change without the model changing."""
     out = []
@@ -88,16 +88,17 @@ def _visible_files(folder: Path) -> list[Path]:
     return out
 
 
-def folder_manifest(folder: str | os.PathLike) -> dict[str, dict]:
+def folder_manifest(folder: str | os.PathLike, hash_file=file_digest) -> dict[str, dict]:
     """``{relative path: {"size", "sha256"?}}`` for every file of a folder: sha256 for files up to
-    FULL_HASH_MAX_BYTES, size only for bigger ones (see verify_manifest)."""
+    FULL_HASH_MAX_BYTES, size only for bigger ones (see verify_manifest). ``hash_file``: how a
+    file's sha256 is had (eaglet.base.content_digests.DigestCache.file reuses the parse's)."""
     folder = Path(folder)
     out = {}
-    for f in _visible_files(folder):
+    for f in visible_files(folder):
         size = f.stat().st_size
         entry: dict[str, Any] = {"size": size}
         if size <= FULL_HASH_MAX_BYTES:
-            entry["sha256"] = file_digest(f)
+            entry["sha256"] = hash_file(f)
         out[f.relative_to(folder).as_posix()] = entry
     return out
 
@@ -106,7 +107,7 @@ def verify_manifest(folder: str | os.PathLike, manifest: dict[str, dict], record
     """Refuse ``folder`` unless it holds exactly the files of ``manifest`` (recorded in ``record``)
     with the recorded sizes, and the recorded sha256 of every file that has one."""
     folder = Path(folder)
-    have = {f.relative_to(folder).as_posix(): f for f in _visible_files(folder)}
+    have = {f.relative_to(folder).as_posix(): f for f in visible_files(folder)}
     extra = sorted(set(have) - set(manifest))
     if extra:
         raise ArtifactError(f"{folder / extra[0]}: not in the manifest recorded in {record} (added after "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from eaglet.base import schema
 from eaglet.base.artifacts import ArtifactError
+from eaglet.base.content_digests import verify_content
 from eaglet.base.conversations import conversation_problem, write_conversations
 from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.files import read_parquet, write_json
@@ -143,8 +144,12 @@ def trim(messages: list[dict], max_turns: int | None) -> list[dict]:
 def build_prompts(source: str = schema.default("prompts.source"), path: str | None = None,
                   n: int = schema.default("prompts.n"), heldout: int = schema.default("prompts.heldout"),
                   seed: int = schema.default("prompts.seed"), max_turns: int | None = None,
-                  split: str = schema.default("prompts.split")) -> dict:
-    """Return {"train": rows, "heldout": rows, "summary": {...}} (the defaults: the prompts section's)."""
+                  split: str = schema.default("prompts.split"), path_digest: str = "") -> dict:
+    """Return {"train": rows, "heldout": rows, "summary": {...}} (the defaults: the prompts section's).
+    ``path_digest``: the content digest the workflow's parse took of a local ``path`` (the rule's
+    params); a file or folder that no longer has it is refused before it is read."""
+    if path_digest and path:
+        verify_content(path, path_digest, "prompts.path")
     if source == "sharegpt":
         src_path, name = sharegpt_path(), "sharegpt"
         records, skipped = read_records(src_path)
@@ -200,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--source", default=schema.default("prompts.source"), choices=schema.allowed("prompts.source"))
     p.add_argument("--path", default=None)
+    p.add_argument("--path-digest", default="", help="the content digest --path must have (sha256:...)")
     p.add_argument("--split", default=schema.default("prompts.split"))
     p.add_argument("--n", type=int, default=schema.default("prompts.n"))
     p.add_argument("--heldout", type=int, default=schema.default("prompts.heldout"))
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     setup_logging(a.log)
-    res = build_prompts(a.source, a.path, a.n, a.heldout, a.seed, a.max_turns, a.split)
+    res = build_prompts(a.source, a.path, a.n, a.heldout, a.seed, a.max_turns, a.split, a.path_digest)
     out = Path(a.out_dir)
     write_conversations(out / "train.parquet", res["train"])
     write_conversations(out / "heldout.parquet", res["heldout"])

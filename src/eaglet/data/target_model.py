@@ -25,6 +25,7 @@ import shutil
 from pathlib import Path
 
 from eaglet.base import schema
+from eaglet.base.content_digests import DigestCache, verify_content
 from eaglet.base.digests import folder_manifest
 from eaglet.base.files import write_json
 from eaglet.base.logs import setup_logging
@@ -96,6 +97,11 @@ def materialise(cfg: dict, out: str | Path) -> dict:
         # weights world-writable. The pipeline never changes, moves or re-permissions files it
         # does not own, so model/ holds only a note and identity.json the folder's absolute path.
         src_dir = Path(os.path.abspath(src_dir))
+        # The folder as the parse hashed it (the rule's params): refused if it changed since. The
+        # same stat-keyed hashes then make identity.json: the weights are read once, at the parse.
+        digests = DigestCache()
+        if cfg.get("content_digest"):
+            verify_content(src_dir, cfg["content_digest"], "target.path", digests)
         tmp_dir.mkdir(parents=True)
         write_json(tmp_dir / "source.json", {
             "path": str(src_dir),
@@ -103,9 +109,10 @@ def materialise(cfg: dict, out: str | Path) -> dict:
         if model_dir.exists():
             shutil.rmtree(model_dir)
         tmp_dir.rename(model_dir)
-        ident = identity_of(src_dir, cfg["name"], str(src_dir))
+        ident = identity_of(src_dir, cfg["name"], str(src_dir), hash_file=digests.file)
         ident["path"] = str(src_dir)  # absolute: load_identity keeps it as it is
-        ident["files"] = folder_manifest(src_dir)
+        ident["files"] = folder_manifest(src_dir, hash_file=digests.file)
+        digests.save()
         write_json(out / "identity.json", ident)
         log.info("target %s read in place from %s: %d layers, hidden %d, vocab %d, digest %s", ident["name"],
                  src_dir, ident["num_layers"], ident["hidden_size"], ident["vocab_size"], ident["digest"][:12])

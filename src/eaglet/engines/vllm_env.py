@@ -25,6 +25,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 DEFAULT_ENV = "envs/vllm/.venv"
+# How the vLLM environment is built (named by every refusal of a missing one)
+SETUP = "`make vllm-env` (envs/vllm/setup.sh)"
 # envs/vllm/setup.sh writes it last: a venv without it is an interrupted install (setup.sh rebuilds it)
 SETUP_STAMP = ".eaglet-setup-complete"
 # Overrides DEFAULT_ENV (a venv folder or its bin/python) where no environment is given.
@@ -44,16 +46,19 @@ def vllm_python(env: str | os.PathLike | None = None) -> Path:
     default ``$EAGLET_VLLM_PYTHON`` or ``envs/vllm/.venv``); a relative path that does not exist
     from here is taken from the repository root. Refuses a venv without setup.sh's stamp: a
     half-installed vLLM fails minutes later inside the engine, with an error that names no cause."""
-    return venv_python(env, ENV_VAR, DEFAULT_ENV, "vLLM", "envs/vllm/setup.sh", VllmEnvMissing)
+    return venv_python(env, ENV_VAR, DEFAULT_ENV, "vLLM", SETUP, VllmEnvMissing)
 
 
-def venv_python(env, env_var: str, default: str, what: str, setup: str, missing: type[Exception]) -> Path:
+def venv_python(env, env_var: str, default: str, what: str, setup: str, missing: type[Exception],
+                root: str | os.PathLike | None = None) -> Path:
     """The interpreter of one of eaglet's separate environments (vLLM here, SGLang in
     eaglet.export.contract.sglang_check): ``env``, else ``$env_var``, else ``default``, as :func:`vllm_python`
-    says; ``missing`` raised, naming ``setup``, when it is absent or its install never finished."""
+    says; ``missing`` raised, naming ``setup``, when it is absent or its install never finished.
+    ``root``: the repository a relative path falls back to (default: this eaglet's; the workflow's
+    parse names the one its jobs import, eaglet.workflow.environments)."""
     p = Path(env if env is not None else os.environ.get(env_var) or default)
     if not p.is_absolute() and not p.exists():
-        p = Path(__file__).resolve().parents[3] / p
+        p = Path(root if root is not None else Path(__file__).resolve().parents[3]) / p
     p = p.absolute()  # not resolve(): the venv's python is a symlink, and resolving it leaves the venv
     py = p if p.name.startswith("python") else p / "bin" / "python"
     venv = py.parent.parent

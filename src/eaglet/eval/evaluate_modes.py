@@ -51,7 +51,7 @@ def evaluate_modes(drafter: str | Path, identity: str | Path, sets: list[str], o
     for name, kw in modes.items():
         mo = {**o, "chat_template_kwargs": {**o["chat_template_kwargs"], **kw}}
         prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
-                                         mo["chat_template_kwargs"])
+                                         mo["chat_template_kwargs"], o.get("set_digests"))
         ids = [tuple(p["prompt_ids"]) for p in prompts]
         same = [m for m, other in rendered.items() if other == ids]
         if same:

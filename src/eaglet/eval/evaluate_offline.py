@@ -83,7 +83,7 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
     ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
                                                target_load(o))
     prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
-                                     o["chat_template_kwargs"])
+                                     o["chat_template_kwargs"], o.get("set_digests"))
     res, pos_rows, round_rows = offline_results(target, proposer, prompts, o)
     res = {"stage": "evaluate_offline", "drafter": str(drafter), "target": ident["name"],
            "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "draft_vocab_size": cfg.draft_vocab_size,

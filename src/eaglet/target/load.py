@@ -151,8 +151,9 @@ def shape_facts(conf: dict) -> dict:
     }
 
 
-def identity_of(model_dir: Path, name: str, source: str) -> dict:
-    """Identity JSON: content digest of the weight files plus the shape facts stages need."""
+def identity_of(model_dir: Path, name: str, source: str, hash_file=file_digest) -> dict:
+    """Identity JSON: content digest of the weight files plus the shape facts stages need.
+    ``hash_file``: how a file's sha256 is had (target_model reuses the parse's, cached by stat)."""
     conf = json.loads((model_dir / "config.json").read_text())
     weights = sorted(model_dir.glob("*.safetensors"))
     if not weights:
@@ -162,7 +163,7 @@ def identity_of(model_dir: Path, name: str, source: str) -> dict:
     h = hashlib.sha256()
     for w in weights:
         h.update(w.name.encode())
-        h.update(file_digest(w).encode())
+        h.update(hash_file(w).encode())
     text = conf.get("text_config", conf)
     return {
         "name": name,

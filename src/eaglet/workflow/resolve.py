@@ -27,6 +27,7 @@ from typing import Any
 
 from eaglet.base.artifacts import ArtifactError
 from eaglet.base.capability import resolve_autocast, resolve_target_dtype
+from eaglet.base.content_digests import CACHE_FILE, DigestCache
 from eaglet.base.settings_files import write_settings
 from eaglet.drafter import published
 from eaglet.planner import plan, storage
@@ -34,8 +35,8 @@ from eaglet.target.chat_template import chat_template_text
 from eaglet.target.families import check_tiny
 from eaglet.target.load import LOAD_KEYS, serving
 from eaglet.target.shape import layer_ids
-from eaglet.workflow import checks
-from eaglet.workflow.inputs import target_source
+from eaglet.workflow import checks, environments
+from eaglet.workflow.inputs import local_target, target_source, user_digest, user_sets
 from eaglet.workflow.paths import Paths
 
 
@@ -145,6 +146,11 @@ class Resolved:
     target_source: Mapping
     # tokenize's input: the regenerated conversations when generation is on, the source ones otherwise
     tokenize_conversations: str
+    # The user's own files and folders a stage reads, by content (eaglet.workflow.inputs.user_digest):
+    # "prompts.path" and "target.path" as "sha256:..." ("" when the stage reads none), the .parquet
+    # paths of "evaluate.sets" and "evaluate.regenerate.sets" as (path, digest) pairs. In the reading
+    # rule's params, so a new content reruns it whatever the file's mtime says, and checked by its job.
+    user_files: Mapping
 
     def lines(self) -> list[str]:
         """What `snakemake -n` logs of the resolution, in the order it was decided."""
@@ -199,12 +205,16 @@ def init_from_key(path: str | None, workdir: str | Path = ".") -> dict:
         raise ValueError(f"train.init_from: {e}") from None
 
 
-def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
+def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None = None) -> Resolved:
     """Resolve a validated workflow config (``eaglet.base.schema.validate``, defaults filled) in
     the workflow folder ``workdir``; ``config`` is left as it is. Raises ValueError naming the key
-    when the run cannot succeed (each check is the named function's)."""
+    when the run cannot succeed (each check is the named function's). ``job_root``: the repository
+    of the eaglet the jobs import, where they find the separate environments a relative path names
+    (eaglet.workflow.environments; default: this eaglet's)."""
     check_tiny(config["target"]["tiny"])  # the schema leaves target.tiny's keys to the family's config class
-    lines = checks.parse_time(config, workdir)
+    # every separate environment the DAG will run (vLLM, SGLang), before anything else is decided
+    env_lines = environments.check(config, job_root)
+    lines = checks.parse_time(config, workdir) + env_lines
     checks.settings_consistent(config)
     mode, dtype, storage_lines = storage.decide(config, plan.parse_time_shapes(config, workdir))
     # The config as the jobs read it: the user's with the storage choice in, a copy (the memory plan,
@@ -224,7 +234,19 @@ def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
     autocast, autocast_why = resolve_autocast(config["train"]["autocast"],
                                               on_gpu=int(config["train"]["gpus"] or 0) > 0)
     train = {k: v for k, v in chosen["train"].items() if k not in ("nodes", "rdzv_port")} | {"autocast": autocast}
-    source = target_source(t)
+    # hashed once per change of a file's stat (.snakemake/eaglet-digests.json of the workflow folder)
+    digests = DigestCache(Path(workdir) / CACHE_FILE)
+    source = target_source(t, digests)
+    p = config["prompts"]
+    user = {
+        "target.path": user_digest(local_target(t), "target.path", digests, base=workdir),
+        "prompts.path": (user_digest(p["path"], "prompts.path", digests, required=p["source"] == "file",
+                                     base=workdir) if p["source"] != "sharegpt" else ""),
+        "evaluate.sets": user_sets(config["evaluate"]["sets"], "evaluate.sets", digests, workdir),
+        "evaluate.regenerate.sets": user_sets(config["evaluate"]["regenerate"]["sets"],
+                                              "evaluate.regenerate.sets", digests, workdir),
+    }
+    digests.save()
     paths = Paths.of(config)
     run = paths.run
     return Resolved(
@@ -257,4 +279,5 @@ def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
         target_source=freeze(source),
         tokenize_conversations=(f"{run}/generate/conversations.parquet" if config["generate"]["enabled"]
                                 else f"{run}/prompts/train.parquet"),
+        user_files=freeze(user),
     )
