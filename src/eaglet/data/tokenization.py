@@ -44,6 +44,7 @@ from eaglet.base.conversations import conversation_problem, read_conversations
 from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_beside
 from eaglet.base.files import write_json, write_parquet
 from eaglet.base.logs import setup_logging
+from eaglet.base.progress import Progress
 from eaglet.target import reasoning
 
 log = logging.getLogger("eaglet.data.tokenization")
@@ -275,7 +276,9 @@ def tokenize_rows(tokenizer, rows: list[dict], max_length: int = schema.default(
                          "truncated": cut, "reasoning_turns": n_reasoning, "reasoning_shown": len(shown)})
         pending.clear()
 
+    progress = Progress(log, "tokenize", len(rows), "conversations")
     for row in rows:
+        progress.step()
         msgs = row.get("messages")
         reason = conversation_problem(msgs) if isinstance(msgs, list) else "empty_conversation"
         if reason is None and row["id"] in seen:

@@ -54,6 +54,8 @@ except ImportError:  # imported as part of eaglet (tests of the argument buildin
     from eaglet.engines.vllm_env import add_serving_args, cpu_times, engine_kwargs, metric_samples, spec_decode_counters
 
 COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+# Printed after each timing block ("<mark> i/n"): eaglet.eval.evaluate_vllm turns these into its progress lines
+PROGRESS_MARK = "eaglet-runner: block"
 
 
 def vllm_collectors(registry=None):
@@ -155,7 +157,7 @@ def main():
     res = {"vllm_version": vllm.__version__, "startup_s": startup, "speculative_config": methods,
            "speculative_configs": configs, "blocks": []}
     last, cpu0 = None, cpu_times()
-    for b in spec["blocks"]:
+    for n_block, b in enumerate(spec["blocks"], 1):
         calls = []
         for c in b["order"]:
             llm = engines[c["engine"]]
@@ -172,6 +174,8 @@ def main():
                           "token_ids": list(out[0].outputs[0].token_ids),
                           "spec_decode": delta(spec_counters(llm, own), before) if before is not None else None})
         res["blocks"].append({"prompt": b["prompt"], "repeat": b["repeat"], "calls": calls})
+        # after the block's timed calls: the stage reads these lines for its progress (PROGRESS_MARK)
+        print(f"{PROGRESS_MARK} {n_block}/{len(spec['blocks'])}", flush=True)
     res["cpu"] = {"start": cpu0, "end": cpu_times()}  # engines alive: their processes count as ours
     tmp = a.out + ".tmp"
     with open(tmp, "w") as fh:

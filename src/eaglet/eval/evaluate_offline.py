@@ -42,6 +42,7 @@ from pathlib import Path
 from eaglet.base import datasets
 from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.files import write_json, write_parquet
+from eaglet.base.progress import Progress
 from eaglet.drafter.chain import (
     ACCEPT,
     chain_counts,
@@ -109,6 +110,7 @@ def offline_results(target, proposer, prompts: list[dict], o: dict) -> tuple[dic
     t0 = time.time()
     pos_rows, round_rows, per_set = [], [], defaultdict(lambda: {"starts": [], "rounds": defaultdict(list)})
     target_ties, per_prompt = 0, []
+    progress = Progress(log, "evaluate_offline, greedy chain (T = 0)", len(prompts), "prompts")
     for i, p in enumerate(prompts):
         r = offline_prompt(target, proposer, p["prompt_ids"], K, max_new)
         row = {"set": p["set"], "domain": p["domain"], "id": p["id"], "prompt_tokens": len(p["prompt_ids"]),
@@ -128,6 +130,7 @@ def offline_results(target, proposer, prompts: list[dict], o: dict) -> tuple[dic
         log.info("offline %d/%d %s %s: %d tokens, tau(k=%d) %.2f", i + 1, len(prompts), p["set"], p["id"],
                  len(r["tokens"]), min(3, K), tau_all_positions([s["accepted"] for s in r["starts"]],
                                                                 [s["valid"] for s in r["starts"]], min(3, K)) or 1)
+        progress.step()
     all_starts = [s for v in per_set.values() for s in v["starts"]]
     all_rounds = {k: [x for v in per_set.values() for x in v["rounds"][k]] for k in o["k_values"]}
     res = {"K": K, "prompts": len(prompts), "new_tokens": len(all_starts) + len(prompts),
@@ -175,6 +178,8 @@ def offline_sampling(target, proposer, prompts: list[dict], per_prompt: list[dic
     seeded samples."""
     rows, starts = {r: [] for r in ACCEPT}, defaultdict(list)
     t0 = time.time()
+    progress = Progress(log, f"expected acceptance at T = {temp:g} along "
+                             f"{'the given texts' if texts else 'the target samples'}", len(prompts), "prompts")
     for i, p in enumerate(prompts):
         e = expected_prompt(target, proposer, p["prompt_ids"], K, temp, max_new,
                             run_generator(o["seed"], "offline", temp, i), tokens=texts[i] if texts else None)
@@ -186,6 +191,7 @@ def offline_sampling(target, proposer, prompts: list[dict], per_prompt: list[dic
         for r in ACCEPT:
             rows[r].append({"set": p["set"], "domain": p["domain"], "expected": by_rule[r]})
         starts[p["set"]] += e["starts"]
+        progress.step()
     ks = o["k_values"]
     every = [x for v in starts.values() for x in v]
     rules = {r: {"estimate": ESTIMATES[r] + "; expected accepted at k = sum_{j<k} prod_{i<=j} alpha_i, "

@@ -49,6 +49,7 @@ import torch
 from eaglet.base import datasets
 from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.files import write_json, write_parquet
+from eaglet.base.progress import Progress
 from eaglet.drafter.chain import prompt_chain, rounds_tau
 from eaglet.engines.hf_loop import greedy, sample, setup, speculative, speculative_sampling
 from eaglet.eval import stats
@@ -142,6 +143,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     target.times.clear()
     per_prompt, round_rows, mismatches, sampled_rounds = [], [], [], defaultdict(list)
     other = stats.OtherLoad().start()
+    progress = Progress(log, "evaluate_speculative (timed HF loop)", len(prompts), "prompts")
     for i, p in enumerate(prompts):
         ids = p["prompt_ids"]
         samples, first = _timed_blocks(target, proposer, p, i, ks, repeats, max_new, mismatches)
@@ -173,6 +175,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
                      view["greedy_tokens"] / view["greedy_seconds"],
                      ", ".join(f"k={k} tau {view['k'][k]['tau'] or 1:.2f} x{view['k'][k]['speedup']:.2f}"
                                for k in ks))
+        progress.step()
     load = other.stop()
     if load["busy"]:
         log.warning("speculative: %s; the speedups are reported not conclusive", load["note"])

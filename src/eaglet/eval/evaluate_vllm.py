@@ -96,9 +96,10 @@ from eaglet.base import datasets, schema
 from eaglet.base.digests import verify_recorded
 from eaglet.base.files import read_json, write_json
 from eaglet.base.logs import setup_logging
+from eaglet.base.progress import Progress
 from eaglet.base.settings_files import parse_json_arg
 from eaglet.engines import vllm_env
-from eaglet.engines.vllm_eval_runner import engine_name
+from eaglet.engines.vllm_eval_runner import PROGRESS_MARK, engine_name
 from eaglet.eval import stats
 from eaglet.target.load import load_identity, load_tokenizer, stop_ids, vllm_runner_args
 
@@ -185,17 +186,43 @@ def run_one(py: Path, target_dir: str, spec: dict, work: Path, name: str, *, dra
     log.info("vLLM run %s: %s", name, " ".join(cmd))
     t0 = time.time()
     with open(logf, "w") as fh:
-        try:
-            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                timeout=vllm_env.timeout(o["timeout_s"])).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = _follow(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work), logf,
+                     vllm_env.timeout(o["timeout_s"]), Progress(log, f"evaluate_vllm {name}", len(spec["blocks"]),
+                                                               "timing blocks"))
     if rc != 0 or not out.exists():
         raise VllmError(f"vLLM run {name} failed (rc {rc}); log {logf}:\n"
                         f"{logf.read_text(errors='replace')[-3000:]}")
     res = json.loads(out.read_text())
     res.update(name=name, iomp=bool(iomp), wall_s=round(time.time() - t0, 1), log=str(logf))
     return res
+
+
+def _follow(proc: subprocess.Popen, logf: Path, timeout: float | None, progress: Progress,
+            poll_s: float = 2.0) -> int | str:
+    """Wait for the runner (killed past ``timeout``: "timeout"), turning the block marks it prints
+    (vllm_eval_runner.PROGRESS_MARK) into progress lines; its exit code."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    seen, offset = 0, 0
+    while True:
+        try:
+            rc = proc.wait(timeout=poll_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        with open(logf, "rb") as fh:  # what the runner printed since the last look
+            fh.seek(offset)
+            chunk = fh.read()
+        cut = chunk.rfind(b"\n") + 1  # whole lines only: a half-written one is read next time
+        offset += cut
+        for line in chunk[:cut].decode(errors="replace").splitlines():
+            if line.startswith(PROGRESS_MARK) and seen < progress.total:
+                seen += 1
+                progress.step()
+        if rc is not None:
+            return rc
+        if deadline is not None and time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            return "timeout"
 
 
 # --------------------------------------------------------------------------- from the runner's calls

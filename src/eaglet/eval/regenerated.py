@@ -39,6 +39,7 @@ from eaglet.base.conversations import read_conversations
 from eaglet.base.digests import verify_beside, verify_recorded
 from eaglet.base.files import read_json, write_json
 from eaglet.base.logs import setup_logging
+from eaglet.base.progress import Progress
 from eaglet.base.settings_files import parse_json_arg
 from eaglet.drafter.chain import accepted_prefix, chain_replay, prompt_chain
 from eaglet.engines.hf_loop import setup
@@ -96,10 +97,12 @@ def _ci(rows: list[dict], k: int, o: dict) -> dict:
 def greedy_scores(target, proposer, rows: list[dict], ks: list[int], o: dict) -> dict:
     """The exact chain at T = 0 along each text; per set, per domain and overall with intervals."""
     K = max(ks)
+    progress = Progress(log, "regenerated answers, greedy chain (T = 0)", len(rows), "answers")
     for r in rows:
         acc = [0] + greedy_along(target, proposer, r["prompt_ids"], r["tokens"], K)
         n = len(r["tokens"])
         r["chain"] = {k: prompt_chain(chain_replay(acc, n, n, k)) for k in ks}
+        progress.step()
 
     def group(sel):
         return {"prompts": len(sel), "tau": {k: _ci(sel, k, o) for k in ks}}
