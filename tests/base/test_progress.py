@@ -24,7 +24,7 @@ class Clock:
 def test_lines_at_most_every_interval_and_at_the_end_with_time_left():
     clock = Clock()
     p = Progress(logging.getLogger("t"), "evaluate_offline", 80, "prompts", every_s=30, clock=clock)
-    for i in range(80):
+    for _ in range(80):
         clock.t += 6.0  # 6 s a prompt: a line every 5 prompts, and the last
         p.step()
     assert len(p.lines) == 80 // 5
