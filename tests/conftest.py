@@ -21,6 +21,10 @@ XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(var, "1")
+    # Snakemake gives a DAG test's jobs OMP_NUM_THREADS=threads (2 with --cores 2): two such processes on
+    # two cores spin-wait each other under libgomp's default policy. Passive waiting: 1.88x faster for
+    # two 2-thread tiny-model processes at once, 0.96x for one alone (benchmarks/bench_omp_wait.py).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # What a workflow clone needs (tests run Snakemake in copies so they never touch results/)
 WORKFLOW_FILES = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.toml"]
 # A hung vLLM start or run costs at most this (eaglet.engines.vllm_env.timeout; inherited by every Snakemake
