@@ -24,7 +24,7 @@ rule target_model:
         **key_params("target", R.target_source),
         config=settings_file(
             f"logs/target_model/{config['target']['name']}.config.json",
-            config["target"],
+            R.target_settings,
         ),
         out=out_dir,
     shell:

@@ -30,6 +30,7 @@ from eaglet.base.capability import resolve_autocast, resolve_target_dtype
 from eaglet.base.settings_files import write_settings
 from eaglet.drafter import published
 from eaglet.planner import plan, storage
+from eaglet.target import hub
 from eaglet.target.chat_template import chat_template_text
 from eaglet.target.families import check_tiny
 from eaglet.target.load import LOAD_KEYS, serving
@@ -143,6 +144,13 @@ class Resolved:
     # What defines the built target (eaglet.workflow.inputs.target_source): the source it comes from,
     # by content, and how it is built from it.
     target_source: Mapping
+    # A target named by its hub id (eaglet.target.hub): the repo, the revision asked, the commit it
+    # resolved to and the snapshot folder read in place ({} for any other target). The parse reads
+    # that folder as it reads a local target.path.
+    target_hub: Mapping
+    # The target section as target_model's job reads it: the config's, with target.revision pinned
+    # to the commit the parse resolved (a branch moving during the run changes nothing).
+    target_settings: Mapping
     # tokenize's input: the regenerated conversations when generation is on, the source ones otherwise
     tokenize_conversations: str
 
@@ -199,12 +207,29 @@ def init_from_key(path: str | None, workdir: str | Path = ".") -> dict:
         raise ValueError(f"train.init_from: {e}") from None
 
 
+def hub_target(target: dict, workdir: str | Path = ".") -> hub.Snapshot | None:
+    """The target's hub snapshot when ``target.path`` names a hub model (eaglet.target.hub.hub_id),
+    resolved in the hub cache at ``target.revision``; None for any other target."""
+    repo = hub.hub_id(target["path"], workdir) if target["tiny"] is None else None
+    return hub.resolve(repo, target["revision"]) if repo else None
+
+
 def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
     """Resolve a validated workflow config (``eaglet.base.schema.validate``, defaults filled) in
     the workflow folder ``workdir``; ``config`` is left as it is. Raises ValueError naming the key
     when the run cannot succeed (each check is the named function's)."""
     check_tiny(config["target"]["tiny"])  # the schema leaves target.tiny's keys to the family's config class
+    snap = hub_target(config["target"], workdir)
+    target_settings = dict(config["target"])
+    if snap is not None:
+        # the parse reads the snapshot folder as a local target.path; the config stays as written
+        target_settings["revision"] = snap.commit
+        config = copy.deepcopy(config)
+        config["target"]["path"] = str(snap.folder)
     lines = checks.parse_time(config, workdir)
+    if snap is not None:
+        lines.insert(0, f"target {snap.repo_id} revision {snap.revision!r}: commit {snap.commit} in the hub "
+                        f"cache {snap.cache} (read in place from {snap.folder})")
     checks.settings_consistent(config)
     mode, dtype, storage_lines = storage.decide(config, plan.parse_time_shapes(config, workdir))
     # The config as the jobs read it: the user's with the storage choice in, a copy (the memory plan,
@@ -224,7 +249,7 @@ def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
     autocast, autocast_why = resolve_autocast(config["train"]["autocast"],
                                               on_gpu=int(config["train"]["gpus"] or 0) > 0)
     train = {k: v for k, v in chosen["train"].items() if k not in ("nodes", "rdzv_port")} | {"autocast": autocast}
-    source = target_source(t)
+    source = target_source(t, snap.key() if snap is not None else None)
     paths = Paths.of(config)
     run = paths.run
     return Resolved(
@@ -255,6 +280,8 @@ def resolve(config: dict, workdir: str | Path = ".") -> Resolved:
         online=freeze({"tokens": f"{run}/tokenize/tokens.parquet",  # rules.tokenize.output.tokens
                        "layer_ids": ids, "dtype": dtype, "target_load": target_load}),
         target_source=freeze(source),
+        target_hub=freeze(snap.record() if snap is not None else {}),
+        target_settings=freeze(target_settings),
         tokenize_conversations=(f"{run}/generate/conversations.parquet" if config["generate"]["enabled"]
                                 else f"{run}/prompts/train.parquet"),
     )
