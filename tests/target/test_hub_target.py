@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import clone
-from dag_preview import cache_keys, preview
+from dag_preview import cache_keys, job_params, preview
 from eaglet.data.target_model import materialise
 from eaglet.target import hub
 from workflow_common import planned_jobs, smk
@@ -93,7 +93,8 @@ def workflow(tmp_path_factory):
 
 def hub_config(wf: Path, name: str, **target) -> str:
     conf = yaml.safe_load((wf / "config/smoke.yaml").read_text())
-    conf["target"] = {"name": "hub-tiny", "path": REPO_ID, **target}  # target.tiny removed
+    # target.tiny removed; hub_id null over config.yaml's (SmolLM2's): the card names the repo id
+    conf["target"] = {"name": "hub-tiny", "path": REPO_ID, "hub_id": None, **target}
     (wf / "config" / name).write_text(yaml.safe_dump(conf))
     return f"config/{name}"
 
@@ -152,12 +153,14 @@ def test_target_model_reads_the_snapshot_and_records_the_commit(offline_hub, wor
 
 def test_the_cache_key_is_the_commit_s_content_not_its_name(offline_hub, workflow):
     """target_model's output-cache key is the same for main, another ref and the commit hash that
-    name one commit, and another for a revision with other weights."""
+    name one commit, and another for a revision with other weights; the card names the repo id."""
     wf, out_cache = workflow
     keys = {rev: cache_keys(wf, wf / hub_config(wf, f"k-{rev}.yaml", revision=rev), out_cache,
                             ["target_model"])["target_model"]["key"]
             for rev in ("main", "alias", COMMIT_A, "v2")}
     assert keys["main"] == keys["alias"] == keys[COMMIT_A] != keys["v2"], keys
+    card = job_params(wf, wf / "config/k-main.yaml", out_cache, ["drafter_card"])["drafter_card"]
+    assert card["card_base_model"] == f'base_model="{REPO_ID}"', card
 
 
 def test_a_model_missing_from_the_cache_offline_stops_the_parse(offline_hub, workflow):

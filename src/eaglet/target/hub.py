@@ -129,7 +129,7 @@ def resolve(repo_id: str, revision: str) -> Snapshot:
     except CacheNotFound as e:  # pragma: no cover - snapshot_download has just returned a folder in it
         raise HubTargetError(missing_message(repo_id, revision, cache, str(e))) from None
     found = [rev for repo in info.repos if repo.repo_id == repo_id and repo.repo_type == "model"
-             for rev in repo.revisions if Path(rev.snapshot_path).absolute() == folder.absolute()]
+             for rev in repo.revisions if Path(rev.snapshot_path).resolve() == folder.resolve()]
     if not found:
         raise HubTargetError(missing_message(repo_id, revision, cache, f"huggingface_hub's scan of the cache does "
                                              f"not list the snapshot {folder}"))
