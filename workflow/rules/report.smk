@@ -50,9 +50,10 @@ FINAL_OUTPUTS.extend(rules.plots.output)
 
 
 # The drafter's model card (eaglet.report.card): drafter/README.md from the run's artifacts, in the
-# format the model hubs read; base_model is target.hub_id (else the target's name).
+# format the model hubs read; base_model is target.hub_id (else a target.path naming a hub model,
+# else the target's name).
 CARD = {
-    "base_model": config["target"]["hub_id"],
+    "base_model": config["target"]["hub_id"] or R.target_hub.get("repo_id"),
     "serving": R.serving,
     "shown_dir": f"{RUN}/drafter",
 }

@@ -6,7 +6,10 @@ config and save a normal safetensors checkpoint under ``resources/targets/<name>
 plus ``identity.json`` whose ``digest`` (sha256 of the weights) keys every downstream cache.
 
 Any local HF checkpoint works too (``target.path``): read in place, never linked, copied or
-re-permissioned (see materialise). ``target.tiny`` builds a small random model
+re-permissioned (see materialise). A ``target.path`` of the form ORG/NAME that is no folder names a
+hub model: eaglet.target.hub resolves it in huggingface_hub's cache at ``target.revision`` (the
+commit the parse pinned) and its snapshot folder is read in place the same way, identity.json
+recording the repo, the revision and the commit (``hub``). ``target.tiny`` builds a small random model
 in-process, for tests: ``family`` (default ``llama``, the SmolLM2 tokenizer) picks one of
 ``eaglet.target.families.FAMILIES``, with its own tokenizer and chat template; other keys override its config.
 
@@ -30,6 +33,7 @@ from eaglet.base.digests import folder_manifest
 from eaglet.base.files import write_json
 from eaglet.base.logs import setup_logging
 from eaglet.base.settings_files import parse_json_arg
+from eaglet.target import hub
 from eaglet.target.load import DEFAULT_GGUF, identity_of, package_file
 
 log = logging.getLogger("eaglet.data.target_model")
@@ -89,6 +93,10 @@ def materialise(cfg: dict, out: str | Path) -> dict:
     if tmp_dir.exists():
         shutil.rmtree(tmp_dir)
     src_dir = Path(cfg["path"]) if cfg.get("path") and cfg.get("tiny") is None else None
+    repo = hub.hub_id(cfg["path"]) if src_dir is not None else None
+    snap = hub.resolve(repo, cfg.get("revision") or schema.default("target.revision")) if repo else None
+    if snap is not None:
+        src_dir = snap.folder  # the cache's snapshot folder, read in place as a local folder is
     if src_dir is not None and src_dir.is_dir() and any(src_dir.glob("*.safetensors")):
         # A local safetensors checkpoint is read in place: not loaded and re-saved (a 1T-parameter
         # target, the seed's 547 GB, cannot pass through one process's memory), not copied, and
@@ -109,10 +117,13 @@ def materialise(cfg: dict, out: str | Path) -> dict:
         if model_dir.exists():
             shutil.rmtree(model_dir)
         tmp_dir.rename(model_dir)
-        ident = identity_of(src_dir, cfg["name"], str(src_dir), hash_file=digests.file)
+        ident = identity_of(src_dir, cfg["name"], f"hub:{snap.repo_id}@{snap.commit}" if snap else str(src_dir),
+                            hash_file=digests.file)
         ident["path"] = str(src_dir)  # absolute: load_identity keeps it as it is
         ident["files"] = folder_manifest(src_dir, hash_file=digests.file)
         digests.save()
+        if snap is not None:
+            ident["hub"] = snap.record()
         write_json(out / "identity.json", ident)
         log.info("target %s read in place from %s: %d layers, hidden %d, vocab %d, digest %s", ident["name"],
                  src_dir, ident["num_layers"], ident["hidden_size"], ident["vocab_size"], ident["digest"][:12])

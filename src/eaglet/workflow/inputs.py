@@ -36,12 +36,16 @@ def target_files(target: dict, cache: DigestCache | None = None) -> str:
         return f"not installed: {package}/{name}"
 
 
-def target_source(target: dict, cache: DigestCache | None = None) -> dict:
+def target_source(target: dict, cache: DigestCache | None = None, hub: dict | None = None) -> dict:
     """What defines the built target: the source it comes from, by content (target_files), and how it
     is built from it. A tiny target: its spec and the GGUF its tokenizer comes from (llama); a local
-    folder (read in place): the folder and trust_remote_code; a packaged GGUF: the file and dtype."""
+    folder (read in place): the folder and trust_remote_code; a packaged GGUF: the file and dtype; a
+    model named by its hub id (``hub``: eaglet.target.hub.Snapshot.key): the commit and its files'
+    content hashes, and trust_remote_code, not the repo's or the revision's name."""
     if target["tiny"] is not None:
         return {"tiny": target["tiny"], "dtype": target["dtype"], "files": target_files(target, cache)}
+    if hub:
+        return {"hub": hub, "trust_remote_code": target["trust_remote_code"]}
     if target["path"]:
         return {"path": target["path"], "trust_remote_code": target["trust_remote_code"],
                 "files": target_files(target, cache)}

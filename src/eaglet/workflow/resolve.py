@@ -31,6 +31,7 @@ from eaglet.base.content_digests import CACHE_FILE, DigestCache
 from eaglet.base.settings_files import write_settings
 from eaglet.drafter import published
 from eaglet.planner import plan, storage
+from eaglet.target import hub
 from eaglet.target.chat_template import chat_template_text
 from eaglet.target.families import check_tiny
 from eaglet.target.load import LOAD_KEYS, serving
@@ -144,6 +145,13 @@ class Resolved:
     # What defines the built target (eaglet.workflow.inputs.target_source): the source it comes from,
     # by content, and how it is built from it.
     target_source: Mapping
+    # A target named by its hub id (eaglet.target.hub): the repo, the revision asked, the commit it
+    # resolved to and the snapshot folder read in place ({} for any other target). The parse reads
+    # that folder as it reads a local target.path.
+    target_hub: Mapping
+    # The target section as target_model's job reads it: the config's, with target.revision pinned
+    # to the commit the parse resolved (a branch moving during the run changes nothing).
+    target_settings: Mapping
     # tokenize's input: the regenerated conversations when generation is on, the source ones otherwise
     tokenize_conversations: str
     # The user's own files and folders a stage reads, by content (eaglet.workflow.inputs.user_digest):
@@ -205,6 +213,13 @@ def init_from_key(path: str | None, workdir: str | Path = ".") -> dict:
         raise ValueError(f"train.init_from: {e}") from None
 
 
+def hub_target(target: dict, workdir: str | Path = ".") -> hub.Snapshot | None:
+    """The target's hub snapshot when ``target.path`` names a hub model (eaglet.target.hub.hub_id),
+    resolved in the hub cache at ``target.revision``; None for any other target."""
+    repo = hub.hub_id(target["path"], workdir) if target["tiny"] is None else None
+    return hub.resolve(repo, target["revision"]) if repo else None
+
+
 def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None = None) -> Resolved:
     """Resolve a validated workflow config (``eaglet.base.schema.validate``, defaults filled) in
     the workflow folder ``workdir``; ``config`` is left as it is. Raises ValueError naming the key
@@ -214,7 +229,17 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
     check_tiny(config["target"]["tiny"])  # the schema leaves target.tiny's keys to the family's config class
     # every separate environment the DAG will run (vLLM, SGLang), before anything else is decided
     env_lines = environments.check(config, job_root)
+    snap = hub_target(config["target"], workdir)
+    target_settings = dict(config["target"])
+    if snap is not None:
+        # the parse reads the snapshot folder as a local target.path; the config stays as written
+        target_settings["revision"] = snap.commit
+        config = copy.deepcopy(config)
+        config["target"]["path"] = str(snap.folder)
     lines = checks.parse_time(config, workdir) + env_lines
+    if snap is not None:
+        lines.insert(0, f"target {snap.repo_id} revision {snap.revision!r}: commit {snap.commit} in the hub "
+                        f"cache {snap.cache} (read in place from {snap.folder})")
     checks.settings_consistent(config)
     mode, dtype, storage_lines = storage.decide(config, plan.parse_time_shapes(config, workdir))
     # The config as the jobs read it: the user's with the storage choice in, a copy (the memory plan,
@@ -236,10 +261,12 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
     train = {k: v for k, v in chosen["train"].items() if k not in ("nodes", "rdzv_port")} | {"autocast": autocast}
     # hashed once per change of a file's stat (.snakemake/eaglet-digests.json of the workflow folder)
     digests = DigestCache(Path(workdir) / CACHE_FILE)
-    source = target_source(t, digests)
+    source = target_source(t, digests, snap.key() if snap is not None else None)
     p = config["prompts"]
     user = {
-        "target.path": user_digest(local_target(t), "target.path", digests, base=workdir),
+        # a hub snapshot is keyed by its commit and its files' content hashes (target_source), not read again
+        "target.path": "" if snap is not None else user_digest(local_target(t), "target.path", digests,
+                                                                base=workdir),
         "prompts.path": (user_digest(p["path"], "prompts.path", digests, required=p["source"] == "file",
                                      base=workdir) if p["source"] != "sharegpt" else ""),
         "evaluate.sets": user_sets(config["evaluate"]["sets"], "evaluate.sets", digests, workdir),
@@ -277,6 +304,8 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
         online=freeze({"tokens": f"{run}/tokenize/tokens.parquet",  # rules.tokenize.output.tokens
                        "layer_ids": ids, "dtype": dtype, "target_load": target_load}),
         target_source=freeze(source),
+        target_hub=freeze(snap.record() if snap is not None else {}),
+        target_settings=freeze(target_settings),
         tokenize_conversations=(f"{run}/generate/conversations.parquet" if config["generate"]["enabled"]
                                 else f"{run}/prompts/train.parquet"),
         user_files=freeze(user),
