@@ -376,12 +376,22 @@ def test_hf_loop_auto_skips_a_target_too_big_and_the_summary_says_not_run(tmp_pa
     (big / "model-00001.safetensors").write_bytes(b"\0" * (3 << 20))  # 3 MiB "weights"
     config = {"target": {"name": "big", "path": str(big)}, "resources": {"gpu_memory_gb": 0.002},
               "evaluate": {"hf_loop": "auto"}}
-    run, why = plan.hf_loop(config)
-    assert not run and "exceed one GPU" in why and "resources.gpu_memory_gb" in why
-    assert plan.hf_loop({**config, "resources": {"gpu_memory_gb": 1}}) == \
-        (True, "evaluate.hf_loop auto: the target fits one process")
+    hf = plan.hf_loop(config)
+    run, why = hf.chain, hf.chain_why
+    assert not run and not hf.timed and "exceed one GPU" in why and "resources.gpu_memory_gb" in why
+    fits = "evaluate.hf_loop auto: the target fits one process"
+    assert plan.hf_loop({**config, "resources": {"gpu_memory_gb": 1}}) == (True, fits, True, fits, 0)
+    # several GPUs on the CPU build: nothing in-process, with the reason
     tp = {"target": {"name": "t", "vllm": {"tensor_parallel_size": 8}}, "evaluate": {"hf_loop": "auto"}}
-    assert plan.hf_loop(tp)[0] is False and "tensor_parallel_size is 8" in plan.hf_loop(tp)[1]
+    assert plan.hf_loop(tp)[:3:2] == (False, False) and "tensor_parallel_size is 8" in plan.hf_loop(tp).chain_why
+    # several GPUs on the CUDA build: the untimed stages spread over the engine's 8 GPUs, the timed loop not run
+    gpu = plan.hf_loop({**tp, "generate": {"vllm": {"package": "vllm"}}})
+    assert (gpu.chain, gpu.timed, gpu.gpus) == (True, False, 8), gpu
+    assert "spread over the 8 GPUs" in gpu.chain_why and "times nothing a server serves" in gpu.timed_why
+    # one GPU of the CUDA build runs everything on it; false runs nothing
+    assert plan.hf_loop({**config, "resources": {"gpu_memory_gb": 1}, "generate": {"vllm": {"package": "vllm"}}})\
+        .gpus == 1
+    assert plan.hf_loop({**tp, "evaluate": {"hf_loop": False}})[:3:2] == (False, False)
 
     out = tmp_path / "eval"
     out.mkdir()

@@ -94,7 +94,10 @@ def test_config_values():
     t = KIMI["target"]
     assert t["vllm"] == {"tensor_parallel_size": 8, "enable_expert_parallel": True, "dtype": "bfloat16"}
     assert t["trust_remote_code"] is True and t["dtype"] == "bfloat16"
-    assert KIMI["evaluate"]["hf_loop"] is False
+    # every gate on at scale: the in-process evaluation spread over the GPUs, the contract's real vLLM
+    # checks on, only the known answer (no twin for this family) waived, by name
+    assert KIMI["evaluate"]["hf_loop"] == "auto"
+    assert KIMI["export"]["vllm_check"] is True and KIMI["export"]["accept_not_run"] == ["vllm.known_answer"]
     # (2, 30, 58) is vLLM's default for a 61-layer target; the final hidden state is layer 61
     assert KIMI["extract"]["layer_ids"] == default_layer_ids(NUM_LAYERS) == [2, 30, 58]
     assert validate_layer_ids(KIMI["extract"]["layer_ids"], NUM_LAYERS) == [2, 30, 58]
@@ -188,7 +191,8 @@ def test_every_gpu_job_takes_its_gpus_through_gpu_slots(repo, kimi_plan):
     slot launcher, asking for that many GPUs (the launcher exports them as CUDA_VISIBLE_DEVICES,
     which the server inherits)."""
     gpu_jobs = [j for j in kimi_plan[1] if int(j["resources"].get("gpu", 0)) > 0]
-    assert {j["rule"] for j in gpu_jobs} >= {"generate", "extract_hidden_states", "train"}
+    assert {j["rule"] for j in gpu_jobs} >= {"generate", "extract_hidden_states", "train", "export",
+                                             "evaluate_offline", "evaluate_vllm"}
     for j in gpu_jobs:
         want = f"python -m eaglet.planner.gpu_slots --gpus {j['resources']['gpu']} -- "
         assert j["shell"].startswith(want), (j["rule"], j["shell"][:200])
@@ -230,7 +234,10 @@ def test_evaluation_and_contract_serve_kimi_as_configured(repo, kimi_plan):
     """Issue 14: evaluate_vllm hard-coded float32, no tensor parallelism and no remote code, and the
     HF loop loaded the 1T target in fp32 on the CPU. Now every vLLM engine takes target.vllm and
     target.trust_remote_code (evaluate_vllm on the job's 8 GPUs, the contract's check likewise),
-    extraction loads bf16 with remote code, and the HF loop is planned as not run, with the reason."""
+    extraction loads bf16 with remote code. Issue 45, every gate on at scale: the export job holds the
+    engine's 8 GPUs for the contract's real-vLLM checks; the untimed in-process stages (the exact chain
+    behind vLLM's served-vs-simulated gate, the modes, the regenerated scoring) are planned on the same 8
+    GPUs, the target spread over them; the timed HF loop is planned as not run, with the reason."""
     out, jobs = kimi_plan
     by = {j["rule"]: j for j in jobs}
     serving = '"serving": {"dtype": "bfloat16", "enable_expert_parallel": true, "tensor_parallel_size": 8, ' \
@@ -247,21 +254,34 @@ def test_evaluation_and_contract_serve_kimi_as_configured(repo, kimi_plan):
     assert STAGE_CONFIGS["kimi"]["extract_load"] == {"device": "auto", "dtype": "bfloat16", "dtype_reason": "GPU job",
                                                      "trust_remote_code": True}
     assert "--target-load @logs/kimi-k2.5/config/extract_load.json" in by["extract_hidden_states"]["shell"]
-    for rule in ("evaluate_offline", "evaluate_speculative"):
+    ex = by["export"]
+    slots8 = "python -m eaglet.planner.gpu_slots --gpus 8 -- "
+    assert ex["resources"].get("gpu") == "8" and ex["shell"].startswith(slots8)
+    assert STAGE_CONFIGS["kimi"]["export"]["vllm_check"] is True
+    assert STAGE_CONFIGS["kimi"]["export"]["accept_not_run"] == ["vllm.known_answer"]
+    untimed = ["evaluate_offline"] + [r for r in ("evaluate_regenerated", "evaluate_modes") if r in by]
+    for rule in untimed:
         shell = by[rule]["shell"]
-        assert '"hf_loop": false' in shell and '"hf_loop_reason": "evaluate.hf_loop: false' in shell, shell[:600]
+        assert '"hf_loop": true' in shell and "spread over the 8 GPUs" in shell, shell[:600]
+        assert by[rule]["resources"].get("gpu") == "8" and shell.startswith(slots8)
         assert '"dtype": "bfloat16"' in shell and '"trust_remote_code": true' in shell
-    assert "evaluation HF loop: NOT RUN (evaluate.hf_loop: false" in out
+    spec = by["evaluate_speculative"]
+    assert '"hf_loop": false' in spec["shell"] and "times nothing a server serves" in spec["shell"], spec["shell"][:600]
+    assert spec["resources"].get("gpu", "0") == "0"
+    assert "evaluation HF loop: runs (evaluate.hf_loop auto: the target spread over the 8 GPUs its vLLM engine" in out
+    assert "evaluation HF loop, timed: NOT RUN (evaluate.hf_loop auto: target.vllm.tensor_parallel_size is 8" in out
     gen = STAGE_CONFIGS["kimi"]["generate"]
     assert gen["vllm"]["enable_expert_parallel"] is True and gen["vllm"]["trust_remote_code"] is True, gen["vllm"]
     assert gen["vllm"]["dtype"] == "bfloat16"
 
 
-def test_hf_loop_auto_skips_a_tensor_parallel_target_and_says_why(repo):
-    out, jobs = dry_run(repo, "kimi_auto", evaluate={"hf_loop": "auto"})
-    assert "evaluation HF loop: NOT RUN (evaluate.hf_loop auto: target.vllm.tensor_parallel_size is 8" in out
-    off = next(j for j in jobs if j["rule"] == "evaluate_offline")
-    assert '"hf_loop": false' in off["shell"] and "tensor_parallel_size is 8" in off["shell"]
+def test_hf_loop_false_runs_no_in_process_target_and_says_why(repo):
+    out, jobs = dry_run(repo, "kimi_no_hf", evaluate={"hf_loop": False})
+    assert "evaluation HF loop: NOT RUN (evaluate.hf_loop: false" in out
+    for rule in ("evaluate_offline", "evaluate_speculative"):
+        j = next(j for j in jobs if j["rule"] == rule)
+        assert '"hf_loop": false' in j["shell"] and '"hf_loop_reason": "evaluate.hf_loop: false' in j["shell"]
+        assert j["resources"].get("gpu", "0") == "0"
 
 
 def test_tokenize_and_evaluation_render_with_the_served_template_kwargs(repo, kimi_plan):

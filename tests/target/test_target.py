@@ -152,6 +152,19 @@ def test_job_device_follows_the_gpus_the_job_was_given(monkeypatch):
     assert job_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def test_a_job_given_several_gpus_spreads_the_target_over_them():
+    """Issue 45, every gate on at scale: an in-process stage (the exact chain, the regenerated scoring,
+    the contract's acceptance chain) in a job given several GPUs loads the target over all of them
+    (device_map auto, as extraction does); one GPU, the CPU or a map the caller chose stay as given.
+    The several-GPU load itself runs only on a GPU machine (scripts/gpu-check.sh), not here."""
+    from eaglet.target.load import placement
+
+    assert placement("cuda", None, 8) == ("auto", None)
+    assert placement("cuda", None, 1) == (None, "cuda")
+    assert placement("cpu", None, 0) == (None, "cpu")
+    assert placement("cuda", {"": 0}, 8) == ({"": 0}, "cuda")
+
+
 def test_vllm_runner_arguments_come_from_the_config():
     """Issue 14: both vLLM runners hard-coded dtype float32 with no tensor parallelism or remote
     code. The flags are built from target.vllm + target.trust_remote_code (eaglet.target.load.serving)

@@ -49,8 +49,13 @@ EVAL_DATA = {
     for s in EVAL_SETS
     if s in PACKAGED
 }
-# The HF loop on a GPU machine (CUDA vLLM build) takes one GPU through eaglet.planner.gpu_slots.
-HF_LOOP_GPUS = 1 if R.hf_loop and R.vllm_gpus else 0
+# The in-process target on a GPU machine (CUDA vLLM build) takes its GPUs through
+# eaglet.planner.gpu_slots: one, or the several its vLLM engine holds, spread over them
+# (eaglet.planner.plan.hf_loop); the timed loop only where it runs.
+HF_LOOP_GPUS = R.hf_gpus if R.hf_loop else 0
+SPEC_GPUS = R.hf_gpus if R.hf_timed else 0
+# The timed loop's own verdict: the same as the untimed stages' unless the target is spread over GPUs
+SPEC_OPTS = EVAL_OPTS | {"hf_loop": R.hf_timed, "hf_loop_reason": R.hf_timed_why}
 
 
 rule evaluate_offline:
@@ -101,13 +106,13 @@ rule evaluate_speculative:
         "../../envs/eaglet.yaml"
     threads: workflow.cores
     resources:
-        gpu=HF_LOOP_GPUS,
+        gpu=SPEC_GPUS,
     params:
-        **key_params("evaluate", EVAL_OPTS, EVAL_KEYS),
+        **key_params("evaluate", SPEC_OPTS, EVAL_KEYS),
         **key_params("set", EVAL_DATA),
         **library_params("evaluate"),
         sets=as_json(EVAL_SETS),
-        opts=settings(EVAL_OPTS),
+        opts=settings(SPEC_OPTS),
         out=out_dir,
     shell:
         "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"

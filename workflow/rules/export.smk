@@ -6,11 +6,15 @@ EXPORT_SPECULATORS = config["export"]["speculators"]
 # target.vllm + trust_remote_code for the real-vLLM checks, target.dtype/device for the
 # in-process offline chain: the same settings as every other stage
 EXPORT = config["export"] | {"serving": R.serving, "target_load": R.target_load}
+# The contract's real-vLLM checks on a GPU machine (CUDA build) hold the GPUs the target's engine
+# needs (target.vllm.tensor_parallel_size) through eaglet.planner.gpu_slots; its in-process offline
+# chain (vllm.acceptance) runs after the engine, spread over the same GPUs (eaglet.target.load).
+EXPORT_GPUS = R.vllm_gpus if config["export"]["vllm_check"] else 0
 
 
 rule export:
     input:
-        code=stage_code("export.export"),
+        code=stage_code("export.export", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         summary=f"{RUN}/train/train_summary.json",
         identity=TARGET_ID,
@@ -36,6 +40,8 @@ rule export:
         "../../envs/eaglet.yaml"
     # the vLLM check serves the target twice on every core
     threads: workflow.cores
+    resources:
+        gpu=EXPORT_GPUS,
     params:
         **key_params("export", EXPORT),
         out=lambda wildcards, output: str(Path(output.config).parent),
@@ -44,7 +50,8 @@ rule export:
         # vLLM's own logs and cache: logs, not results
         work=f"{LOGS}/export_check",
     shell:
-        "python -m eaglet.export.export --drafter {input.drafter:q} --identity {input.identity:q}"
+        "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+        " python -m eaglet.export.export --drafter {input.drafter:q} --identity {input.identity:q}"
         " --train-summary {input.summary:q} --out {params.out:q}"
         " --speculators-out {params.speculators_out:q} --work-dir {params.work:q}"
         " --config {params.export:q} --log {log:q}"

@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 from eaglet.base import schema
 from eaglet.base.capability import resolve_autocast
@@ -287,28 +288,59 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
     return [summary_line(p)]
 
 
-def hf_loop(config: dict) -> tuple[bool, str]:
-    """Whether evaluation runs the HF loop (the target in one process: offline simulator and
-    speculative loop), and why, from ``evaluate.hf_loop``. ``auto`` skips it for a target served
-    over several GPUs (``target.vllm.tensor_parallel_size`` > 1) or whose weights (a local
-    ``target.path``'s *.safetensors) exceed one GPU (``resources.gpu_memory_gb``): such a target
-    is evaluated through vLLM only. Decided at parse time, so `snakemake -n` says it."""
+class HfPlan(NamedTuple):
+    """Where evaluation runs the target in-process (eaglet.engines.hf_loop), decided at parse time.
+    ``chain``: the untimed stages (the exact offline chain and its served-vs-simulated gate, the
+    scoring along regenerated answers, the chat-template modes); ``timed``: the speculative loop's
+    speed and losslessness (evaluate_speculative); ``gpus``: the GPUs each of those jobs holds
+    (0 on a CPU build), the target spread over them by ``device_map`` when more than one."""
+
+    chain: bool
+    chain_why: str
+    timed: bool
+    timed_why: str
+    gpus: int
+
+
+def hf_loop(config: dict) -> HfPlan:
+    """What evaluation runs of the in-process HF target, and why, from ``evaluate.hf_loop``.
+    ``auto``: a target that fits one process runs every stage (on one GPU of a GPU build); a
+    target served over several GPUs (``target.vllm.tensor_parallel_size`` > 1) by the GPU build
+    runs the untimed stages spread over those GPUs (the ones the run already holds for vLLM), so
+    the served-vs-simulated gate and the regenerated scoring stay on at scale, while the timed loop
+    is not run (a target split layer by layer over GPUs times nothing a server serves); a target
+    too big for one GPU that vLLM does not spread, or a several-GPU target on the CPU build, runs
+    none. ``true`` runs everything (spread when tensor_parallel_size > 1); ``false`` runs none.
+    Not run is recorded with the reason, never as a pass; `snakemake -n` says it."""
     want = config.get("evaluate", {}).get("hf_loop", schema.default("evaluate.hf_loop"))
-    if want is True:
-        return True, "evaluate.hf_loop: true"
-    if want is False:
-        return False, "evaluate.hf_loop: false (the target is evaluated through vLLM only)"
     tp = int((config["target"].get("vllm") or {}).get("tensor_parallel_size") or 1)
+    gpu_build = (config.get("generate", {}).get("vllm") or {}).get("package") == "vllm"
+    gpus = (tp if tp > 1 else 1) if gpu_build else 0
+    if want is True:
+        why = "evaluate.hf_loop: true"
+        return HfPlan(True, why, True, why, gpus)
+    if want is False:
+        why = "evaluate.hf_loop: false (the target is evaluated through vLLM only)"
+        return HfPlan(False, why, False, why, 0)
     if tp > 1:
-        return False, (f"evaluate.hf_loop auto: target.vllm.tensor_parallel_size is {tp}, the target needs "
-                       f"{tp} GPUs and the HF loop runs it in one process")
+        if gpu_build:
+            return HfPlan(True, f"evaluate.hf_loop auto: the target spread over the {tp} GPUs its vLLM engine "
+                                f"holds (target.vllm.tensor_parallel_size {tp}, device_map auto)",
+                          False, f"evaluate.hf_loop auto: target.vllm.tensor_parallel_size is {tp}: the timed "
+                                 f"loop would split the target layer by layer over {tp} GPUs, which times "
+                                 "nothing a server serves", tp)
+        why = (f"evaluate.hf_loop auto: target.vllm.tensor_parallel_size is {tp}, the target needs "
+               f"{tp} GPUs and the HF loop runs it in one process")
+        return HfPlan(False, why, False, why, 0)
     t, gib = config["target"], config.get("resources", {}).get("gpu_memory_gb")
     path = Path(str(t.get("path"))) if t.get("path") and t.get("tiny") is None else None
     weights = sum(os.path.getsize(f) for f in path.glob("*.safetensors")) if path and path.is_dir() else 0
     if gib and weights > gib * GIB:
-        return False, (f"evaluate.hf_loop auto: the target's weights ({weights / GIB:.1f} GiB) exceed one GPU "
-                       f"(resources.gpu_memory_gb {gib})")
-    return True, "evaluate.hf_loop auto: the target fits one process"
+        why = (f"evaluate.hf_loop auto: the target's weights ({weights / GIB:.1f} GiB) exceed one GPU "
+               f"(resources.gpu_memory_gb {gib})")
+        return HfPlan(False, why, False, why, 0)
+    why = "evaluate.hf_loop auto: the target fits one process"
+    return HfPlan(True, why, True, why, gpus)
 
 
 def main(argv: list[str] | None = None) -> None:

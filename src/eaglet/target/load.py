@@ -356,16 +356,28 @@ def stop_ids(tok, model=None) -> set[int]:
     return ids
 
 
+def placement(device: str | None, device_map, gpus: int) -> tuple:
+    """(device_map, device) for load_model: ``cuda`` in a job that sees several GPUs spreads the
+    target over them (``device_map="auto"``); anything else stays as given."""
+    if device == "cuda" and device_map is None and gpus > 1:
+        return "auto", None
+    return device_map, device
+
+
 def load_model(model_dir: str | Path, dtype: str = "float32", device_map=None, trust_remote_code: bool = False,
                device: str | None = None):
     """The target in eval mode, in ``dtype`` (``target.dtype``), on ``device`` (see job_device) or
-    spread by ``device_map``. ``trust_remote_code`` (``target.trust_remote_code``) lets a checkpoint
-    whose class lives in its own folder (``auto_map``: Kimi-K2.5) load; transformers refuses it
-    otherwise, and the stages must not decide that on the user's behalf."""
+    spread by ``device_map``. ``device="cuda"`` in a job given several GPUs (eaglet.planner.gpu_slots:
+    a target too big for one, Kimi-K2.5's eight) spreads it over them (``device_map="auto"``), as
+    extraction does: every in-process stage is then the same code at every scale, its inputs on the
+    first layer's GPU (``model.device``). ``trust_remote_code`` (``target.trust_remote_code``) lets a
+    checkpoint whose class lives in its own folder (``auto_map``: Kimi-K2.5) load; transformers
+    refuses it otherwise, and the stages must not decide that on the user's behalf."""
     quiet_third_party()
     import torch
     from transformers import AutoModelForCausalLM
 
+    device_map, device = placement(device, device_map, torch.cuda.device_count() if device == "cuda" else 0)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype),
                                                  device_map=device_map, trust_remote_code=trust_remote_code)
     if device is not None and device_map is None:

@@ -95,9 +95,14 @@ class Resolved:
     serving: Mapping
     # GPUs of a job that serves the target with vLLM: its tensor parallelism with the CUDA build.
     vllm_gpus: int
-    # The HF evaluation loop runs only for a target that fits one process; `-n` says why not.
+    # The in-process target in evaluation (eaglet.planner.plan.hf_loop): the untimed stages (exact
+    # chain, regenerated scoring, modes) and the timed loop, each with why; `-n` says both.
     hf_loop: bool
     hf_loop_why: str
+    hf_timed: bool
+    hf_timed_why: str
+    # GPUs each in-process evaluation job holds (the target spread over them when more than one)
+    hf_gpus: int
     # The template's text (not its path) is a param of every stage that renders conversations, so it
     # is in their cache keys; "" = the checkpoint's own.
     chat_template: str
@@ -167,6 +172,8 @@ class Resolved:
             *self.storage.lines,
             *self.plan_lines,
             f"evaluation HF loop: {'runs' if self.hf_loop else 'NOT RUN'} ({self.hf_loop_why})",
+            *([] if self.hf_timed == self.hf_loop else
+              [f"evaluation HF loop, timed: {'runs' if self.hf_timed else 'NOT RUN'} ({self.hf_timed_why})"]),
             f"aux layer ids: {list(self.layer_ids)}"
             + ("" if self.layer_ids_why == LAYER_IDS_SET else f" ({self.layer_ids_why})"),
             f"training autocast: {self.train_autocast} ({self.train_autocast_why})",
@@ -251,7 +258,7 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
     t = config["target"]
     target_load = {k: t[k] for k in LOAD_KEYS}
     serve = serving(t)
-    runs_hf_loop, hf_loop_why = plan.hf_loop(config)
+    hf = plan.hf_loop(config)
     template = chat_template_text(t["chat_template"], workdir) or ""
     ids = layer_ids(config)
     extract_on_gpu = config["extract"]["gpus_per_shard"] > 0 or t["device"] == "cuda"
@@ -284,8 +291,11 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
         target_load=freeze(target_load),
         serving=freeze(serve),
         vllm_gpus=serve["tensor_parallel_size"] if config["generate"]["vllm"]["package"] == "vllm" else 0,
-        hf_loop=runs_hf_loop,
-        hf_loop_why=hf_loop_why,
+        hf_loop=hf.chain,
+        hf_loop_why=hf.chain_why,
+        hf_timed=hf.timed,
+        hf_timed_why=hf.timed_why,
+        hf_gpus=hf.gpus,
         chat_template=template,
         chat_template_kwargs=freeze(config["generate"]["chat_template_kwargs"]),
         layer_ids=tuple(ids),
