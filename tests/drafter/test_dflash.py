@@ -12,6 +12,7 @@ from eaglet.base.tensors import load_tensors, save_tensors, tensor_metadata
 from eaglet.drafter.dflash import (
     DFlashConfig,
     DFlashDrafter,
+    block_chain_along,
     default_loss_gamma,
     dflash_default_layer_ids,
     dflash_loss,
@@ -117,6 +118,32 @@ def test_draft_block_is_the_block_at_the_bonus_position():
         logits = m.block_logits(taps, ids, torch.tensor([[P]]), emb, head)
     assert drafts.shape == (1, K - 1)
     assert torch.equal(drafts, logits[:, 0, 1:].argmax(-1))
+
+
+def test_block_chain_is_draft_block_at_each_round():
+    """The offline chain: each visited round's drafts are draft_block's at its bonus position, its
+    accepted count the agreeing prefix, the next round starts after accepted + 1 tokens."""
+    cfg, m, emb, head = tiny()
+    taps, ids = data(B=1, S=20)
+    x, P, n = ids[0].tolist(), 5, 10
+    # make some drafts right: the continuation is the drafter's own block at start 4 (g = 4 → bonus at 8)
+    own = m.draft_block(taps[:, :8], ids[:, 8], emb, head)[0].tolist()
+    x[9:9 + K - 1] = own
+    chain = block_chain_along(m, taps[0, :len(x) - 1], x, P, n, emb, head)
+    gs = [r["g"] for r in chain["rounds"]]
+    assert gs[0] == 1 and all(b == a["g"] + a["accepted"] + 1 for a, b in zip(chain["rounds"], gs[1:]))
+    for r in chain["rounds"]:
+        p = P + r["g"] - 1
+        want = m.draft_block(taps[:, :p], torch.tensor([x[p]]), emb, head)[0].tolist()
+        assert r["drafts"] == want
+        agree = 0
+        while agree < K - 1 and want[agree] == x[p + 1 + agree]:
+            agree += 1
+        assert r["accepted"] == agree
+    if 4 in gs:
+        assert chain["rounds"][gs.index(4)]["accepted"] == K - 1
+    c = chain["counts"]
+    assert c["drafts"] == len(gs) and c["accepted_per_pos"][0] == sum(r["accepted"] > 0 for r in chain["rounds"])
 
 
 def test_anchors_supervised_room_for_a_block_and_seeded():

@@ -31,6 +31,8 @@ API
     stats = train_dflash_step(model, batch, embed_VH, head_VH, optimizer, generator, num_anchors=512)
     drafts_BK1 = model.draft_block(taps_BPN, bonus_B, embed_VH, head_VH)
         # vLLM's round: context = positions 0..P-1, the bonus token at P, drafts for P+1 .. P+B-1
+    chain = block_chain_along(model, taps_SN, x, prompt_len, max_tokens, embed_VH, head_VH)
+        # the rounds and counters vLLM's DFlash proposer gives at T = 0 along the greedy output x
     save_dflash(path, model, cfg) / load_dflash(path) -> (model, cfg)
     export_state(model)       # the state dict as separate fp32 tensors, for eaglet.export.dflash_format
 
@@ -307,6 +309,37 @@ class DFlashDrafter(nn.Module):
         taps = torch.cat([taps_BPN, taps_BPN.new_zeros(B, 1, taps_BPN.shape[-1])], 1)  # never seen (< P only)
         anchors = torch.full((B, 1), P, dtype=torch.long, device=bonus_B.device)
         return self.block_logits(taps, ids, anchors, embed_VH, head_VH)[:, 0, 1:].argmax(-1)
+
+
+# --------------------------------------------------------------------------- the exact offline chain
+@torch.no_grad()
+def block_chain_along(model: DFlashDrafter, taps_SN: torch.Tensor, x: list[int], prompt_len: int,
+                      max_tokens: int, embed_VH: torch.Tensor, head_VH: torch.Tensor) -> dict:
+    """The rounds vLLM's DFlash proposer runs at T = 0 along a fixed greedy continuation (the
+    target's own output: every draft is judged against it). ``x`` = prompt + at least max_tokens +
+    K − 2 continuation tokens, ``taps_SN`` the target's taps of x (teacher-forced). At start g
+    (tokens emitted so far; the prefill emits the first) the bonus token sits at P + g − 1, the
+    context is positions < P + g − 1, and the K − 1 drafts are judged against x[P + g ..]: one block
+    per start, all starts in one forward. Rounds as eaglet.drafter.chain.served_rounds walks them;
+    counts as chain_counts (vLLM's counters). Returns {"rounds": [{"g", "drafts", "accepted"}],
+    "counts"}."""
+    from eaglet.drafter.chain import accepted_prefix, chain_counts, served_rounds
+
+    k, P = model.cfg.block_size - 1, prompt_len
+    if len(x) < P + max_tokens + k - 1:
+        raise ValueError(f"{len(x) - P} continuation tokens: the chain over {max_tokens} tokens at "
+                         f"block size {k + 1} needs {max_tokens + k - 1}")
+    starts = list(range(1, max_tokens))
+    S = min(len(x), taps_SN.shape[0])  # the taps of x[:-1] are enough: no context reaches the last
+    if S < P + max_tokens - 1:
+        raise ValueError(f"taps of {taps_SN.shape[0]} positions: the last round needs {P + max_tokens - 1}")
+    ids = torch.tensor(x[:S])[None]
+    anchors = torch.tensor([[P + g - 1 for g in starts]])
+    logits = model.eval().block_logits(taps_SN[None, :S], ids, anchors, embed_VH, head_VH)
+    drafts = logits[0, :, 1:].argmax(-1).tolist()
+    at = {g: accepted_prefix(d, x[P + g:P + g + k]) for g, d in zip(starts, drafts)}
+    rounds = [{"g": g, "drafts": drafts[g - 1], "accepted": at[g]} for g in served_rounds(at, max_tokens)]
+    return {"rounds": rounds, "counts": chain_counts([(r["g"], k, r["accepted"]) for r in rounds])}
 
 
 # --------------------------------------------------------------------------- the objective
