@@ -50,6 +50,7 @@ def data(B=2, S=12, seed=1):
 
 
 def test_export_names_and_shapes():
+    """The parameters are exactly the export's tensor names and shapes (no embedding, no head)."""
     cfg, m, _, _ = tiny()
     want = {"fc.weight": (H, 2 * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
     for j in range(2):
@@ -66,6 +67,8 @@ def test_export_names_and_shapes():
 
 
 def test_block_sees_context_before_anchor_only():
+    """A block's logits move with the taps at positions before its anchor and its anchor token, never with
+    later taps, tokens or other blocks."""
     cfg, m, emb, head = tiny()
     taps, ids = data()
     anchors = torch.tensor([[5, 2], [3, -1]])
@@ -110,6 +113,7 @@ def test_block_is_bidirectional():
 
 
 def test_draft_block_is_the_block_at_the_bonus_position():
+    """The one-round helper drafts the argmax of the training forward's block at the bonus position."""
     cfg, m, emb, head = tiny()
     taps, ids = data(B=1, S=12)
     P = 7
@@ -121,8 +125,8 @@ def test_draft_block_is_the_block_at_the_bonus_position():
 
 
 def test_block_chain_is_draft_block_at_each_round():
-    """The offline chain: each visited round's drafts are draft_block's at its bonus position, its
-    accepted count the agreeing prefix, the next round starts after accepted + 1 tokens."""
+    """Each round of the offline chain drafts what draft_block drafts at its bonus position, accepts
+    the agreeing prefix, and the next round starts accepted + 1 tokens later."""
     cfg, m, emb, head = tiny()
     taps, ids = data(B=1, S=20)
     x, P, n = ids[0].tolist(), 5, 10
@@ -147,6 +151,8 @@ def test_block_chain_is_draft_block_at_each_round():
 
 
 def test_anchors_supervised_room_for_a_block_and_seeded():
+    """Anchors are distinct supervised positions with room for a block, at most num_anchors, the same for the
+    same seed."""
     S = 20
     mask = torch.zeros(3, S, dtype=torch.bool)
     mask[0, 4:] = True
@@ -167,6 +173,8 @@ def test_anchors_supervised_room_for_a_block_and_seeded():
 
 
 def test_loss_weights_and_drops_by_hand():
+    """The loss is the exp(-(k-1)/gamma)-weighted CE of positions 1..K-1, without unsupervised or past-the-end
+    targets, as computed by hand."""
     B, A, S = 1, 2, 8
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(B, A, K, V, generator=g)
@@ -190,12 +198,16 @@ def test_loss_weights_and_drops_by_hand():
 
 
 def test_gamma_rule():
+    """The default gamma is SpecForge's rule of thumb (16 -> 7, 10 -> 5, 8 -> 4, 4 below 8) and the default
+    taps are DFlash's rule plus one."""
     assert [default_loss_gamma(b) for b in (4, 8, 10, 16)] == [4.0, 4.0, 5.0, 7.0]
     assert 5.0 < default_loss_gamma(12) < 7.0 and default_loss_gamma(32) == 14.0
     assert dflash_default_layer_ids(30, 3) == [2, 15, 28]  # the spike's DFlash ids [1, 14, 27], + 1
 
 
 def test_toy_overfit_and_round_trip(tmp_path):
+    """Training steps overfit a toy batch (loss halves) with the embedding and head untouched, and the saved
+    file reloads to the same logits."""
     cfg, m, emb, head = tiny()
     torch.manual_seed(0)
     for p in m.parameters():  # back to a trainable init
@@ -219,6 +231,8 @@ def test_toy_overfit_and_round_trip(tmp_path):
 
 
 def test_k_norm_tied_across_layers(tmp_path):
+    """By default every layer shares one k_norm weight, saved as equal copies, and a file whose copies differ
+    is refused."""
     cfg, m, _, _ = tiny()
     assert m.layers[1].self_attn.k_norm.weight is m.layers[0].self_attn.k_norm.weight
     assert m.layers[1].self_attn.q_norm.weight is not m.layers[0].self_attn.q_norm.weight
@@ -236,6 +250,7 @@ def test_k_norm_tied_across_layers(tmp_path):
 
 
 def test_config_refuses_bad_values():
+    """The config refuses taps outside the target, a mask id outside the vocabulary and a block of one token."""
     with pytest.raises(ValueError, match="target_layer_ids"):
         tiny_cfg(target_layer_ids=[0, 2])
     with pytest.raises(ValueError, match="mask_token_id"):

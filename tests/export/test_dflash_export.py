@@ -33,6 +33,8 @@ def exported(tmp_path):
 
 
 def test_config_and_tensors(tmp_path):
+    """The export's config.json and tensors are docs/block-drafters.md section 2's, fp32, equal to the trained
+    ones, and pass the static check."""
     cfg, m, d = exported(tmp_path)
     conf = json.loads((d / "config.json").read_text())
     assert conf["architectures"] == ["DFlashDraftModel"] and conf["model_type"] == "qwen3"
@@ -58,6 +60,7 @@ def test_config_and_tensors(tmp_path):
 @pytest.mark.parametrize("case", ["eagle_config", "top_level_ids", "ids_past_target", "mask_out_of_vocab",
                                   "lm_head_shipped", "layer_missing", "wrong_fc_width", "k_norm_differs"])
 def test_static_check_refuses(tmp_path, case):
+    """The static check refuses each export vLLM would mis-serve."""
     _, _, d = exported(tmp_path)
     conf = json.loads((d / "config.json").read_text())
     t = load_tensors(d / "model.safetensors")

@@ -53,6 +53,8 @@ def broken(d, case):
 
 
 def test_parity_with_vllm_and_broken_exports_fail(tmp_path):
+    """vLLM's own DFlash module computes eaglet's drafting round on a tiny export, and each broken export fails
+    the parity check."""
     env = vllm_env_or_skip()
     cfg, m = trained()
     g = torch.Generator().manual_seed(1)

@@ -19,6 +19,8 @@ MAX_TOKENS, BLOCK = 16, 4
 
 
 def test_dflash_served_lossless_and_counters_equal_the_offline_chain(tiny_target, tmp_path, one_thread):
+    """Served by real vLLM with method dflash at T = 0, the output is plain greedy's and the acceptance
+    counters are eaglet's offline block chain's."""
     env = vllm_env_or_skip()
     k = BLOCK - 1
     model = load_model(tiny_target["path"])
