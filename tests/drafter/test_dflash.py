@@ -16,6 +16,7 @@ from eaglet.drafter.dflash import (
     default_loss_gamma,
     dflash_default_layer_ids,
     dflash_loss,
+    dflash_loss_from_hidden,
     load_dflash,
     param_count,
     sample_anchors,
@@ -193,6 +194,10 @@ def test_loss_weights_and_drops_by_hand():
             num += w * float(torch.nn.functional.cross_entropy(logits[0, j, k][None], labels[0, t][None]))
             den += w
     assert loss.item() == pytest.approx(num / den, rel=1e-5)
+    h, head = torch.randn(B, A, K, 16, generator=g), torch.randn(V, 16, generator=g)  # the head at counted positions
+    l1, s1 = dflash_loss(h @ head.T, labels, lm, anchors, gamma=2.0)
+    l2, s2 = dflash_loss_from_hidden(h, head, labels, lm, anchors, gamma=2.0)
+    assert l2.item() == pytest.approx(l1.item(), rel=1e-5) and s1 == {**s2, "loss": s1["loss"]}
     # k=1: positions 2, 7; k=2: 3 unsupervised, 8 past the end; k=3: 4 (9 past the end)
     assert stats["n_k"] == [2, 0, 1]
 

@@ -28,6 +28,7 @@ API
         # every block of every anchor (anchors −1 = none) in one forward; K = block_size
     anchors_BA = sample_anchors(loss_mask_BS, block_size, num_anchors, generator)
     loss, stats = dflash_loss(logits_BAKV, labels_BS, loss_mask_BS, anchors_BA, gamma)
+        # or dflash_loss_from_hidden(model.block_hidden(...), head_VH, ...): the head at counted positions only
     stats = train_dflash_step(model, batch, embed_VH, head_VH, optimizer, generator, num_anchors=512)
     drafts_BK1 = model.draft_block(taps_BPN, bonus_B, embed_VH, head_VH)
         # vLLM's round: context = positions 0..P-1, the bonus token at P, drafts for P+1 .. P+B-1
@@ -363,30 +364,49 @@ def sample_anchors(loss_mask_BS: torch.Tensor, block_size: int, num_anchors: int
     return out.to(loss_mask_BS.device)
 
 
-def dflash_loss(logits_BAKV, labels_BS, loss_mask_BS, anchors_BA, gamma: float | None = None):
-    """Weighted CE of block positions k = 1 .. K−1 against ``labels[a + k]`` (the token the target
-    produces at a + k), dropped where a + k is not supervised, past the end, or the anchor is
-    padding; weights w_k = exp(−(k−1)/γ) (γ None = :func:`default_loss_gamma`). Returns (loss,
-    stats: per-k accuracy and counts, the weighted-mean accuracy)."""
-    B, A, K, V = logits_BAKV.shape
-    S = labels_BS.shape[1]
-    gamma = default_loss_gamma(K) if gamma is None else float(gamma)
-    k = torch.arange(1, K, device=labels_BS.device)
+def block_targets(labels_BS, loss_mask_BS, anchors_BA, block_size: int, gamma: float | None = None):
+    """(labels [B,A,K−1], weights [B,A,K−1], valid [B,A,K−1]) of block positions k = 1 .. K−1: the
+    label at a + k, weight exp(−(k−1)/γ) (γ None = :func:`default_loss_gamma`), 0 where a + k is not
+    supervised, past the end, or the anchor is padding."""
+    B, S = labels_BS.shape
+    gamma = default_loss_gamma(block_size) if gamma is None else float(gamma)
+    k = torch.arange(1, block_size, device=labels_BS.device)
     idx = anchors_BA[..., None] + k                                    # B A K-1
     valid = (anchors_BA[..., None] >= 0) & (idx < S)
     idx_c = idx.clamp(0, S - 1).reshape(B, -1)
     valid = valid & loss_mask_BS.bool().gather(1, idx_c).view_as(idx)
     labels = labels_BS.gather(1, idx_c).view_as(idx)
-    w = torch.exp(-(k - 1).float() / gamma).expand_as(idx) * valid
-    logits = logits_BAKV[:, :, 1:].float()
-    ce = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none").view_as(idx)
-    loss = (ce * w).sum() / w.sum().clamp(min=1e-12)
+    return labels, torch.exp(-(k - 1).float() / gamma).expand_as(idx) * valid, valid
+
+
+def _weighted_ce(logits_NV, labels_N, w_N, valid_BAK, hit_N, n_blocks: int):
+    loss = (F.cross_entropy(logits_NV.float(), labels_N, reduction="none") * w_N).sum() / w_N.sum().clamp(min=1e-12)
     with torch.no_grad():
-        hit = (logits.argmax(-1) == labels) & valid
-        n_k = valid.sum((0, 1))
-        stats = {"loss": float(loss), "n_blocks": int((anchors_BA >= 0).sum()),
-                 "acc_k": (hit.sum((0, 1)).float() / n_k.clamp(min=1)).tolist(), "n_k": n_k.tolist()}
+        hits = torch.zeros(valid_BAK.shape, dtype=torch.long, device=valid_BAK.device)
+        hits[valid_BAK] = hit_N.long()
+        n_k = valid_BAK.sum((0, 1))
+        stats = {"loss": float(loss), "n_blocks": n_blocks,
+                 "acc_k": (hits.sum((0, 1)).float() / n_k.clamp(min=1)).tolist(), "n_k": n_k.tolist()}
     return loss, stats
+
+
+def dflash_loss(logits_BAKV, labels_BS, loss_mask_BS, anchors_BA, gamma: float | None = None):
+    """Weighted CE of block positions k = 1 .. K−1 against ``labels[a + k]`` (the token the target
+    produces at a + k), weights and drops as :func:`block_targets`. Returns (loss, stats: per-k
+    accuracy ``acc_k`` and counts ``n_k``)."""
+    labels, w, valid = block_targets(labels_BS, loss_mask_BS, anchors_BA, logits_BAKV.shape[2], gamma)
+    logits = logits_BAKV[:, :, 1:][valid]
+    return _weighted_ce(logits, labels[valid], w[valid], valid, logits.argmax(-1) == labels[valid],
+                        int((anchors_BA >= 0).sum()))
+
+
+def dflash_loss_from_hidden(h_BAKH, head_VH, labels_BS, loss_mask_BS, anchors_BA, gamma: float | None = None):
+    """:func:`dflash_loss` with the head applied only at the counted positions (the [B,A,K,V] logits
+    of 512 anchors × 8 positions over a 49k vocabulary would take 0.8 GB per sequence)."""
+    labels, w, valid = block_targets(labels_BS, loss_mask_BS, anchors_BA, h_BAKH.shape[2], gamma)
+    logits = h_BAKH[:, :, 1:][valid] @ head_VH.to(h_BAKH.dtype).T
+    return _weighted_ce(logits, labels[valid], w[valid], valid, logits.argmax(-1) == labels[valid],
+                        int((anchors_BA >= 0).sum()))
 
 
 def train_dflash_step(model: DFlashDrafter, batch: dict, embed_VH: torch.Tensor, head_VH: torch.Tensor,
@@ -398,8 +418,9 @@ def train_dflash_step(model: DFlashDrafter, batch: dict, embed_VH: torch.Tensor,
     target's own greedy answers in regenerated data). The embedding and head stay frozen."""
     model.train()
     anchors = sample_anchors(batch["loss_mask"], model.cfg.block_size, num_anchors, generator)
-    logits = model.block_logits(batch["taps"], batch["input_ids"], anchors, embed_VH.detach(), head_VH.detach())
-    loss, stats = dflash_loss(logits, batch.get("labels", batch["input_ids"]), batch["loss_mask"], anchors, gamma)
+    h = model.block_hidden(batch["taps"], batch["input_ids"], anchors, embed_VH.detach())
+    loss, stats = dflash_loss_from_hidden(h, head_VH.detach(), batch.get("labels", batch["input_ids"]),
+                                          batch["loss_mask"], anchors, gamma)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if max_grad_norm:
