@@ -2,8 +2,8 @@
 runs: method dflash with num_speculative_tokens = block_size − 1 at T = 0 gives exactly the plain
 greedy output, and vLLM's acceptance counters (drafts, draft tokens, accepted per position) equal
 eaglet's exact offline block chain (eaglet.drafter.dflash.block_chain_along) along vLLM's own plain
-output. The drafter is first overfitted on the target's greedy answers, so that acceptance is not
-trivially zero."""
+output. The drafter is first overfitted on the target's greedy answers to two of the three prompts,
+so that some rounds are accepted and others rejected."""
 
 import torch
 
@@ -14,7 +14,8 @@ from eaglet.export.contract.vllm_checks import run_vllm_batch
 from eaglet.export.dflash_format import dflash_static_problems, export_dflash
 from eaglet.target.load import load_model, load_tokenizer
 
-PROMPTS = ["The quick brown fox", "Once upon a time"]
+PROMPTS = ["The quick brown fox", "Once upon a time", "In a hole in the ground"]
+TRAINED_ON = 2  # the drafter learns the first two answers; the third's rounds are rejected
 MAX_TOKENS, BLOCK = 16, 4
 
 
@@ -35,22 +36,22 @@ def test_dflash_served_lossless_and_counters_equal_the_offline_chain(tiny_target
         _, aux = target.forward(x, target.new_cache())
         return aux.reshape(len(x), -1)
 
-    # the drafter: overfitted on the HF target's greedy answers to these prompts
+    # the drafter: overfitted on the HF target's greedy answers to the first prompts
     cfg = DFlashConfig.from_identity(tiny_target, num_layers=2, block_size=BLOCK,
                                      mask_token_id=tiny_target["vocab_size"] - 1, target_layer_ids=layer_ids)
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg)
-    seqs = [p + hf_loop.greedy(target, p, MAX_TOKENS + k)["tokens"] for p in prompts]
+    seqs = [p + hf_loop.greedy(target, p, MAX_TOKENS + k)["tokens"] for p in prompts[:TRAINED_ON]]
     S = min(len(s) for s in seqs)
     ids = torch.tensor([s[:S] for s in seqs])
     mask = torch.zeros_like(ids, dtype=torch.bool)
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts[:TRAINED_ON]):
         mask[i, len(p) - 1:] = True
     with torch.no_grad():
         batch = {"taps": torch.stack([taps_of(s[:S]) for s in seqs]), "input_ids": ids, "loss_mask": mask}
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(0)
-    for _ in range(120):
+    for _ in range(60):
         train_dflash_step(drafter, batch, embed, head, opt, g, num_anchors=32)
     drafter.eval()
     d = export_dflash(tmp_path / "dflash", drafter.state_dict(), cfg)
@@ -77,4 +78,5 @@ def test_dflash_served_lossless_and_counters_equal_the_offline_chain(tiny_target
     assert got == {"drafts": want["drafts"], "draft_tokens": want["drafts"] * k,
                    "accepted_per_pos": want["accepted_per_pos"]}, (got, want)
     assert int(sd["num_accepted_tokens"]) == sum(want["accepted_per_pos"])
-    assert want["accepted_per_pos"][0] > 0  # the check is not about an all-rejecting drafter
+    # rounds accepted in full and rounds rejected: the counters follow the chain's jumps both ways
+    assert 0 < want["accepted_per_pos"][0] < want["drafts"]
