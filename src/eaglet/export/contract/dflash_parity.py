@@ -41,15 +41,18 @@ def probe_inputs(cfg, embed_VH, head_VH, context: int = 6, seed: int = 0) -> dic
 
 
 def eaglet_round(model, inputs: dict) -> dict:
-    """eaglet's side: the same pieces as the probe's, from eaglet.drafter.dflash."""
+    """eaglet's side: the same pieces as the probe's, from eaglet.drafter.dflash (in fp32, eval mode)."""
+    import copy
+
     import torch
     import torch.nn.functional as F
 
     cfg = model.cfg
     K, taps = cfg.block_size, inputs["taps"][None].float()
     P = taps.shape[1]
+    if next(model.parameters()).dtype != torch.float32 or model.training:  # never change the caller's model
+        model = copy.deepcopy(model).float().eval()
     with torch.no_grad():
-        model = model.float().eval()
         fc = model.fc(taps)
         ctx_kv = model.context_kv(model.hidden_norm(fc), torch.arange(P)[None])
         ids = torch.tensor([[int(inputs["bonus"][0])] + [cfg.mask_token_id] * (K - 1)])
