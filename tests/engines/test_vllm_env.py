@@ -249,3 +249,13 @@ def test_eval_runner_reads_each_engines_own_counters():
     assert vllm_eval_runner.spec_counters(llm)["num_drafts"] == 7  # the registry as vLLM leaves it: the last engine's
     assert vllm_eval_runner.spec_counters(llm, first, reg)["num_drafts"] == 5
     assert vllm_eval_runner.spec_counters(llm, last, reg)["num_drafts"] == 7
+
+
+def test_drafter_method_from_the_exported_architecture(tmp_path):
+    """A DFlash export is served with method "dflash" (vLLM guesses it only from a path naming it)."""
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"]}))
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    assert vllm_env.drafter_method(tmp_path / "d") == "dflash"
+    assert vllm_env.drafter_method(tmp_path / "e") == vllm_env.drafter_method(tmp_path / "none") == "eagle3"

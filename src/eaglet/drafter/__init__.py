@@ -1,4 +1,5 @@
-"""eaglet.drafter: The EAGLE-3 drafter: its model and file format in the trainer (eagle3), its rotary
+"""eaglet.drafter: The EAGLE-3 drafter: its model and file format in the trainer (eagle3), the DFlash
+block drafter with its objective (dflash), its rotary
 embedding (rope), the training-time-test unroll (ttt, ttt_attention), and the exact greedy chain
 that scores it (chain).
 """

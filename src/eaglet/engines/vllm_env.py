@@ -19,6 +19,7 @@ inside vLLM's interpreter, where eaglet's own dependencies are not installed.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterable
@@ -204,6 +205,18 @@ def add_serving_args(p) -> None:
     p.add_argument("--trust-remote-code", action="store_true")
 
 
+def drafter_method(drafter: str | os.PathLike) -> str:
+    """vLLM's speculative method for a drafter folder: "dflash" when its config.json names a DFlash
+    architecture (eaglet.export.dflash_format; vLLM itself guesses it only from a path containing
+    "dflash"), else "eagle3"."""
+    conf = Path(drafter) / "config.json"
+    try:
+        archs = json.loads(conf.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return "eagle3"
+    return "dflash" if any(str(x).startswith("DFlash") for x in archs) else "eagle3"
+
+
 def engine_kwargs(a, drafter: str | None = None, max_num_seqs: int | None = None,
                   draft_sample_method: str | None = None) -> dict:
     """``vllm.LLM`` keyword arguments from a runner's parsed flags (a pure function, tested without
@@ -216,7 +229,7 @@ def engine_kwargs(a, drafter: str | None = None, max_num_seqs: int | None = None
     if a.enable_expert_parallel:
         kw["enable_expert_parallel"] = True
     if drafter:
-        kw["speculative_config"] = {"method": "eagle3", "model": drafter, "num_speculative_tokens": a.k}
+        kw["speculative_config"] = {"method": drafter_method(drafter), "model": drafter, "num_speculative_tokens": a.k}
         if draft_sample_method:
             kw["speculative_config"]["draft_sample_method"] = draft_sample_method
     return kw
