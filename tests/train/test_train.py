@@ -505,3 +505,5 @@ def test_the_ttt_attention_the_plan_chose_trains_the_same_and_resumes_the_other(
     assert mixed["resumed_from"] == 3, mixed["resumed_from"]
     c = pd.read_parquet(tmp_path / "mixed/metrics.parquet").query("split == 'train'")
     assert abs(c.loss.to_numpy() - a.loss.to_numpy()).max() <= 1e-6 * max(1.0, a.loss.abs().max())
+    with pytest.raises(ValueError, match="train.ttt_attention"):
+        resolve_params({"ttt_attention": "dense"})
