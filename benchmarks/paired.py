@@ -34,14 +34,15 @@ def spread_note(ratios: list[float], goal: float, what: str = "pair ratios") -> 
     return head + (": above the goal" if lo >= goal else ": below the goal")
 
 
-def alternate(calls: dict, repeats: int) -> dict[str, list[float]]:
+def alternate(calls: dict, repeats: int, swap: bool = False) -> dict[str, list[float]]:
     """Seconds of each zero-argument call in ``calls``, run in turn ``repeats`` times (paired by
-    round); the first round, warm-up, is dropped."""
+    round); the first round, warm-up, is dropped. ``swap``: every other round runs the calls in the
+    reverse order, so neither always goes first (a machine whose load drifts within a round)."""
     import time
 
     times: dict[str, list[float]] = {key: [] for key in calls}
-    for _ in range(repeats):
-        for key, call in calls.items():
+    for r in range(repeats):
+        for key, call in (reversed(calls.items()) if swap and r % 2 else calls.items()):
             t = time.perf_counter()
             call()
             times[key].append(time.perf_counter() - t)

@@ -196,6 +196,43 @@ def test_ttt_attention_equals_the_dense_reference(tiny_target):
         assert torch.allclose(got_grads[n], gr, atol=tol, rtol=0), (n, (got_grads[n] - gr).abs().max())
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_ttt_attention_without_recompute_gives_the_same_loss_and_gradients(tiny_target, bf16):
+    """Issue 43: the TTT objective with its attention's softmax weights kept for backward
+    (``recompute=False``, train.ttt_attention: saved) against the per-chunk recompute: the same loss,
+    statistics and gradients of every parameter and of the input, over several query chunks (the
+    last partial), fp32 and under bf16 autocast (what the trainer runs on a GPU and on bf16 CPUs)."""
+    from eaglet.drafter.ttt import TTTObjective
+    from eaglet.drafter.ttt_attention import TTT_QUERY_CHUNK
+
+    cfg, m = make(tiny_target)
+    m.train()
+    torch.manual_seed(6)
+    B, T, K = 2, TTT_QUERY_CHUNK + 37, 4
+    x = torch.randint(0, cfg.vocab_size, (B, T))
+    aux = torch.randn(B, T, 3, cfg.target_hidden_size)
+    p_BTVd = torch.softmax(torch.randn(B, T, VD), -1)
+    valid = torch.rand(B, T) < 0.8
+
+    def run(recompute):
+        obj = TTTObjective(m, K, 0.8, "soft_ce", recompute=recompute)
+        a = aux.clone().requires_grad_(True)
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, stats, _, _ = obj(x, a, p_BTVd, valid)
+        loss.backward()
+        return loss.detach(), stats, {"aux": a.grad, **{n: q.grad.clone() for n, q in m.named_parameters()
+                                                         if q.grad is not None}}
+
+    loss, stats, grads = run(True)
+    loss2, stats2, grads2 = run(False)
+    assert torch.equal(loss, loss2) and torch.equal(stats, stats2), (loss, loss2)
+    assert grads.keys() == grads2.keys() and "aux" in grads
+    for n, gr in grads.items():
+        tol = 1e-6 * max(1.0, gr.abs().max().item())
+        assert torch.allclose(grads2[n], gr, atol=tol, rtol=0), (n, (grads2[n] - gr).abs().max())
+
+
 class LargestAllocation(TorchDispatchMode):
     """The largest storage (bytes) any aten op returns while active, forward and backward."""
 

@@ -466,3 +466,44 @@ def test_bf16_autocast_on_the_cpu_takes_effect_is_recorded_and_learns(tiny_targe
     assert b[-3:].mean() < 0.8 * b[:3].mean()
     with pytest.raises(ValueError, match="train.autocast"):
         resolve_params({"autocast": "fp16"})
+
+
+def test_the_ttt_attention_the_plan_chose_trains_the_same_and_resumes_the_other(tiny_target, data, tmp_path,
+                                                                               monkeypatch):
+    """train.ttt_attention (issue 43, the memory plan's choice at parse time): the trainer's objective
+    keeps the attention weights with ``saved`` and recomputes them otherwise (``auto`` called directly:
+    recompute, the plan's choice without a memory figure); the loss trace is the same either way, and a
+    checkpoint written with one resumes under the other (the path is not in the run's identity)."""
+    import shutil
+
+    import eaglet.train.setup as setup_mod
+
+    made = []
+
+    class Recording(TTTObjective):
+        def __init__(self, *a, recompute=True, **kw):
+            made.append(recompute)
+            super().__init__(*a, recompute=recompute, **kw)
+
+    monkeypatch.setattr(setup_mod, "TTTObjective", Recording)
+    p = dict(PARAMS, max_steps=6, val_every=10**6, checkpoint_every=3, oov_rule="label")
+    rec = train(data["index"], data["vocab"], tiny_target, tmp_path / "recompute", dict(p, ttt_attention="recompute"))
+    saved = train(data["index"], data["vocab"], tiny_target, tmp_path / "saved", dict(p, ttt_attention="saved"))
+    train(data["index"], data["vocab"], tiny_target, tmp_path / "auto", dict(p, ttt_attention="auto", max_steps=1))
+    assert made == [True, False, True]
+    assert rec["params"]["ttt_attention"] == "recompute" and saved["params"]["ttt_attention"] == "saved"
+    a = pd.read_parquet(tmp_path / "recompute/metrics.parquet").query("split == 'train'")
+    b = pd.read_parquet(tmp_path / "saved/metrics.parquet").query("split == 'train'")
+    assert len(a) == len(b) == 6
+    for col in ["loss", "loss_0", "loss_2", "grad_norm"]:
+        assert (a[col] - b[col]).abs().max() <= 1e-6 * max(1.0, a[col].abs().max()), col
+    # the recompute run's step-3 checkpoint, resumed with the saved weights: the same last steps
+    shutil.copytree(tmp_path / "recompute/checkpoints", tmp_path / "mixed/checkpoints")
+    for f in sorted((tmp_path / "mixed/checkpoints").glob("step_*.pt"))[1:]:
+        f.unlink()
+    mixed = train(data["index"], data["vocab"], tiny_target, tmp_path / "mixed", dict(p, ttt_attention="saved"))
+    assert mixed["resumed_from"] == 3, mixed["resumed_from"]
+    c = pd.read_parquet(tmp_path / "mixed/metrics.parquet").query("split == 'train'")
+    assert abs(c.loss.to_numpy() - a.loss.to_numpy()).max() <= 1e-6 * max(1.0, a.loss.abs().max())
+    with pytest.raises(ValueError, match="train.ttt_attention"):
+        resolve_params({"ttt_attention": "dense"})

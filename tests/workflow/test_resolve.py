@@ -86,6 +86,13 @@ def test_the_record_holds_what_was_resolved_with_the_reasons(tiny_target, tmp_pa
     assert rec["train"]["autocast"] == autocast and rec["train"]["hidden_states"] == "offline"
     assert "nodes" not in rec["train"] and "rdzv_port" not in rec["train"]  # the launcher's instead
     assert "checkpoint_every" in rec["train"] and "checkpoint_every" not in rec["train_keys"]
+    # the TTT attention's memory path: the plan's choice (a tiny target fits this machine: saved), the
+    # trainer's setting, not a cache key; `snakemake -n` says it with the plan's figures
+    assert rec["train"]["ttt_attention"] == "saved" and "ttt_attention" not in rec["train_keys"]
+    assert rec["train_ttt_attention_why"].startswith("auto: a training rank ") and "saved fits this machine's" in \
+        rec["train_ttt_attention_why"]
+    assert "TTT attention saved)" in R.plan_lines[0]
+    assert f"training TTT attention: saved ({rec['train_ttt_attention_why']})" in R.lines()
     dtype, dtype_why = resolve_target_dtype("auto", on_gpu=False)
     assert (rec["extract_target_dtype"], rec["extract_target_dtype_why"]) == (dtype, dtype_why)
     assert rec["extract_on_gpu"] is False
@@ -113,6 +120,7 @@ def test_a_built_target_before_its_first_job_is_as_configured(tmp_path):
     assert R.storage.lines == () and (R.storage.mode, R.storage.dtype) == ("offline", "bfloat16")
     assert "as configured" in R.storage.why and "target_model" in R.storage.why
     assert R.layer_ids == (2, 4, 5) and R.layer_ids_why == "vLLM's default for the target"
+    assert R.train["ttt_attention"] == "recompute" and "target_model" in R.train_ttt_attention_why
     assert "aux layer ids: [2, 4, 5] (vLLM's default for the target)" in R.lines()
     assert "built by the first job (target_model)" in R.check_lines[0]
 

@@ -5,6 +5,8 @@ Shape legend: B batch, T padded tokens, V_d draft vocab, K TTT steps.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,6 +14,7 @@ from torch import nn
 from eaglet.base import schema
 from eaglet.drafter import chain
 from eaglet.drafter.eagle3 import Eagle3Drafter
+from eaglet.drafter.ttt_attention import ttt_attention
 
 # The recipe's options (train params; their defaults and allowed values: the config schema, read
 # through eaglet.base.schema: schema.allowed("train.loss") are the losses step_loss computes).
@@ -89,15 +92,18 @@ def step_loss(lp_BNV: torch.Tensor, p_BNV: torch.Tensor, valid_BN: torch.Tensor,
 
 class TTTObjective(nn.Module):
     """Drafter + TTT loss in one module, so DDP sees one forward per micro-batch (``loss``: see
-    :func:`step_loss`; ``kl_scale``/``kl_decay``: lk_lambda's weight)."""
+    :func:`step_loss`; ``kl_scale``/``kl_decay``: lk_lambda's weight; ``recompute``: the TTT attention
+    recomputes each query chunk in backward (True) or keeps its softmax weights (False, faster, more
+    memory: ``ttt_attention``'s ``recompute``, chosen by the memory plan))."""
 
     def __init__(self, drafter: Eagle3Drafter, steps: int, gamma: float, loss: str = "soft_ce",
-                 kl_scale: float = 1.0, kl_decay: float = 3.0):
+                 kl_scale: float = 1.0, kl_decay: float = 3.0, recompute: bool = True):
         super().__init__()
         if loss not in schema.allowed("train.loss"):
             raise ValueError(f"loss {loss!r} not one of {schema.allowed('train.loss')}")
         self.drafter, self.steps, self.gamma, self.loss = drafter, steps, gamma, loss
         self.kl_scale, self.kl_decay = kl_scale, kl_decay
+        self.attention = partial(ttt_attention, recompute=recompute)
 
     def forward(self, x_BT, aux_BT3H, p_BTVd, valid_BT, noise=None, chain_BT=None, mass_BT=None,
                 counted_only: bool = False):
@@ -131,7 +137,7 @@ class TTTObjective(nn.Module):
                 if T - 2 - k > 0:
                     counted[k, :, :T - 2 - k] = valid_BT[:, 1 + k:T - 1]
         at = None if counted is None else counted.__getitem__
-        for k, logits, _ in self.drafter.ttt_unroll(x_BT, g, self.steps, logits_at=at):
+        for k, logits, _ in self.drafter.ttt_unroll(x_BT, g, self.steps, self.attention, logits_at=at):
             n = T - 2 - k  # indices t whose drafted token x_{t+2+k} exists
             if n <= 0:
                 loss = loss + 0.0 * logits.sum()  # keep every parameter in the graph (DDP)

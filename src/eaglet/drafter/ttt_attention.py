@@ -18,7 +18,7 @@ TTT_QUERY_CHUNK = 256
 
 
 def ttt_attention(q_BhTd: torch.Tensor, k0_BhTd: torch.Tensor, v0_BhTd: torch.Tensor,
-                  diag_k: list[torch.Tensor], diag_v: list[torch.Tensor]) -> torch.Tensor:
+                  diag_k: list[torch.Tensor], diag_v: list[torch.Tensor], recompute: bool = True) -> torch.Tensor:
     """TTT attention of step j >= 1: query t over step-0 keys 0..t plus its own diagonal keys
     ``diag_k[i][:, :, t]`` of steps 1..j, one softmax over all of them -> [B, h, T, d].
 
@@ -40,14 +40,21 @@ def ttt_attention(q_BhTd: torch.Tensor, k0_BhTd: torch.Tensor, v0_BhTd: torch.Te
     memory-efficient and materialises the scores in eager mode (the CPU tests, the CPU default run).
     Measured (tests/drafter/test_eagle3.py, tiny target, B=1, 2 heads, 3 steps, forward + backward): the
     largest allocation was 8.4 MB at T=1024 and 33.6 MB at T=2048 dense, 2.1 MB and 4.2 MB here.
+
+    ``recompute=False`` (issue 43, ``train.ttt_attention: saved``): the same chunks without the
+    checkpoint, so autograd keeps every chunk's softmax weights (half the dense form's [B, h, T, T + j]:
+    only keys 0..hi-1) and backward recomputes nothing. The same values and gradients; faster where
+    the scores are small, and the memory plan (eaglet.planner.plan) counts both and picks this one only
+    where it fits.
     """
     T = q_BhTd.shape[2]
     outs = []
     for lo in range(0, T, TTT_QUERY_CHUNK):
         hi = min(T, lo + TTT_QUERY_CHUNK)
         chunk = [d[:, :, lo:hi] for d in (*diag_k, *diag_v)]  # views: no copies are saved
-        outs.append(checkpoint(ttt_attention_chunk, lo, q_BhTd[:, :, lo:hi], k0_BhTd[:, :, :hi],
-                               v0_BhTd[:, :, :hi], *chunk, use_reentrant=False))
+        args = (lo, q_BhTd[:, :, lo:hi], k0_BhTd[:, :, :hi], v0_BhTd[:, :, :hi], *chunk)
+        outs.append(checkpoint(ttt_attention_chunk, *args, use_reentrant=False) if recompute
+                    else ttt_attention_chunk(*args))
     return torch.cat(outs, dim=2)
 
 

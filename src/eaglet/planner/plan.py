@@ -27,8 +27,15 @@ fp32 on the CPU and bf16 autocast, as CUDA runs it). It assumes ``ttt_unroll``'s
 written when this was measured (``TTT_ATTENTION = "scores"``): step 0 through SDPA (flash: q, k, v,
 output and log-sum-exp kept), steps >= 1 materialising the softmax weights [B, h, T, T+k] of every
 query over the step-0 keys (fp32, plus a bf16 copy under autocast). Those weights grow as T^2 and
-dominate at long T; an O(T) formulation drops them (``attention="linear"``), and the census test
+dominate at long T; an O(T) formulation drops them (``attention="recompute"``), and the census test
 fails at the quadratic shape until ``TTT_ATTENTION`` says which one the code uses.
+
+The O(T) attention runs two ways (issue 43, ``train.ttt_attention``): ``recompute`` (each query chunk
+recomputed in backward: nothing T-wide kept) or ``saved`` (every chunk's softmax weights kept for
+backward: about half the dense form's, and no recompute; 1.02-1.06x faster steps where they are small).
+``choose_ttt_attention`` plans both and takes ``saved`` where its training rank fits the memory it has
+(``resources.gpu_memory_gb`` on a GPU, the machine's memory on the CPU), ``recompute`` otherwise;
+`snakemake -n` says which and why, and the trainer runs it. Both are checked against measured peaks.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from eaglet.base.capability import resolve_autocast
 from eaglet.planner.shapes import GIB, TYPICAL_TOKENS, drafter_params, target_shapes
 
 CONTEXT_GIB = 1.0       # per GPU process, outside PyTorch's allocator: CUDA context + cuBLAS workspace
-TTT_ATTENTION = "linear"
+TTT_ATTENTION = "recompute"  # the code's default, and the plan's without a memory figure
 # Bytes kept for backward by one TTT step, per token, by what they scale with (census of
 # ttt_unroll + TTTObjective's saved tensors). H: norms' inputs and outputs, the cat(embed, hidden)
 # input of q/k/v (one bf16 cast per projection under autocast), residuals; I: the MLP's four;
@@ -55,16 +62,24 @@ SAVED = {"float32": {"H": 40, "I": 16, "q": 4, "d": 8, "V": 4, "one": 12},
 SCORES_BYTES = {"float32": 4, "bfloat16": 6}  # softmax weights per element (+ bf16 copy under autocast)
 # their backward's transient per element: the weights' gradient and the softmax backward's product
 SCORES_GRAD_BYTES = {"float32": 10, "bfloat16": 4}
-# The O(T) attention (model.ttt_attention; "linear"): query chunks of TTT_QUERY_CHUNK recomputed one at
+# The O(T) attention (model.ttt_attention; "recompute"): query chunks of TTT_QUERY_CHUNK recomputed one at
 # a time in backward, so the only T-wide tensors are one chunk's scores [B, h, C, <=T+k], its masked
 # copy, the concatenation with the diagonal scores, the fp32 softmax and their gradients, alive together
 # for the last chunk (C x T). Bytes per element of that chunk, from the measured census (tests/planner/test_plan.py).
 # = eaglet.drafter.ttt_attention.TTT_QUERY_CHUNK (asserted by tests/planner/test_plan.py; no torch import here)
 TTT_QUERY_CHUNK = 256
 CHUNK_BYTES = {"float32": 14, "bfloat16": 10}
+# "saved" keeps every chunk's weights (SCORES_BYTES per element, counted in the activations); backward's
+# transient is then one chunk's gradients only, no recomputed forward
+SAVED_CHUNK_BYTES = {"float32": 8, "bfloat16": 6}
 
 
 # --------------------------------------------------------------------------- training
+def _chunks(T: int) -> list[tuple[int, int]]:
+    """The query chunks of ``ttt_attention``: (queries C, keys hi) of each, queries lo..hi-1 over keys 0..hi-1."""
+    return [(min(T, lo + TTT_QUERY_CHUNK) - lo, min(T, lo + TTT_QUERY_CHUNK)) for lo in range(0, T, TTT_QUERY_CHUNK)]
+
+
 def ttt_activations(B: int, T: int, s: dict, draft_vocab_size: int, steps: int, dtype: str,
                     attention: str = TTT_ATTENTION) -> dict:
     """Bytes the TTT unroll keeps for backward over a [B, T] micro-batch (module docstring)."""
@@ -73,12 +88,14 @@ def ttt_activations(B: int, T: int, s: dict, draft_vocab_size: int, steps: int, 
     linear = 0
     scores = 0
     for k in range(steps):
-        # the dense scores path also keeps step k's stack of k diagonal values; the chunked one does not
-        kept = 4 + (k if attention == "scores" else 0)
+        # the dense and the saved chunks also keep step k's stack of k diagonal values; the recomputed ones do not
+        kept = 4 + (k if attention in ("scores", "saved") else 0)
         linear += N * (c["H"] * H + c["I"] * Im + c["q"] * kept * h * d + c["d"] * d + c["one"])
         linear += 4 * B * max(0, T - 2 - k) * Vd
         if k and attention == "scores":
             scores += SCORES_BYTES[dtype] * B * h * T * (T + k)
+        elif k and attention == "saved":  # every chunk's softmax weights over keys 0..hi-1 (+ k), and its mask
+            scores += sum(SCORES_BYTES[dtype] * B * h * C * (hi + k) + C * hi for C, hi in _chunks(T))
     # once: g = fc(aux) (fp32), or under autocast the bf16 casts of aux and of the weights
     once = 4 * N * H if dtype == "float32" else 2 * 3 * N * H + 2 * drafter_params(s, Vd)["cast"]
     once += 4 * B * h * T + (2 * T * T if attention == "scores" else 0)  # step 0's log-sum-exp, the causal masks
@@ -87,22 +104,23 @@ def ttt_activations(B: int, T: int, s: dict, draft_vocab_size: int, steps: int, 
 
 def _attention_transient(B: int, T: int, h: int, K: int, dtype: str, attention: str) -> int:
     """Backward's largest attention transient: the whole softmax weights' gradient (scores) or one
-    recomputed query chunk (linear)."""
+    query chunk's, recomputed (linear) or from its kept weights (saved)."""
     if attention == "scores":
         return SCORES_GRAD_BYTES[dtype] * B * h * T * (T + K)
     # chunk i holds queries lo..hi-1 over keys 0..hi-1 (+ its diagonals): the widest is not always the last
-    widest = max((min(T, lo + TTT_QUERY_CHUNK) - lo) * (min(T, lo + TTT_QUERY_CHUNK) + K)
-                 for lo in range(0, T, TTT_QUERY_CHUNK))
-    return CHUNK_BYTES[dtype] * B * h * widest if K > 1 else 0
+    widest = max(C * (hi + K) for C, hi in _chunks(T))
+    per = CHUNK_BYTES if attention == "recompute" else SAVED_CHUNK_BYTES
+    return per[dtype] * B * h * widest if K > 1 else 0
 
 
 # train.* keys that do not change what a training run computes, written once for the workflow (kept
 # out of the train rule's params: no rerun, no other cache key) and the trainer (kept out of its
 # checkpoints' identity, eaglet.train.setup.run_identity): how often a checkpoint is written and how
-# many are kept (writing one draws no random number and changes no state), and the gates of the label
-# check and of train.init_from's vocabulary overlap (whether the run may start, not what it computes).
+# many are kept (writing one draws no random number and changes no state), the gates of the label
+# check and of train.init_from's vocabulary overlap (whether the run may start, not what it computes),
+# and the TTT attention's memory path (the same values and gradients either way, tested).
 TRAIN_NOT_DEFINING = ("checkpoint_every", "keep_checkpoints", "label_min_agreement", "accept_unchecked_labels",
-                      "init_min_overlap")
+                      "init_min_overlap", "ttt_attention")
 
 
 def bf16_autocast(setting: str, on_gpu: bool, flags: set[str] | None = None) -> bool:
@@ -110,6 +128,35 @@ def bf16_autocast(setting: str, on_gpu: bool, flags: set[str] | None = None) -> 
     on a CPU with bf16 units (eaglet.base.capability.resolve_autocast; ``flags``: the CPU's, default
     this machine's). The trainer's rule (eaglet.train.loop.autocast_on) and the memory plan's."""
     return resolve_autocast(setting, on_gpu, flags)[0] == "bfloat16"
+
+
+def machine_memory() -> int:
+    """Bytes of this machine's memory (a CPU training rank's budget)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def choose_ttt_attention(config: dict, s: dict | None, cpu_bytes: int | None = None) -> tuple[str, str]:
+    """``train.ttt_attention`` resolved -> (recompute | saved, why). ``auto``: saved, the faster, where the
+    training rank's peak with it fits what the rank has: ``resources.gpu_memory_gb`` on a GPU, this
+    machine's memory on the CPU (``cpu_bytes``, default :func:`machine_memory`); recompute where it does
+    not, on a GPU without a declared memory, and before the target's shapes are known (``s`` None)."""
+    want = config["train"].get("ttt_attention", schema.default("train.ttt_attention"))
+    if want != "auto":
+        return want, f"train.ttt_attention: {want}"
+    if s is None:
+        return TTT_ATTENTION, "auto: the target's shapes are known once target_model has built it"
+    gpu = int(config["train"].get("gpus") or 0) > 0
+    gib = (config.get("resources") or {}).get("gpu_memory_gb")
+    if gpu and gib is None:
+        return TTT_ATTENTION, ("auto: no resources.gpu_memory_gb to check the saved weights against "
+                               "(declare it to let the plan choose)")
+    cap = gib * GIB if gpu else (cpu_bytes or machine_memory())
+    where = f"resources.gpu_memory_gb {gib}" if gpu else f"this machine's {cap / GIB:.1f} GiB"
+    peak = {a: training_rank(config, s, a)["peak"] for a in ("saved", "recompute")}
+    figures = f"a training rank {peak['saved'] / GIB:.2f} GiB saved, {peak['recompute'] / GIB:.2f} GiB recomputed"
+    if peak["saved"] <= cap:
+        return "saved", f"auto: {figures}; saved fits {where}"
+    return "recompute", f"auto: {figures}; saved does not fit {where}"
 
 
 def training_rank(config: dict, s: dict, attention: str = TTT_ATTENTION) -> dict:
@@ -217,14 +264,18 @@ def hidden_states(config: dict, s: dict) -> dict:
 
 # --------------------------------------------------------------------------- the plan
 def make_plan(config: dict, target_config: str | Path | None = None,
-              target_bytes: float | None = None, attention: str = TTT_ATTENTION) -> dict:
-    """Every figure for a validated config (bytes; None where the target's weights are unknown)."""
+              target_bytes: float | None = None, attention: str | None = None) -> dict:
+    """Every figure for a validated config (bytes; None where the target's weights are unknown).
+    ``attention``: the TTT attention to plan (default: :func:`choose_ttt_attention`'s choice)."""
     s = target_shapes(config, target_config, target_bytes)
     gpu_gib = (config.get("resources") or {}).get("gpu_memory_gb")
+    why = "as asked"
+    if attention is None:
+        attention, why = choose_ttt_attention(config, s)
     return {"target": s, "gpu_memory_gb": gpu_gib, "hidden_states": hidden_states(config, s),
             "online": config["train"].get("hidden_states") == "online",
-            "train": training_rank(config, s, attention), "extract": extraction_shard(config, s),
-            "vllm": vllm_server(config, s, gpu_gib)}
+            "train": training_rank(config, s, attention) | {"attention_why": why},
+            "extract": extraction_shard(config, s), "vllm": vllm_server(config, s, gpu_gib)}
 
 
 def refusals(p: dict, config: dict) -> list[str]:
@@ -238,6 +289,8 @@ def refusals(p: dict, config: dict) -> list[str]:
         big = max(t["parts"], key=t["parts"].get)
         fix = ("train.hidden_states online puts the whole target on every rank: train offline (storage.budget_gb)"
                if big == "target_weights" else
+               "train.ttt_attention: auto or recompute keeps no attention weights for backward"
+               if big == "activations" and t["shape"]["attention"] == "saved" else
                "lower train.token_budget (raise train.grad_accum to keep the step)")
         out.append(f"a training rank needs {t['peak'] / GIB:.1f} GiB (largest: {big} "
                    f"{t['parts'][big] / GIB:.1f} GiB; attention '{t['shape']['attention']}' at B={t['shape']['B']}, "
@@ -352,8 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--target-config", default=None, help="the target's config.json (default: target.path's)")
     ap.add_argument("--target-bytes", type=float, default=None,
                     help="bytes of the target's weights (default: its *.safetensors files, when present)")
-    ap.add_argument("--attention", choices=["scores", "linear"], default=TTT_ATTENTION,
-                    help=f"TTT attention formulation to plan for (the code's: {TTT_ATTENTION})")
+    ap.add_argument("--attention", choices=["scores", "recompute", "saved"], default=None,
+                    help="TTT attention formulation to plan for (default: the one the plan chooses, "
+                         "train.ttt_attention)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     a = ap.parse_args(argv)
     config = load_config(a.configfile)

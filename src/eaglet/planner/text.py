@@ -15,7 +15,8 @@ def summary_line(p: dict) -> str:
     parts = [("hidden states: none stored (train.hidden_states online; the target runs in each training rank)"
               if p.get("online") else
               f"hidden states <= {h['total'] / 1e12:.2f} TB ({h['per_shard'] / 1e12:.2f} TB per shard)"),
-             f"training rank {_gib(t['peak'])} ({t['shape']['dtype']}, B={t['shape']['B']} x T={t['shape']['T']})"]
+             f"training rank {_gib(t['peak'])} ({t['shape']['dtype']}, B={t['shape']['B']} x T={t['shape']['T']}, "
+             f"TTT attention {t['shape']['attention']})"]
     if e["gpus"] and not p.get("online"):
         parts.append(f"extraction {_gib(e['peak'])} per GPU")
     if v:
@@ -37,6 +38,8 @@ def table(p: dict) -> str:
     rows += [("training rank", f"  activations: {k}", _gib(x)) for k, x in t["activation_parts"].items()]
     rows.append(("training rank", f"PEAK ({t['shape']['dtype']}, B={t['shape']['B']}, T={t['shape']['T']}, "
                  f"attention {t['shape']['attention']})", _gib(t["peak"])))
+    if "attention_why" in t:
+        rows.append(("training rank", f"TTT attention {t['shape']['attention']}", t["attention_why"]))
     rows += [("extraction shard /GPU", k, _gib(x)) for k, x in p["extract"]["parts"].items()]
     rows.append(("extraction shard /GPU", "PEAK", _gib(p["extract"]["peak"])))
     if p["vllm"]:

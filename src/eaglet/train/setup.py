@@ -218,8 +218,14 @@ def setup(hidden: list[str], vocab: str, identity: dict, out_dir: Path, p: dict,
     init = init_from.load_into(drafter, start, d2t, float(p["init_min_overlap"])) if start is not None else None
     freeze_head(drafter, p)
     drafter.to(device)
+    # the memory plan's choice (train.ttt_attention resolved at parse time; auto here, when called
+    # directly, is the recompute the plan takes without a memory figure)
+    recompute = p["ttt_attention"] != "saved"
+    if rank == 0:
+        log.info("TTT attention: %s", "recompute (each query chunk in backward)" if recompute else
+                 "saved (every query chunk's softmax weights kept for backward)")
     objective = TTTObjective(drafter, cfg.ttt_steps, float(p["gamma"]), p["loss"], float(p["kl_scale"]),
-                             float(p["kl_decay"]))
+                             float(p["kl_decay"]), recompute=recompute)
     model = objective
     if ws > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -85,7 +85,7 @@ def resolve_params(params: dict | None) -> dict:
     """The train section over the schema's defaults (less LAUNCH_KEYS), refusing unknown keys and
     values the schema does not allow."""
     p = schema.settings("train", params, "train", leave_out=LAUNCH_KEYS)
-    for key in ("lm_head_init", "oov_rule", "autocast", "hidden_states"):
+    for key in ("lm_head_init", "oov_rule", "autocast", "hidden_states", "ttt_attention"):
         if p[key] not in schema.allowed(f"train.{key}"):
             raise ValueError(f"train.{key}: {p[key]!r} not one of {schema.allowed(f'train.{key}')}")
     check_recipe(p)

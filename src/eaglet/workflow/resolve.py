@@ -132,6 +132,9 @@ class Resolved:
     # trainer's param, so a drafter trained on one kind of CPU is no cache hit for the other.
     train_autocast: str
     train_autocast_why: str
+    # train.ttt_attention decided now by the memory plan (eaglet.planner.plan.choose_ttt_attention), with
+    # the reason: the trainer's setting (R.train), no cache key (the same values and gradients either way).
+    train_ttt_attention_why: str
     # train.* for eaglet.train.train, less how its ranks are launched: nodes and rdzv_port reach the
     # cache key through the launcher param instead, so a one-node config keeps its old key; with
     # train.hidden_states and train.autocast resolved.
@@ -177,6 +180,7 @@ class Resolved:
             f"aux layer ids: {list(self.layer_ids)}"
             + ("" if self.layer_ids_why == LAYER_IDS_SET else f" ({self.layer_ids_why})"),
             f"training autocast: {self.train_autocast} ({self.train_autocast_why})",
+            f"training TTT attention: {self.train['ttt_attention']} ({self.train_ttt_attention_why})",
             f"extraction target forward: {self.extract_target_dtype} ({self.extract_target_dtype_why})",
         ]
 
@@ -248,12 +252,15 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
         lines.insert(0, f"target {snap.repo_id} revision {snap.revision!r}: commit {snap.commit} in the hub "
                         f"cache {snap.cache} (read in place from {snap.folder})")
     checks.settings_consistent(config)
-    mode, dtype, storage_lines = storage.decide(config, plan.parse_time_shapes(config, workdir))
+    shapes = plan.parse_time_shapes(config, workdir)
+    mode, dtype, storage_lines = storage.decide(config, shapes)
     # The config as the jobs read it: the user's with the storage choice in, a copy (the memory plan,
     # the trainer's params and its note follow the choice; the config stays as written).
     chosen = copy.deepcopy(config)
     chosen["train"]["hidden_states"], chosen["extract"]["dtype"] = mode, dtype
     plan_lines = plan.parse_time(chosen, workdir)
+    # the TTT attention's memory path (issue 43): the plan's choice, the same as its line states
+    ttt, ttt_why = plan.choose_ttt_attention(chosen, shapes)
 
     t = config["target"]
     target_load = {k: t[k] for k in LOAD_KEYS}
@@ -265,7 +272,8 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
     target_dtype, target_dtype_why = resolve_target_dtype(config["extract"]["target_dtype"], on_gpu=extract_on_gpu)
     autocast, autocast_why = resolve_autocast(config["train"]["autocast"],
                                               on_gpu=int(config["train"]["gpus"] or 0) > 0)
-    train = {k: v for k, v in chosen["train"].items() if k not in ("nodes", "rdzv_port")} | {"autocast": autocast}
+    train = ({k: v for k, v in chosen["train"].items() if k not in ("nodes", "rdzv_port")}
+             | {"autocast": autocast, "ttt_attention": ttt})
     # hashed once per change of a file's stat (.snakemake/eaglet-digests.json of the workflow folder)
     digests = DigestCache(Path(workdir) / CACHE_FILE)
     source = target_source(t, digests, snap.key() if snap is not None else None)
@@ -307,6 +315,7 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
         extract_load=freeze(target_load | {"dtype": target_dtype, "dtype_reason": target_dtype_why}),
         train_autocast=autocast,
         train_autocast_why=autocast_why,
+        train_ttt_attention_why=ttt_why,
         train=freeze(train),
         train_keys=tuple(k for k in train if k not in (*plan.TRAIN_NOT_DEFINING, "init_from")),
         train_init_from=freeze(init_from_key(config["train"]["init_from"], workdir)),
