@@ -476,7 +476,7 @@ def test_the_ttt_attention_the_plan_chose_trains_the_same_and_resumes_the_other(
     checkpoint written with one resumes under the other (the path is not in the run's identity)."""
     import shutil
 
-    import eaglet.train.setup as setup_mod
+    from eaglet.train import setup
 
     made = []
 
@@ -485,7 +485,7 @@ def test_the_ttt_attention_the_plan_chose_trains_the_same_and_resumes_the_other(
             made.append(recompute)
             super().__init__(*a, recompute=recompute, **kw)
 
-    monkeypatch.setattr(setup_mod, "TTTObjective", Recording)
+    monkeypatch.setattr(setup, "TTTObjective", Recording)
     p = dict(PARAMS, max_steps=6, val_every=10**6, checkpoint_every=3, oov_rule="label")
     rec = train(data["index"], data["vocab"], tiny_target, tmp_path / "recompute", dict(p, ttt_attention="recompute"))
     saved = train(data["index"], data["vocab"], tiny_target, tmp_path / "saved", dict(p, ttt_attention="saved"))
