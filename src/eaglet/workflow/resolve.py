@@ -37,7 +37,7 @@ from eaglet.target.families import check_tiny
 from eaglet.target.load import LOAD_KEYS, serving
 from eaglet.target.shape import layer_ids
 from eaglet.workflow import checks, environments
-from eaglet.workflow.inputs import local_target, target_source, user_digest, user_sets
+from eaglet.workflow.inputs import local_target, prompts_key, target_source, user_digest, user_sets
 from eaglet.workflow.paths import Paths
 
 
@@ -155,7 +155,8 @@ class Resolved:
     # tokenize's input: the regenerated conversations when generation is on, the source ones otherwise
     tokenize_conversations: str
     # The user's own files and folders a stage reads, by content (eaglet.workflow.inputs.user_digest):
-    # "prompts.path" and "target.path" as "sha256:..." ("" when the stage reads none), the .parquet
+    # "prompts.path" and "target.path" as "sha256:..." ("" when the stage reads none; a datasets data
+    # set's as "datasets:<fingerprint>", eaglet.base.prompt_sources), the .parquet
     # paths of "evaluate.sets" and "evaluate.regenerate.sets" as (path, digest) pairs. In the reading
     # rule's params, so a new content reruns it whatever the file's mtime says, and checked by its job.
     user_files: Mapping
@@ -267,8 +268,8 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
         # a hub snapshot is keyed by its commit and its files' content hashes (target_source), not read again
         "target.path": "" if snap is not None else user_digest(local_target(t), "target.path", digests,
                                                                 base=workdir),
-        "prompts.path": (user_digest(p["path"], "prompts.path", digests, required=p["source"] == "file",
-                                     base=workdir) if p["source"] != "sharegpt" else ""),
+        # a local file or folder by its content digest, a datasets data set by its fingerprint
+        "prompts.path": prompts_key(p, digests, workdir),
         "evaluate.sets": user_sets(config["evaluate"]["sets"], "evaluate.sets", digests, workdir),
         "evaluate.regenerate.sets": user_sets(config["evaluate"]["regenerate"]["sets"],
                                               "evaluate.regenerate.sets", digests, workdir),
