@@ -214,13 +214,6 @@ def init_from_key(path: str | None, workdir: str | Path = ".") -> dict:
         raise ValueError(f"train.init_from: {e}") from None
 
 
-def hub_target(target: dict, workdir: str | Path = ".") -> hub.Snapshot | None:
-    """The target's hub snapshot when ``target.path`` names a hub model (eaglet.target.hub.hub_id),
-    resolved in the hub cache at ``target.revision``; None for any other target."""
-    repo = hub.hub_id(target["path"], workdir) if target["tiny"] is None else None
-    return hub.resolve(repo, target["revision"]) if repo else None
-
-
 def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None = None) -> Resolved:
     """Resolve a validated workflow config (``eaglet.base.schema.validate``, defaults filled) in
     the workflow folder ``workdir``; ``config`` is left as it is. Raises ValueError naming the key
@@ -230,7 +223,7 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
     check_tiny(config["target"]["tiny"])  # the schema leaves target.tiny's keys to the family's config class
     # every separate environment the DAG will run (vLLM, SGLang), before anything else is decided
     env_lines = environments.check(config, job_root)
-    snap = hub_target(config["target"], workdir)
+    snap = hub.target_snapshot(config["target"], workdir)
     target_settings = dict(config["target"])
     if snap is not None:
         # the parse reads the snapshot folder as a local target.path; the config stays as written
