@@ -26,7 +26,15 @@ from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.files import write_json
 from eaglet.base.logs import setup_logging
 from eaglet.base.prompt_sources import check_source
-from eaglet.data.prompt_records import CHUNK_ROWS, Skip, Source, json_array, open_source, place
+from eaglet.data.prompt_records import (
+    CHUNK_ROWS,
+    Skip,
+    Source,
+    json_array,
+    open_source,
+    place,
+    return_freed_arrow_memory,
+)
 
 log = logging.getLogger("eaglet.data.prompts")
 
@@ -229,6 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     setup_logging(a.log)
+    return_freed_arrow_memory()
     res = build_prompts(a.source, a.path, a.n, a.heldout, a.seed, a.max_turns, a.split, a.path_digest)
     out = Path(a.out_dir)
     write_conversations(out / "train.parquet", res["train"])
