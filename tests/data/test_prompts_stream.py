@@ -4,8 +4,11 @@ format); bad input names the file and the line; a `datasets` data set saved to d
 keyed by the fingerprint `datasets` gives it, not by its name."""
 
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -153,3 +156,19 @@ def test_a_local_file_is_keyed_by_its_content_not_its_name(tmp_path):
     assert prompt_sources.source_key("datasets", str(tmp_path / "b.jsonl"), "train", DigestCache(None)) == key
     write_jsonl(tmp_path / "a.jsonl", records(61))
     assert prompt_sources.source_key("file", str(tmp_path / "a.jsonl"), "train", DigestCache(None)) != key
+
+
+@pytest.mark.faults
+def test_a_data_set_name_missing_from_the_cache_offline_is_one_clear_error(tmp_path):
+    """A name (no local path) is loaded by `datasets` from its cache; offline with an empty cache the
+    parse stops naming prompts.path, the name and the split (in a fresh process: the libraries read
+    HF_HUB_OFFLINE and HF_HOME when imported)."""
+    code = ("from eaglet.base import prompt_sources\n"
+            "try:\n    prompt_sources.source_key('datasets', 'org/not-cached', 'train')\n"
+            "except ValueError as e:\n    print(e)\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("HF_HUB_CACHE", None)
+    env.pop("HF_DATASETS_CACHE", None)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "prompts.path: the data set 'org/not-cached' (split 'train') cannot be loaded" in p.stdout, p.stdout
