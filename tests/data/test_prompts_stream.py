@@ -72,7 +72,8 @@ def test_streamed_pick_is_the_whole_file_pick_in_any_chunk_size_and_format(tmp_p
 
 
 def test_a_hash_collision_drops_no_row(tmp_path, monkeypatch):
-    """Duplicates are found by 8-byte hashes of the ids, then the candidates' ids compared."""
+    """A hash collision drops no row: duplicates are found by 8-byte hashes of the ids, then the
+    candidates' ids themselves are compared."""
     recs = records(60)
     write_jsonl(tmp_path / "d.jsonl", recs)
     want = whole_file_pick(recs, "d", n=20, heldout=3, seed=1)
@@ -160,9 +161,9 @@ def test_a_local_file_is_keyed_by_its_content_not_its_name(tmp_path):
 
 @pytest.mark.faults
 def test_a_data_set_name_missing_from_the_cache_offline_is_one_clear_error(tmp_path):
-    """A name (no local path) is loaded by `datasets` from its cache; offline with an empty cache the
-    parse stops naming prompts.path, the name and the split (in a fresh process: the libraries read
-    HF_HUB_OFFLINE and HF_HOME when imported)."""
+    """A data set name missing from the cache offline stops the parse naming prompts.path, the name
+    and the split: a name (no local path) is loaded by `datasets` from its cache (in a fresh process
+    here: the libraries read HF_HUB_OFFLINE and HF_HOME when imported)."""
     code = ("from eaglet.base import prompt_sources\n"
             "try:\n    prompt_sources.source_key('datasets', 'org/not-cached', 'train')\n"
             "except ValueError as e:\n    print(e)\n")
