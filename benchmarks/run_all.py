@@ -66,6 +66,10 @@ BENCHES = {
     "scale": (["benchmarks/bench_scale.py"],
               [Row(f"scale_{s}", f"{s} {SCALE}", 2.3, "<=", key=s, miss="superlinear")
                for s in ("tokenize", "extract", "train", "generate")]),
+    # generated rows only (no target): 100k and 1M rows of JSONL and Parquet, ~1 GB of temporary files
+    "prompts": (["benchmarks/bench_prompts_stream.py"],
+                [Row(f"prompts_{f}", f"prompts stage peak RSS at 1M {f} rows / at 100k (note: rows/s)", 1.2, "<=",
+                     key=f, miss="memory grows") for f in ("jsonl", "parquet")]),
     # needs envs/anchor/.venv (`make anchor-env`); without it both rows print "skipped"
     "anchor": (["benchmarks/bench_anchor.py"],
                [Row("anchor_tau", "expected τ(k=3) at T = 1 eaglet / speculators Eagle3, same batches, 3 seeds",

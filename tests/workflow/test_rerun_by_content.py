@@ -1,5 +1,6 @@
 """Reruns by content (issue 46): every user file and folder a stage reads is in the reading rule's
-params by its content digest (eaglet.workflow.inputs.user_digest), so a rewrite that sets the old
+params by its content digest (eaglet.workflow.inputs.user_digest; a saved `datasets` data set by
+its fingerprint, issue 45), so a rewrite that sets the old
 mtime back (cp -p, rsync -a, touch -d, an unpacked archive) reruns exactly the stage that reads it
 and what follows, and the same bytes with a new mtime rerun nothing.
 
@@ -125,6 +126,32 @@ def test_a_prompts_folder_reruns_prompts_on_a_files_new_content(content_run):
     assert preview(wf, wf / "config/dir.yaml", cache) == {}
     _rewrite_keeping_mtime(folder / "b.jsonl", lambda p: p.write_text(_jsonl(30, "c")))
     _expect(preview(wf, wf / "config/dir.yaml", cache), {"prompts"}, "a file of prompts.path's folder")
+
+
+def test_prompts_rerun_on_new_content_never_on_a_new_name(content_run):
+    """prompts.path is keyed by what it holds (issue 45): a renamed copy of the prompts file, or of a
+    data set saved with `datasets`' save_to_disk (keyed by the fingerprint datasets recorded),
+    reruns nothing but provenance (which records the config as written); the same name with new
+    rows reruns prompts and everything after it."""
+    datasets = pytest.importorskip("datasets")
+    wf, cache, conf = content_run
+    shutil.copyfile(wf / "prompts.jsonl", wf / "renamed.jsonl")
+    (wf / "config/renamed.yaml").write_text(yaml.safe_dump(changed(conf, {"prompts.path": str(wf / "renamed.jsonl")})))
+    assert set(preview(wf, wf / "config/renamed.yaml", cache)) <= {"provenance"}
+    rows = [json.loads(line) for line in _jsonl(60, "d").splitlines()]
+    datasets.Dataset.from_list(rows).save_to_disk(str(wf / "saved"))
+    shutil.copytree(wf / "saved", wf / "moved")
+    saved, moved = ({"prompts.source": "datasets", "prompts.path": str(wf / name)} for name in ("saved", "moved"))
+    (wf / "config/saved.yaml").write_text(yaml.safe_dump(changed(conf, saved)))
+    (wf / "config/moved.yaml").write_text(yaml.safe_dump(changed(conf, moved)))
+    record_finished(wf, wf / "config/saved.yaml", cache)
+    assert preview(wf, wf / "config/saved.yaml", cache) == {}
+    assert set(preview(wf, wf / "config/moved.yaml", cache)) <= {"provenance"}
+    shutil.rmtree(wf / "saved")
+    datasets.Dataset.from_list(rows[:50]).save_to_disk(str(wf / "saved"))
+    jobs = preview(wf, wf / "config/saved.yaml", cache)
+    assert set(jobs) == after({"prompts"}) and own_reasons(jobs) == {"prompts"}, jobs
+    assert PARAMS in jobs["prompts"] and "datasets:" in jobs["prompts"], jobs["prompts"]
 
 
 def test_a_local_target_folder_reruns_everything_on_a_files_new_content(content_run):

@@ -205,9 +205,9 @@ TABLE = {
 # Keys whose change is more than one short line in the preview: the template's own text is the
 # param, online training adds the online settings' keys (layer ids, dtype, how the target loads),
 # prompts.source with prompts.path swap what prompts reads by content (the packaged file's identity
-# for the user's file's path and full sha256), and another generate.backend swaps the whole set of
-# settings that define the text (eaglet.target.engine_key: the local backend's target load settings
-# for the served model's name and engine settings).
+# for the user's file's full sha256; the path itself is no compared param), and another
+# generate.backend swaps the whole set of settings that define the text (eaglet.target.engine_key:
+# the local backend's target load settings for the served model's name and engine settings).
 LONG_REASONS = {"target.chat_template", "train.hidden_states", "prompts.source", "prompts.path", "generate.backend"}
 
 

@@ -33,9 +33,10 @@ rule target_model:
 
 
 # What prompts reads, by content: the packaged ShareGPT file (version + recorded sha256, as the
-# target), or a local prompts.path (a file, or a folder of files) by its sha256, so a new content
-# reruns the stage whatever its mtime, and the job checks the file against it before reading ("" for
-# a data set name).
+# target), a local prompts.path (a file, or a folder of files) by its sha256, or a datasets data set
+# (saved with save_to_disk, or a name in the datasets cache) by the fingerprint datasets gives it
+# (eaglet.base.prompt_sources), so a new content reruns the stage whatever its mtime or name, and the
+# job checks the source against it before reading.
 PROMPTS_SHAREGPT = config["prompts"]["source"] == "sharegpt"
 PROMPTS_DATA = (
     packaged_file_identity(*SHAREGPT)
@@ -65,8 +66,9 @@ rule prompts:
         out=out_dir,
         source=config["prompts"]["source"],
         data=verbatim(PROMPTS_DATA),
-        path=verbatim(config["prompts"]["path"] or ""),
-        # data again, for the job to check the file with (derived from the output: not compared twice)
+        # where to read it, and data again for the job to check it with: derived from the output, so
+        # not compared (data is), and a renamed or moved copy of the same content reruns nothing
+        path=lambda wildcards, output: config["prompts"]["path"] or "",
         path_digest=lambda wildcards, output: "" if PROMPTS_SHAREGPT else PROMPTS_DATA,
         split=verbatim(config["prompts"]["split"]),
         n=config["prompts"]["n"],

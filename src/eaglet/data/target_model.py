@@ -93,8 +93,7 @@ def materialise(cfg: dict, out: str | Path) -> dict:
     if tmp_dir.exists():
         shutil.rmtree(tmp_dir)
     src_dir = Path(cfg["path"]) if cfg.get("path") and cfg.get("tiny") is None else None
-    repo = hub.hub_id(cfg["path"]) if src_dir is not None else None
-    snap = hub.resolve(repo, cfg.get("revision") or schema.default("target.revision")) if repo else None
+    snap = hub.target_snapshot(cfg)
     if snap is not None:
         src_dir = snap.folder  # the cache's snapshot folder, read in place as a local folder is
     if src_dir is not None and src_dir.is_dir() and any(src_dir.glob("*.safetensors")):

@@ -12,8 +12,10 @@ library's (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ~/.cache/huggingface/hub
 ``HF_HUB_OFFLINE=1`` keeps it off the network: a model missing from the cache then stops the parse
 with one message naming the repo, the revision, the folder looked in and the command that fills it.
 The cache's layout (refs, snapshots, blobs) is huggingface_hub's business: ``snapshot_download``
-finds the snapshot, ``scan_cache_dir`` lists its files with the blobs they point to, whose names are
-the files' content hashes (sha256 for LFS files such as weights, the git blob id for the others).
+finds the snapshot; its files link to the blobs they are stored as, whose names are the files'
+content hashes (sha256 for LFS files such as weights, the git blob id for the others). Only that
+snapshot folder is read (``scan_cache_dir`` read every repo of the cache, at each parse and again in
+the job).
 """
 
 from __future__ import annotations
@@ -22,8 +24,11 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from eaglet.base import schema
 
 # ORG/NAME as the hub spells a model id (huggingface_hub's validate_repo_id, less its length rules)
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -105,9 +110,8 @@ def resolve(repo_id: str, revision: str) -> Snapshot:
     """``revision`` of the hub model ``repo_id`` in the hub cache (downloaded into it unless
     HF_HUB_OFFLINE is set). Raises HubTargetError, naming the repo, the revision, the cache folder
     and the command that fills it, when the cache lacks it offline or the hub cannot give it."""
-    from huggingface_hub import scan_cache_dir, snapshot_download
+    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
-        CacheNotFound,
         HfHubHTTPError,
         IncompleteSnapshotError,
         LocalEntryNotFoundError,
@@ -124,21 +128,27 @@ def resolve(repo_id: str, revision: str) -> Snapshot:
     except HfHubHTTPError as e:  # repository or revision not found, gated, unauthorised
         raise HubTargetError(f"target.path {repo_id!r} (revision {revision!r}, target.revision): the hub refused "
                              f"it: {str(e).splitlines()[0]}") from None
-    try:
-        info = scan_cache_dir(cache)
-    except CacheNotFound as e:  # pragma: no cover - snapshot_download has just returned a folder in it
-        raise HubTargetError(missing_message(repo_id, revision, cache, str(e))) from None
-    found = [rev for repo in info.repos if repo.repo_id == repo_id and repo.repo_type == "model"
-             for rev in repo.revisions if Path(rev.snapshot_path).resolve() == folder.resolve()]
-    if not found:
-        raise HubTargetError(missing_message(repo_id, revision, cache, f"huggingface_hub's scan of the cache does "
-                                             f"not list the snapshot {folder}"))
-    rev = found[0]
-    files = tuple(sorted((Path(f.file_path).relative_to(rev.snapshot_path).as_posix(), Path(f.blob_path).name,
-                          int(f.size_on_disk)) for f in rev.files))
+    files = snapshot_files(folder)
     names = {name for name, _, _ in files}
     if "config.json" not in names or not any(n.endswith(".safetensors") and "/" not in n for n in names):
         raise HubTargetError(missing_message(
-            repo_id, revision, cache, f"its snapshot {rev.snapshot_path} has no config.json and *.safetensors "
+            repo_id, revision, cache, f"its snapshot {folder} has no config.json and *.safetensors "
             "weights: a partial download, or a repository that is no transformers checkpoint"))
-    return Snapshot(repo_id, revision, rev.commit_hash, Path(rev.snapshot_path), cache, files)
+    # the snapshot folder is named by its commit (huggingface_hub's layout: snapshots/<commit>)
+    return Snapshot(repo_id, revision, folder.name, folder, cache, files)
+
+
+def snapshot_files(folder: Path) -> tuple[tuple[str, str, int], ...]:
+    """``(path in the repo, blob name, size)`` of each file of a snapshot folder, as huggingface_hub's
+    own scan reads them: the blob is where the file's link resolves to, named by the content hash."""
+    return tuple(sorted((f.relative_to(folder).as_posix(), Path(os.path.realpath(f)).name, f.stat().st_size)
+                        for f in folder.rglob("*") if f.is_file()))
+
+
+def target_snapshot(target: Mapping, workdir: str | Path = ".") -> Snapshot | None:
+    """The hub snapshot a target section names, resolved at ``target.revision``: ``target.path`` a hub
+    id (hub_id) and no ``target.tiny``; None for any other target. The one answer for the workflow's
+    parse (eaglet.workflow.resolve) and the target_model job (eaglet.data.target_model)."""
+    path = target.get("path")
+    repo = hub_id(path, workdir) if path and target.get("tiny") is None else None
+    return resolve(repo, target.get("revision") or schema.default("target.revision")) if repo else None

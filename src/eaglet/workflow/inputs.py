@@ -9,6 +9,7 @@ from pathlib import Path
 
 from eaglet.base.content_digests import DigestCache, content_digest
 from eaglet.base.digests import visible_files
+from eaglet.base.prompt_sources import source_key
 from eaglet.target.load import DEFAULT_GGUF, packaged_file_identity
 
 
@@ -70,6 +71,15 @@ relative path is read from ``base``, the workflow folder."""
             raise ValueError(f"{key}: {path!r} does not exist (a file or folder, relative to the workflow folder)")
         return ""
     return _digest(Path(base) / path, cache)
+
+
+def prompts_key(prompts: dict, cache: DigestCache, base: str | Path = ".") -> str:
+    """What the prompts stage reads, by content (eaglet.base.prompt_sources.source_key): a local
+    file or folder's content digest, a saved or named ``datasets`` data set's fingerprint; "" for
+    the packaged ShareGPT. A ``file`` source whose path is missing is refused, naming prompts.path."""
+    if prompts["source"] == "file":
+        return user_digest(prompts["path"], "prompts.path", cache, required=True, base=base)
+    return source_key(prompts["source"], prompts["path"], prompts["split"], cache, base)
 
 
 def user_sets(sets, key: str, cache: DigestCache | None = None, base: str | Path = ".") -> tuple[tuple[str, str], ...]:

@@ -37,7 +37,7 @@ from eaglet.target.families import check_tiny
 from eaglet.target.load import LOAD_KEYS, serving
 from eaglet.target.shape import layer_ids
 from eaglet.workflow import checks, environments
-from eaglet.workflow.inputs import local_target, target_source, user_digest, user_sets
+from eaglet.workflow.inputs import local_target, prompts_key, target_source, user_digest, user_sets
 from eaglet.workflow.paths import Paths
 
 
@@ -163,7 +163,8 @@ class Resolved:
     # tokenize's input: the regenerated conversations when generation is on, the source ones otherwise
     tokenize_conversations: str
     # The user's own files and folders a stage reads, by content (eaglet.workflow.inputs.user_digest):
-    # "prompts.path" and "target.path" as "sha256:..." ("" when the stage reads none), the .parquet
+    # "prompts.path" and "target.path" as "sha256:..." ("" when the stage reads none; a datasets data
+    # set's as "datasets:<fingerprint>", eaglet.base.prompt_sources), the .parquet
     # paths of "evaluate.sets" and "evaluate.regenerate.sets" as (path, digest) pairs. In the reading
     # rule's params, so a new content reruns it whatever the file's mtime says, and checked by its job.
     user_files: Mapping
@@ -224,13 +225,6 @@ def init_from_key(path: str | None, workdir: str | Path = ".") -> dict:
         raise ValueError(f"train.init_from: {e}") from None
 
 
-def hub_target(target: dict, workdir: str | Path = ".") -> hub.Snapshot | None:
-    """The target's hub snapshot when ``target.path`` names a hub model (eaglet.target.hub.hub_id),
-    resolved in the hub cache at ``target.revision``; None for any other target."""
-    repo = hub.hub_id(target["path"], workdir) if target["tiny"] is None else None
-    return hub.resolve(repo, target["revision"]) if repo else None
-
-
 def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None = None) -> Resolved:
     """Resolve a validated workflow config (``eaglet.base.schema.validate``, defaults filled) in
     the workflow folder ``workdir``; ``config`` is left as it is. Raises ValueError naming the key
@@ -240,7 +234,7 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
     check_tiny(config["target"]["tiny"])  # the schema leaves target.tiny's keys to the family's config class
     # every separate environment the DAG will run (vLLM, SGLang), before anything else is decided
     env_lines = environments.check(config, job_root)
-    snap = hub_target(config["target"], workdir)
+    snap = hub.target_snapshot(config["target"], workdir)
     target_settings = dict(config["target"])
     if snap is not None:
         # the parse reads the snapshot folder as a local target.path; the config stays as written
@@ -282,8 +276,8 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
         # a hub snapshot is keyed by its commit and its files' content hashes (target_source), not read again
         "target.path": "" if snap is not None else user_digest(local_target(t), "target.path", digests,
                                                                 base=workdir),
-        "prompts.path": (user_digest(p["path"], "prompts.path", digests, required=p["source"] == "file",
-                                     base=workdir) if p["source"] != "sharegpt" else ""),
+        # a local file or folder by its content digest, a datasets data set by its fingerprint
+        "prompts.path": prompts_key(p, digests, workdir),
         "evaluate.sets": user_sets(config["evaluate"]["sets"], "evaluate.sets", digests, workdir),
         "evaluate.regenerate.sets": user_sets(config["evaluate"]["regenerate"]["sets"],
                                               "evaluate.regenerate.sets", digests, workdir),
