@@ -287,12 +287,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--log", default=None)
     a = ap.parse_args(argv)
     setup_logging(a.log)
+    from eaglet.planner.storage import job_lines
     from eaglet.target.load import load_identity
 
     if a.online:
         raise SystemExit("train.hidden_states: online: the DFlash trainer reads stored states; use offline")
-    train(a.hidden, load_identity(a.target_identity), a.out_dir, parse_json_arg(a.params, {}),
-          parse_json_arg(a.drafter, {}))
+    identity = load_identity(a.target_identity)
+    for line in job_lines(parse_json_arg(a.note, None), identity["path"]):
+        log.info("%s", line)
+    train(a.hidden, identity, a.out_dir, parse_json_arg(a.params, {}), parse_json_arg(a.drafter, {}))
 
 
 if __name__ == "__main__":
