@@ -10,11 +10,14 @@ EXPORT = config["export"] | {"serving": R.serving, "target_load": R.target_load}
 # needs (target.vllm.tensor_parallel_size) through eaglet.planner.gpu_slots; its in-process offline
 # chain (vllm.acceptance) runs after the engine, spread over the same GPUs (eaglet.target.load).
 EXPORT_GPUS = R.vllm_gpus if config["export"]["vllm_check"] else 0
+# drafter.kind dflash: the DFlash directory and its own contract (eaglet.export.dflash_export); for
+# eagle3 the shell line (its second branch) is that of before the key existed
+EXPORT_DFLASH = R.drafter_kind == "dflash"
 
 
 rule export:
     input:
-        code=stage_code("export.export", launcher=True),
+        code=stage_code("export.dflash_export" if EXPORT_DFLASH else "export.export", launcher=True),
         drafter=f"{RUN}/train/drafter.safetensors",
         summary=f"{RUN}/train/train_summary.json",
         identity=TARGET_ID,
@@ -50,11 +53,19 @@ rule export:
         # vLLM's own logs and cache: logs, not results
         work=f"{LOGS}/export_check",
     shell:
-        "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
-        " python -m eaglet.export.export --drafter {input.drafter:q} --identity {input.identity:q}"
-        " --train-summary {input.summary:q} --out {params.out:q}"
-        " --speculators-out {params.speculators_out:q} --work-dir {params.work:q}"
-        " --config {params.export:q} --log {log:q}"
+        (
+            "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+            " python -m eaglet.export.dflash_export --drafter {input.drafter:q} --identity {input.identity:q}"
+            " --train-summary {input.summary:q} --out {params.out:q}"
+            " --speculators-out {params.speculators_out:q} --work-dir {params.work:q}"
+            " --config {params.export:q} --log {log:q}"
+            if EXPORT_DFLASH
+            else "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+            " python -m eaglet.export.export --drafter {input.drafter:q} --identity {input.identity:q}"
+            " --train-summary {input.summary:q} --out {params.out:q}"
+            " --speculators-out {params.speculators_out:q} --work-dir {params.work:q}"
+            " --config {params.export:q} --log {log:q}"
+        )
 
 
 FINAL_OUTPUTS.append(rules.export.output.contract)

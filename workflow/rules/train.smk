@@ -5,6 +5,11 @@
 # before a rerun: a killed training job resumes from its latest checkpoint.
 from eaglet.workflow import train_job
 
+# drafter.kind dflash trains a DFlash drafter on the same store (eaglet.train.dflash_train): its module
+# (the shell line's first branch) and drafter.* in the params; for eagle3 the shell line and params are
+# those of before the key existed.
+DFLASH = R.drafter_kind == "dflash"
+
 # The training job's params, shared with the learning curve's train_fraction (learning_curve.smk):
 # train.* as resolved (R.train: train.hidden_states and train.autocast decided at parse time), the
 # keys that define the drafter one by one (R.train_keys), train.init_from by the drafter's content
@@ -25,12 +30,17 @@ TRAIN_PARAMS = dict(
     # the storage statement, the job's first log line (a file: a log line is no cache key)
     note=settings(R.train_note),
     launcher=train_job.launcher(config["train"]),
+    **(
+        {**key_params("drafter", R.drafter), "drafter": settings(R.drafter["dflash"])}
+        if DFLASH
+        else {}
+    ),
 )
 
 
 rule train:
     input:
-        code=stage_code("train.train", launcher=True),
+        code=stage_code("train.dflash_train" if DFLASH else "train.train", launcher=True),
         hidden=train_job.hidden_input(R),
         vocab=f"{RUN}/vocab_map/vocab.safetensors",
         identity=TARGET_ID,
@@ -56,10 +66,18 @@ rule train:
     params:
         **TRAIN_PARAMS,
     shell:
-        "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
-        " {params.launcher} -m eaglet.train.train {params.data} --vocab {input.vocab:q}"
-        " --target-identity {input.identity:q} --out-dir {params.out:q}"
-        " --params {params.train:q} --note {params.note:q} --log {log:q}"
+        (
+            "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+            " {params.launcher} -m eaglet.train.dflash_train {params.data} --vocab {input.vocab:q}"
+            " --target-identity {input.identity:q} --out-dir {params.out:q}"
+            " --params {params.train:q} --note {params.note:q} --log {log:q}"
+            " --drafter {params.drafter:q}"
+            if DFLASH
+            else "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+            " {params.launcher} -m eaglet.train.train {params.data} --vocab {input.vocab:q}"
+            " --target-identity {input.identity:q} --out-dir {params.out:q}"
+            " --params {params.train:q} --note {params.note:q} --log {log:q}"
+        )
 
 
 FINAL_OUTPUTS.append(rules.train.output.summary)

@@ -9,15 +9,22 @@ import json
 from pathlib import Path
 
 from eaglet.base import schema
+from eaglet.export.contract.dflash_parity import DFLASH_NOT_APPLICABLE, DFLASH_VLLM_CHECKS
 from eaglet.export.contract.record import VLLM_CHECKS
 from eaglet.target.chat_template import chat_template_text, has_chat_template, no_template_message
 from eaglet.target.check import architecture, read_config, serving, text_config
 
 
-def unaccepted_not_run(export: dict) -> list[str]:
+def unaccepted_not_run(export: dict, kind: str | None = None) -> list[str]:
     """Contract checks the config already says will not run (the real-vLLM ones with
-    ``export.vllm_check: false``; format B's always) that ``export.accept_not_run`` does not list.
-    Each would fail the export at the end of the run, after training."""
+    ``export.vllm_check: false``; format B's always; for drafter.kind dflash its own engine checks
+    and EAGLE-3's it has no counterpart of) that ``export.accept_not_run`` does not list. Each would
+    fail the export at the end of the run, after training."""
+    if kind == "dflash":  # export.speculators is refused for the kind (eaglet.workflow.resolve.dflash_checks)
+        off = [*([] if export.get("vllm_check", schema.default("export.vllm_check")) else DFLASH_VLLM_CHECKS),
+               *DFLASH_NOT_APPLICABLE]
+        accepted = set(export.get("accept_not_run") or ())
+        return [n for n in off if n not in accepted]
     off = [] if export.get("vllm_check", schema.default("export.vllm_check")) else list(VLLM_CHECKS)
     if export.get("speculators"):  # format B is never run in real vLLM
         off += [f"speculators.{n}" for n in VLLM_CHECKS]
@@ -30,11 +37,11 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
     Raises ValueError naming the config key when the run cannot succeed."""
     t = config["target"]
     lines: list[str] = []
-    missing = unaccepted_not_run(config.get("export", {}))
+    missing = unaccepted_not_run(config.get("export", {}), (config.get("drafter") or {}).get("kind"))
     if missing:
         raise ValueError(f"export.accept_not_run: the config turns off contract checks {missing} "
-                         "(export.vllm_check: false / export.speculators: true), and a check that did not run "
-                         "fails the export after training unless it is named here: add them to "
+                         "(export.vllm_check: false / export.speculators: true / drafter.kind: dflash), and a "
+                         "check that did not run fails the export after training unless it is named here: add them to "
                          "export.accept_not_run, or turn the check on")
     template = chat_template_text(t.get("chat_template"), workdir)
     ev = config.get("evaluate", {}).get("vllm", {})

@@ -168,6 +168,11 @@ class Resolved:
     # paths of "evaluate.sets" and "evaluate.regenerate.sets" as (path, digest) pairs. In the reading
     # rule's params, so a new content reruns it whatever the file's mtime says, and checked by its job.
     user_files: Mapping
+    # drafter.kind and, for dflash, its settings (drafter.dflash) and what the DAG runs for it
+    # (dflash_checks): the train and export rules' params hold the DFlash settings only for that kind
+    drafter_kind: str
+    drafter: Mapping
+    drafter_lines: tuple[str, ...]
 
     def lines(self) -> list[str]:
         """What `snakemake -n` logs of the resolution, in the order it was decided."""
@@ -183,6 +188,7 @@ class Resolved:
             f"training autocast: {self.train_autocast} ({self.train_autocast_why})",
             f"training TTT attention: {self.train['ttt_attention']} ({self.train_ttt_attention_why})",
             f"extraction target forward: {self.extract_target_dtype} ({self.extract_target_dtype_why})",
+            *self.drafter_lines,
         ]
 
     def record(self) -> dict:
@@ -223,6 +229,38 @@ def init_from_key(path: str | None, workdir: str | Path = ".") -> dict:
         return {"init_from": published.digest(Path(workdir) / path)}
     except ArtifactError as e:
         raise ValueError(f"train.init_from: {e}") from None
+
+
+# The stages drafter.kind dflash runs (docs/block-drafters.md §6): the data stages, extraction, train
+# (eaglet.train.dflash_train) and export (eaglet.export.dflash_export); the rest are not wired for it.
+DFLASH_NOT_RUN = ("evaluate_offline", "evaluate_speculative", "evaluate_vllm", "evaluate_modes",
+                  "evaluate_regenerated", "eval_summary", "learning_curve", "plots", "drafter_card", "provenance")
+
+
+def dflash_checks(config: dict, storage_mode: str, ids: list[int]) -> list[str]:
+    """drafter.kind dflash: refuse what its trainer and export cannot do, naming the key; the lines
+    that say what runs and what does not. [] for eagle3."""
+    if config["drafter"]["kind"] != "dflash":
+        return []
+    t = config["train"]
+    refusals = [
+        (int(t["gpus"]) * int(t["nodes"]) > 1, "train.gpus/train.nodes: the DFlash trainer runs one process "
+                                               "(no DDP yet); use one GPU or the CPU"),
+        (storage_mode == "online", "train.hidden_states: online (chosen or set): the DFlash trainer reads stored "
+                                   "states; set train.hidden_states offline (and a storage.budget_gb that fits)"),
+        (bool(t["init_from"]), "train.init_from: continuing a published drafter is EAGLE-3 only"),
+        (bool(config["export"]["speculators"]), "export.speculators: the speculators format is EAGLE-3's"),
+        (bool(config["plan"]["learning_curve"]), "plan.learning_curve: not wired for drafter.kind dflash"),
+        (min(ids) < 1, f"extract.layer_ids {ids}: DFlash taps are residual streams entering a layer (>= 1)"),
+    ]
+    bad = [why for hit, why in refusals if hit]
+    if bad:
+        raise ValueError("drafter.kind dflash: " + "; ".join(bad))
+    d = config["drafter"]["dflash"]
+    return [f"drafter: dflash (block size {d['block_size']}, {d['num_layers']} layer(s), taps {ids} = the "
+            f"run's aux layers; vLLM serves it at num_speculative_tokens {d['block_size'] - 1})",
+            f"drafter kind dflash: NOT RUN (not wired for this kind, docs/block-drafters.md §6): "
+            f"{', '.join(DFLASH_NOT_RUN)}; the run ends at export's contract"]
 
 
 def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None = None) -> Resolved:
@@ -283,6 +321,7 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
                                               "evaluate.regenerate.sets", digests, workdir),
     }
     digests.save()
+    drafter_lines = dflash_checks(config, mode, list(ids))
     paths = Paths.of(config)
     run = paths.run
     return Resolved(
@@ -322,4 +361,7 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
         tokenize_conversations=(f"{run}/generate/conversations.parquet" if config["generate"]["enabled"]
                                 else f"{run}/prompts/train.parquet"),
         user_files=freeze(user),
+        drafter_kind=config["drafter"]["kind"],
+        drafter=freeze(config["drafter"]),
+        drafter_lines=tuple(drafter_lines),
     )

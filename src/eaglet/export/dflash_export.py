@@ -1,0 +1,205 @@
+"""Stage export for ``drafter.kind: dflash``: the trained DFlash drafter (eaglet.train.dflash_train) as the
+directory vLLM serves with method dflash (eaglet.export.dflash_format), proven by its contract before
+it appears; the same outputs as the EAGLE-3 export (config.json, model.safetensors, reference.json,
+contract.json last; a failure leaves contract.failed.json and the CLI exits nonzero).
+
+    python -m eaglet.export.dflash_export --drafter results/RUN/train/drafter.safetensors \
+        --identity resources/targets/NAME/identity.json --out results/RUN/drafter \
+        [--train-summary ...] [--work-dir DIR] [--config '{"vllm_check": true, ...}'] [--log LOG]
+
+The contract's checks (eaglet.export.contract.record: pass, FAIL or not run with its reason):
+  dflash.static     the directory as vLLM reads it (eaglet.export.dflash_format.dflash_static_check)
+  dflash.parity     vLLM's own DFlashQwen3ForCausalLM, loaded from the directory, computes the trained
+                    drafter's round piece by piece (eaglet.export.contract.dflash_parity)
+  vllm.lossless     served by real vLLM with method dflash at k = block_size − 1 and T = 0, the output
+                    equals plain greedy's on the contract's prompts
+  vllm.acceptance   vLLM's acceptance counters equal eaglet's exact block chain along vLLM's own plain
+                    output (eaglet.drafter.dflash.block_chain_along, the trained weights)
+The three engine checks run with export.vllm_check (else not run). EAGLE-3's checks that do not apply
+to this kind are reported not run with the reason, so a config must name them in
+export.accept_not_run: ``vllm.known_answer`` (no DFlash twin with a constructed answer is built) and
+``loader.sglang`` (SGLang's loader is not run on a DFlash directory by eaglet). Not run is no pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+from pathlib import Path
+
+from eaglet.base import schema
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_recorded
+from eaglet.base.files import read_json, write_json
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
+from eaglet.engines import vllm_env
+from eaglet.export.contract.dflash_parity import DFLASH_NOT_APPLICABLE, DFLASH_VLLM_CHECKS
+from eaglet.export.contract.record import KNOWN_ANSWER, check, not_run, status_line, verdict
+from eaglet.export.contract.vllm_checks import check_prompts, run_vllm_batch
+from eaglet.export.dflash_format import dflash_static_check, export_dflash
+from eaglet.target.load import load_identity
+
+log = logging.getLogger("eaglet.export.dflash_export")
+TARGET_KEYS = ("serving", "target_load")
+OUTPUTS = ("config.json", "model.safetensors", "reference.json", "contract.json")
+# EAGLE-3's checks with no DFlash counterpart in eaglet, each with why (named in export.accept_not_run)
+NOT_FOR_DFLASH = {
+    KNOWN_ANSWER: "EAGLE-3's known answer: eaglet builds no DFlash twin whose drafts are right by construction",
+    DFLASH_NOT_APPLICABLE[1]: "SGLang's loader is not run on a DFlash directory by eaglet (vLLM serves it, "
+                              "dflash.parity checks vLLM's own module)",
+}
+
+
+class ContractError(RuntimeError):
+    """The DFlash export failed its contract; the report says which checks."""
+
+
+def served_checks(drafter_dir: Path, model, identity: dict, *, python, work_dir: Path, n_prompts: int,
+                  max_tokens: int, serving: dict | None) -> tuple[list[dict], dict]:
+    """vllm.lossless and vllm.acceptance: plain and dflash runs in one vLLM process; the chain along
+    vLLM's plain output with the trained weights and the target's own taps (in-process HF target)."""
+    import torch
+
+    from eaglet.drafter.dflash import block_chain_along
+    from eaglet.engines import hf_loop
+    from eaglet.target.load import load_model
+
+    k = model.cfg.block_size - 1
+    prompts = check_prompts(n_prompts)
+    res = run_vllm_batch(
+        [{"tag": "spec", "target": identity["path"], "drafter": str(drafter_dir), "k": k, "max_tokens": max_tokens},
+         {"tag": "plain", "target": identity["path"], "drafter": None, "k": k, "max_tokens": max_tokens + k - 1,
+          "needs": "spec"}],
+        prompts, work_dir=work_dir, python=python, serving=serving)
+    spec, plain = res["spec"], res["plain"]
+    if spec.get("rc") != 0 or plain.get("rc") != 0:
+        err = spec.get("engine_error") or spec.get("log_tail") or plain.get("engine_error") or plain.get("log_tail")
+        bad = check("vllm.lossless", False, {"error": f"vLLM run failed: {err}", "method": "dflash"})
+        return [bad, not_run("vllm.acceptance", "vLLM did not serve the drafter")], {}
+    same = spec["token_ids"] == [t[:max_tokens] for t in plain["token_ids"]]
+    out = [check("vllm.lossless", same, {"prompts": len(prompts), "k": k, "method": "dflash",
+                                         "tokens": sum(map(len, spec["token_ids"]))})]
+    target = load_model(identity["path"])
+    tap = hf_loop.Target(target, list(model.cfg.target_layer_ids), set())
+    embed = target.get_input_embeddings().weight.detach().float()
+    head = target.get_output_embeddings().weight.detach().float()
+    want = {"drafts": 0, "accepted_per_pos": [0] * k}
+    with torch.no_grad():
+        for p, cont in zip(spec["prompt_token_ids"], plain["token_ids"]):
+            x = list(p) + list(cont)
+            _, aux = tap.forward(x[:-1], tap.new_cache())
+            c = block_chain_along(model, aux.reshape(len(x) - 1, -1), x, len(p), max_tokens, embed, head)["counts"]
+            want = {"drafts": want["drafts"] + c["drafts"],
+                    "accepted_per_pos": [a + b for a, b in zip(want["accepted_per_pos"], c["accepted_per_pos"])]}
+    sd = spec["spec_decode"]
+    got = {"drafts": int(sd["num_drafts"]), "accepted_per_pos": [int(v) for v in sd["num_accepted_tokens_per_pos"]]}
+    ok = got == want and int(sd["num_draft_tokens"]) == want["drafts"] * k
+    tau = 1 + sum(want["accepted_per_pos"]) / max(want["drafts"], 1)
+    out.append(check("vllm.acceptance", ok, {"vllm": got, "chain": want, "k": k, "tau": tau,
+                                             "draft_tokens": int(sd["num_draft_tokens"])}))
+    return out, {"counts": want, "tau": tau, "prompts": prompts, "max_tokens": max_tokens}
+
+
+def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | Path, *,
+           work_dir: str | Path | None = None, vllm_python: str | None = None, **opts) -> dict:
+    """Write and check the DFlash directory; return the contract report. Raises ContractError
+    (after writing contract.failed.json) when a check fails or one not run is not accepted."""
+    import torch
+
+    from eaglet.drafter.dflash import load_dflash
+    from eaglet.export.contract.dflash_parity import dflash_parity_checks
+
+    o = {key: None for key in TARGET_KEYS} | schema.settings("export", opts, "export", extra=TARGET_KEYS)
+    identity = load_identity(identity_path)
+    identity["path"] = str(Path(identity["path"]).resolve())
+    model, cfg = load_dflash(drafter_path)
+    if cfg.target_digest and cfg.target_digest != identity["digest"]:
+        raise ArtifactError(f"{drafter_path}: trained for target {cfg.target_digest[:12]}, "
+                            f"identity says {identity['digest'][:12]}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUTS + ("contract.failed.json",):
+        (out / name).unlink(missing_ok=True)
+    work = Path(work_dir) if work_dir else out.parent / f"{out.name}.check"
+    stage = out / ".staging"
+    shutil.rmtree(stage, ignore_errors=True)
+    export_dflash(stage, model.state_dict(), cfg, read_json(Path(identity["path"]) / "config.json"))
+    checks = [dflash_static_check(stage, cfg.num_target_layers)]
+    chain = {}
+    if not o["vllm_check"]:
+        why = "export.vllm_check is false"
+        checks += [not_run(n, why) for n in DFLASH_VLLM_CHECKS]
+    elif checks[0]["ok"] is not True:
+        checks += [not_run(n, "dflash.static failed") for n in DFLASH_VLLM_CHECKS]
+    else:
+        try:
+            py = vllm_env.vllm_python(vllm_python)
+        except vllm_env.VllmEnvMissing as e:
+            py = None
+            checks += [check(n, False, {"error": f"vLLM environment not found or incomplete: {e}"})
+                       for n in ("dflash.parity", "vllm.lossless")] + [not_run("vllm.acceptance", "no vLLM")]
+        if py is not None:
+            from eaglet.target.load import load_model
+
+            target = load_model(identity["path"])
+            embed = target.get_input_embeddings().weight.detach().float()
+            head = target.get_output_embeddings().weight.detach().float()
+            del target
+            checks += dflash_parity_checks([(stage, model)], embed, head, python=py, work_dir=work / "parity")
+            with torch.no_grad():
+                served, chain = served_checks(stage, model, identity, python=py, work_dir=work / "vllm",
+                                              n_prompts=o["vllm_check_prompts"],
+                                              max_tokens=o["vllm_check_max_tokens"], serving=o["serving"])
+            checks += served
+    checks += [not_run(n, why) for n, why in NOT_FOR_DFLASH.items()]
+    report = {"kind": "dflash", "checks": checks, **verdict(checks, list(o["accept_not_run"])),
+              "method": vllm_env.drafter_method(stage), "num_speculative_tokens": cfg.block_size - 1,
+              "drafter_dir": str(out), "vllm_tau": chain.get("tau")}
+    if not report["ok"]:
+        write_json(out / "contract.failed.json", report)
+        shutil.rmtree(stage, ignore_errors=True)
+        raise ContractError(f"{out}: DFlash export failed its contract: failed {report['failed']}, not run and "
+                            f"not named in export.accept_not_run {report['not_run_unaccepted']} "
+                            f"(details in {out / 'contract.failed.json'})")
+    # what the directory proves alone: the served chain's counters (or why none was recorded)
+    write_json(stage / "reference.json", {"kind": "dflash", "chain": chain or None,
+                                          "chain_not_recorded": None if chain else "the served checks did not run"})
+    for name in ("config.json", "model.safetensors", "reference.json"):
+        (stage / name).replace(out / name)
+    shutil.rmtree(stage)
+    report[DIGESTS_KEY] = record_digests(out, ["config.json", "model.safetensors", "reference.json"])
+    write_json(out / "contract.json", report)  # last: its presence means a complete, checked export
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter", required=True, help="train/drafter.safetensors (a DFlash drafter)")
+    p.add_argument("--identity", required=True, help="the target's identity.json")
+    p.add_argument("--out", required=True, help="folder for config.json, model.safetensors, contract.json")
+    p.add_argument("--train-summary", default=None, help="train_summary.json (its digests are checked)")
+    p.add_argument("--speculators-out", default=None, help="refused: the speculators format is EAGLE-3's")
+    p.add_argument("--work-dir", default=None, help="vLLM check logs and cache (default OUT.check/)")
+    p.add_argument("--vllm-python", default=None, help=f"vLLM interpreter or venv (default {vllm_env.DEFAULT_ENV})")
+    p.add_argument("--config", default=None, help="the export section of the config: JSON, or @FILE")
+    p.add_argument("--log", default=None)
+    a = p.parse_args(argv)
+    setup_logging(a.log)
+    try:
+        verify_recorded(a.drafter, a.train_summary or Path(a.drafter).with_name("train_summary.json"))
+        rep = export(a.drafter, a.out, a.identity, work_dir=a.work_dir, vllm_python=a.vllm_python,
+                     **parse_json_arg(a.config, {}))
+    except (ContractError, ArtifactError, ValueError) as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
+    for ch in rep["checks"]:
+        (log.warning if ch["ok"] is None else log.info)("%s", status_line(ch))
+    log.info("DFlash export %s: contract passed (method %s, k %d), %d check(s) not run by export.accept_not_run",
+             a.out, rep["method"], rep["num_speculative_tokens"], len(rep["not_run"]))
+
+
+if __name__ == "__main__":
+    main()

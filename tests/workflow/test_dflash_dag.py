@@ -1,0 +1,91 @@
+"""drafter.kind dflash through the DAG (issue 44): the tiny random target of config/smoke.yaml, from
+prompts to a DFlash drafter trained on the run's hidden-state store (eaglet.train.dflash_train) and
+exported with its contract run in real vLLM (eaglet.export.dflash_export): the static check, parity
+with vLLM's own module, and the served check (method dflash at k = block_size − 1: lossless, vLLM's
+counters equal to eaglet's block chain). The checks that do not apply to the kind are not run and
+named in export.accept_not_run; the stages not wired for it are not in the DAG and the parse says so."""
+
+import json
+
+import yaml
+
+from conftest import REPO, clone, vllm_env_or_skip
+from workflow_common import planned_jobs, smk
+
+DFLASH = {"kind": "dflash", "dflash": {"block_size": 4, "num_layers": 1, "num_anchors": 64}}
+EXPORT = {"vllm_check": True, "vllm_check_prompts": 2, "vllm_check_max_tokens": 12,
+          "accept_not_run": ["vllm.known_answer", "loader.sglang"]}
+
+
+def test_dflash_run_trains_and_exports_a_drafter_vllm_serves(tmp_path):
+    vllm_env_or_skip()
+    wf = clone(tmp_path / "wf")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    conf = yaml.safe_load((wf / "config/smoke.yaml").read_text())
+    conf["drafter"] = DFLASH
+    conf["export"] = EXPORT
+    conf["train"] |= {"max_steps": 6, "val_every": 3, "checkpoint_every": 3}
+    conf["prompts"] |= {"n": 24}
+    (wf / "config/dflash.yaml").write_text(yaml.safe_dump(conf))
+
+    _, out = smk(wf, cache, "-n", configfile="config/dflash.yaml")
+    assert planned_jobs(out) == {"target_model", "prompts", "generate", "tokenize", "token_freq", "vocab_map",
+                                 "extract_hidden_states", "train", "export"}
+    assert "drafter kind dflash: NOT RUN" in out and "evaluate_offline" in out
+    smk(wf, cache, configfile="config/dflash.yaml")
+
+    run = wf / "results/smoke"
+    summary = json.loads((run / "train/train_summary.json").read_text())
+    assert summary["kind"] == "dflash" and summary["steps"] == 6 and summary["layer_ids"] == [2, 4, 5]
+    rep = json.loads((run / "drafter/contract.json").read_text())
+    status = {c["name"]: c["status"] for c in rep["checks"]}
+    assert status == {"dflash.static": "pass", "dflash.parity": "pass", "vllm.lossless": "pass",
+                      "vllm.acceptance": "pass", "vllm.known_answer": "not run", "loader.sglang": "not run"}, rep
+    assert rep["ok"] and rep["method"] == "dflash" and rep["num_speculative_tokens"] == 3
+    assert sorted(r["name"] for r in rep["not_run"]) == ["loader.sglang", "vllm.known_answer"]
+    acc = next(c for c in rep["checks"] if c["name"] == "vllm.acceptance")["details"]
+    assert acc["vllm"] == acc["chain"] and acc["vllm"]["drafts"] > 0
+    cfg = json.loads((run / "drafter/config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
+    assert cfg["dflash_config"] == {"mask_token_id": summary["mask_token_id"], "target_layer_ids": [1, 3, 4]}
+    assert cfg["eaglet"]["num_speculative_tokens"] == 3 and cfg["num_hidden_layers"] == 1
+    _, out = smk(wf, cache, "-n", configfile="config/dflash.yaml")
+    assert "Nothing to be done" in out
+
+
+def test_dflash_parse_refuses_what_the_kind_cannot_do_naming_the_key(tiny_target, tmp_path):
+    """What the DFlash trainer and export cannot do stops the parse naming the key; an accepted
+    config says which stages do not run for the kind; kind eagle3 adds no line."""
+    import pytest
+
+    from eaglet.export.contract.dflash_parity import DFLASH_NOT_APPLICABLE, DFLASH_VLLM_CHECKS
+    from eaglet.export.contract.record import VLLM_CHECKS
+    from eaglet.planner import plan
+    from eaglet.workflow.resolve import DFLASH_NOT_RUN, resolve
+
+    def config(**sections):
+        c = plan.load_config(REPO / "config/smoke.yaml")
+        c["target"].update({"path": str(tiny_target["path"]), "tiny": None})
+        c["drafter"] = {"kind": "dflash", "dflash": dict(c["drafter"]["dflash"])}
+        c["export"]["accept_not_run"] = [*DFLASH_VLLM_CHECKS, *DFLASH_NOT_APPLICABLE]  # vllm_check false
+        for name, values in sections.items():
+            c[name].update(values)
+        return c
+
+    R = resolve(config(), tmp_path)
+    assert R.drafter_kind == "dflash" and any(", ".join(DFLASH_NOT_RUN) in line for line in R.lines())
+    for sections, key in [({"train": {"gpus": 2}}, "train.gpus"), ({"train": {"hidden_states": "online"}},
+                                                                   "train.hidden_states"),
+                          ({"export": {"speculators": True}}, "export.speculators"),
+                          ({"plan": {"learning_curve": True}}, "plan.learning_curve")]:
+        with pytest.raises(ValueError, match=f"drafter.kind dflash: .*{key}"):
+            resolve(config(**sections), tmp_path)
+    # the kind's own checks that will not run must be named (EAGLE-3's names do not cover them)
+    with pytest.raises(ValueError, match=r"export.accept_not_run: .*\['dflash.parity', 'loader.sglang'\]"):
+        resolve(config(export={"accept_not_run": ["vllm.lossless", "vllm.acceptance", "vllm.known_answer"]}),
+                tmp_path)
+    c = config()
+    c["drafter"]["kind"] = "eagle3"
+    c["export"]["accept_not_run"] = list(VLLM_CHECKS)
+    assert resolve(c, tmp_path).drafter_lines == ()
