@@ -99,7 +99,9 @@ def test_no_pickle_is_loaded_from_a_data_path():
 
 def shell_commands(path: Path) -> list[tuple[str, str]]:
     """(rule, shell string) of every `shell:` directive of a .smk file: the adjacent string
-    literals that follow it, concatenated (f-strings are refused: placeholders must stay visible)."""
+    literals that follow it, concatenated (f-strings are refused: placeholders must stay visible).
+    A directive that picks its line at parse time, ``("..." if NAME else "...")`` (drafter.kind's
+    train and export), gives one entry per branch, each scanned like a plain line."""
     toks = list(tokenize.generate_tokens(iter(path.read_text().splitlines(keepends=True)).__next__))
     out, rule = [], None
     skip = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT)
@@ -108,13 +110,24 @@ def shell_commands(path: Path) -> list[tuple[str, str]]:
             rule = toks[i + 1].string
         if t.type == tokenize.NAME and t.string == "shell" and toks[i + 1].string == ":" and \
                 toks[i - 1].type in skip:
-            parts, j = [], i + 2
-            while toks[j].type in skip or toks[j].type == tokenize.STRING:
-                if toks[j].type == tokenize.STRING:
-                    assert not re.match(r"[rRbBuU]*[fF]", toks[j].string), f"{path}: f-string shell in {rule}"
-                    parts.append(ast.literal_eval(toks[j].string))
+            branches, parts, j, depth = [], [], i + 2, 0
+            while True:
+                tk = toks[j]
+                if tk.type == tokenize.STRING:
+                    assert not re.match(r"[rRbBuU]*[fF]", tk.string), f"{path}: f-string shell in {rule}"
+                    parts.append(ast.literal_eval(tk.string))
+                elif tk.type == tokenize.OP and tk.string in "()":
+                    depth += 1 if tk.string == "(" else -1
+                elif tk.type == tokenize.NAME and tk.string == "if" and depth:
+                    branches.append("".join(parts))
+                    parts = []
+                    while toks[j].string != "else":  # the condition: a name, not a command
+                        j += 1
+                elif tk.type not in skip:
+                    break
                 j += 1
-            out.append((rule, "".join(parts)))
+            branches.append("".join(parts))
+            out += [(rule, b) for b in branches]
     return out
 
 
@@ -150,6 +163,8 @@ UNQUOTED_OK = {
     ("extract_hidden_states", "params.shard"): ("int", "int() of the shard wildcard, constrained to \\d+"),
     ("extract_hidden_states", "params.num_shards"): ("int", "len() of the shard list"),
     ("train", "resources.gpu"): ("schema", "train.gpus"),
+    ("export", "resources.gpu"): ("int", "target.vllm.tensor_parallel_size (a schema integer) with the CUDA build "
+                                         "and export.vllm_check, else 0 (eaglet.workflow.resolve.vllm_gpus)"),
     # target.vllm.tensor_parallel_size with the CUDA vLLM backend, else 0
     ("generate", "resources.gpu"): ("schema", "target.vllm.tensor_parallel_size"),
     ("evaluate_vllm", "resources.gpu"): ("schema", "target.vllm.tensor_parallel_size"),
@@ -193,10 +208,15 @@ def test_shell_scanner_finds_unquoted_placeholders(tmp_path):
     smk = tmp_path / "x.smk"
     smk.write_text('rule a:\n    params:\n        p=config["x"],\n    shell:\n'
                    '        "tool --x {params.p} --y {input.y:q}"\n        " > {output}  # {{literal}}"\n\n\n'
-                   'rule b:\n    shell:\n        "tool {log:q} {wildcards.w}"\n')
+                   'rule b:\n    shell:\n        "tool {log:q} {wildcards.w}"\n\n\n'
+                   'rule c:\n    shell:\n        (\n            "one {params.k}"\n            " --x {log:q}"\n'
+                   '            if KIND\n            else "two {params.m}"\n        )\n')
     commands = shell_commands(smk)
-    assert [r for r, _ in commands] == ["a", "b"]
-    assert unquoted_placeholders(commands) == [("a", "params.p"), ("a", "output"), ("b", "wildcards.w")]
+    # a line picked at parse time: each branch scanned
+    assert commands[2:] == [("c", "one {params.k} --x {log:q}"), ("c", "two {params.m}")]
+    assert [r for r, _ in commands] == ["a", "b", "c", "c"]
+    assert unquoted_placeholders(commands) == [("a", "params.p"), ("a", "output"), ("b", "wildcards.w"),
+                                               ("c", "params.k"), ("c", "params.m")]
 
 
 def test_config_strings_reach_the_shell_quoted():

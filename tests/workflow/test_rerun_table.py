@@ -174,6 +174,9 @@ TABLE = {
     "train.hidden_states": ("online", {"train"}),  # extraction leaves the DAG
     "train.nodes": (2, OFF),  # no GPUs: the launcher is the same plain python
     "train.rdzv_port": (29600, OFF),
+    # how the TTT attention's backward gets its weights: the same values and gradients either way
+    # (tests/train/test_train.py), so no param of the train rule
+    "train.ttt_attention": ("saved", OFF),
     # the drafter's kind: the DFlash settings are the train and export rules' params only with kind
     # dflash, so on the EAGLE-3 smoke run they change nothing; kind dflash trains and exports another
     # drafter (the stages not wired for it leave the DAG: DFLASH_LEAVES)
