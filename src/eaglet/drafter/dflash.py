@@ -53,8 +53,8 @@ from torch import nn
 
 from eaglet.base.artifacts import ArtifactError
 from eaglet.base.tensors import load_tensors, save_tensors, tensor_metadata
-from eaglet.drafter.eagle3 import MLP, RMSNorm, rope
-from eaglet.drafter.rope import Rotary, drafter_rope
+from eaglet.drafter.eagle3 import MLP, RMSNorm, config_from_dict, rope, rope_from_target
+from eaglet.drafter.rope import Rotary
 
 META_KEY = "eaglet_dflash"
 
@@ -142,7 +142,7 @@ class DFlashConfig:
         draft layer."""
         h, nh = int(identity["hidden_size"]), int(identity["num_heads"])
         L = int(identity["num_layers"])
-        rope_ = identity.get("drafter_rope") or _rope_of(identity)
+        rope_ = identity.get("drafter_rope") or rope_from_target(identity)
         kw = dict(hidden_size=h, target_hidden_size=h, num_heads=nh,
                   num_kv_heads=int(identity.get("num_kv_heads") or nh),
                   head_dim=int(identity.get("head_dim") or h // nh),
@@ -163,21 +163,7 @@ class DFlashConfig:
 
     @classmethod
     def from_json(cls, text: str, where: str = "config") -> DFlashConfig:
-        d = json.loads(text)
-        names = {f.name for f in dataclasses.fields(cls)}
-        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
-        if set(d) - names or required - set(d):
-            raise ArtifactError(f"{where}: DFlash config has unknown keys {sorted(set(d) - names)} "
-                                f"or lacks {sorted(required - set(d))}")
-        return cls(**d)
-
-
-def _rope_of(identity: dict) -> dict | None:
-    """The drafter RoPE from the target's config.json (None when the checkpoint is not at hand)."""
-    conf = Path(str(identity.get("path", ""))) / "config.json"
-    if not identity.get("path") or not conf.is_file():
-        return None
-    return drafter_rope(json.loads(conf.read_text()))
+        return config_from_dict(cls, json.loads(text), where, "DFlash")
 
 
 # --------------------------------------------------------------------------- blocks

@@ -101,7 +101,7 @@ class DrafterConfig:
                       **overrides) -> DrafterConfig:
         """Shapes from the target (draft hidden = target hidden, so the embedding is shared)."""
         h = int(identity["hidden_size"])
-        rope = identity.get("drafter_rope") or _rope_from_target(identity)
+        rope = identity.get("drafter_rope") or rope_from_target(identity)
         kw = dict(hidden_size=h, target_hidden_size=h, num_heads=int(identity["num_heads"]),
                   num_kv_heads=int(identity.get("num_kv_heads") or identity["num_heads"]),
                   head_dim=int(identity.get("head_dim") or h // int(identity["num_heads"])),
@@ -126,16 +126,21 @@ class DrafterConfig:
     def from_json(cls, text: str, where: str = "config") -> DrafterConfig:
         d = json.loads(text)
         d.pop("target_path", None)  # files written before drafters were relocatable; never read
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown, missing = set(d) - names, {f.name for f in dataclasses.fields(cls)
-                                            if f.default is dataclasses.MISSING} - set(d)
-        if unknown or missing:
-            raise ArtifactError(f"{where}: drafter config has unknown keys {sorted(unknown)} "
-                                f"or lacks {sorted(missing)}")
-        return cls(**d)
+        return config_from_dict(cls, d, where, "drafter")
 
 
-def _rope_from_target(identity: dict) -> dict | None:
+def config_from_dict(cls, d: dict, where: str, what: str):
+    """A drafter config dataclass from its recorded dict, refused naming the file when a key is
+    unknown or a required one missing (a drafter of another eaglet version or kind)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown, missing = set(d) - names, {f.name for f in dataclasses.fields(cls)
+                                        if f.default is dataclasses.MISSING} - set(d)
+    if unknown or missing:
+        raise ArtifactError(f"{where}: {what} config has unknown keys {sorted(unknown)} or lacks {sorted(missing)}")
+    return cls(**d)
+
+
+def rope_from_target(identity: dict) -> dict | None:
     """The drafter RoPE from the target's config.json (None when the checkpoint is not at hand)."""
     conf = Path(str(identity.get("path", ""))) / "config.json"
     if not identity.get("path") or not conf.is_file():
