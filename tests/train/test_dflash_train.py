@@ -28,11 +28,16 @@ def data(tiny_target, tmp_path_factory):
     return hidden_data(tiny_target, tmp_path_factory.mktemp("dflash_data"))
 
 
-def test_trains_resumes_exactly_and_records_the_kind(tiny_target, data, tmp_path):
-    """It learns the greedy blocks of its data; resumed from its step-6 checkpoint, a run ends with
-    the same rows and weights."""
+def test_trains_resumes_exactly_and_records_the_kind(tiny_target, data, tmp_path, caplog):
+    """It learns the greedy blocks of its data and says how far it is (issue 45's progress lines);
+    resumed from its step-6 checkpoint, a run ends with the same rows and weights."""
+    import logging
+
     ref = tmp_path / "ref"
-    s = train(data["index"], tiny_target, ref, PARAMS, DRAFTER)
+    with caplog.at_level(logging.INFO, logger="eaglet.train.dflash_train"):
+        s = train(data["index"], tiny_target, ref, PARAMS, DRAFTER)
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train (dflash): ")]
+    assert done and done[-1].startswith(f"train (dflash): {s['steps']}/{s['steps']} steps (100 %)"), done
     assert s["kind"] == "dflash" and s["layer_ids"] == LAYERS and s["resumed_from"] == 0
     assert s["num_speculative_tokens"] == 3 and s["params"]["lr"] == PARAMS["lr"]
     model, cfg = load_dflash(ref / "drafter.safetensors")

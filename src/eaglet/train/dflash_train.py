@@ -48,6 +48,7 @@ from eaglet.base.artifacts import ArtifactError
 from eaglet.base.digests import DIGESTS_KEY, digest_of, file_digest, record_digests
 from eaglet.base.files import write_json, write_parquet
 from eaglet.base.logs import setup_logging
+from eaglet.base.progress import Progress
 from eaglet.base.settings_files import parse_json_arg
 from eaglet.drafter.chain import accepted_prefix
 from eaglet.drafter.dflash import (
@@ -215,6 +216,7 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
                     "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
 
     t0, tokens_seen = time.time(), 0
+    progress = Progress(log, "train (dflash)", total - start, "steps")  # a line at most every 30 s
     for step in range(start, total):
         model.train()
         opt.zero_grad(set_to_none=True)
@@ -238,6 +240,7 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
                      "block_tau": float("nan"), "blocks": sum(s["n_blocks"] for s in stats), "tokens": tok,
                      "lr": float(sched.get_last_lr()[0]), "seconds": time.time() - t0, "grad_norm": grad_norm,
                      "tf_acc_k": acc_k})
+        progress.step(note=f"loss {rows[-1]['loss']:.4f}")
         if (step + 1) % int(p["val_every"]) == 0 or step + 1 == total:
             validate(step + 1)
         if (step + 1) % int(p["checkpoint_every"]) == 0 and step + 1 < total:
