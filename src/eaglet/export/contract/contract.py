@@ -221,6 +221,22 @@ def train_tau(summary, k: int | None = None) -> float | None:
     return None
 
 
+@contextlib.contextmanager
+def _temporary_folder():
+    """A temporary folder removed on any exit. SIGTERM is held while it is made: a signal between
+    ``mkdtemp`` and the ``with`` taking it over would leave it behind (seen when SIGTERM came the moment
+    the folder appeared); the held signal is delivered once the folder is owned."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        tmp = tempfile.TemporaryDirectory(prefix="eaglet-contract-")
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        raise
+    with tmp as work:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        yield work
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m eaglet.export.contract", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -253,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     kept = contextlib.nullcontext(a.work_dir) if a.work_dir else None
     if a.work_dir:
         Path(a.work_dir).mkdir(parents=True, exist_ok=True)
-    with kept or tempfile.TemporaryDirectory(prefix="eaglet-contract-") as work:
+    with kept or _temporary_folder() as work:
         vllm = {"work_dir": work, "k": a.k, "python": a.vllm_python} if a.vllm else None
         ref = reference.read(a.drafter_dir) if not a.trained else None
         if vllm and ref and ref.get("chain"):  # vLLM runs the recorded prompts at the recorded length
