@@ -168,12 +168,12 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
           drafter: dict | None = None) -> dict:
     """Train a DFlash drafter on the stores ``hidden``; write drafter.safetensors, metrics.parquet
     and train_summary.json under ``out_dir``; return the summary."""
+    import contextlib
+
     import pandas as pd
 
     from eaglet.target.head import TargetHead
     from eaglet.target.load import load_target_embedding, load_tokenizer
-
-    import contextlib
 
     p, d = resolve_settings(params, drafter)
     out = Path(out_dir)
