@@ -59,7 +59,6 @@ from eaglet.base.files import write_json, write_parquet
 from eaglet.base.logs import setup_logging
 from eaglet.base.progress import Progress
 from eaglet.base.settings_files import parse_json_arg
-from eaglet.drafter.chain import accepted_prefix
 from eaglet.drafter.dflash import (
     DFlashConfig,
     DFlashDrafter,
@@ -122,9 +121,11 @@ def collate(samples: list[dict], device) -> dict:
 
 
 @torch.no_grad()
-def block_acceptance(model: DFlashDrafter, batch: dict, embed_VH, head_VH, chunk: int = 64) -> tuple[int, int]:
+def block_acceptance(model: DFlashDrafter, batch: dict, embed_VH, head_VH, chunk: int = 256) -> tuple[int, int]:
     """(accepted drafts, blocks) over every anchor of the batch with a whole block of supervised
-    labels after it: a draft is accepted iff it and every earlier one of its block equal the labels."""
+    labels after it: a draft is accepted iff it and every earlier one of its block equal the labels.
+    Each sequence's context K/V are computed once, then its blocks run ``chunk`` at a time (what
+    :meth:`DFlashDrafter.block_hidden` computes, without redoing the context per chunk)."""
     model.eval()
     K = model.cfg.block_size
     acc = blocks = 0
@@ -132,12 +133,26 @@ def block_acceptance(model: DFlashDrafter, batch: dict, embed_VH, head_VH, chunk
         m = batch["loss_mask"][b]
         S = int(m.shape[0])
         ok = [a for a in range(S - K + 1) if bool(m[a + 1:a + K].all())]
+        if not ok:
+            continue
+        ids = batch["input_ids"][b:b + 1]
+        ctx_kv = model.context_kv(model.context(batch["taps"][b:b + 1]), torch.arange(S, device=m.device)[None])
         for i in range(0, len(ok), chunk):
             anchors = torch.tensor([ok[i:i + chunk]], device=m.device)
-            h = model.block_hidden(batch["taps"][b:b + 1], batch["input_ids"][b:b + 1], anchors, embed_VH)
-            drafts = (h[0, :, 1:] @ head_VH.T).argmax(-1).tolist()
-            for a, d in zip(ok[i:i + chunk], drafts):
-                acc += accepted_prefix(d, batch["labels"][b, a + 1:a + K].tolist())
+            q_ids, q_pos, mask = model.block_inputs(ids, anchors)
+            x = torch.nn.functional.embedding(q_ids, embed_VH).to(model.fc.weight.dtype)
+            h = model.run_block(x, q_pos, ctx_kv, mask).view(1, anchors.shape[1], K, -1)
+            # the head only where the block is still accepted: draft k + 1 counts only after k hits
+            # (the full-vocabulary head is most of the cost; the count is eaglet.drafter.chain.accepted_prefix's)
+            labels = batch["labels"][b][anchors[0, :, None] + torch.arange(1, K, device=m.device)]  # A, K-1
+            alive = torch.ones(anchors.shape[1], dtype=torch.bool, device=m.device)
+            for k in range(K - 1):
+                rows = alive.nonzero().flatten()
+                if not len(rows):
+                    break
+                hit = (h[0, rows, k + 1] @ head_VH.T).argmax(-1) == labels[rows, k]
+                acc += int(hit.sum())
+                alive[rows[~hit]] = False
             blocks += len(anchors[0])
     return acc, blocks
 
