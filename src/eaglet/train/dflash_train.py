@@ -67,6 +67,7 @@ from eaglet.drafter.dflash import (
     save_dflash,
 )
 from eaglet.hidden.reader import HiddenStateDataset
+from eaglet.planner.plan import bf16_autocast
 from eaglet.train.data import plan_batches, plan_micro_batches
 from eaglet.train.setup import lr_lambda_for
 from eaglet.train.state import dist_setup, load_latest_checkpoint, save_checkpoint
@@ -194,6 +195,9 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rank, ws, device = dist_setup(int(p["gpus"]))
+    # train.autocast as EAGLE-3's trainer reads it (decided at parse time by the CPU's bf16 units):
+    # the training forward under bf16 autocast, fp32 weights and CE; validation in fp32
+    bf16 = bf16_autocast(p["autocast"], device.type == "cuda")
     ds = HiddenStateDataset(hidden, verify="sha")
     if ds.meta["target_digest"] != identity["digest"]:
         raise ArtifactError(f"{hidden[0]}: extracted from target {ds.meta['target_digest'][:12]}, "
@@ -284,8 +288,9 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
             anchors = sample_anchors(batch["loss_mask"], cfg.block_size, int(d["num_anchors"]), gen)
             sync = blocks.no_sync() if ws > 1 and a < A - 1 else contextlib.nullcontext()
             with sync:
-                h = blocks(batch["taps"], batch["input_ids"], anchors, embed)
-                loss, st = dflash_loss_from_hidden(h, head, batch["labels"], batch["loss_mask"], anchors, gamma)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    h = blocks(batch["taps"], batch["input_ids"], anchors, embed)
+                    loss, st = dflash_loss_from_hidden(h, head, batch["labels"], batch["loss_mask"], anchors, gamma)
                 (loss / A).backward()
             stats.append(st)
             tok += batch["tokens"]
@@ -332,7 +337,7 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
     val_rows = [r for r in rows if r["split"] == "val"]
     summary = {"kind": "dflash", "steps": total, "resumed_from": start, "world_size": ws, "device": device.type,
                "micro_batches_per_step": M,
-               "bf16_autocast": False, "train_samples": len(train_idx), "val_samples": len(val_idx),
+               "bf16_autocast": bf16, "train_samples": len(train_idx), "val_samples": len(val_idx),
                "train_tokens": int(sum(ds.num_tokens[i] for i in train_idx)),
                "tokens_this_run": tokens_seen, "seconds_this_run": time.time() - t0,
                "labels": "the target's stored greedy top-1 (target_top1) of the position before",
