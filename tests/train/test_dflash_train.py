@@ -79,9 +79,49 @@ def test_mask_token_rule_and_refusals(tiny_target):
     assert mask_token_rule(tok, {mid}, tiny_target["vocab_size"])[0] != mid
     with pytest.raises(ValueError, match="drafter.dflash.mask_token_id"):
         mask_token_rule(tok, set(range(tiny_target["vocab_size"])), tiny_target["vocab_size"])
-    for params, key in [({"gpus": 2}, "train.gpus"), ({"hidden_states": "online"}, "train.hidden_states"),
-                        ({"init_from": "x"}, "train.init_from")]:
+    for params, key in [({"hidden_states": "online"}, "train.hidden_states"), ({"init_from": "x"}, "train.init_from")]:
         with pytest.raises(ValueError, match=key):
             resolve_settings(params, {})
     with pytest.raises(ValueError, match="unknown keys"):
         resolve_settings({}, {"block": 4})
+
+
+def test_ddp_gloo_trains_as_one_process_with_the_larger_accumulation(tiny_target, data, tmp_path):
+    """Two gloo ranks (torchrun, as the workflow launches train.gpus > 1) with grad_accum 1 train as one
+    process with grad_accum 2: the same anchors (each rank draws the other's from its loss masks), the
+    same rows, weights equal up to the all-reduce's summation order; rank 0 alone writes."""
+    import subprocess
+    import sys
+
+    params = {**PARAMS, "max_steps": 4, "val_every": 4, "checkpoint_every": 100}
+    ident = tmp_path / "identity.json"
+    ident.write_text(json.dumps(tiny_target))
+
+    def cmd(out, params, nproc=1):
+        args = ["-m", "eaglet.train.dflash_train", "--hidden", *data["index"], "--target-identity", str(ident),
+                "--out-dir", str(out), "--params", json.dumps(params), "--drafter", json.dumps(DRAFTER)]
+        if nproc > 1:
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                    *args]
+        return [sys.executable, *args]
+
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd(single, {**params, "grad_accum": 2}), capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run(cmd(ddp, params, nproc=2), capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s, o = (json.loads((x / "train_summary.json").read_text()) for x in (ddp, single))
+    assert (s["world_size"], s["micro_batches_per_step"]) == (2, 2) and (o["world_size"], o["steps"]) == (1, 4)
+    assert s["steps"] == 4 and s["mask_token_id"] == o["mask_token_id"]
+    a, b = pd.read_parquet(single / "metrics.parquet"), pd.read_parquet(ddp / "metrics.parquet")
+    assert list(a.split) == list(b.split) == ["train"] * 4 + ["val"]
+    ta_, tb_ = a[a.split == "train"], b[b.split == "train"]
+    assert (ta_.tokens.values == tb_.tokens.values).all() and (ta_.blocks.values == tb_.blocks.values).all()
+    assert (ta_.loss - tb_.loss).abs().max() < 1e-4
+    assert ta_.loss.iloc[-1] < ta_.loss.iloc[0]  # steps 2.. read updated weights: equal losses, equal updates
+    va, vb = a[a.split == "val"].iloc[0], b[b.split == "val"].iloc[0]
+    assert va.blocks == vb.blocks > 0 and va.block_tau == pytest.approx(vb.block_tau, abs=1e-9)
+    ta, tb = load_tensors(single / "drafter.safetensors"), load_tensors(ddp / "drafter.safetensors")
+    assert ta.keys() == tb.keys()
+    assert max(float((ta[k] - tb[k]).abs().max()) for k in ta if ta[k].is_floating_point()) < 5e-5

@@ -75,8 +75,9 @@ def test_dflash_parse_refuses_what_the_kind_cannot_do_naming_the_key(tiny_target
 
     R = resolve(config(), tmp_path)
     assert R.drafter_kind == "dflash" and any(", ".join(DFLASH_NOT_RUN) in line for line in R.lines())
-    for sections, key in [({"train": {"gpus": 2}}, "train.gpus"), ({"train": {"hidden_states": "online"}},
-                                                                   "train.hidden_states"),
+    # several ranks: the DFlash trainer's DDP, launched as EAGLE-3's (tests/train/test_dflash_train.py)
+    assert resolve(config(train={"gpus": 2}), tmp_path).train["gpus"] == 2
+    for sections, key in [({"train": {"hidden_states": "online"}}, "train.hidden_states"),
                           ({"export": {"speculators": True}}, "export.speculators"),
                           ({"plan": {"learning_curve": True}}, "plan.learning_curve")]:
         with pytest.raises(ValueError, match=f"drafter.kind dflash: .*{key}"):

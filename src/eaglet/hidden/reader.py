@@ -179,6 +179,12 @@ class HiddenStateDataset:
         h, offsets, _ = self._handle(f)
         return h.get_slice("input_ids")[int(offsets[row]):int(offsets[row + 1])].long()
 
+    def loss_mask(self, i: int) -> torch.Tensor:
+        """Only the loss mask of sample i (cheap: no hidden states read)."""
+        f, row = self._where[i]
+        h, offsets, _ = self._handle(f)
+        return h.get_slice("loss_mask")[int(offsets[row]):int(offsets[row + 1])]
+
     def __getitem__(self, i: int) -> dict:
         return self.sample(i)
 

@@ -28,8 +28,17 @@ acceptance of one block along the target's greedy choices). drafter.safetensors 
 the best pass (the last on a tie; the last weights without a validation set).
 
 Checkpoints (train/checkpoints/step_*.pt, train.checkpoint_every) hold the weights, the optimizer,
-the schedule, the anchor generator and the rows: a resumed run equals an uninterrupted one. One
-process only: train.gpus > 1 (DDP) is refused, as are online states and train.init_from.
+the schedule, the anchor generator and the rows: a resumed run equals an uninterrupted one (same
+world size). Online states and train.init_from are refused.
+
+DDP (``torchrun --nproc_per_node N -m eaglet.train.dflash_train ...``, as the workflow launches it for
+train.gpus > 1 or train.nodes > 1 through eaglet.planner.gpu_slots; nccl on GPUs, gloo on the CPU): a
+step reads ``N x train.grad_accum`` micro-batches, rank r the r-th run of ``grad_accum`` of them, the
+gradients averaged by DDP, so N ranks train as one process with ``grad_accum`` N times larger. Every
+rank draws the anchors of every micro-batch of the step, in order, from the one seeded generator (the
+other ranks' from their loss masks alone, no hidden states read), so the draws, and with them the
+run, are the one process's; one process draws exactly as before DDP. Validation, checkpoints and the
+outputs are rank 0's.
 """
 
 from __future__ import annotations
@@ -50,7 +59,6 @@ from eaglet.base.files import write_json, write_parquet
 from eaglet.base.logs import setup_logging
 from eaglet.base.progress import Progress
 from eaglet.base.settings_files import parse_json_arg
-from eaglet.drafter.chain import accepted_prefix
 from eaglet.drafter.dflash import (
     DFlashConfig,
     DFlashDrafter,
@@ -59,9 +67,10 @@ from eaglet.drafter.dflash import (
     save_dflash,
 )
 from eaglet.hidden.reader import HiddenStateDataset
+from eaglet.planner.plan import bf16_autocast
 from eaglet.train.data import plan_batches, plan_micro_batches
 from eaglet.train.setup import lr_lambda_for
-from eaglet.train.state import load_latest_checkpoint, save_checkpoint
+from eaglet.train.state import dist_setup, load_latest_checkpoint, save_checkpoint
 
 log = logging.getLogger("eaglet.train.dflash_train")
 LAUNCH_KEYS = ("nodes", "rdzv_port")
@@ -72,9 +81,6 @@ def resolve_settings(params: dict | None, drafter: dict | None) -> tuple[dict, d
     """(train.*, drafter.dflash.*) over the schema's defaults; what this trainer cannot do refused."""
     p = schema.settings("train", params, "train", leave_out=LAUNCH_KEYS)
     d = schema.settings("drafter.dflash", drafter, "drafter.dflash")
-    if int(p["gpus"]) > 1:
-        raise ValueError(f"train.gpus: {p['gpus']}: the DFlash trainer runs one process (no DDP yet); "
-                         "set train.gpus to 0 or 1")
     if p["hidden_states"] != "offline":
         raise ValueError("train.hidden_states: online: the DFlash trainer reads stored states; use offline")
     if p["init_from"]:
@@ -116,9 +122,11 @@ def collate(samples: list[dict], device) -> dict:
 
 
 @torch.no_grad()
-def block_acceptance(model: DFlashDrafter, batch: dict, embed_VH, head_VH, chunk: int = 64) -> tuple[int, int]:
+def block_acceptance(model: DFlashDrafter, batch: dict, embed_VH, head_VH, chunk: int = 256) -> tuple[int, int]:
     """(accepted drafts, blocks) over every anchor of the batch with a whole block of supervised
-    labels after it: a draft is accepted iff it and every earlier one of its block equal the labels."""
+    labels after it: a draft is accepted iff it and every earlier one of its block equal the labels.
+    Each sequence's context K/V are computed once, then its blocks run ``chunk`` at a time (what
+    :meth:`DFlashDrafter.block_hidden` computes, without redoing the context per chunk)."""
     model.eval()
     K = model.cfg.block_size
     acc = blocks = 0
@@ -126,14 +134,49 @@ def block_acceptance(model: DFlashDrafter, batch: dict, embed_VH, head_VH, chunk
         m = batch["loss_mask"][b]
         S = int(m.shape[0])
         ok = [a for a in range(S - K + 1) if bool(m[a + 1:a + K].all())]
+        if not ok:
+            continue
+        ids = batch["input_ids"][b:b + 1]
+        ctx_kv = model.context_kv(model.context(batch["taps"][b:b + 1]), torch.arange(S, device=m.device)[None])
         for i in range(0, len(ok), chunk):
             anchors = torch.tensor([ok[i:i + chunk]], device=m.device)
-            h = model.block_hidden(batch["taps"][b:b + 1], batch["input_ids"][b:b + 1], anchors, embed_VH)
-            drafts = (h[0, :, 1:] @ head_VH.T).argmax(-1).tolist()
-            for a, d in zip(ok[i:i + chunk], drafts):
-                acc += accepted_prefix(d, batch["labels"][b, a + 1:a + K].tolist())
+            q_ids, q_pos, mask = model.block_inputs(ids, anchors)
+            x = torch.nn.functional.embedding(q_ids, embed_VH).to(model.fc.weight.dtype)
+            h = model.run_block(x, q_pos, ctx_kv, mask).view(1, anchors.shape[1], K, -1)
+            # the head only where the block is still accepted: draft k + 1 counts only after k hits
+            # (the full-vocabulary head is most of the cost; the count is eaglet.drafter.chain.accepted_prefix's)
+            labels = batch["labels"][b][anchors[0, :, None] + torch.arange(1, K, device=m.device)]  # A, K-1
+            alive = torch.ones(anchors.shape[1], dtype=torch.bool, device=m.device)
+            for k in range(K - 1):
+                rows = alive.nonzero().flatten()
+                if not len(rows):
+                    break
+                hit = (h[0, rows, k + 1] @ head_VH.T).argmax(-1) == labels[rows, k]
+                acc += int(hit.sum())
+                alive[rows[~hit]] = False
             blocks += len(anchors[0])
     return acc, blocks
+
+
+def loss_masks(ds: HiddenStateDataset, idx: list[int]) -> torch.Tensor:
+    """The padded [B,T] loss mask :func:`collate` makes of samples ``idx``, from the masks alone:
+    what another rank's micro-batch needs for its anchor draws."""
+    lengths = [int(ds.num_tokens[i]) for i in idx]
+    out = torch.zeros(len(idx), max(lengths), dtype=torch.bool)
+    for b, (i, n) in enumerate(zip(idx, lengths, strict=True)):
+        out[b, :n] = ds.loss_mask(i).bool()
+    return out
+
+
+class _Blocks(torch.nn.Module):
+    """The drafter's block forward as ``forward``, so DDP (which syncs what its forward ran) wraps it."""
+
+    def __init__(self, model: DFlashDrafter):
+        super().__init__()
+        self.model = model
+
+    def forward(self, taps, ids, anchors, embed):
+        return self.model.block_hidden(taps, ids, anchors, embed)
 
 
 # --------------------------------------------------------------------------- the run
@@ -141,6 +184,8 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
           drafter: dict | None = None) -> dict:
     """Train a DFlash drafter on the stores ``hidden``; write drafter.safetensors, metrics.parquet
     and train_summary.json under ``out_dir``; return the summary."""
+    import contextlib
+
     import pandas as pd
 
     from eaglet.target.head import TargetHead
@@ -149,7 +194,10 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
     p, d = resolve_settings(params, drafter)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cuda" if int(p["gpus"]) == 1 else "cpu")
+    rank, ws, device = dist_setup(int(p["gpus"]))
+    # train.autocast as EAGLE-3's trainer reads it (decided at parse time by the CPU's bf16 units):
+    # the training forward under bf16 autocast, fp32 weights and CE; validation in fp32
+    bf16 = bf16_autocast(p["autocast"], device.type == "cuda")
     ds = HiddenStateDataset(hidden, verify="sha")
     if ds.meta["target_digest"] != identity["digest"]:
         raise ArtifactError(f"{hidden[0]}: extracted from target {ds.meta['target_digest'][:12]}, "
@@ -163,6 +211,11 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
     cfg = DFlashConfig.from_identity(identity, num_layers=d["num_layers"], block_size=d["block_size"],
                                      mask_token_id=mask_id, target_layer_ids=layer_ids)
     model = DFlashDrafter(cfg).to(device)
+    blocks = _Blocks(model)
+    if ws > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        blocks = DDP(blocks, device_ids=[device.index] if device.type == "cuda" else None)
     embed = load_target_embedding(identity["path"]).float().to(device)
     head = TargetHead(identity["path"], rows=torch.arange(cfg.vocab_size),
                       trust_remote_code=bool(identity.get("trust_remote_code"))).row_linear.weight.detach()
@@ -170,9 +223,10 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
     lengths = list(ds.num_tokens)
     micro, train_idx, val_idx = plan_micro_batches(ds.ids, lengths, p)
     A = int(p["grad_accum"])
-    total = len(micro) // A if p["max_steps"] is None else min(len(micro) // A, int(p["max_steps"]))
+    M = A * ws  # micro-batches a step reads, over every rank
+    total = len(micro) // M if p["max_steps"] is None else min(len(micro) // M, int(p["max_steps"]))
     if total < 1:
-        raise ValueError(f"train: {len(micro)} micro-batches are fewer than one step of {A}; lower "
+        raise ValueError(f"train: {len(micro)} micro-batches are fewer than one step of {M}; lower "
                          "train.token_budget or add data")
     val_batches = plan_batches(val_idx, lengths, p["token_budget"], p["seed"], 0, shuffle=False)
     if p["val_max_batches"] is not None:
@@ -186,7 +240,7 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
                                                                               if Path(h).is_dir() else h)
                                                                   for h in hidden],
         "params": {k: v for k, v in p.items() if k not in ("checkpoint_every", "keep_checkpoints")},
-        "drafter": d, "mask_token_id": mask_id, "device": device.type}, default=str))
+        "drafter": d, "mask_token_id": mask_id, "device": device.type, "world": ws}, default=str))
     ckpt_dir = out / "checkpoints"
     start, rows, best = 0, [], None
     state = load_latest_checkpoint(ckpt_dir, identity_ck) if ckpt_dir.exists() else None
@@ -196,12 +250,13 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
         sched.load_state_dict(state["scheduler"])
         gen.set_state(state["generator"])
         start, rows, best = int(state["step"]), list(state["metrics"]), state.get("best")
-        log.info("resuming from %s/step_%08d.pt", ckpt_dir, start)
+        if rank == 0:
+            log.info("resuming from %s/step_%08d.pt", ckpt_dir, start)
     gamma = d["loss_decay_gamma"]
 
     def validate(step: int) -> None:
         nonlocal best
-        if not val_batches:
+        if not val_batches or rank != 0:
             return
         acc = blocks = 0
         for idx in val_batches:
@@ -216,19 +271,35 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
                     "model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
 
     t0, tokens_seen = time.time(), 0
-    progress = Progress(log, "train (dflash)", total - start, "steps")  # a line at most every 30 s
+    quiet = logging.getLogger(f"{log.name}.rank")  # the other ranks' progress: not logged
+    quiet.setLevel(logging.WARNING)
+    progress = Progress(log if rank == 0 else quiet, "train (dflash)", total - start, "steps")  # every 30 s at most
     for step in range(start, total):
         model.train()
         opt.zero_grad(set_to_none=True)
         stats, tok = [], 0
-        for idx in micro[step * A:(step + 1) * A]:
+        for j in range(step * M, (step + 1) * M):
+            idx = micro[j]
+            a = j - step * M - rank * A  # this rank's a-th micro-batch of the step, if 0 <= a < A
+            if not 0 <= a < A:  # another rank's: only its draws, so the generator stays the one process's
+                sample_anchors(loss_masks(ds, idx), cfg.block_size, int(d["num_anchors"]), gen)
+                continue
             batch = collate([ds.sample(i) for i in idx], device)
             anchors = sample_anchors(batch["loss_mask"], cfg.block_size, int(d["num_anchors"]), gen)
-            h = model.block_hidden(batch["taps"], batch["input_ids"], anchors, embed)
-            loss, st = dflash_loss_from_hidden(h, head, batch["labels"], batch["loss_mask"], anchors, gamma)
-            (loss / A).backward()
+            sync = blocks.no_sync() if ws > 1 and a < A - 1 else contextlib.nullcontext()
+            with sync:
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                    h = blocks(batch["taps"], batch["input_ids"], anchors, embed)
+                    loss, st = dflash_loss_from_hidden(h, head, batch["labels"], batch["loss_mask"], anchors, gamma)
+                (loss / A).backward()
             stats.append(st)
             tok += batch["tokens"]
+        if ws > 1:  # every rank's stats, in micro-batch order, for rank 0's row
+            import torch.distributed as dist
+
+            parts = [None] * ws
+            dist.all_gather_object(parts, (stats, tok))
+            stats, tok = [st for part, _ in parts for st in part], sum(t for _, t in parts)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), p["grad_clip"])) if p["grad_clip"] \
             else float("nan")
         opt.step()
@@ -243,11 +314,18 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
         progress.step(note=f"loss {rows[-1]['loss']:.4f}")
         if (step + 1) % int(p["val_every"]) == 0 or step + 1 == total:
             validate(step + 1)
-        if (step + 1) % int(p["checkpoint_every"]) == 0 and step + 1 < total:
+        if (step + 1) % int(p["checkpoint_every"]) == 0 and step + 1 < total and rank == 0:
             save_checkpoint(ckpt_dir, step + 1, {
                 "identity": identity_ck, "step": step + 1, "model": model.state_dict(),
                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "generator": gen.get_state(),
                 "metrics": rows, "best": best}, int(p["keep_checkpoints"]))
+    if ws > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        if rank != 0:
+            dist.destroy_process_group()
+            return {}
     if best is not None:
         model.load_state_dict(best["model"])
         selected = {"step": best["step"], "val_block_tau": best["block_tau"],
@@ -257,8 +335,9 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
     save_dflash(out / "drafter.safetensors", model, cfg)
     write_parquet(out / "metrics.parquet", pd.DataFrame(rows))
     val_rows = [r for r in rows if r["split"] == "val"]
-    summary = {"kind": "dflash", "steps": total, "resumed_from": start, "world_size": 1, "device": device.type,
-               "bf16_autocast": False, "train_samples": len(train_idx), "val_samples": len(val_idx),
+    summary = {"kind": "dflash", "steps": total, "resumed_from": start, "world_size": ws, "device": device.type,
+               "micro_batches_per_step": M,
+               "bf16_autocast": bf16, "train_samples": len(train_idx), "val_samples": len(val_idx),
                "train_tokens": int(sum(ds.num_tokens[i] for i in train_idx)),
                "tokens_this_run": tokens_seen, "seconds_this_run": time.time() - t0,
                "labels": "the target's stored greedy top-1 (target_top1) of the position before",
@@ -273,6 +352,8 @@ def train(hidden: list[str], identity: dict, out_dir: str | Path, params: dict |
     write_json(out / "train_summary.json", summary)
     log.info("trained a DFlash drafter %d steps: loss %.4f; validation block tau %s; kept step %d", total,
              summary["final_train"]["loss"], selected["val_block_tau"], selected["step"])
+    if ws > 1:
+        dist.destroy_process_group()
     return summary
 
 
@@ -289,14 +370,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--note", default=None, help="the workflow's storage statement (logged)")
     ap.add_argument("--log", default=None)
     a = ap.parse_args(argv)
-    setup_logging(a.log)
+    import os
+
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(a.log if rank == 0 else None)
     from eaglet.planner.storage import job_lines
     from eaglet.target.load import load_identity
 
     if a.online:
         raise SystemExit("train.hidden_states: online: the DFlash trainer reads stored states; use offline")
     identity = load_identity(a.target_identity)
-    for line in job_lines(parse_json_arg(a.note, None), identity["path"]):
+    for line in job_lines(parse_json_arg(a.note, None), identity["path"]) if rank == 0 else []:
         log.info("%s", line)
     train(a.hidden, identity, a.out_dir, parse_json_arg(a.params, {}), parse_json_arg(a.drafter, {}))
 

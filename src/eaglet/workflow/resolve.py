@@ -244,8 +244,6 @@ def dflash_checks(config: dict, storage_mode: str, ids: list[int]) -> list[str]:
         return []
     t = config["train"]
     refusals = [
-        (int(t["gpus"]) * int(t["nodes"]) > 1, "train.gpus/train.nodes: the DFlash trainer runs one process "
-                                               "(no DDP yet); use one GPU or the CPU"),
         (storage_mode == "online", "train.hidden_states: online (chosen or set): the DFlash trainer reads stored "
                                    "states; set train.hidden_states offline (and a storage.budget_gb that fits)"),
         (bool(t["init_from"]), "train.init_from: continuing a published drafter is EAGLE-3 only"),
