@@ -251,3 +251,81 @@ def test_kimi_training_peak_with_the_saved_attention_on_fake_tensors(kimi):
           f"{measured / GIB:.1f} GiB ({planned / measured - 1:+.1%})")
     assert measured > 50 * GIB and abs(planned / measured - 1) <= 0.15, (planned, measured)
     assert plan.choose_ttt_attention(cfg, s)[0] == "saved"
+
+
+def dflash_measured_peak(s: dict, layers: int, B: int, T: int, A: int, K: int, bf16: bool) -> int:
+    """Peak bytes of two real DFlash training steps (block forward, the loss over the whole vocabulary,
+    backward, clip, AdamW) with the target's embedding and head in fp32, as eaglet.train.dflash_train holds them."""
+    from eaglet.drafter.dflash import DFlashConfig, DFlashDrafter, dflash_loss_from_hidden, sample_anchors
+
+    tr = PeakTracker()
+    H, V = s["hidden_size"], s["vocab_size"]
+    with tr:
+        cfg = DFlashConfig(hidden_size=H, target_hidden_size=H, num_heads=s["num_heads"],
+                           num_kv_heads=s["num_kv_heads"], head_dim=s["head_dim"],
+                           intermediate_size=s["intermediate_size"], num_layers=layers, vocab_size=V,
+                           target_layer_ids=[1, 2, 3], num_target_layers=s["num_layers"], mask_token_id=2,
+                           block_size=K)
+        model = DFlashDrafter(cfg)
+        embed, head = torch.randn(V, H), torch.randn(V, H)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            taps, ids = torch.randn(B, T, 3 * H), torch.randint(0, V, (B, T))
+            labels, mask = torch.randint(0, V, (B, T)), torch.ones(B, T, dtype=torch.bool)
+            anchors = sample_anchors(mask, K, A, gen)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                h = model.block_hidden(taps, ids, anchors, embed)
+                loss, _ = dflash_loss_from_hidden(h, head, labels, mask, anchors)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            del taps, ids, labels, mask, anchors, h, loss
+    return tr.peak
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("kw,layers,B,T,A,K", [(dict(H=96, d=24, I=256, V=600), 2, 1, 400, 128, 8),
+                                               (dict(heads=8, kv=2, d=8, I=128, V=8000), 1, 4, 64, 16, 16)],
+                         ids=["activation-dominated", "vocabulary-dominated"])
+def test_dflash_training_peak_is_within_15_percent_of_a_measured_step(kw, layers, B, T, A, K, bf16):
+    """drafter.kind dflash: the plan's training figure is the DFlash trainer's (its loss over the whole
+    vocabulary at every counted block position), not EAGLE-3's."""
+    s = shapes(**kw)
+    measured = dflash_measured_peak(s, layers, B, T, A, K, bf16)
+    config = {"tokenize": {"max_length": T}, "vocab": {"draft_vocab_size": 100},
+              "train": {"gpus": 1 if bf16 else 0, "token_budget": B * T, "autocast": "bfloat16" if bf16 else "float32"},
+              "drafter": {"kind": "dflash", "dflash": {"block_size": K, "num_layers": layers, "num_anchors": A}}}
+    p = plan.dflash_training_rank(config, s)
+    planned = p["peak"] - p["parts"]["context"]
+    print(f"\n[plan dflash] {kw} B={B} T={T} A={A} K={K} {p['shape']['dtype']}: planned {planned:,} B, measured "
+          f"{measured:,} B ({planned / measured - 1:+.1%})")
+    assert abs(planned / measured - 1) <= 0.15, (planned, measured)
+    assert p["shape"]["counted"] == B * A * (K - 1)
+
+
+def test_the_dflash_configs_plan_is_the_dflash_trainers(tmp_path):
+    """config/dflash.yaml's plan (the line `snakemake -n` logs and the CLI's table) sizes the DFlash trainer:
+    on SmolLM2's shapes its logits over 49,152 tokens at 2 x 512 x 3 counted positions dominate, well above
+    the EAGLE-3 figure of the same config."""
+    import json
+
+    from eaglet.planner.text import summary_line, table
+
+    REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+    conf = tmp_path / "config.json"
+    conf.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+                                "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                "num_hidden_layers": 30, "vocab_size": 49152, "head_dim": 64}))
+    dflash = plan.load_config(REPO / "config/dflash.yaml")
+    eagle3 = plan.load_config(REPO / "config/config.yaml")
+    p, q = plan.make_plan(dflash, conf), plan.make_plan(eagle3, conf)
+    assert p["train"]["shape"]["anchors"] == 512 and p["train"]["shape"]["block_size"] == 4
+    assert p["train"]["parts"]["backward_transient"] == max(p["train"]["parts"].values())
+    assert p["train"]["peak"] > 2 * q["train"]["peak"]
+    assert "DFlash 512 anchors x block 4" in summary_line(p) and "TTT attention" not in summary_line(p)
+    assert "DFlash 512 anchors x block 4" in table(p)
+    p["gpu_memory_gb"] = 1
+    dflash["train"]["gpus"] = 1
+    assert any("drafter.dflash.num_anchors" in why for why in plan.refusals(p, dflash))

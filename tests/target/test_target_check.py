@@ -144,6 +144,13 @@ def test_eagle3_architectures_are_read_from_the_installed_vllm():
     assert check.serving("Qwen3ForCausalLM", VLLM_ENV)[0] == "supported"
     status, line = check.serving("LlamaForCausalLM", "/nonexistent/venv")
     assert status == "not-run" and "not run" in line
+    # a DFlash drafter reaches the target through the same interface: the same verdicts, its own name
+    status, line = check.serving("Gemma3ForCausalLM", VLLM_ENV, kind="dflash")
+    assert status == "unsupported" and "a DFlash drafter" in line and "EAGLE-3 drafter" not in line
+    status, line = check.serving("LlamaForCausalLM", VLLM_ENV, kind="dflash")
+    assert status == "supported" and line.split(":")[0].endswith("can serve a DFlash drafter (method dflash, "
+                                                                 "through the EAGLE-3 target interface) for "
+                                                                 "LlamaForCausalLM")
 
 
 

@@ -75,6 +75,12 @@ def test_dflash_parse_refuses_what_the_kind_cannot_do_naming_the_key(tiny_target
 
     R = resolve(config(), tmp_path)
     assert R.drafter_kind == "dflash" and any(", ".join(DFLASH_NOT_RUN) in line for line in R.lines())
+    # the lines speak of the kind: vLLM's verdict for a DFlash drafter, the DFlash trainer's memory
+    lines = R.lines()
+    assert any("vLLM serving of a DFlash drafter" in line for line in lines), lines  # (no vLLM in tmp_path)
+    assert not any("EAGLE-3 drafter" in line for line in lines), lines
+    assert any(line.startswith("memory plan:") and "DFlash" in line for line in lines), lines
+    assert "training TTT attention: not used (drafter.kind dflash trains blocks, no TTT unroll)" in lines
     # several ranks: the DFlash trainer's DDP, launched as EAGLE-3's (tests/train/test_dflash_train.py)
     assert resolve(config(train={"gpus": 2}), tmp_path).train["gpus"] == 2
     for sections, key in [({"train": {"hidden_states": "online"}}, "train.hidden_states"),

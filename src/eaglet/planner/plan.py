@@ -192,6 +192,62 @@ def training_rank(config: dict, s: dict, attention: str = TTT_ATTENTION) -> dict
             "parts": parts, "activation_parts": act, "params": p, "peak": sum(parts.values())}
 
 
+def dflash_params(s: dict, layers: int, n_taps: int = 3) -> int:
+    """Trainable parameters of a DFlash drafter (eaglet.drafter.dflash) on a target of shapes ``s``:
+    fc over the taps, the norms, ``layers`` Qwen3 layers; the embedding and head are the target's."""
+    H, h, g, d, Im = s["hidden_size"], s["num_heads"], s["num_kv_heads"], s["head_dim"], s["intermediate_size"]
+    layer = H * d * (2 * h + 2 * g) + 3 * H * Im + 2 * H + 2 * d
+    return n_taps * H * H + 2 * H + layers * layer
+
+
+def dflash_training_rank(config: dict, s: dict) -> dict:
+    """Peak bytes of one DFlash training rank (eaglet.train.dflash_train), by part, in the worst shape of
+    a micro-batch (B sequences of T = min(max_length, token_budget) tokens, every position supervised,
+    drafter.dflash.num_anchors anchors each): the drafter's weights, gradients and AdamW state; the
+    target's embedding and head (fp32 copies, frozen); the batch (the taps in fp32); what autograd keeps
+    of the context (T keys a sequence) and of the A x K block queries per layer; the attention's
+    [Q, T + Q] mask and scores; and the loss: the head's logits at the B x A x (K - 1) counted positions
+    over the whole vocabulary, the cross-entropy's log-softmax, and backward's gradient of them. A census
+    checked against a measured step (tests/planner/test_plan.py, within 20 %)."""
+    t, dd = config["train"], config["drafter"]["dflash"]
+    gpu = int(t.get("gpus") or 0) > 0
+    bf16 = bf16_autocast(t.get("autocast", schema.default("train.autocast")), gpu)
+    budget, max_len = int(t["token_budget"]), int(config["tokenize"]["max_length"])
+    T = min(max_len, budget)
+    B = max(1, budget // T)
+    K, layers = int(dd["block_size"]), int(dd["num_layers"])
+    A = max(1, min(int(dd.get("num_anchors", schema.default("drafter.dflash.num_anchors"))), T - K + 1))
+    H, V, h, g, d, Im = (s["hidden_size"], s["vocab_size"], s["num_heads"], s["num_kv_heads"], s["head_dim"],
+                         s["intermediate_size"])
+    N, Q = B * T, A * K            # context tokens; block queries a sequence
+    NQ, L, Nc = B * Q, T + Q, B * A * (K - 1)
+    a = 2 if bf16 else 4           # bytes of an activation under autocast, else fp32
+    P = dflash_params(s, layers)
+    heads_kv = h if h != g else g  # keys and values repeated to every query head (GQA)
+    per_query = layers * (a * (6 * H + 4 * Im + 8 * h * d + 6 * g * d) + 4 * 4 * H) + 4 * 3 * H
+    per_key = layers * (a * 2 * (g + heads_kv) * d)
+    context = N * (4 * 3 * H + layers * a * 6 * g * d)
+    # the bool mask [B, Q, T + Q] and the attention's log-sum-exp: SDPA's CPU/flash kernels keep no scores
+    attention = B * Q * L + layers * B * h * Q * 4
+    parts = {
+        "weights": 4 * P + 2 * 4 * V * H,
+        "gradients": 4 * P,
+        "optimizer": 8 * P,
+        "ddp_buckets": 4 * P if int(t.get("gpus") or 0) * int(t.get("nodes") or 1) > 1 else 0,
+        "batch": N * (4 * 3 * H + 8 + 8 + 1),
+        "activations": NQ * per_query + B * L * per_key + context + attention,
+        # the cross-entropy's log-softmax [counted positions, V] kept for backward (the logits are
+        # not), with the counted hidden rows; backward's transient: the gradients of the log-softmax
+        # and of the logits (+ the bf16 logits' under autocast), the peak beside the kept one
+        "loss": Nc * V * 4 + Nc * H * 4,
+        "backward_transient": Nc * V * (8 + (2 if bf16 else 0)),
+        "context": int(CONTEXT_GIB * GIB) if gpu else 0,
+    }
+    return {"shape": {"B": B, "T": T, "tokens": N, "anchors": A, "block_size": K, "counted": Nc,
+                      "dtype": "bfloat16" if bf16 else "float32"},
+            "parts": parts, "params": P, "peak": sum(parts.values())}
+
+
 def online_target(config: dict, s: dict, N: int) -> dict:
     """What ``train.hidden_states: online`` adds to a training rank: the whole target's weights (one
     copy per rank; unknown weights count 0 and the table says "?") and one no-grad forward over a
@@ -272,9 +328,13 @@ def make_plan(config: dict, target_config: str | Path | None = None,
     why = "as asked"
     if attention is None:
         attention, why = choose_ttt_attention(config, s)
+    if (config.get("drafter") or {}).get("kind") == "dflash":  # its own trainer, its own census
+        train = dflash_training_rank(config, s)
+    else:
+        train = training_rank(config, s, attention) | {"attention_why": why}
     return {"target": s, "gpu_memory_gb": gpu_gib, "hidden_states": hidden_states(config, s),
             "online": config["train"].get("hidden_states") == "online",
-            "train": training_rank(config, s, attention) | {"attention_why": why},
+            "train": train,
             "extract": extraction_shard(config, s), "vllm": vllm_server(config, s, gpu_gib)}
 
 
@@ -287,14 +347,16 @@ def refusals(p: dict, config: dict) -> list[str]:
     t = p["train"]
     if int(config["train"].get("gpus") or 0) > 0 and t["peak"] > cap:
         big = max(t["parts"], key=t["parts"].get)
+        dflash = "anchors" in t["shape"]
         fix = ("train.hidden_states online puts the whole target on every rank: train offline (storage.budget_gb)"
                if big == "target_weights" else
                "train.ttt_attention: auto or recompute keeps no attention weights for backward"
-               if big == "activations" and t["shape"]["attention"] == "saved" else
+               if big == "activations" and t["shape"].get("attention") == "saved" else
+               "lower drafter.dflash.num_anchors or train.token_budget (the loss's logits over the whole "
+               "vocabulary scale with both)" if dflash else
                "lower train.token_budget (raise train.grad_accum to keep the step)")
         out.append(f"a training rank needs {t['peak'] / GIB:.1f} GiB (largest: {big} "
-                   f"{t['parts'][big] / GIB:.1f} GiB; attention '{t['shape']['attention']}' at B={t['shape']['B']}, "
-                   f"T={t['shape']['T']}): {fix}")
+                   f"{t['parts'][big] / GIB:.1f} GiB; {shape_words(t['shape'])}): {fix}")
     e = p["extract"]
     if e["gpus"] > 0 and e["peak"] is not None and e["peak"] > cap and not p.get("online"):
         out.append(f"an extraction shard needs {e['peak'] / GIB:.1f} GiB per GPU: raise "
@@ -304,6 +366,14 @@ def refusals(p: dict, config: dict) -> list[str]:
         out.append(f"the vLLM server's weights ({v['weights'] / GIB:.1f} GiB per GPU) fill its "
                    f"{v['utilization']:.2f} x {gib} GiB: raise target.vllm.tensor_parallel_size")
     return out
+
+
+def shape_words(shape: dict) -> str:
+    """A training rank's micro-batch shape, as the plan's lines say it."""
+    if "anchors" in shape:  # drafter.kind dflash
+        return (f"B={shape['B']} x T={shape['T']}, DFlash {shape['anchors']} anchors x block {shape['block_size']}, "
+                f"{shape['counted']:,} counted positions")
+    return f"attention '{shape['attention']}' at B={shape['B']}, T={shape['T']}"
 
 
 def check(p: dict, config: dict) -> None:

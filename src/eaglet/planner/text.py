@@ -16,7 +16,8 @@ def summary_line(p: dict) -> str:
               if p.get("online") else
               f"hidden states <= {h['total'] / 1e12:.2f} TB ({h['per_shard'] / 1e12:.2f} TB per shard)"),
              f"training rank {_gib(t['peak'])} ({t['shape']['dtype']}, B={t['shape']['B']} x T={t['shape']['T']}, "
-             f"TTT attention {t['shape']['attention']})"]
+             + (f"DFlash {t['shape']['anchors']} anchors x block {t['shape']['block_size']})" if "anchors" in t["shape"]
+                else f"TTT attention {t['shape']['attention']})")]
     if e["gpus"] and not p.get("online"):
         parts.append(f"extraction {_gib(e['peak'])} per GPU")
     if v:
@@ -35,9 +36,11 @@ def table(p: dict) -> str:
              f"{p['hidden_states']['typical_total'] / 1e12:.3f} TB")]
     t = p["train"]
     rows += [("training rank", k, _gib(x)) for k, x in t["parts"].items()]
-    rows += [("training rank", f"  activations: {k}", _gib(x)) for k, x in t["activation_parts"].items()]
-    rows.append(("training rank", f"PEAK ({t['shape']['dtype']}, B={t['shape']['B']}, T={t['shape']['T']}, "
-                 f"attention {t['shape']['attention']})", _gib(t["peak"])))
+    rows += [("training rank", f"  activations: {k}", _gib(x)) for k, x in t.get("activation_parts", {}).items()]
+    what = (f"DFlash {t['shape']['anchors']} anchors x block {t['shape']['block_size']}" if "anchors" in t["shape"]
+            else f"attention {t['shape']['attention']}")
+    rows.append(("training rank", f"PEAK ({t['shape']['dtype']}, B={t['shape']['B']}, T={t['shape']['T']}, {what})",
+                 _gib(t["peak"])))
     if "attention_why" in t:
         rows.append(("training rank", f"TTT attention {t['shape']['attention']}", t["attention_why"]))
     rows += [("extraction shard /GPU", k, _gib(x)) for k, x in p["extract"]["parts"].items()]

@@ -190,27 +190,37 @@ def cpu_mla_block_sizes(env: str | Path) -> tuple[list, list, list[int]] | None:
     return mla, attn, [c for c in cands if _accepts(mla, c) and _accepts(attn, c)]
 
 
-def serving(arch: str, env: str | Path, attention: str | None = None) -> tuple[str, str]:
+# What each drafter kind is called in the serving lines. vLLM 0.32 serves both through the same target
+# interface: a DFlash drafter reads the target's aux hidden states as EAGLE-3's does (GPUModelRunner sets
+# use_aux_hidden_state_outputs for DFlashProposer, and load_model then requires SupportsEagle3:
+# vllm/v1/worker/gpu_model_runner.py), so the architectures that serve one serve the other.
+DRAFTER_NAMES = {"eagle3": "an EAGLE-3 drafter", "dflash": "a DFlash drafter (method dflash, through the EAGLE-3 "
+                                                             "target interface)"}
+
+
+def serving(arch: str, env: str | Path, attention: str | None = None, kind: str = "eagle3") -> tuple[str, str]:
     """(status, line): status is ``supported``, ``unsupported`` or ``not-run`` (no vLLM in ``env``).
-    ``attention`` is the target's kind (``mla`` for DeepSeek-V3/Kimi; eaglet.target.load.family_facts)."""
+    ``attention`` is the target's kind (``mla`` for DeepSeek-V3/Kimi; eaglet.target.load.family_facts);
+    ``kind`` the drafter's (drafter.kind), named in the line (DRAFTER_NAMES: the same targets)."""
+    what = DRAFTER_NAMES[kind]
     archs = eagle3_architectures(env)
     if archs is None:
-        return "not-run", (f"vLLM EAGLE-3 serving for {arch}: not checked (not run): no vLLM installed in "
+        return "not-run", (f"vLLM serving of {what} for {arch}: not checked (not run): no vLLM installed in "
                            f"{env} (envs/vllm/setup.sh installs it)")
     pkg = vllm_package(env)
     version = next((p.name.removesuffix(".dist-info").split("-")[-1] for p in pkg.parent.glob("vllm*.dist-info")),
                    "?")
     listed = ", ".join(archs)
     if arch not in archs:
-        return "unsupported", (f"vLLM {version} ({env}) can NOT serve an EAGLE-3 drafter for {arch}: the model "
+        return "unsupported", (f"vLLM {version} ({env}) can NOT serve {what} for {arch}: the model "
                                f"class does not implement vLLM's EAGLE-3 interface (SupportsEagle3 / "
                                f"set_aux_hidden_state_layers); EAGLE-3 targets: {listed}")
     cpu = cpu_mla_block_sizes(env) if attention == "mla" else None
     if cpu is not None and not cpu[2]:
-        return "unsupported", (f"vLLM {version} ({env}) can NOT serve an EAGLE-3 drafter for {arch} on this CPU "
+        return "unsupported", (f"vLLM {version} ({env}) can NOT serve {what} for {arch} on this CPU "
                                f"build: the target's MLA attention kernel (CPU_MLA) takes KV block sizes "
                                f"{_show(cpu[0])} and the drafter's standard attention (CPU_ATTN) "
                                f"{_show(cpu[1])}: no common KV block size (vLLM stops with 'No common block "
                                f"size'). A GPU build of vLLM serves it; eaglet trains and exports it here")
-    return "supported", (f"vLLM {version} ({env}) can serve an EAGLE-3 drafter for {arch}: supported "
+    return "supported", (f"vLLM {version} ({env}) can serve {what} for {arch}: supported "
                          f"(EAGLE-3 targets: {listed})")

@@ -12,7 +12,7 @@ from eaglet.base import schema
 from eaglet.export.contract.dflash_parity import DFLASH_NOT_APPLICABLE, DFLASH_VLLM_CHECKS
 from eaglet.export.contract.record import VLLM_CHECKS
 from eaglet.target.chat_template import chat_template_text, has_chat_template, no_template_message
-from eaglet.target.check import architecture, read_config, serving, text_config
+from eaglet.target.check import DRAFTER_NAMES, architecture, read_config, serving, text_config
 
 
 def unaccepted_not_run(export: dict, kind: str | None = None) -> list[str]:
@@ -44,6 +44,7 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
                          "check that did not run fails the export after training unless it is named here: add them to "
                          "export.accept_not_run, or turn the check on")
     template = chat_template_text(t.get("chat_template"), workdir)
+    kind = (config.get("drafter") or {}).get("kind", "eagle3")
     ev = config.get("evaluate", {}).get("vllm", {})
     env = Path(workdir) / ev.get("env", schema.default("evaluate.vllm.env"))
     if not t.get("path") or t.get("tiny") is not None:
@@ -53,19 +54,19 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
         if ident.is_file():
             rec = json.loads(ident.read_text())
             arch = rec.get("architecture", "?")
-            status, line = serving(arch, env, rec.get("attention"))
+            status, line = serving(arch, env, rec.get("attention"), kind)
             lines.append(line)
             _refuse_unserved(status, line, config, ev)
         else:
             lines.append(f"target {t['name']!r} is built by the first job (target_model), which checks its chat "
-                         "template and whether vLLM can serve an EAGLE-3 drafter for it")
+                         f"template and whether vLLM can serve {DRAFTER_NAMES[kind]} for it")
         return lines
     conf = read_config(t["path"])
     text = text_config(conf)
     if template is None and not has_chat_template(t["path"]):
         raise ValueError(no_template_message(f"target.path {t['path']!r}"))
     arch = architecture(conf)
-    status, line = serving(arch, env, "mla" if text.get("kv_lora_rank") else None)
+    status, line = serving(arch, env, "mla" if text.get("kv_lora_rank") else None, kind)
     lines.append(line)
     _refuse_unserved(status, line, config, ev)
     return lines

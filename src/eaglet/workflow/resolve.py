@@ -186,7 +186,9 @@ class Resolved:
             f"aux layer ids: {list(self.layer_ids)}"
             + ("" if self.layer_ids_why == LAYER_IDS_SET else f" ({self.layer_ids_why})"),
             f"training autocast: {self.train_autocast} ({self.train_autocast_why})",
-            f"training TTT attention: {self.train['ttt_attention']} ({self.train_ttt_attention_why})",
+            f"training TTT attention: {self.train['ttt_attention']} ({self.train_ttt_attention_why})"
+            if self.drafter_kind == "eagle3" else
+            f"training TTT attention: not used (drafter.kind {self.drafter_kind} trains blocks, no TTT unroll)",
             f"extraction target forward: {self.extract_target_dtype} ({self.extract_target_dtype_why})",
             *self.drafter_lines,
         ]
