@@ -2,8 +2,12 @@
 prompts to a DFlash drafter trained on the run's hidden-state store (eaglet.train.dflash_train) and
 exported with its contract run in real vLLM (eaglet.export.dflash_export): the static check, parity
 with vLLM's own module, and the served check (method dflash at k = block_size − 1: lossless, vLLM's
-counters equal to eaglet's block chain). The checks that do not apply to the kind are not run and
-named in export.accept_not_run; the stages not wired for it are not in the DAG and the parse says so."""
+counters equal to eaglet's block chain), then evaluated: offline (the exact block chain at T = 0 with the
+HF target, the expectation at T = 1, eaglet.eval.dflash_offline) and served by vLLM with method dflash
+at k = block_size − 1 at T = 0 and 1, timed in pairs with plain decoding; the summary (vLLM's counters
+at T = 0 equal to the offline chain's, the matrix per domain) and the drafter card naming the kind.
+The checks that do not apply to the kind are not run and named in export.accept_not_run; the stages
+not wired for it are not in the DAG and the parse says so."""
 
 import json
 
@@ -15,9 +19,13 @@ from workflow_common import planned_jobs, smk
 DFLASH = {"kind": "dflash", "dflash": {"block_size": 4, "num_layers": 1, "num_anchors": 64}}
 EXPORT = {"vllm_check": True, "vllm_check_prompts": 2, "vllm_check_max_tokens": 12,
           "accept_not_run": ["vllm.known_answer", "loader.sglang"]}
+# small: three prompts in two sets, 12 tokens, one repeat, vLLM's default (greedy) drafting only
+EVALUATE = {"sets": ["mtbench", "heldout"], "num_prompts": {"mtbench": 1, "heldout": 2}, "max_new_tokens": 12,
+            "repeats": 1, "temperatures": [0.0, 1.0], "stop_at_eos": False,
+            "vllm": {"enabled": True, "k_values": [1, 2], "draft_sample_methods": ["greedy"]}}
 
 
-def test_dflash_run_trains_and_exports_a_drafter_vllm_serves(tmp_path):
+def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(tmp_path):
     vllm_env_or_skip()
     wf = clone(tmp_path / "wf")
     cache = tmp_path / "cache"
@@ -27,12 +35,14 @@ def test_dflash_run_trains_and_exports_a_drafter_vllm_serves(tmp_path):
     conf["export"] = EXPORT
     conf["train"] |= {"max_steps": 6, "val_every": 3, "checkpoint_every": 3}
     conf["prompts"] |= {"n": 24}
+    conf["evaluate"] |= EVALUATE  # evaluate.vllm.k_values does not apply: DFlash is served at k = 3
     (wf / "config/dflash.yaml").write_text(yaml.safe_dump(conf))
 
     _, out = smk(wf, cache, "-n", configfile="config/dflash.yaml")
     assert planned_jobs(out) == {"target_model", "prompts", "generate", "tokenize", "token_freq", "vocab_map",
-                                 "extract_hidden_states", "train", "export"}
-    assert "drafter kind dflash: NOT RUN" in out and "evaluate_offline" in out
+                                 "extract_hidden_states", "train", "export", "evaluate_offline", "evaluate_vllm",
+                                 "eval_summary", "drafter_card"}
+    assert "drafter kind dflash: NOT RUN" in out and "evaluate_speculative: the timed HF" in out
     smk(wf, cache, configfile="config/dflash.yaml")
 
     run = wf / "results/smoke"
@@ -50,6 +60,35 @@ def test_dflash_run_trains_and_exports_a_drafter_vllm_serves(tmp_path):
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
     assert cfg["dflash_config"] == {"mask_token_id": summary["mask_token_id"], "target_layer_ids": [1, 3, 4]}
     assert cfg["eaglet"]["num_speculative_tokens"] == 3 and cfg["num_hidden_layers"] == 1
+
+    # offline: the block chain at k = block_size - 1 only; vLLM: method dflash at that k, lossless at T = 0
+    ev = run / "eval"
+    off = json.loads((ev / "offline.json").read_text())
+    assert off["kind"] == "dflash" and off["options"]["k_values"] == [3] and off["prompts"] == 3
+    vl = json.loads((ev / "vllm.json").read_text())
+    assert vl["kind"] == "dflash" and vl["options"]["k_values"] == [3] and vl["lossless"] is True
+    # the T = 0 gate (vLLM's per-position acceptance against the offline chain) passes; at T = 1 the test
+    # against the served rule's expectation runs and is reported, not a gate for DFlash (evaluate_vllm)
+    assert vl["offline_agreement"]["pass"] and vl["offline_agreement"]["tests"] and not vl["disagreements"]
+    assert {t["temperature"] for t in vl["sampled_agreement"]["tests"]} == {1.0}
+    assert "dflash_t_gt0_disagreements" in vl
+    assert {(x["k"], x["temperature"]) for x in vl["speedup"]} == {(3, 0.0), (3, 1.0)}
+    # the served counters at T = 0 are exactly the offline block chain's, per set
+    s = json.loads((ev / "summary.json").read_text())
+    eq = s["served_vs_offline_chain"]
+    assert eq["equal"] and set(eq["sets"]) == {"mtbench", "heldout"}, eq
+    assert all(v["vllm"]["drafts"] > 0 and v["tau_vllm"] == v["tau_offline_chain"] for v in eq["sets"].values())
+    h = s["headline"]
+    assert h["kind"] == "dflash" and h["k"] == 3 and h["lossless_vllm"] and h["vllm_counters_equal_offline_chain"]
+    assert h["hf_loop"] == "not run" and h["speedup_hf_loop"] is None  # not wired: said, not passed
+    # matrix rows per domain: the chain and vLLM at T = 0, each served rule's expectation and vLLM at T = 1
+    domains = {r["domain"] for r in s["matrix"] if r["domain"] != "all"}
+    assert len(domains) >= 2 and {r["k"] for r in s["matrix"]} == {3}
+    for engine, T in (("chain", 0.0), ("vllm", 0.0), ("expected", 1.0), ("vllm", 1.0)):
+        assert {r["domain"] for r in s["matrix"] if r["engine"] == engine and r["temperature"] == T} >= domains
+    card = (run / "drafter/README.md").read_text()
+    assert "# DFlash drafter for" in card and "block size 4" in card and "- dflash" in card
+    assert '"method": "dflash"' in card and '"num_speculative_tokens": 3' in card and "EAGLE3" not in card
     _, out = smk(wf, cache, "-n", configfile="config/dflash.yaml")
     assert "Nothing to be done" in out
 

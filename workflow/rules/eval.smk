@@ -5,6 +5,11 @@ from eaglet.base.datasets import PACKAGED
 from eaglet.target.load import packaged_file_identity
 
 EVAL = config["evaluate"]
+# drafter.kind dflash: evaluate_offline (the block chain, eaglet.eval.dflash_offline: the stage reads the
+# kind from the drafter's file), evaluate_vllm (method dflash at k = block_size - 1) and eval_summary
+# run; the timed HF loop, the modes and the regenerated sets are not wired for the kind (the Snakefile,
+# eaglet.workflow.resolve.DFLASH_NOT_RUN): eval_summary reads neither, and vLLM does not wait for them
+EVAL_DFLASH = R.drafter_kind == "dflash"
 EVAL_DIR = f"{RUN}/eval"
 # "heldout" = this run's held-out prompts; other names and .parquet paths go to eaglet.base.datasets
 EVAL_SETS = [
@@ -142,6 +147,9 @@ EVAL_VLLM_OPTS = {
     "serving": R.serving,
     "set_digests": USER_SETS,
 }
+# DFlash is served at num_speculative_tokens = block_size - 1 only (eaglet.eval.evaluate_vllm.dflash_kind)
+if EVAL_DFLASH:
+    EVAL_VLLM_OPTS["k_values"] = [R.drafter["dflash"]["block_size"] - 1]
 # what defines vLLM's measurements: all but how long a run may take
 EVAL_VLLM_KEYS = [k for k in EVAL_VLLM_OPTS if k != "timeout_s"]
 
@@ -154,7 +162,11 @@ rule evaluate_vllm:
         identity=TARGET_ID,
         sets=RUN_SETS,
         offline=rules.evaluate_offline.output.offline,
-        after=rules.evaluate_speculative.output.speculative,
+        **(
+            {}
+            if EVAL_DFLASH
+            else {"after": rules.evaluate_speculative.output.speculative}
+        ),
     output:
         vllm=f"{EVAL_DIR}/vllm.json",
     log:
@@ -275,7 +287,7 @@ rule eval_summary:
         **({"vllm": rules.evaluate_vllm.output.vllm} if EVAL["vllm"]["enabled"] else {}),
         **(
             {"regenerated": rules.evaluate_regenerated.output.regenerated}
-            if EVAL["regenerate"]["enabled"]
+            if EVAL["regenerate"]["enabled"] and not EVAL_DFLASH
             else {}
         ),
         **(
@@ -283,13 +295,23 @@ rule eval_summary:
             if config["plan"]["learning_curve"]
             else {}
         ),
-        **({"modes": rules.evaluate_modes.output.modes} if MODES else {}),
+        **(
+            {"modes": rules.evaluate_modes.output.modes}
+            if MODES and not EVAL_DFLASH
+            else {}
+        ),
         code=stage_code("eval.eval_summary"),
         offline=rules.evaluate_offline.output.offline,
         positions=rules.evaluate_offline.output.positions,
         offline_rounds=rules.evaluate_offline.output.rounds,
-        speculative=rules.evaluate_speculative.output.speculative,
-        spec_rounds=rules.evaluate_speculative.output.rounds,
+        **(
+            {}
+            if EVAL_DFLASH
+            else {
+                "speculative": rules.evaluate_speculative.output.speculative,
+                "spec_rounds": rules.evaluate_speculative.output.rounds,
+            }
+        ),
     output:
         summary=report(
             f"{EVAL_DIR}/summary.json",

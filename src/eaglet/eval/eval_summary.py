@@ -27,6 +27,13 @@ the paying k with the highest expected speedup, and whether its measured interva
 τ per domain (MT-Bench categories, HumanEval, math, held-out) comes with its interval over prompts.
 Plots are written to a temporary file and renamed: a declared output is never half written.
 
+A DFlash drafter (offline.json ``kind: dflash``, drafter.kind dflash): no speculative.json (the timed HF
+loop is not wired for the kind); :func:`summarise_dflash` writes the same files: the headline at k =
+block_size − 1 (the one k vLLM serves it with) with the exact block chain's τ per set and domain, vLLM's
+τ, paired speedups at every temperature and losslessness, whether vLLM's counters at T = 0 equal the
+offline chain's exactly, the HF-loop figures null with the reason (not a pass), no recommendation,
+the matrix, and placeholder plots that say why.
+
 When the HF loop did not run (offline.json ``status: not run``, ``evaluate.hf_loop``: a target too
 big for one process), the summary says so: ``headline.hf_loop`` is "not run" with the reason, every
 HF-loop figure (offline τ, HF speedup, its lossless check, offline-vs-real agreement) is null, not a
@@ -353,6 +360,80 @@ def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: di
     return res
 
 
+# Why the timed HF loop's figures are absent for a DFlash drafter (a check that did not run is no pass)
+DFLASH_NO_HF_LOOP = ("the timed HF speculative loop (evaluate_speculative) is not wired for drafter.kind dflash: "
+                     "no HF-loop speedup, lossless check or draft-length recommendation")
+
+
+def served_equals_chain(offline: dict, vllm: dict | None, k: int) -> dict | None:
+    """Per set: vLLM's counters at T = 0 (first repeat: drafts, accepted per position) against the
+    offline block chain's (``chain_per_pos``); ``equal`` when every set's are identical."""
+    run = next((r for r in (vllm or {}).get("runs") or [] if r["k"] == k and not r["iomp"]), None)
+    if not run:
+        return None
+    sets = {}
+    for name, st in run["sets"].items():
+        ref = _k((offline["sets"].get(name) or {}).get("chain_per_pos"), k) or {}
+        got = {"drafts": st.get("num_drafts"), "accepted_per_pos": list(st.get("num_accepted_tokens_per_pos") or [])}
+        want = {"drafts": ref.get("drafts"), "accepted_per_pos": list(ref.get("accepted_per_pos") or [])}
+        sets[name] = {"vllm": got, "offline_chain": want, "equal": got == want, "tau_vllm": st.get("tau"),
+                      "tau_offline_chain": _k(offline["sets"].get(name, {}).get("tau_chain"), k)}
+    return {"k": k, "sets": sets, "equal": all(v["equal"] for v in sets.values())}
+
+
+def summarise_dflash(out: Path, offline: dict, vllm: dict | None, o: dict) -> dict:
+    """summary.json for a DFlash drafter (the module docstring)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = offline["options"]["k_values"][0]
+    h = {"kind": "dflash", "block_size": offline.get("block_size"), "k": k,
+         "tau_offline": {s: _k(v["tau"], k) for s, v in offline["sets"].items()},
+         "tau_offline_chain": {s: _k(v["tau_chain"], k) for s, v in offline["sets"].items()},
+         "tau_by_domain": tau_by_domain(offline, k),
+         "hf_loop": "not run", "hf_loop_reason": DFLASH_NO_HF_LOOP, "tau_hf_loop": None, "speedup_hf_loop": None,
+         "lossless_hf_loop": None, "offline_matches_real_loop": None, "recommended_k": None,
+         "recommendation": f"no recommendation: {DFLASH_NO_HF_LOOP}"}
+    eq = served_equals_chain(offline, vllm, k)
+    if vllm:
+        run = next((r for r in vllm["runs"] if r["k"] == k and not r["iomp"]), None)
+        if run:
+            h.update(vllm_k=k, tau_vllm={s: v.get("tau") for s, v in run["sets"].items()},
+                     speedup_vllm={s: v.get("speedup") for s, v in run["sets"].items()})
+        h["speedup_vllm_by_temperature"] = [
+            {key: x.get(key) for key in ("temperature", "rule", "estimate", "lo", "hi", "conclusive", "note")}
+            for x in vllm.get("speedup") or [] if x["k"] == k and not x.get("iomp")]
+        h["lossless_vllm"] = vllm["lossless"]
+        ag = vllm.get("hf_greedy_agreement")
+        h["vllm_plain_equals_hf_greedy"] = f"{ag['identical']}/{ag['prompts']} prompts" if ag else None
+        h["vllm_agrees_with_offline"] = not vllm["disagreements"]
+        h["vllm_counters_equal_offline_chain"] = eq["equal"] if eq else None
+        # T > 0: vLLM's acceptance against the served rule's expectation, reported (not a gate for DFlash)
+        sa = vllm.get("sampled_agreement")
+        h["vllm_t_gt0_agrees_with_rule"] = sa["pass"] if sa and sa.get("tests") else None
+        h["vllm_t_gt0_disagreements"] = vllm.get("dflash_t_gt0_disagreements") or []
+    for name in PLOTS:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.text(0.5, 0.5, f"drafter.kind dflash:\n{DFLASH_NO_HF_LOOP}\n(the figures are in summary.json's matrix)",
+                ha="center", va="center", wrap=True, fontsize=7)
+        ax.set_axis_off()
+        _save(fig, out / name)
+        plt.close(fig)
+    matrix = results_matrix(offline, vllm)
+    _log_matrix(matrix)
+    res = {"kind": "dflash", "headline": h, "agreement": None,
+           "recommendation": {"recommended_k": None, "sentence": h["recommendation"], "table": []},
+           "matrix": matrix, "domains": {"offline_chain": offline.get("domains")},
+           "served_vs_offline_chain": eq, "vllm_disagreements": (vllm or {}).get("disagreements"),
+           "plots": [str(out / p) for p in PLOTS], "learning_curve": None}
+    write_parquet(out / "recommendation.parquet", pd.DataFrame({"k": pd.Series([], dtype="int64")}))
+    write_json(out / "summary.json", res)
+    log.info("DFlash headline: %s", h)
+    return res
+
+
 def summary_options(given: dict | None) -> dict:
     return schema.settings_at("eval_summary", SETTINGS, given)
 
@@ -366,9 +447,14 @@ def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_cur
     go to ``modes``, its matrix rows (with their ``mode``) to ``modes_matrix``."""
     o = summary_options(opts)
     out = Path(eval_dir)
-    offline, spec = read_json(out / "offline.json"), read_json(out / "speculative.json")
+    offline = read_json(out / "offline.json")
     vl = read_json(vllm) if vllm else None
+    if offline.get("kind") == "dflash":
+        return summarise_dflash(out, offline, vl, o)
     curve = read_json(learning_curve) if learning_curve else None
+    if offline.get("status") == "not run" and not (out / "speculative.json").exists():  # a DFlash run without
+        return summarise_without_hf_loop(out, offline, vl, o, curve)                   # the HF loop
+    spec = read_json(out / "speculative.json")
     extras = {"regen": read_json(regenerated) if regenerated else None,
               "modes": read_json(modes) if modes else None}
     if offline.get("status") == "not run" or spec.get("status") == "not run":
@@ -438,7 +524,11 @@ RECORDED = {"offline_positions.parquet": "offline.json", "offline_rounds.parquet
 
 def verify_inputs(eval_dir: str | Path) -> None:
     """Refuse an evaluate Parquet whose sha256 is not the one its stage recorded (digests.verify_recorded)."""
+    dflash = (Path(eval_dir) / "offline.json").exists() and read_json(Path(eval_dir) / "offline.json").get("kind") \
+        == "dflash"
     for name, record in RECORDED.items():
+        if dflash and record == "speculative.json":  # no timed HF loop for the kind
+            continue
         verify_recorded(Path(eval_dir) / name, Path(eval_dir) / record)
 
 

@@ -28,6 +28,11 @@ of a sampling entry (sets, overall, domains) stay the probabilistic rule's. The 
 ``matrix``: one row per engine, T, k, set, domain and rule (eaglet.eval.stats.matrix_rows) that
 eval_summary concatenates with the other stages'.
 
+drafter.kind dflash (a DFlash drafter file): the same figures and offline.json, from the block chain
+of eaglet.eval.dflash_offline (its docstring: T = 0 the exact chain vLLM's DFlash proposer runs, T > 0
+the expectation under each draft sample method), at the one k vLLM serves DFlash with,
+block_size − 1 (``k_values`` is replaced by it; ``kind``, ``block_size`` recorded).
+
 The settings (eaglet.eval.options), the conventions shared with the real loop and the outputs
 when the HF loop does not run (eaglet.eval.hf_stage) are the HF-loop stages' own.
 """
@@ -38,6 +43,7 @@ import logging
 import time
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 from eaglet.base import datasets
 from eaglet.base.digests import DIGESTS_KEY, record_digests
@@ -57,6 +63,7 @@ from eaglet.drafter.chain import (
     tau_all_positions,
 )
 from eaglet.engines.hf_loop import expected_prompt, offline_prompt, setup
+from eaglet.eval import dflash_offline
 from eaglet.eval import stats
 from eaglet.eval.hf_stage import domains, frame, hf_loop_not_run, parser, run, run_generator, tau_ci, tau_se
 from eaglet.eval.options import hf_options, sampled_temperatures, target_load
@@ -81,14 +88,24 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
     if not o["hf_loop"]:
         return hf_loop_not_run("evaluate_offline", out_dir, o, "offline.json",
                                ("offline_positions.parquet", "offline_rounds.parquet"))
-    ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
-                                               target_load(o))
+    kind = {}
+    if dflash_offline.is_dflash(drafter):
+        ident, target, proposer, cfg, tok = dflash_offline.setup(drafter, identity, threads, o["stop_at_eos"],
+                                                                 o["chat_template"], target_load(o))
+        # vLLM serves DFlash at num_speculative_tokens = block_size - 1 only
+        o = {**o, "k_values": [cfg.block_size - 1]}
+        kind = {"kind": "dflash", "block_size": cfg.block_size, "chain": dflash_offline.CHAIN}
+        layer_ids, draft_vocab = list(cfg.target_layer_ids), cfg.vocab_size
+    else:
+        ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
+                                                   target_load(o))
+        layer_ids, draft_vocab = cfg.layer_ids, cfg.draft_vocab_size
     prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
                                      o["chat_template_kwargs"], o.get("set_digests"))
-    res, pos_rows, round_rows = offline_results(target, proposer, prompts, o)
+    res, pos_rows, round_rows = offline_results(target, proposer, prompts, o, kind.pop("chain", None))
     res = {"stage": "evaluate_offline", "drafter": str(drafter), "target": ident["name"],
-           "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "draft_vocab_size": cfg.draft_vocab_size,
-           "options": o, "sets_requested": sets, **res}
+           "target_digest": ident["digest"], "layer_ids": layer_ids, "draft_vocab_size": draft_vocab,
+           "options": o, "sets_requested": sets, **kind, **res}
     out = Path(out_dir)
     write_parquet(out / "offline_positions.parquet", frame(pos_rows))
     write_parquet(out / "offline_rounds.parquet", frame(round_rows))
@@ -102,17 +119,25 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
     return res
 
 
-def offline_results(target, proposer, prompts: list[dict], o: dict) -> tuple[dict, list[dict], list[dict]]:
+# How the figures are drawn per prompt for an EAGLE-3 drafter: the greedy chain, the expected chain,
+# the replay of the rounds (eaglet.eval.dflash_offline.CHAIN is the DFlash drafter's)
+EAGLE3_CHAIN = SimpleNamespace(prompt=offline_prompt, expected=expected_prompt, replay=chain_replay)
+
+
+def offline_results(target, proposer, prompts: list[dict], o: dict,
+                    chain: SimpleNamespace | None = None) -> tuple[dict, list[dict], list[dict]]:
     """The offline figures of ``prompts`` (tokenised as ``o`` renders them): the exact greedy chain
     at T = 0, the expected chain at each T > 0, and their matrix rows; with the per-position and
-    per-round rows (offline_positions / offline_rounds.parquet)."""
+    per-round rows (offline_positions / offline_rounds.parquet). ``chain``: :data:`EAGLE3_CHAIN`
+    (default) or the DFlash drafter's."""
+    chain = chain or EAGLE3_CHAIN
     K, max_new, eps = max(o["k_values"]), o["max_new_tokens"], o["tie_eps"]
     t0 = time.time()
     pos_rows, round_rows, per_set = [], [], defaultdict(lambda: {"starts": [], "rounds": defaultdict(list)})
     target_ties, per_prompt = 0, []
     progress = Progress(log, "evaluate_offline, greedy chain (T = 0)", len(prompts), "prompts")
     for i, p in enumerate(prompts):
-        r = offline_prompt(target, proposer, p["prompt_ids"], K, max_new)
+        r = chain.prompt(target, proposer, p["prompt_ids"], K, max_new)
         row = {"set": p["set"], "domain": p["domain"], "id": p["id"], "prompt_tokens": len(p["prompt_ids"]),
                "tokens": r["tokens"], "chain": {}}  # the greedy continuation, for evaluate_vllm
         per_prompt.append(row)
@@ -121,7 +146,7 @@ def offline_results(target, proposer, prompts: list[dict], o: dict) -> tuple[dic
             pos_rows.append({"set": p["set"], "id": p["id"], **s})
         accepted = [0] + [s["accepted"] for s in r["starts"]]
         for k in o["k_values"]:
-            rr = chain_replay(accepted, len(r["tokens"]), max_new, k)
+            rr = chain.replay(accepted, len(r["tokens"]), max_new, k)
             row["chain"][k] = prompt_chain(rr)
             per_set[p["set"]]["rounds"][k] += rr
             round_rows += [{"set": p["set"], "id": p["id"], "k": k, "g": g, "k_eff": ke, "accepted": a}
@@ -145,7 +170,7 @@ def offline_results(target, proposer, prompts: list[dict], o: dict) -> tuple[dic
            "ties": {"tie_eps": eps, "target_near_ties": target_ties,
                     "drafter_near_ties": sum(s["drafter_margin"] < eps for s in all_starts)},
            "seconds": round(time.time() - t0, 2), "per_prompt": per_prompt}
-    res["sampling"] = [offline_sampling(target, proposer, prompts, per_prompt, K, max_new, t, o)
+    res["sampling"] = [offline_sampling(target, proposer, prompts, per_prompt, K, max_new, t, o, chain=chain)
                        for t in sampled_temperatures(o)]
     res["matrix"] = offline_matrix(res, o)
     return res, pos_rows, round_rows
@@ -168,20 +193,22 @@ TOP_RULE = "probabilistic"
 
 
 def offline_sampling(target, proposer, prompts: list[dict], per_prompt: list[dict], K: int, max_new: int,
-                     temp: float, o: dict, texts: list[list[int]] | None = None) -> dict:
+                     temp: float, o: dict, texts: list[list[int]] | None = None,
+                     chain: SimpleNamespace | None = None) -> dict:
     """Expected acceptance at ``temp`` along each prompt's sampled text, under each rule vLLM serves
     (eaglet.drafter.chain.ACCEPT: ``rules``, each with its sets, overall and domains; the top-level
     sets, overall and domains are the probabilistic rule's, where they always were). The text and
     the per-prompt (Σ expected accepted, starts) go into ``per_prompt[i]["sampling"][str(temp)]``
     (``expected``: probabilistic; ``expected_by_rule``: each rule). ``texts``: one continuation
     (token ids) per prompt produced elsewhere (e.g. vLLM's at ``temp``) instead of the target's own
-    seeded samples."""
+    seeded samples. ``chain``: as :func:`offline_results`."""
+    chain = chain or EAGLE3_CHAIN
     rows, starts = {r: [] for r in ACCEPT}, defaultdict(list)
     t0 = time.time()
     progress = Progress(log, f"expected acceptance at T = {temp:g} along "
                              f"{'the given texts' if texts else 'the target samples'}", len(prompts), "prompts")
     for i, p in enumerate(prompts):
-        e = expected_prompt(target, proposer, p["prompt_ids"], K, temp, max_new,
+        e = chain.expected(target, proposer, p["prompt_ids"], K, temp, max_new,
                             run_generator(o["seed"], "offline", temp, i), tokens=texts[i] if texts else None)
         valid = [s["valid"] for s in e["starts"]]
         by_rule = {r: {k: list(expected_counts([s["alpha_by_rule"][r] for s in e["starts"]], valid, k))

@@ -16,6 +16,11 @@ numbers: :func:`serving_recommendation`),
 the export contract's verdict, the files' digests, and how to serve it: vLLM's Python API (the
 block marked ``# eaglet: vllm-snippet``, which tests/report/test_card.py runs on the CPU build),
 ``vllm serve`` and SGLang's launch command, and how to check a downloaded copy (``python -m eaglet.export.contract``).
+
+A DFlash drafter (drafter.kind dflash: config.json names ``DFlash*``) gets its own card
+(:func:`dflash_card`): the kind, its block size and taps, training time, the matrix at k =
+block_size − 1, the contract, the files, and vLLM's snippet and server line with method ``dflash`` at
+that k (no SGLang line: eaglet does not run SGLang on a DFlash folder).
 """
 
 from __future__ import annotations
@@ -167,7 +172,7 @@ def front_matter(base_model: str, datasets: list[str], tags: list[str]) -> str:
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
 
 
-def vllm_snippet(base_model: str, drafter_dir: str, k: int, serving: dict) -> str:
+def vllm_snippet(base_model: str, drafter_dir: str, k: int, serving: dict, method: str = "eagle3") -> str:
     s = serving or {}
     tp = int(s.get("tensor_parallel_size", schema.default("target.vllm.tensor_parallel_size")))
     return f'''```python
@@ -181,20 +186,20 @@ if __name__ == "__main__":  # vLLM starts worker processes that import this file
     llm = LLM(model=TARGET, dtype="{s.get("dtype", "auto")}", max_model_len=2048,
               tensor_parallel_size={tp},
               enforce_eager=True,  # CPU: no graph capture; drop it on GPUs
-              speculative_config={{"method": "eagle3", "model": DRAFTER, "num_speculative_tokens": {k}}})
+              speculative_config={{"method": "{method}", "model": DRAFTER, "num_speculative_tokens": {k}}})
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=32))
     print(out[0].outputs[0].text)
 ```
 '''
 
 
-def speculative_config(drafter_dir: str, k: int) -> str:
-    return json.dumps({"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": k})
+def speculative_config(drafter_dir: str, k: int, method: str = "eagle3") -> str:
+    return json.dumps({"method": method, "model": drafter_dir, "num_speculative_tokens": k})
 
 
-def vllm_serve_command(base_model: str, drafter_dir: str, k: int) -> str:
+def vllm_serve_command(base_model: str, drafter_dir: str, k: int, method: str = "eagle3") -> str:
     """vLLM's server with the drafter (README.md shows the same line: tests/report/test_card.py)."""
-    return f"vllm serve {base_model} --speculative-config '{speculative_config(drafter_dir, k)}'"
+    return f"vllm serve {base_model} --speculative-config '{speculative_config(drafter_dir, k, method)}'"
 
 
 def sglang_command(base_model: str, drafter_dir: str, k: int) -> str:
@@ -209,6 +214,8 @@ def card(drafter_dir: str | Path, identity: dict, evaluation: dict | None, train
          shown_dir: str | None = None) -> str:
     d = Path(drafter_dir)
     conf = read_json(d / "config.json")
+    if any(str(a).startswith("DFlash") for a in conf.get("architectures") or []):
+        return dflash_card(d, conf, identity, evaluation, train, tokenize, prompts, base_model, serving, shown_dir)
     contract = read_json(d / "contract.json")
     ref = read_json(d / "reference.json") if (d / "reference.json").exists() else {}
     base = base_model or identity.get("name")
@@ -271,6 +278,78 @@ def card(drafter_dir: str | Path, identity: dict, evaluation: dict | None, train
              "Without the trainer's file it checks the tensors' digests and reruns the recorded drafting"
              + (f" ({ref['chain']['rounds']} rounds on {len(ref['chain']['prompt_token_ids'])} prompts)"
                 if ref.get("chain") else "") + "; with `--vllm`, vLLM's acceptance against it.\n"]
+    return "".join(parts)
+
+
+def _contract_lines(contract: dict) -> str:
+    checks = contract.get("checks") or []
+    passed = sum(c.get("ok") is True for c in checks)
+    return (f"{'Passed' if contract.get('ok') else 'FAILED'}: {passed} of {len(checks)} checks pass"
+            + (f"; not run: {[r['name'] for r in contract.get('not_run') or []]}" if contract.get("not_run") else "")
+            + ".")
+
+
+def dflash_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, train: dict, tokenize: dict,
+                prompts: dict, base_model: str | None, serving: dict | None, shown_dir: str | None) -> str:
+    """The card of a DFlash drafter (the module docstring)."""
+    contract = read_json(d / "contract.json")
+    base = base_model or identity.get("name")
+    shown = shown_dir or str(d)
+    ev = evaluation or {}
+    h = ev.get("headline") or {}
+    bs = int(conf["block_size"])
+    k = bs - 1
+    taps = [i + 1 for i in (conf.get("dflash_config") or {}).get("target_layer_ids") or []]
+    source = prompts.get("source")
+    datasets = [DATASETS[source]] if source in DATASETS else []
+    datasets += [EVAL_DATASETS[s] for s in ("mtbench", "humaneval") if any(
+        str(r.get("set")) == s for r in ev.get("matrix") or [])]
+    sel = train.get("selected") or {}
+    secs = train.get("seconds_this_run")
+    eq = (ev.get("served_vs_offline_chain") or {}).get("equal")
+    digests = contract.get(DIGESTS_KEY) or {}
+    speed = "".join(f"- vLLM paired speedup at T = {x['temperature']:g} ({x['rule']} drafts): {_num(x.get('estimate'))}"
+                    f" [{_num(x.get('lo'))}, {_num(x.get('hi'))}]"
+                    f"{'' if x.get('conclusive') else ' (not conclusive' + (': ' + x['note'] if x.get('note') else '') + ')'}\n"
+                    for x in h.get("speedup_vllm_by_temperature") or [])
+    parts = [front_matter(base, datasets, ["speculative-decoding", "dflash", "draft-model", "eaglet"]),
+             f"\n# DFlash drafter for {base}\n\n",
+             f"A {conf.get('num_hidden_layers')}-layer DFlash (block-parallel) draft model for `{base}`, block size "
+             f"{bs}: one drafter forward proposes a whole block of k = block_size − 1 = {k} tokens after the "
+             f"target's last token, which vLLM serves with `method: dflash` at `num_speculative_tokens` {k} "
+             f"(the only k it takes). It reads the target's hidden states entering layers {taps} (vLLM's "
+             f"convention; `dflash_config.target_layer_ids` holds DFlash's ids, one less), uses the target's own "
+             f"embedding and head, and fills a block with mask token {conf['dflash_config'].get('mask_token_id')}. "
+             f"Trained for the target whose weights digest is `{identity.get('digest')}`; made by eaglet "
+             f"(drafter.kind dflash).\n\n",
+             "## The data it saw\n\n",
+             f"- prompts: {source} ({prompts.get('train')} training conversations, {prompts.get('heldout')} held "
+             f"out); answers: {tokenize.get('samples_processed')} samples, {tokenize.get('total_tokens'):,} tokens\n",
+             f"- training: {train.get('steps')} steps on {train.get('train_samples')} samples"
+             f"{f' in {secs / 60:.1f} min' if secs is not None else ''}, kept step {sel.get('step')}; validation "
+             f"block τ {_num(sel.get('val_block_tau'))}\n\n",
+             "## Results\n\n", matrix_tables(ev.get("matrix") or [], k),
+             "\nEngines: the exact chain is the block chain vLLM's DFlash proposer runs at T = 0 along the "
+             "target's greedy text; the expected chain is each block position's acceptance probability along "
+             "the target's sampled text under each rule vLLM serves; vLLM is measured.\n\n",
+             speed,
+             (f"- vLLM's counters at T = 0 {'equal' if eq else 'DIFFER from'} the offline block chain's\n"
+              if eq is not None else ""),
+             (f"- lossless at T = 0 in vLLM: {'yes' if h.get('lossless_vllm') else 'NO'}\n"
+              if h.get("lossless_vllm") is not None else ""),
+             (f"- at T > 0 vLLM's acceptance {'agrees' if h.get('vllm_t_gt0_agrees_with_rule') else 'DIFFERS'} "
+              "with the rule it serves (expected along the target's text)"
+              + ("" if h.get("vllm_t_gt0_agrees_with_rule") else
+                 ": vLLM's DFlash sampling departs from its rule here, so the T > 0 figures describe vLLM as "
+                 "served, not a decoder checked lossless in distribution") + "\n"
+              if h.get("vllm_t_gt0_agrees_with_rule") is not None else ""),
+             f"- not measured: {h.get('hf_loop_reason')}\n" if h.get("hf_loop") == "not run" else "",
+             "\n## The export contract\n\n", _contract_lines(contract),
+             "\n\n## Files\n\n| file | sha256 |\n|---|---|\n",
+             "".join(f"| `{n}` | `{v}` |\n" for n, v in sorted(digests.items())),
+             "\n## Serve it\n\nvLLM, Python:\n\n", vllm_snippet(base, shown, k, serving or {}, "dflash"),
+             f"\nvLLM, server:\n\n```bash\n{vllm_serve_command(base, shown, k, 'dflash')}\n```\n",
+             "\nSGLang: not checked by eaglet for a DFlash folder.\n"]
     return "".join(parts)
 
 
