@@ -91,3 +91,17 @@ def test_parity_with_vllm_and_broken_exports_fail(tmp_path):
     conf["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 3]}
     write_json(d / "config.json", conf)
     assert any("eagle_config" in p for p in dflash_static_problems(d))
+
+
+def test_a_target_with_tied_embeddings_hands_the_probe_its_inputs(tmp_path):
+    """SmolLM2 ties its head to its embedding: the probe's inputs (embed and head, one storage) are
+    written all the same (the default run's export had failed on safetensors' shared-memory refusal)."""
+    from eaglet.export.contract.dflash_parity import probe_inputs, save_probe_inputs
+
+    cfg, _ = trained()
+    tied = torch.randn(V, H)
+    inp = probe_inputs(cfg, tied, tied)
+    assert inp["embed"].untyped_storage().data_ptr() == inp["head"].untyped_storage().data_ptr()
+    save_probe_inputs(inp, tmp_path / "in.safetensors")
+    back = load_tensors(tmp_path / "in.safetensors")
+    assert torch.equal(back["embed"], tied) and torch.equal(back["head"], tied) and back.keys() == inp.keys()

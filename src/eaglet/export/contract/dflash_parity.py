@@ -143,18 +143,24 @@ def compare(ours: dict, theirs: dict, cfg, tol: float = 1e-4) -> dict:
     return check("dflash.parity", not bad, det)
 
 
+def save_probe_inputs(inp: dict, path) -> None:
+    """The probe's inputs as one safetensors file, each tensor its own copy: a target with tied
+    embeddings (SmolLM2) hands the same storage as embed and head, which safetensors refuses."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous().clone() for k, v in inp.items()}, str(path))
+
+
 def dflash_parity_checks(pairs: list[tuple], embed_VH, head_VH, *, python, work_dir, tol: float = 1e-4,
                          seed: int = 0, timeout: float = 600) -> list[dict]:
     """``pairs``: (export dir, its trained DFlashDrafter); one check record each, one vLLM process."""
-    from safetensors.torch import save_file
-
     work = Path(work_dir).absolute()
     work.mkdir(parents=True, exist_ok=True)
     cases, ours = [], []
     for i, (d, model) in enumerate(pairs):
         cfg = model.cfg
         inp = probe_inputs(cfg, embed_VH, head_VH, seed=seed)
-        save_file(inp, str(work / f"in{i}.safetensors"))
+        save_probe_inputs(inp, work / f"in{i}.safetensors")
         cases.append({"drafter": str(Path(d).absolute()), "inputs": str(work / f"in{i}.safetensors"),
                       "k": cfg.block_size - 1, "target_layers": cfg.num_target_layers,
                       "target_vocab": cfg.vocab_size})
