@@ -63,8 +63,7 @@ from eaglet.drafter.chain import (
     tau_all_positions,
 )
 from eaglet.engines.hf_loop import expected_prompt, offline_prompt, setup
-from eaglet.eval import dflash_offline
-from eaglet.eval import stats
+from eaglet.eval import dflash_offline, stats
 from eaglet.eval.hf_stage import domains, frame, hf_loop_not_run, parser, run, run_generator, tau_ci, tau_se
 from eaglet.eval.options import hf_options, sampled_temperatures, target_load
 

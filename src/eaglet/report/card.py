@@ -289,6 +289,10 @@ def _contract_lines(contract: dict) -> str:
             + ".")
 
 
+def _not_conclusive(x: dict) -> str:
+    return " (not conclusive" + (": " + x["note"] if x.get("note") else "") + ")"
+
+
 def dflash_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, train: dict, tokenize: dict,
                 prompts: dict, base_model: str | None, serving: dict | None, shown_dir: str | None) -> str:
     """The card of a DFlash drafter (the module docstring)."""
@@ -310,7 +314,7 @@ def dflash_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, tr
     digests = contract.get(DIGESTS_KEY) or {}
     speed = "".join(f"- vLLM paired speedup at T = {x['temperature']:g} ({x['rule']} drafts): {_num(x.get('estimate'))}"
                     f" [{_num(x.get('lo'))}, {_num(x.get('hi'))}]"
-                    f"{'' if x.get('conclusive') else ' (not conclusive' + (': ' + x['note'] if x.get('note') else '') + ')'}\n"
+                    f"{'' if x.get('conclusive') else _not_conclusive(x)}\n"
                     for x in h.get("speedup_vllm_by_temperature") or [])
     parts = [front_matter(base, datasets, ["speculative-decoding", "dflash", "draft-model", "eaglet"]),
              f"\n# DFlash drafter for {base}\n\n",
