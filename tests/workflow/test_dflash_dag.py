@@ -89,6 +89,12 @@ def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(tmp_path)
     card = (run / "drafter/README.md").read_text()
     assert "# DFlash drafter for" in card and "block size 4" in card and "- dflash" in card
     assert '"method": "dflash"' in card and '"num_speculative_tokens": 3' in card and "EAGLE3" not in card
+    # the run's table (what `make run` prints at the end) speaks of the kind
+    from eaglet.workflow.summary import table
+
+    rows = {r.split("|")[1].strip(): r for r in table(run) if r.startswith("| ")}
+    assert "DFlash, block 4: 6 steps" in rows["train"] and "validation block tau" in rows["train"], rows["train"]
+    assert "NOT proven" not in rows["train"] and "vLLM's counters equal eaglet's block chain" in rows["export"]
     _, out = smk(wf, cache, "-n", configfile="config/dflash.yaml")
     assert "Nothing to be done" in out
 

@@ -125,7 +125,19 @@ def _extract(run_dir: Path) -> str | None:
             "+ the final pre-norm state")
 
 
+def _train_dflash(t: dict) -> str:
+    """A DFlash drafter's training (eaglet.train.dflash_train): its validation is block τ, its labels
+    the target's stored greedy tokens (no label check to prove)."""
+    tr, va, sel = t.get("final_train") or {}, t.get("final_val") or {}, t.get("selected") or {}
+    return (f"DFlash, block {t.get('block_size')}: {t.get('steps')} steps, loss {_f(tr.get('loss'))}, validation "
+            f"block tau {_f(va.get('block_tau'))} (every held-out anchor, T = 0), kept step {sel.get('step')}; "
+            f"labels: {t.get('labels')}; {_minutes(t.get('seconds_this_run'))} of training"
+            f"{', bf16 autocast' if t.get('bf16_autocast') else ''}")
+
+
 def _train(t: dict) -> str:
+    if t.get("kind") == "dflash":
+        return _train_dflash(t)
     lc = t.get("label_check") or {}
     labels = (f"labels proven: top-1 agreement {100 * lc['agreement']:.1f} % on {lc['judged']} positions"
               if lc.get("ok") else f"labels NOT proven ({lc.get('reason', 'no label check')})")
@@ -149,7 +161,10 @@ def _export(c: dict) -> str:
     acc = checks.get("vllm.acceptance", {})
     if acc.get("status") in ("pass", "FAIL"):
         d = acc["details"]
-        if d.get("served_tau") is not None and d.get("simulated_tau") is not None:
+        if d.get("chain") is not None:  # drafter.kind dflash: vLLM's counters against eaglet's block chain
+            parts.append(f"vLLM's counters {'equal' if d['vllm'] == d['chain'] else 'differ from'} eaglet's block "
+                         f"chain ({d['chain']['drafts']} rounds, τ {_f(d.get('tau'))}; {acc['status']})")
+        elif d.get("served_tau") is not None and d.get("simulated_tau") is not None:
             parts.append(f"vLLM τ {d['served_tau']:.3f} vs eaglet's chain {d['simulated_tau']:.3f} pooled over "
                          f"{d['served']['rounds']} rounds on the same text ({acc['status']})")
         else:
