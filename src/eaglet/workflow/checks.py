@@ -44,7 +44,7 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
                          "check that did not run fails the export after training unless it is named here: add them to "
                          "export.accept_not_run, or turn the check on")
     template = chat_template_text(t.get("chat_template"), workdir)
-    kind = (config.get("drafter") or {}).get("kind", "eagle3")
+    kind = (config.get("drafter") or {}).get("kind", schema.default("drafter.kind"))
     ev = config.get("evaluate", {}).get("vllm", {})
     env = Path(workdir) / ev.get("env", schema.default("evaluate.vllm.env"))
     if not t.get("path") or t.get("tiny") is not None:
