@@ -100,3 +100,34 @@ def test_the_check_is_not_run_where_no_known_answer_fits(tiny_target, tiny_famil
     ch = dflash_known_answer.pending_check(tiny_target, cfg, work_dir=tmp_path / "n",
                                            python=str(tmp_path / "none" / "bin" / "python"))
     assert ch["ok"] is False and "vLLM environment not found" in ch["details"]["error"]
+
+
+def test_pending_check_runs_the_known_answer_and_judges_vllm_counters(tiny_target, tmp_path):
+    """The contract's pending check (no engine started here): its vLLM run serves the known-answer
+    export on the twin at k = block_size − 1 on the contract's prompts, eaglet's own first-draft rate
+    on the directory is recorded (1.0), and its finish passes vLLM counters with every first draft
+    accepted along the twin's chain and fails counters with none."""
+    from conftest import vllm_env_or_skip
+    from eaglet.target.load import load_identity
+
+    env = vllm_env_or_skip()
+    cfg = DFlashConfig.from_identity(tiny_target, num_layers=1, block_size=3, mask_token_id=MASK,
+                                     target_layer_ids=[2, 4, 5])
+    p = dflash_known_answer.pending_check(tiny_target, cfg, work_dir=tmp_path, python=env, n_prompts=2,
+                                          max_tokens=8)
+    assert isinstance(p, dflash_known_answer.Pending) and p.prompts == PROMPTS
+    assert {k: p.run[k] for k in ("tag", "k", "max_tokens")} == {"tag": "known_answer", "k": 2, "max_tokens": 8}
+    assert dflash_static_problems(p.run["drafter"]) == [] and Path(p.run["target"]).is_dir()
+    known_twin = load_identity(tmp_path / "twin" / "identity.json")
+    chains = [twin.chain(known_twin, ids[-1], 8) for ids in twin.prompt_ids(known_twin, PROMPTS)]
+
+    def spec(first):
+        return {"rc": 0, "token_ids": chains,
+                "spec_decode": {"num_drafts": 6, "num_accepted_tokens_per_pos": [first, 0]}}
+
+    ok = p.finish(spec(6))
+    assert ok["ok"] is True and ok["details"]["first_draft_rate"] == 1.0, ok
+    assert ok["details"]["offline_first_draft_rate"] == 1.0 and ok["details"]["kind"] == "dflash"
+    assert not list(Path(p.run["target"]).glob("*.safetensors"))  # the twin's weights go after the run
+    bad = p.finish(spec(0))
+    assert bad["ok"] is False and bad["details"]["first_draft_rate"] == 0.0

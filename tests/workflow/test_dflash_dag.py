@@ -6,7 +6,8 @@ counters equal to eaglet's block chain), then evaluated: offline (the exact bloc
 HF target, the expectation at T = 1, eaglet.eval.dflash_offline) and served by vLLM with method dflash
 at k = block_size − 1 at T = 0 and 1, timed in pairs with plain decoding; the summary (vLLM's counters
 at T = 0 equal to the offline chain's, the matrix per domain) and the drafter card naming the kind.
-The checks that do not apply to the kind are not run and named in export.accept_not_run; the stages
+vllm.known_answer runs for the kind (a known-answer DFlash drafter on a twin, every first draft accepted);
+SGLang's loader does not apply to it, is not run and named in export.accept_not_run; the stages
 not wired for it are not in the DAG and the parse says so."""
 
 import json
@@ -18,7 +19,7 @@ from workflow_common import planned_jobs, smk
 
 DFLASH = {"kind": "dflash", "dflash": {"block_size": 4, "num_layers": 1, "num_anchors": 64}}
 EXPORT = {"vllm_check": True, "vllm_check_prompts": 2, "vllm_check_max_tokens": 12,
-          "accept_not_run": ["vllm.known_answer", "loader.sglang"]}
+          "accept_not_run": ["loader.sglang"]}
 # small: three prompts in two sets, 12 tokens, one repeat, vLLM's default (greedy) drafting only
 EVALUATE = {"sets": ["mtbench", "heldout"], "num_prompts": {"mtbench": 1, "heldout": 2}, "max_new_tokens": 12,
             "repeats": 1, "temperatures": [0.0, 1.0], "stop_at_eos": False,
@@ -50,10 +51,13 @@ def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(tmp_path)
     assert summary["kind"] == "dflash" and summary["steps"] == 6 and summary["layer_ids"] == [2, 4, 5]
     rep = json.loads((run / "drafter/contract.json").read_text())
     status = {c["name"]: c["status"] for c in rep["checks"]}
-    assert status == {"dflash.static": "pass", "dflash.parity": "pass", "vllm.lossless": "pass",
-                      "vllm.acceptance": "pass", "vllm.known_answer": "not run", "loader.sglang": "not run"}, rep
+    assert status == {"dflash.static": "pass", "dflash.parity": "pass", "vllm.known_answer": "pass",
+                      "vllm.lossless": "pass", "vllm.acceptance": "pass", "loader.sglang": "not run"}, rep
     assert rep["ok"] and rep["method"] == "dflash" and rep["num_speculative_tokens"] == 3
-    assert sorted(r["name"] for r in rep["not_run"]) == ["loader.sglang", "vllm.known_answer"]
+    assert [r["name"] for r in rep["not_run"]] == ["loader.sglang"]
+    known = next(c for c in rep["checks"] if c["name"] == "vllm.known_answer")["details"]
+    assert known["first_draft_rate"] == 1.0 and known["output_is_known_chain"] and known["kind"] == "dflash"
+    assert known["layer_ids"] == [2, 4, 5] and known["mask_token_id"] == summary["mask_token_id"] and known["k"] == 3
     acc = next(c for c in rep["checks"] if c["name"] == "vllm.acceptance")["details"]
     assert acc["vllm"] == acc["chain"] and acc["vllm"]["drafts"] > 0
     cfg = json.loads((run / "drafter/config.json").read_text())

@@ -15,10 +15,14 @@ The contract's checks (eaglet.export.contract.record: pass, FAIL or not run with
                     equals plain greedy's on the contract's prompts
   vllm.acceptance   vLLM's acceptance counters equal eaglet's exact block chain along vLLM's own plain
                     output (eaglet.drafter.dflash.block_chain_along, the trained weights)
-The three engine checks run with export.vllm_check (else not run). EAGLE-3's checks that do not apply
-to this kind are reported not run with the reason, so a config must name them in
-export.accept_not_run: ``vllm.known_answer`` (no DFlash twin with a constructed answer is built) and
-``loader.sglang`` (SGLang's loader is not run on a DFlash directory by eaglet). Not run is no pass.
+  vllm.known_answer a DFlash drafter with the trained taps, mask token, block size and shapes, built so
+                    that its first draft is right, on a twin of the target
+                    (eaglet.export.dflash_known_answer), written by the same writer and served
+                    by vLLM: ~every first draft accepted (run first, in the same runner process; not run
+                    with the reason for targets no twin can be built for)
+The four engine checks run with export.vllm_check (else not run). EAGLE-3's ``loader.sglang`` does not
+apply to this kind (SGLang's loader is not run on a DFlash directory by eaglet): it is reported not run
+with the reason, so a config must name it in export.accept_not_run. Not run is no pass.
 """
 
 from __future__ import annotations
@@ -36,18 +40,18 @@ from eaglet.base.logs import setup_logging
 from eaglet.base.settings_files import parse_json_arg
 from eaglet.engines import vllm_env
 from eaglet.export.contract.dflash_parity import DFLASH_NOT_APPLICABLE, DFLASH_VLLM_CHECKS
+from eaglet.export.contract.known_answer import Pending
 from eaglet.export.contract.record import KNOWN_ANSWER, check, not_run, status_line, verdict
 from eaglet.export.contract.vllm_checks import check_prompts, run_vllm_batch
 from eaglet.export.dflash_format import dflash_static_check, export_dflash
-from eaglet.target.load import load_identity
+from eaglet.target.load import load_identity, vllm_runner_args
 
 log = logging.getLogger("eaglet.export.dflash_export")
 TARGET_KEYS = ("serving", "target_load")
 OUTPUTS = ("config.json", "model.safetensors", "reference.json", "contract.json")
 # EAGLE-3's checks with no DFlash counterpart in eaglet, each with why (named in export.accept_not_run)
 NOT_FOR_DFLASH = {
-    KNOWN_ANSWER: "EAGLE-3's known answer: eaglet builds no DFlash twin whose drafts are right by construction",
-    DFLASH_NOT_APPLICABLE[1]: "SGLang's loader is not run on a DFlash directory by eaglet (vLLM serves it, "
+    DFLASH_NOT_APPLICABLE[0]: "SGLang's loader is not run on a DFlash directory by eaglet (vLLM serves it, "
                               "dflash.parity checks vLLM's own module)",
 }
 
@@ -57,9 +61,11 @@ class ContractError(RuntimeError):
 
 
 def served_checks(drafter_dir: Path, model, identity: dict, *, python, work_dir: Path, n_prompts: int,
-                  max_tokens: int, serving: dict | None) -> tuple[list[dict], dict]:
+                  max_tokens: int, serving: dict | None, before: Pending | None = None) -> tuple[list[dict], dict]:
     """vllm.lossless and vllm.acceptance: plain and dflash runs in one vLLM process; the chain along
-    vLLM's plain output with the trained weights and the target's own taps (in-process HF target)."""
+    vLLM's plain output with the trained weights and the target's own taps (in-process HF target).
+    ``before``: vllm.known_answer's pending run (eaglet.export.dflash_known_answer), run first in
+    the same process where its serving is the target's (else in its own), its check first in the list."""
     import torch
 
     from eaglet.drafter.dflash import block_chain_along
@@ -68,19 +74,29 @@ def served_checks(drafter_dir: Path, model, identity: dict, *, python, work_dir:
 
     k = model.cfg.block_size - 1
     prompts = check_prompts(n_prompts)
-    res = run_vllm_batch(
-        [{"tag": "spec", "target": identity["path"], "drafter": str(drafter_dir), "k": k, "max_tokens": max_tokens},
-         {"tag": "plain", "target": identity["path"], "drafter": None, "k": k, "max_tokens": max_tokens + k - 1,
-          "needs": "spec"}],
-        prompts, work_dir=work_dir, python=python, serving=serving)
+    runs = [{"tag": "spec", "target": identity["path"], "drafter": str(drafter_dir), "k": k, "max_tokens": max_tokens},
+            {"tag": "plain", "target": identity["path"], "drafter": None, "k": k, "max_tokens": max_tokens + k - 1,
+             "needs": "spec"}]
+    head = []
+    if before is not None:
+        if before.prompts != prompts:
+            raise ValueError("the check run first must use the contract's prompts")
+        if vllm_runner_args(before.serving) == vllm_runner_args(serving):
+            res = run_vllm_batch([before.run, *runs], prompts, work_dir=work_dir, python=python, serving=serving)
+        else:  # another serving (the twin on one device beside a tensor-parallel target): its own process
+            res = run_vllm_batch([before.run], prompts, work_dir=work_dir, python=python, serving=before.serving)
+            res.update(run_vllm_batch(runs, prompts, work_dir=work_dir, python=python, serving=serving))
+        head = [before.finish(res[before.run["tag"]])]
+    else:
+        res = run_vllm_batch(runs, prompts, work_dir=work_dir, python=python, serving=serving)
     spec, plain = res["spec"], res["plain"]
     if spec.get("rc") != 0 or plain.get("rc") != 0:
         err = spec.get("engine_error") or spec.get("log_tail") or plain.get("engine_error") or plain.get("log_tail")
         bad = check("vllm.lossless", False, {"error": f"vLLM run failed: {err}", "method": "dflash"})
-        return [bad, not_run("vllm.acceptance", "vLLM did not serve the drafter")], {}
+        return head + [bad, not_run("vllm.acceptance", "vLLM did not serve the drafter")], {}
     same = spec["token_ids"] == [t[:max_tokens] for t in plain["token_ids"]]
-    out = [check("vllm.lossless", same, {"prompts": len(prompts), "k": k, "method": "dflash",
-                                         "tokens": sum(map(len, spec["token_ids"]))})]
+    out = head + [check("vllm.lossless", same, {"prompts": len(prompts), "k": k, "method": "dflash",
+                                                "tokens": sum(map(len, spec["token_ids"]))})]
     target = load_model(identity["path"])
     tap = hf_loop.Target(target, list(model.cfg.target_layer_ids), set())
     embed = target.get_input_embeddings().weight.detach().float()
@@ -109,6 +125,7 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
     import torch
 
     from eaglet.drafter.dflash import load_dflash
+    from eaglet.export import dflash_known_answer
     from eaglet.export.contract.dflash_parity import dflash_parity_checks
 
     o = {key: None for key in TARGET_KEYS} | schema.settings("export", opts, "export", extra=TARGET_KEYS)
@@ -139,7 +156,8 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
         except vllm_env.VllmEnvMissing as e:
             py = None
             checks += [check(n, False, {"error": f"vLLM environment not found or incomplete: {e}"})
-                       for n in ("dflash.parity", "vllm.lossless")] + [not_run("vllm.acceptance", "no vLLM")]
+                       for n in ("dflash.parity", KNOWN_ANSWER, "vllm.lossless")]
+            checks += [not_run("vllm.acceptance", "no vLLM")]
         if py is not None:
             from eaglet.target.load import load_model
 
@@ -148,11 +166,16 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
             head = target.get_output_embeddings().weight.detach().float()
             del target
             checks += dflash_parity_checks([(stage, model)], embed, head, python=py, work_dir=work / "parity")
+            known = dflash_known_answer.pending_check(identity, cfg, work_dir=work / "known_answer", python=py,
+                                                      n_prompts=o["vllm_check_prompts"],
+                                                      max_tokens=o["vllm_check_max_tokens"], serving=o["serving"])
+            pending = known if isinstance(known, Pending) else None
             with torch.no_grad():
                 served, chain = served_checks(stage, model, identity, python=py, work_dir=work / "vllm",
                                               n_prompts=o["vllm_check_prompts"],
-                                              max_tokens=o["vllm_check_max_tokens"], serving=o["serving"])
-            checks += served
+                                              max_tokens=o["vllm_check_max_tokens"], serving=o["serving"],
+                                              before=pending)
+            checks += ([] if pending else [known]) + served
     checks += [not_run(n, why) for n, why in NOT_FOR_DFLASH.items()]
     report = {"kind": "dflash", "checks": checks, **verdict(checks, list(o["accept_not_run"])),
               "method": vllm_env.drafter_method(stage), "num_speculative_tokens": cfg.block_size - 1,

@@ -73,7 +73,7 @@ from eaglet.export.contract.twin import KNOWN, MIN_MARGIN, build_twin, chain, pr
 BREAKAGES = ("layer_ids_minus_one", "mask_token_wrong", "fc_taps_permuted", "fc_transposed", "norm_ones")
 ANSWER_GAIN = 0.25   # the anchor's answer in the residual at a+1; a wrong mask token's embedding has gain 1
 DECOY = 100.0        # |D| / sqrt(H): the decoy only the right context cancels
-MAX_LEN = 4096       # context positions the anchor head's margin is computed for (log of it added)
+MAX_LEN = 4096       # context keys (score 0 for the other head) each head's peak must outweigh: + log(MAX_LEN)
 TAG = "known_answer"
 
 
@@ -91,6 +91,9 @@ def dflash_unsupported(identity: dict, cfg) -> str | None:
                 f"{cfg.head_dim} are not the target's {H} and {d}: the twin's layout does not fit")
     if cfg.num_heads < 2:
         return "the drafter has one attention head: the anchor head and the context head need two"
+    if max(cfg.target_layer_ids) >= int(conf["num_hidden_layers"]):
+        return (f"tap {max(cfg.target_layer_ids)} is the last layer's output: the twin's register is measured "
+                f"for ids 0 .. {int(conf['num_hidden_layers']) - 1} (HF's hidden_states[N] is after the final norm)")
     if d // 2 < 2:
         return f"head_dim {d}: the two heads need two RoPE pairs each"
     return None
@@ -186,7 +189,7 @@ def _norm_scale(cfg, u0, k0, u1, k1) -> tuple[float, dict]:
     rot = Rotary(cfg.rope, cfg.head_dim, cfg.num_heads, cfg.max_position_embeddings)
     K = cfg.block_size
     units = []
-    for at in (K, min(MAX_LEN, cfg.max_position_embeddings) - K):   # relative, but rounding and scaling
+    for at in (K, min(MAX_LEN, cfg.max_position_embeddings) - K):   # relative in theory: two places, the worst
         s0 = _scores(u0, k0, rot, list(range(-1, K - 1)), at)        # anchor head: a, a+1 (own), .., a+K-1
         s1 = _scores(u1, k1, rot, [-2], at)                          # context head: the last context key
         units.append((float(s0[0] - s0[1:].max()), float(s0[0]), float(s1[0])))
@@ -409,11 +412,16 @@ def pending_check(identity: dict, cfg, *, work_dir: str | Path, python=None, n_p
     except (ValueError, RuntimeError, ArtifactError) as e:
         return record.check(name, False, {"error": f"building the known answer failed: {type(e).__name__}: {e}"})
     k = cfg.block_size - 1
+    try:  # eaglet's own forward on the directory, beside vLLM's (not the rule: where they differ, it says which)
+        offline = offline_first_draft(twin, drafter_dir, prompts, max_tokens=max_tokens)
+    except (ValueError, RuntimeError, ArtifactError) as e:
+        offline = {"error": f"{type(e).__name__}: {e}"}
 
     def finish(spec: dict) -> dict:
         ok, det = judge(twin, prompts, spec, max_tokens)
         det.update(rule=RULE, kind="dflash", twin=twin["path"], drafter_dir=str(drafter_dir), k=k,
-                   layer_ids=list(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id)
+                   layer_ids=list(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id,
+                   offline_first_draft_rate=offline.get("first_rate"), offline=offline)
         if built:  # a SmolLM2-size twin is ~400 MB: build_dflash_twin(identity, dir, mask) rebuilds it (seed 0)
             for f in Path(twin["path"]).glob("*.safetensors"):
                 f.unlink()

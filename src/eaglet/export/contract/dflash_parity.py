@@ -23,13 +23,14 @@ import subprocess
 from pathlib import Path
 
 from eaglet.engines import vllm_env
-from eaglet.export.contract.record import check
+from eaglet.export.contract.record import KNOWN_ANSWER, check
 
 # A DFlash export's contract (eaglet.export.dflash_export): the checks that run in vLLM (with
-# export.vllm_check), and EAGLE-3's that have no DFlash counterpart, always not run (a dflash config
-# names them in export.accept_not_run; eaglet.workflow.checks refuses one that does not at parse time)
-DFLASH_VLLM_CHECKS = ("dflash.parity", "vllm.lossless", "vllm.acceptance")
-DFLASH_NOT_APPLICABLE = ("vllm.known_answer", "loader.sglang")
+# export.vllm_check; vllm.known_answer is eaglet.export.dflash_known_answer's), and EAGLE-3's
+# that have no DFlash counterpart, always not run (a dflash config names them in export.accept_not_run;
+# eaglet.workflow.checks refuses one that does not at parse time)
+DFLASH_VLLM_CHECKS = ("dflash.parity", KNOWN_ANSWER, "vllm.lossless", "vllm.acceptance")
+DFLASH_NOT_APPLICABLE = ("loader.sglang",)
 PROBE = Path(vllm_env.__file__).with_name("vllm_dflash_probe.py")  # engine-side, copied and run in its venv
 PIECES = ("fc", "ctx_k", "ctx_v", "embed", "layer_out", "normed", "logits")
 
