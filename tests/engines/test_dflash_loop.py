@@ -71,6 +71,8 @@ class Recorder(DFlashProposer):
 
 
 def test_the_loop_at_t0_is_plain_greedy_and_eaglet_s_exact_block_chain(tiny):
+    """At T = 0 the loop's text is plain greedy's and its rounds are eaglet's block chain's at every k <=
+    block_size - 1; at k = block_size - 1 round for round, draft for draft and logit for logit."""
     target, drafter, embed, head, prompts = tiny
     side, proposer = DFlashSide(drafter, drafter.cfg, embed, head), Recorder(drafter, embed, head)
     accepted = 0
@@ -102,6 +104,7 @@ def test_the_loop_at_t0_is_plain_greedy_and_eaglet_s_exact_block_chain(tiny):
 
 
 def test_an_eos_ends_the_loop_as_it_ends_the_block_chain(tiny):
+    """An EOS ends the loop where it ends plain greedy, with the block chain's rounds up to it."""
     target, drafter, embed, head, prompts = tiny
     free = hf_loop.greedy(target, prompts[0], MAX_NEW)["tokens"]
     stopper = hf_loop.Target(target.model, LAYERS, eos_ids={free[10]})
@@ -132,6 +135,7 @@ def test_the_context_is_projected_once_per_verified_position(tiny):
 
 
 def test_what_a_dflash_proposer_cannot_draft_is_refused(tiny):
+    """An unknown draft sample method, a draft before any context, k past the block, T = 0 sampling: refused."""
     target, drafter, embed, head, prompts = tiny
     with pytest.raises(ValueError, match="draft sample method 'sampled'"):
         DFlashProposer(drafter, embed, head, "sampled")

@@ -318,12 +318,14 @@ def test_the_dflash_pair_makes_the_rules_matter(dflash):
 
 @pytest.mark.parametrize("method", DFLASH_METHODS)
 def test_dflash_speculative_sampling_is_lossless_in_distribution(dflash, exact, method):
+    """The loop with the DFlash proposer under each draft sample method emits the target's distribution."""
     g, df, pval = g_test(speculative_counts(dflash[method], DFLASH_RUNS, first_seed=DFLASH_SEED), exact)
     assert df >= 12
     assert pval > 1e-3, (method, g, df, pval)
 
 
 def test_the_goodness_of_fit_test_rejects_greedy_dflash_drafts_verified_as_sampled(dflash, exact):
+    """Greedy drafts verified with the drafter's q instead of a one-hot q bias the text: the G-test sees it."""
     target, proposer = dflash["greedy"]
     g, df, pval = g_test(speculative_counts((target, GreedyDraftsVerifiedAsSampled(proposer)), BIASED_RUNS,
                                             first_seed=DFLASH_SEED), exact)
