@@ -15,13 +15,13 @@ draft_sampled / target_probs / step_times / margins) and drafts as vLLM's DFlash
   hidden_norm(fc(taps))`` (eaglet.drafter.dflash.DFlashDrafter.context_kv), are cached and only the
   new positions are computed each round, as vLLM's ``precompute_and_store_context_kv`` writes the
   verified tokens' K/V into its cache: a round's drafter cost does not grow with the text but for
-  the attention over the cache. Drafts never enter the cache (the context is verified positions only), so
-  nothing is rolled back.
+  the attention over the cached K/V. Drafts never enter the cache (the context is verified positions
+  only), so nothing is rolled back.
 - ``draft(k)`` runs the block [bonus, mask × (block_size − 1)] at positions n .. n + block_size − 1
   through the layers (non-causal: every query sees the whole context and the whole block), and the
   drafts are the argmax of block positions 1 .. k: for k < block_size − 1 the block's first k (the
-  block is always whole, so a draft does not depend on k), which is the round eaglet.drafter.dflash
-  .DFlashDrafter.draft_block and block_chain_along compute at the same bonus position.
+  block is always whole, so a draft does not depend on k): the round that
+  eaglet.drafter.dflash.DFlashDrafter.draft_block and block_chain_along compute at that bonus position.
 - ``draft_sampled(k, T, gen)`` at T > 0 follows vLLM's ``draft_sample_method``
   (eaglet.eval.dflash_offline's docstring): "probabilistic" (the default here, as the EAGLE-3
   proposer's: the HF loop draws drafts from q) draws draft j from q_j = softmax(block logits_j / T)
@@ -69,7 +69,7 @@ class DFlashProposer:
 
     def reset(self):
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (K [1,g,S,d], V [1,g,S,d])
-        self.n, self.bonus, self._logits = 0, None, None
+        self.n, self.bonus = 0, None
         self.margins: list[float] = []
 
     @torch.inference_mode()
@@ -85,7 +85,7 @@ class DFlashProposer:
         self.kv = new if not self.kv else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
                                            for (k0, v0), (k1, v1) in zip(self.kv, new)]
         self.n += T
-        self.bonus, self._logits = int(next_ids[-1]), None
+        self.bonus = int(next_ids[-1])
         if timed:
             self.step_times.append(time.perf_counter() - t0)
 
