@@ -9,7 +9,12 @@ and resampling a rejection from p instead of max(0, p − q). Those rules run th
 documented ``verify`` parameter, built from the loop's own pieces (``residual``, ``draw``).
 
 The offline expected acceptance (``expected_prompt``) on the same pair: exact for a round's first
-draft (against the loop's measured acceptance), and equal to the greedy chain's count as T -> 0."""
+draft (against the loop's measured acceptance), and equal to the greedy chain's count as T -> 0.
+
+A DFlash drafter for the same target as the loop's proposer (eaglet.engines.dflash_loop.DFlashProposer,
+drafter.kind dflash): lossless in distribution under both of vLLM's draft sample methods (drafts
+sampled from the block's q; greedy drafts, verified with a one-hot q, i.e. accepted with p(draft)),
+and the same G-test rejects greedy drafts verified as if they had been sampled from q."""
 
 import itertools
 import math
@@ -91,10 +96,10 @@ def g_test(counts: Counter, probs: dict, min_expected: float = 5.0) -> tuple[flo
     return g, df, pval
 
 
-def speculative_counts(pair, runs: int, verify=hf_loop.verify_exact) -> Counter:
+def speculative_counts(pair, runs: int, verify=hf_loop.verify_exact, first_seed: int = 0) -> Counter:
     target, proposer = pair
     out = Counter()
-    for seed in range(runs):
+    for seed in range(first_seed, first_seed + runs):
         r = hf_loop.speculative_sampling(target, proposer, PROMPT, K, MAX_NEW, T, hf_loop.generator(seed),
                                          verify=verify)
         assert len(r["tokens"]) == MAX_NEW  # no EOS here: max_new ends every run
@@ -240,3 +245,88 @@ def test_expected_prompt_samples_its_own_text_reproducibly(pair):
     assert a["tokens"] == hf_loop.sample(target, PROMPT, 12, T, hf_loop.generator(5))["tokens"]
     assert all(0 <= x <= 1 + 1e-6 for s in a["starts"] for x in s["alpha"])
     assert [len(s["alpha"]) for s in a["starts"]][-2:] == [2, 1]  # no draft past the text's end
+
+
+# --------------------------------------------------------------------------- a DFlash drafter as the proposer
+DFLASH_METHODS = ("probabilistic", "greedy")
+# The DFlash runs: 1,000 per method (G p-values seen: 0.99 probabilistic, 0.89 greedy, df 13; drafts
+# verified by the wrong rule below 1e-100 at 600), seeds from DFLASH_SEED. Seeds 0 .. 1999 gave p = 3e-4
+# under the probabilistic method (a fixed seed set's chance at a 1e-3 threshold); 20,000 runs from
+# DFLASH_SEED gave p = 0.29 (probabilistic) and 0.94 (greedy drafts), and 2,000-run sets from 2,000
+# and 4,000 gave 0.93 and 0.95: no bias, one tail.
+DFLASH_RUNS, DFLASH_SEED = 1000, 10_000
+
+
+@pytest.fixture(scope="module")
+def dflash(pair):
+    """A DFlash drafter for the same target (eaglet.engines.dflash_loop.DFlashProposer; block size 3, so
+    k = 2 as above), with the target's own embedding and sharpened head, trained a few steps on the
+    target's samples after PROMPT so that q is near p but not p (an untrained one is never accepted:
+    its q is as sharp as p, on other tokens). {draft sample method: (target, proposer)}."""
+    from eaglet.drafter.dflash import DFlashConfig, DFlashDrafter, train_dflash_step
+    from eaglet.engines.dflash_loop import DFlashProposer
+
+    target, _ = pair
+    model = target.model
+    cfg = DFlashConfig(hidden_size=32, target_hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                       intermediate_size=64, num_layers=1, vocab_size=V, target_layer_ids=[1, 2, 3],
+                       num_target_layers=4, mask_token_id=V - 1, block_size=K + 1)
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(cfg)
+    embed, head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
+    ids = torch.tensor([PROMPT + hf_loop.sample(target, PROMPT, 6, T, hf_loop.generator(1000 + s))["tokens"]
+                        for s in range(64)])
+    with torch.no_grad():
+        states = model(input_ids=ids, output_hidden_states=True).hidden_states
+    batch = {"taps": torch.cat([states[j] for j in cfg.target_layer_ids], -1), "input_ids": ids,
+             "loss_mask": torch.arange(ids.shape[1]).expand_as(ids) >= len(PROMPT) - 1}
+    opt, gen = torch.optim.Adam(drafter.parameters(), lr=3e-3), torch.Generator().manual_seed(0)
+    for _ in range(60):
+        train_dflash_step(drafter, batch, embed, head, opt, gen, num_anchors=8)
+    return {m: (target, DFlashProposer(drafter.eval(), embed, head, m)) for m in DFLASH_METHODS}
+
+
+class GreedyDraftsVerifiedAsSampled:
+    """Greedy DFlash drafts (argmax q) handed to the verification with the drafter's q, as if they had
+    been sampled from it: accepted with min(1, p/q) instead of p(draft), rejections resampled from
+    max(0, p − q). The bug the one-hot q of DFlashProposer's greedy method avoids."""
+
+    def __init__(self, proposer):
+        self.p = proposer
+
+    def __getattr__(self, name):
+        return getattr(self.p, name)
+
+    def draft_sampled(self, k, temperature, gen):
+        q = hf_loop.probs(self.p.block_logits(k), temperature)
+        return q.argmax(-1).tolist(), q
+
+
+def test_the_dflash_pair_makes_the_rules_matter(dflash):
+    """Rejections and full acceptances both happen under each draft sample method, and q is far from
+    one-hot (else greedy and sampled drafts would be verified alike)."""
+    for method, (target, proposer) in dflash.items():
+        accepted = Counter(hf_loop.speculative_sampling(target, proposer, PROMPT, K, MAX_NEW, T,
+                                                        hf_loop.generator(s))["rounds"][0][2] for s in range(200))
+        assert accepted[0] > 5 and accepted[K] > 20, (method, accepted)
+    target, proposer = dflash["probabilistic"]
+    proposer.reset()
+    _, aux = target.forward(PROMPT, target.new_cache())
+    proposer.extend(aux, PROMPT[1:] + [3])
+    assert hf_loop.probs(proposer.block_logits(K), T).max() < 0.9
+
+
+@pytest.mark.parametrize("method", DFLASH_METHODS)
+def test_dflash_speculative_sampling_is_lossless_in_distribution(dflash, exact, method):
+    """The loop with the DFlash proposer under each draft sample method emits the target's distribution."""
+    g, df, pval = g_test(speculative_counts(dflash[method], DFLASH_RUNS, first_seed=DFLASH_SEED), exact)
+    assert df >= 12
+    assert pval > 1e-3, (method, g, df, pval)
+
+
+def test_the_goodness_of_fit_test_rejects_greedy_dflash_drafts_verified_as_sampled(dflash, exact):
+    """Greedy drafts verified with the drafter's q instead of a one-hot q bias the text: the G-test sees it."""
+    target, proposer = dflash["greedy"]
+    g, df, pval = g_test(speculative_counts((target, GreedyDraftsVerifiedAsSampled(proposer)), BIASED_RUNS,
+                                            first_seed=DFLASH_SEED), exact)
+    assert pval < 1e-6, (g, df, pval)

@@ -2,7 +2,10 @@
 target, a drafter overfitted on the greedy answers to some prompts; the T = 0 figures are the exact
 block chain (eaglet.drafter.dflash.block_chain_along, the chain the export's served check proved
 equal to vLLM's counters), the T > 0 figures the expectation under each draft sample method, with
-matrix rows per domain, at the one k vLLM serves DFlash with (block_size − 1)."""
+matrix rows per domain, at the one k vLLM serves DFlash with (block_size − 1). Then evaluate_speculative
+for the same drafter (the timed HF loop with eaglet.engines.dflash_loop) at the k_values up to
+block_size − 1, and the summary with its figures: lossless, its rounds eaglet's block chain's at every k,
+paired speedups at T = 0 and T = 1 with intervals, the HF-loop rows in the matrix."""
 
 import pytest
 import torch
@@ -28,9 +31,13 @@ def test_block_replay_visits_the_served_rounds_by_hand():
     assert block_replay([0, 0, 0, 0], 4, 4, 3) == [(1, 3, 0), (2, 3, 0), (3, 3, 0)]
 
 
-def test_offline_for_a_dflash_drafter_is_its_exact_block_chain(tiny_target, tmp_path):
+@pytest.fixture(scope="module")
+def dflash_eval(tiny_target, tmp_path_factory):
+    """The drafter, its evaluate_offline run and what checks it: {"dir", "ident", "sets", "o", "res",
+    "prompts", "target", "drafter", "embed", "head"}."""
     from pathlib import Path
 
+    tmp_path = tmp_path_factory.mktemp("dflash_eval")
     ident = Path(tiny_target["path"]).parent / "identity.json"
     write_conversations(tmp_path / "heldout.parquet", [
         {"id": f"h{i}", "source": "heldout", "messages": [{"role": "user", "content": q}]}
@@ -77,6 +84,20 @@ def test_offline_for_a_dflash_drafter_is_its_exact_block_chain(tiny_target, tmp_
     save_dflash(tmp_path / "drafter.safetensors", drafter, cfg)
 
     res = evaluate_offline(tmp_path / "drafter.safetensors", ident, sets, tmp_path, threads=1, **o)
+    return {"dir": tmp_path, "ident": ident, "sets": sets, "o": o, "res": res, "prompts": prompts,
+            "target": target, "drafter": drafter, "embed": embed, "head": head}
+
+
+def test_offline_for_a_dflash_drafter_is_its_exact_block_chain(dflash_eval):
+    e = dflash_eval
+    res, prompts, target, drafter, embed, head = (e[x] for x in ("res", "prompts", "target", "drafter", "embed",
+                                                                 "head"))
+    k, layer_ids, tmp_path = BLOCK - 1, [2, 4, 5], e["dir"]
+
+    def taps_of(x):
+        _, aux = target.forward(x, target.new_cache())
+        return aux.reshape(len(x), -1)
+
     assert res["kind"] == "dflash" and res["block_size"] == BLOCK and res["options"]["k_values"] == [k]
     assert res["layer_ids"] == layer_ids and read_json(tmp_path / "offline.json")["kind"] == "dflash"
 
@@ -105,3 +126,47 @@ def test_offline_for_a_dflash_drafter_is_its_exact_block_chain(tiny_target, tmp_
     for rule in ("greedy", "probabilistic"):
         tau = smp["rules"][rule]["overall"]["tau"][k]
         assert 1.0 <= tau <= 1.0 + k
+
+
+def test_the_timed_hf_loop_for_a_dflash_drafter_and_its_summary(dflash_eval, tmp_path):
+    """evaluate_speculative reads the kind from the drafter's file: k_values [1, 2, 5] run at 1, 2, 3
+    (5 is past the block; block_size − 1 always in), lossless at every k, speedups paired at T = 0 and
+    T = 1; the summary's headline holds the HF loop's figures at k = 3 and its rounds equal eaglet's
+    block chain at every k; without speculative.json the summary says the HF loop did not run."""
+    import shutil
+
+    from eaglet.eval.eval_summary import summarise
+    from eaglet.eval.evaluate_speculative import evaluate_speculative
+
+    e = dflash_eval
+    out, k = e["dir"], BLOCK - 1
+    spec = evaluate_speculative(out / "drafter.safetensors", e["ident"], e["sets"], out, threads=1,
+                                **{**e["o"], "repeats": 1})
+    assert spec["kind"] == "dflash" and spec["block_size"] == BLOCK and spec["options"]["k_values"] == [1, 2, k]
+    assert spec["layer_ids"] == [2, 4, 5] and read_json(out / "speculative.json")["kind"] == "dflash"
+    assert spec["lossless"]["pass"] and spec["lossless"]["compared"] == 5 * 3 and not spec["lossless"]["mismatches"]
+    assert spec["overall"]["k"][k]["tau"] > 1.1 and spec["sets"]["heldout"]["k"][k]["tau"] > 1.3
+    assert [x["temperature"] for x in spec["sampling"]] == [1.0]
+    assert {(r["temperature"], r["k"], r.get("rule")) for r in spec["matrix"] if r["domain"] == "all"} == \
+        {(0.0, kk, "greedy") for kk in (1, 2, k)} | {(1.0, kk, "probabilistic") for kk in (1, 2, k)}
+
+    s = summarise(out, tie_eps=1e-5)
+    h = s["headline"]
+    assert "hf_loop" not in h and h["lossless_hf_loop"] and h["offline_matches_real_loop"]
+    assert s["agreement"]["compared"] == 5 * 3 and not s["agreement"]["differing"]
+    assert h["hf_loop_k_values"] == [1, 2, k] and h["tau_hf_loop"] == {
+        name: v["k"][k]["tau"] for name, v in spec["sets"].items()}
+    assert h["speedup_hf_loop"] == spec["overall"]["k"][k]["speedup"] and len(h["speedup_hf_loop_ci"]) == 2
+    by_t = {x["temperature"]: x for x in h["speedup_hf_loop_by_temperature"]}
+    assert set(by_t) == {0.0, 1.0} and by_t[1.0]["rule"] == "probabilistic" and by_t[0.0]["rule"] is None
+    assert by_t[1.0]["estimate"] == spec["sampling"][0]["overall"]["k"][k]["speedup"]
+    assert all(x["lo"] is not None and x["hi"] is not None for x in by_t.values())
+    assert h["recommended_k"] is None and "block_size - 1 only" in h["recommendation"]
+    assert {r["k"] for r in s["matrix"] if r["engine"] == "hf_loop"} == {1, 2, k}
+
+    # an evaluation without the HF loop's record: its figures null, with why (no pass)
+    for name in ("offline.json", "offline_positions.parquet", "offline_rounds.parquet"):
+        shutil.copy(out / name, tmp_path / name)
+    h = summarise(tmp_path, tie_eps=1e-5)["headline"]
+    assert h["hf_loop"] == "not run" and "no speculative.json" in h["hf_loop_reason"]
+    assert h["lossless_hf_loop"] is None and h["speedup_hf_loop"] is None

@@ -3,9 +3,11 @@ prompts to a DFlash drafter trained on the run's hidden-state store (eaglet.trai
 exported with its contract run in real vLLM (eaglet.export.dflash_export): the static check, parity
 with vLLM's own module, and the served check (method dflash at k = block_size − 1: lossless, vLLM's
 counters equal to eaglet's block chain), then evaluated: offline (the exact block chain at T = 0 with the
-HF target, the expectation at T = 1, eaglet.eval.dflash_offline) and served by vLLM with method dflash
-at k = block_size − 1 at T = 0 and 1, timed in pairs with plain decoding; the summary (vLLM's counters
-at T = 0 equal to the offline chain's, the matrix per domain) and the drafter card naming the kind.
+HF target, the expectation at T = 1, eaglet.eval.dflash_offline), the timed HF loop (eaglet.engines.dflash_loop
+at the run's k_values up to block_size − 1, lossless at T = 0, paired speedups over plain decoding at T = 0
+and 1) and served by vLLM with method dflash at k = block_size − 1 at T = 0 and 1, timed in pairs with plain
+decoding; the summary (the HF loop's speedups and rounds equal to the block chain's, vLLM's counters at T = 0
+equal to the offline chain's, the matrix per domain) and the drafter card naming the kind.
 vllm.known_answer runs for the kind (a known-answer DFlash drafter on a twin, every first draft accepted);
 SGLang's loader does not apply to it, is not run and named in export.accept_not_run; the stages
 not wired for it are not in the DAG and the parse says so."""
@@ -20,9 +22,10 @@ from workflow_common import planned_jobs, smk
 DFLASH = {"kind": "dflash", "dflash": {"block_size": 4, "num_layers": 1, "num_anchors": 64}}
 EXPORT = {"vllm_check": True, "vllm_check_prompts": 2, "vllm_check_max_tokens": 12,
           "accept_not_run": ["loader.sglang"]}
-# small: three prompts in two sets, 12 tokens, one repeat, vLLM's default (greedy) drafting only
+# small: three prompts in two sets, 12 tokens, one repeat, vLLM's default (greedy) drafting only; the HF loop
+# at k 2 and 3 (k_values [2, 5] clipped to the block, block_size - 1 always in)
 EVALUATE = {"sets": ["mtbench", "heldout"], "num_prompts": {"mtbench": 1, "heldout": 2}, "max_new_tokens": 12,
-            "repeats": 1, "temperatures": [0.0, 1.0], "stop_at_eos": False,
+            "k_values": [2, 5], "repeats": 1, "temperatures": [0.0, 1.0], "stop_at_eos": False,
             "vllm": {"enabled": True, "k_values": [1, 2], "draft_sample_methods": ["greedy"]}}
 
 
@@ -41,9 +44,10 @@ def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(tmp_path)
 
     _, out = smk(wf, cache, "-n", configfile="config/dflash.yaml")
     assert planned_jobs(out) == {"target_model", "prompts", "generate", "tokenize", "token_freq", "vocab_map",
-                                 "extract_hidden_states", "train", "export", "evaluate_offline", "evaluate_vllm",
-                                 "eval_summary", "drafter_card"}
-    assert "drafter kind dflash: NOT RUN" in out and "evaluate_speculative: the timed HF" in out
+                                 "extract_hidden_states", "train", "export", "evaluate_offline",
+                                 "evaluate_speculative", "evaluate_vllm", "eval_summary", "drafter_card"}
+    not_run = next(line for line in out.splitlines() if "drafter kind dflash: NOT RUN" in line)
+    assert "evaluate_modes: per chat-template" in not_run and "evaluate_speculative" not in not_run
     smk(wf, cache, configfile="config/dflash.yaml")
 
     run = wf / "results/smoke"
@@ -77,6 +81,11 @@ def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(tmp_path)
     assert {t["temperature"] for t in vl["sampled_agreement"]["tests"]} == {1.0}
     assert "dflash_t_gt0_disagreements" in vl
     assert {(x["k"], x["temperature"]) for x in vl["speedup"]} == {(3, 0.0), (3, 1.0)}
+    # the timed HF loop: the run's k_values [2, 5] within the block and 3, lossless, paired at T = 0 and 1
+    sp = json.loads((ev / "speculative.json").read_text())
+    assert sp["kind"] == "dflash" and sp["options"]["k_values"] == [2, 3] and sp["prompts"] == 3
+    assert sp["lossless"]["pass"] and sp["lossless"]["compared"] == 6 and sp["layer_ids"] == [2, 4, 5]
+    assert [x["temperature"] for x in sp["sampling"]] == [1.0]
     # the served counters at T = 0 are exactly the offline block chain's, per set
     s = json.loads((ev / "summary.json").read_text())
     eq = s["served_vs_offline_chain"]
@@ -84,21 +93,33 @@ def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(tmp_path)
     assert all(v["vllm"]["drafts"] > 0 and v["tau_vllm"] == v["tau_offline_chain"] for v in eq["sets"].values())
     h = s["headline"]
     assert h["kind"] == "dflash" and h["k"] == 3 and h["lossless_vllm"] and h["vllm_counters_equal_offline_chain"]
-    assert h["hf_loop"] == "not run" and h["speedup_hf_loop"] is None  # not wired: said, not passed
+    # the HF loop's figures at k = 3: its rounds at every k are the block chain's, speedups per temperature
+    assert "hf_loop" not in h and h["lossless_hf_loop"] and h["offline_matches_real_loop"]
+    assert s["agreement"]["compared"] == 6 and h["speedup_hf_loop"] == sp["overall"]["k"]["3"]["speedup"]
+    assert [(x["temperature"], x["rule"]) for x in h["speedup_hf_loop_by_temperature"]] == [
+        (0.0, None), (1.0, "probabilistic")]
+    assert all(x["estimate"] and x["lo"] is not None for x in h["speedup_hf_loop_by_temperature"])
     # matrix rows per domain: the chain and vLLM at T = 0, each served rule's expectation and vLLM at T = 1
     domains = {r["domain"] for r in s["matrix"] if r["domain"] != "all"}
-    assert len(domains) >= 2 and {r["k"] for r in s["matrix"]} == {3}
-    for engine, T in (("chain", 0.0), ("vllm", 0.0), ("expected", 1.0), ("vllm", 1.0)):
+    assert len(domains) >= 2 and {r["k"] for r in s["matrix"]} == {2, 3}
+    assert {r["k"] for r in s["matrix"] if r["engine"] != "hf_loop"} == {3}
+    for engine, T in (("chain", 0.0), ("hf_loop", 0.0), ("vllm", 0.0), ("expected", 1.0), ("hf_loop", 1.0),
+                      ("vllm", 1.0)):
         assert {r["domain"] for r in s["matrix"] if r["engine"] == engine and r["temperature"] == T} >= domains
     card = (run / "drafter/README.md").read_text()
     assert "# DFlash drafter for" in card and "block size 4" in card and "- dflash" in card
     assert '"method": "dflash"' in card and '"num_speculative_tokens": 3' in card and "EAGLE3" not in card
+    assert "- HF loop (eaglet's timed loop on the HF target) paired speedup over plain decoding at T = 0: " in card
+    assert "at T = 1 (sampled drafts): " in card and "not measured" not in card
+    assert "- lossless at T = 0 in the HF loop (k = 2, 3): yes; its rounds equal eaglet's block chain's" in card
     # the run's table (what `make run` prints at the end) speaks of the kind
     from eaglet.workflow.summary import table
 
     rows = {r.split("|")[1].strip(): r for r in table(run) if r.startswith("| ")}
     assert "DFlash, block 4: 6 steps" in rows["train"] and "validation block tau" in rows["train"], rows["train"]
     assert "NOT proven" not in rows["train"] and "vLLM's counters equal eaglet's block chain" in rows["export"]
+    assert "HF loop τ equals the offline chain" in rows["evaluate"] and "lossless: HF loop yes, vLLM yes" in \
+        rows["evaluate"] and "NOT RUN" not in rows["evaluate"], rows["evaluate"]
     _, out = smk(wf, cache, "-n", configfile="config/dflash.yaml")
     assert "Nothing to be done" in out
 

@@ -224,7 +224,8 @@ LONG_REASONS = {"target.chat_template", "train.hidden_states", "prompts.source",
 # Keys whose change also takes stages out of the DAG: the jobs planned, exactly (no provenance).
 # drafter.kind dflash ends the run at the evaluation summary and the card (eaglet.workflow.resolve.DFLASH_NOT_RUN;
 # evaluate.vllm is off in the smoke run).
-EXACT = {"drafter.kind": {"train", "export", "evaluate_offline", "eval_summary", "drafter_card"}}
+EXACT = {"drafter.kind": {"train", "export", "evaluate_offline", "evaluate_speculative", "eval_summary",
+                          "drafter_card"}}
 
 
 def schema_keys(node: dict, path: str = "") -> list[str]:

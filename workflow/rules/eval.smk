@@ -6,9 +6,11 @@ from eaglet.target.load import packaged_file_identity
 
 EVAL = config["evaluate"]
 # drafter.kind dflash: evaluate_offline (the block chain, eaglet.eval.dflash_offline: the stage reads the
-# kind from the drafter's file), evaluate_vllm (method dflash at k = block_size - 1) and eval_summary
-# run; the timed HF loop, the modes and the regenerated sets are not wired for the kind (the Snakefile,
-# eaglet.workflow.resolve.DFLASH_NOT_RUN): eval_summary reads neither, and vLLM does not wait for them
+# kind from the drafter's file), evaluate_speculative (the timed HF loop with eaglet.engines.dflash_loop,
+# at the k_values up to block_size - 1: the stage reads the kind too), evaluate_vllm (method dflash at
+# k = block_size - 1) and eval_summary run; the modes and the regenerated sets are not wired for the
+# kind (the Snakefile, eaglet.workflow.resolve.DFLASH_NOT_RUN): eval_summary reads neither. vLLM does not
+# wait for the HF loop (both take every core, so they never run side by side here)
 EVAL_DFLASH = R.drafter_kind == "dflash"
 EVAL_DIR = f"{RUN}/eval"
 # "heldout" = this run's held-out prompts; other names and .parquet paths go to eaglet.base.datasets
@@ -304,14 +306,8 @@ rule eval_summary:
         offline=rules.evaluate_offline.output.offline,
         positions=rules.evaluate_offline.output.positions,
         offline_rounds=rules.evaluate_offline.output.rounds,
-        **(
-            {}
-            if EVAL_DFLASH
-            else {
-                "speculative": rules.evaluate_speculative.output.speculative,
-                "spec_rounds": rules.evaluate_speculative.output.rounds,
-            }
-        ),
+        speculative=rules.evaluate_speculative.output.speculative,
+        spec_rounds=rules.evaluate_speculative.output.rounds,
     output:
         summary=report(
             f"{EVAL_DIR}/summary.json",

@@ -27,12 +27,17 @@ the paying k with the highest expected speedup, and whether its measured interva
 τ per domain (MT-Bench categories, HumanEval, math, held-out) comes with its interval over prompts.
 Plots are written to a temporary file and renamed: a declared output is never half written.
 
-A DFlash drafter (offline.json ``kind: dflash``, drafter.kind dflash): no speculative.json (the timed HF
-loop is not wired for the kind); :func:`summarise_dflash` writes the same files: the headline at k =
-block_size − 1 (the one k vLLM serves it with) with the exact block chain's τ per set and domain, vLLM's
-τ, paired speedups at every temperature and losslessness, whether vLLM's counters at T = 0 equal the
-offline chain's exactly, the HF-loop figures null with the reason (not a pass), no recommendation,
-the matrix, and placeholder plots that say why.
+A DFlash drafter (offline.json ``kind: dflash``, drafter.kind dflash): :func:`summarise_dflash` writes the
+same files: the headline at k = block_size − 1 (the one k vLLM serves it with) with the exact block
+chain's τ per set and domain; the timed HF loop's (speculative.json, eaglet.engines.dflash_loop): τ per
+set, paired speedups over plain decoding at every temperature with their intervals, its lossless
+check, and whether its rounds at every k it ran equal eaglet's block chain walked as the loop walks it
+(:func:`dflash_loop_rounds`: the accepted prefix from every start, offline_positions.parquet, capped
+at max_new_tokens as the loop caps a round); vLLM's τ, paired speedups at every temperature and
+losslessness, whether vLLM's counters at T = 0 equal the offline chain's exactly; no draft-length
+recommendation (vLLM serves the kind at one k), the matrix, and placeholder plots that say why. A
+DFlash evaluation without speculative.json (written before the HF loop ran for the kind) or whose
+HF loop did not run has the HF-loop figures null with the reason (not a pass).
 
 When the HF loop did not run (offline.json ``status: not run``, ``evaluate.hf_loop``: a target too
 big for one process), the summary says so: ``headline.hf_loop`` is "not run" with the reason, every
@@ -73,10 +78,11 @@ def _k(d: dict, k) -> object:
 
 
 # --------------------------------------------------------------------------- agreement
-def agreement(eval_dir: Path, eps: float) -> dict:
+def agreement(eval_dir: Path, eps: float, offline_rounds: pd.DataFrame | None = None) -> dict:
     """Offline chain replay vs the real loop, round by round, per prompt and k. A difference is
-    explained only by a logged near-tie (target or drafter top-2 gap < eps) where it starts."""
-    a = read_parquet(eval_dir / "offline_rounds.parquet").to_pandas()
+    explained only by a logged near-tie (target or drafter top-2 gap < eps) where it starts.
+    ``offline_rounds``: the replay to compare with (default offline_rounds.parquet)."""
+    a = read_parquet(eval_dir / "offline_rounds.parquet").to_pandas() if offline_rounds is None else offline_rounds
     b = read_parquet(eval_dir / "speculative_rounds.parquet").to_pandas()
     pos = read_parquet(eval_dir / "offline_positions.parquet").to_pandas()
     keys = ["set", "id", "k"]
@@ -360,9 +366,33 @@ def summarise_without_hf_loop(out: Path, offline: dict, vllm: dict | None, o: di
     return res
 
 
-# Why the timed HF loop's figures are absent for a DFlash drafter (a check that did not run is no pass)
-DFLASH_NO_HF_LOOP = ("the timed HF speculative loop (evaluate_speculative) is not wired for drafter.kind dflash: "
-                     "no HF-loop speedup, lossless check or draft-length recommendation")
+# Why the timed HF loop's figures are absent for a DFlash drafter without speculative.json (a check that
+# did not run is no pass)
+DFLASH_NO_HF_LOOP = ("no speculative.json: the timed HF speculative loop (evaluate_speculative) did not run for "
+                     "this DFlash drafter, so no HF-loop speedup or lossless check")
+# Why a DFlash drafter gets no draft-length recommendation
+DFLASH_NO_RECOMMENDATION = ("no draft-length recommendation: vLLM serves a DFlash drafter at k = block_size - 1 "
+                            "only (the HF loop's smaller k draft the block's first k, measured for comparison)")
+
+
+def dflash_loop_rounds(eval_dir: Path, offline: dict, ks: list[int]) -> pd.DataFrame:
+    """The rounds the timed HF loop must run with a DFlash drafter at each k of ``ks``, from eaglet's
+    block chain: the accepted prefix of the block from every start (offline_positions.parquet; at k
+    < block_size − 1 the block's first k drafts accept min(accepted, k)) walked as the loop walks it,
+    a round near the end drafting at most max_new_tokens − g − 1 (eaglet.drafter.chain.chain_replay),
+    over each prompt's greedy continuation (offline.json ``per_prompt``)."""
+    from eaglet.drafter.chain import chain_replay  # here: it imports torch, which the summary needs only here
+
+    pos = read_parquet(eval_dir / "offline_positions.parquet").to_pandas()
+    max_new = int(offline["options"]["max_new_tokens"])
+    at = {key: dict(zip(g["g"].tolist(), g["accepted"].tolist())) for key, g in pos.groupby(["set", "id"])}
+    rows = []
+    for p in offline["per_prompt"]:
+        n, acc = len(p["tokens"]), at.get((p["set"], p["id"]), {})
+        accepted = [0] + [int(acc.get(g, 0)) for g in range(1, n)]
+        rows += [{"set": p["set"], "id": p["id"], "k": int(k), "g": g, "k_eff": ke, "accepted": a}
+                 for k in ks for g, ke, a in chain_replay(accepted, n, max_new, int(k))]
+    return pd.DataFrame(rows, columns=["set", "id", "k", "g", "k_eff", "accepted"])
 
 
 def served_equals_chain(offline: dict, vllm: dict | None, k: int) -> dict | None:
@@ -381,8 +411,23 @@ def served_equals_chain(offline: dict, vllm: dict | None, k: int) -> dict | None
     return {"k": k, "sets": sets, "equal": all(v["equal"] for v in sets.values())}
 
 
-def summarise_dflash(out: Path, offline: dict, vllm: dict | None, o: dict) -> dict:
-    """summary.json for a DFlash drafter (the module docstring)."""
+def hf_loop_speedups(spec: dict, k: int) -> list[dict]:
+    """The timed HF loop's paired speedup over plain decoding at k, per temperature: T = 0 (greedy
+    loop against plain greedy) and each T > 0 (speculative sampling, drafts sampled from q, against
+    plain sampling), each with its interval over prompts."""
+    views = [(0.0, None, spec["overall"])] + [(x["temperature"], "probabilistic", x["overall"])
+                                                for x in spec.get("sampling") or []]
+    out = []
+    for T, rule, overall in views:
+        ci = (_k(overall["k"], k) or {}).get("speedup_ci") or {}
+        out.append({"temperature": T, "rule": rule, "k": k,
+                    **{key: ci.get(key) for key in ("estimate", "lo", "hi", "conclusive", "note")}})
+    return out
+
+
+def summarise_dflash(out: Path, offline: dict, vllm: dict | None, o: dict, spec: dict | None = None) -> dict:
+    """summary.json for a DFlash drafter (the module docstring); ``spec``: speculative.json (None:
+    absent)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -392,10 +437,26 @@ def summarise_dflash(out: Path, offline: dict, vllm: dict | None, o: dict) -> di
     h = {"kind": "dflash", "block_size": offline.get("block_size"), "k": k,
          "tau_offline": {s: _k(v["tau"], k) for s, v in offline["sets"].items()},
          "tau_offline_chain": {s: _k(v["tau_chain"], k) for s, v in offline["sets"].items()},
-         "tau_by_domain": tau_by_domain(offline, k),
-         "hf_loop": "not run", "hf_loop_reason": DFLASH_NO_HF_LOOP, "tau_hf_loop": None, "speedup_hf_loop": None,
-         "lossless_hf_loop": None, "offline_matches_real_loop": None, "recommended_k": None,
-         "recommendation": f"no recommendation: {DFLASH_NO_HF_LOOP}"}
+         "tau_by_domain": tau_by_domain(offline, k)}
+    agree = None
+    if spec is None or spec.get("status") == "not run":
+        why = DFLASH_NO_HF_LOOP if spec is None else spec.get("hf_loop_reason") or "evaluate.hf_loop"
+        h.update(hf_loop="not run", hf_loop_reason=why, tau_hf_loop=None, speedup_hf_loop=None,
+                 lossless_hf_loop=None, offline_matches_real_loop=None)
+    else:
+        ks = [int(x) for x in spec["options"]["k_values"]]
+        agree = agreement(out, o["tie_eps"], dflash_loop_rounds(out, offline, ks))
+        sp = _k(spec["overall"]["k"], k) or {}
+        ci = sp.get("speedup_ci") or {}
+        h.update(hf_loop_k_values=ks,
+                 tau_hf_loop={s: (_k(v["k"], k) or {}).get("tau") for s, v in spec["sets"].items()},
+                 speedup_hf_loop=sp.get("speedup"), speedup_hf_loop_ci=[ci.get("lo"), ci.get("hi")],
+                 speedup_hf_loop_conclusive=ci.get("conclusive"), speedup_hf_loop_note=ci.get("note"),
+                 speedup_hf_loop_by_temperature=hf_loop_speedups(spec, k),
+                 greedy_tok_s=spec["overall"]["greedy_tok_s"], spec_tok_s=sp.get("tok_s"),
+                 lossless_hf_loop=spec["lossless"]["pass"], offline_matches_real_loop=agree["pass"])
+    h.update(recommended_k=None, recommendation=DFLASH_NO_RECOMMENDATION if agree is not None
+             else f"no recommendation: {h['hf_loop_reason']}")
     eq = served_equals_chain(offline, vllm, k)
     if vllm:
         run = next((r for r in vllm["runs"] if r["k"] == k and not r["iomp"]), None)
@@ -414,18 +475,21 @@ def summarise_dflash(out: Path, offline: dict, vllm: dict | None, o: dict) -> di
         sa = vllm.get("sampled_agreement")
         h["vllm_t_gt0_agrees_with_rule"] = sa["pass"] if sa and sa.get("tests") else None
         h["vllm_t_gt0_disagreements"] = vllm.get("dflash_t_gt0_disagreements") or []
+    note = h["recommendation"] if agree is not None else h["hf_loop_reason"]
     for name in PLOTS:
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.text(0.5, 0.5, f"drafter.kind dflash:\n{DFLASH_NO_HF_LOOP}\n(the figures are in summary.json's matrix)",
+        ax.text(0.5, 0.5, f"drafter.kind dflash:\n{note}\n(the figures are in summary.json's headline and matrix)",
                 ha="center", va="center", wrap=True, fontsize=7)
         ax.set_axis_off()
         _save(fig, out / name)
         plt.close(fig)
-    matrix = results_matrix(offline, vllm)
+    matrix = results_matrix(offline, spec if agree is not None else None, vllm)
     _log_matrix(matrix)
-    res = {"kind": "dflash", "headline": h, "agreement": None,
+    res = {"kind": "dflash", "headline": h, "agreement": agree,
            "recommendation": {"recommended_k": None, "sentence": h["recommendation"], "table": []},
-           "matrix": matrix, "domains": {"offline_chain": offline.get("domains")},
+           "matrix": matrix,
+           "domains": {"offline_chain": offline.get("domains"),
+                       **({"hf_loop": spec.get("domains")} if agree is not None else {})},
            "served_vs_offline_chain": eq, "vllm_disagreements": (vllm or {}).get("disagreements"),
            "plots": [str(out / p) for p in PLOTS], "learning_curve": None}
     write_parquet(out / "recommendation.parquet", pd.DataFrame({"k": pd.Series([], dtype="int64")}))
@@ -450,7 +514,8 @@ def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_cur
     offline = read_json(out / "offline.json")
     vl = read_json(vllm) if vllm else None
     if offline.get("kind") == "dflash":
-        return summarise_dflash(out, offline, vl, o)
+        spec = read_json(out / "speculative.json") if (out / "speculative.json").exists() else None
+        return summarise_dflash(out, offline, vl, o, spec)
     curve = read_json(learning_curve) if learning_curve else None
     if offline.get("status") == "not run" and not (out / "speculative.json").exists():  # a DFlash run without
         return summarise_without_hf_loop(out, offline, vl, o, curve)                   # the HF loop
@@ -527,7 +592,7 @@ def verify_inputs(eval_dir: str | Path) -> None:
     dflash = (Path(eval_dir) / "offline.json").exists() and read_json(Path(eval_dir) / "offline.json").get("kind") \
         == "dflash"
     for name, record in RECORDED.items():
-        if dflash and record == "speculative.json":  # no timed HF loop for the kind
+        if dflash and not (Path(eval_dir) / record).exists():  # a DFlash evaluation from before its HF loop ran
             continue
         verify_recorded(Path(eval_dir) / name, Path(eval_dir) / record)
 

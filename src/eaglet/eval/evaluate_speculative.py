@@ -33,6 +33,15 @@ tests/engines/test_speculative_sampling.py, not by one run. Every random draw is
 stage also writes ``matrix``: one row per engine, T, k, set and domain (eaglet.eval.stats.matrix_rows)
 that eval_summary concatenates with the other stages'.
 
+drafter.kind dflash (a DFlash drafter file, read as evaluate_offline reads it): the same loop, timing,
+lossless check and outputs with eaglet.engines.dflash_loop.DFlashProposer as the proposer (one drafter
+forward per round, the verified context's K/V cached across rounds, as vLLM's DFlash proposer drafts),
+at the k of ``k_values`` up to block_size − 1, with block_size − 1 (the k vLLM serves it with) always
+in: a k below it drafts the block's first k (:func:`dflash_k_values`; ``kind`` and ``block_size``
+recorded). At T > 0 the drafts are sampled from the block's q and verified exactly, as EAGLE-3's
+drafts are (the probabilistic rule; tests/engines/test_speculative_sampling.py proves both rules
+lossless in distribution for the kind).
+
 The settings (eaglet.eval.options), the conventions shared with the offline simulator and the
 outputs when the HF loop does not run (eaglet.eval.hf_stage) are the HF-loop stages' own.
 """
@@ -51,8 +60,9 @@ from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.files import write_json, write_parquet
 from eaglet.base.progress import Progress
 from eaglet.drafter.chain import prompt_chain, rounds_tau
+from eaglet.engines.dflash_loop import DFlashProposer
 from eaglet.engines.hf_loop import greedy, sample, setup, speculative, speculative_sampling
-from eaglet.eval import stats
+from eaglet.eval import dflash_offline, stats
 from eaglet.eval.hf_stage import domains, frame, hf_loop_not_run, parser, run, run_generator, tau_se
 from eaglet.eval.options import hf_options, sampled_temperatures, target_load
 
@@ -62,6 +72,12 @@ log = logging.getLogger("eaglet.eval.evaluate_speculative")
 def _median(xs):
     return statistics.median(xs) if xs else None
 
+
+
+def dflash_k_values(k_values: list[int], block_size: int) -> list[int]:
+    """The k a DFlash drafter runs at in the HF loop: those of ``k_values`` a block holds (up to
+    block_size − 1) and block_size − 1 itself, the k vLLM serves it with."""
+    return sorted({int(k) for k in k_values if k < block_size} | {block_size - 1})
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -134,8 +150,17 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     o = hf_options(opts)
     if not o["hf_loop"]:
         return hf_loop_not_run("evaluate_speculative", out_dir, o, "speculative.json", ("speculative_rounds.parquet",))
-    ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
-                                               target_load(o))
+    kind = {}
+    if dflash_offline.is_dflash(drafter):
+        ident, target, side, cfg, tok = dflash_offline.setup(drafter, identity, threads, o["stop_at_eos"],
+                                                             o["chat_template"], target_load(o))
+        proposer = DFlashProposer(side.model, side.embed, side.head)
+        o = {**o, "k_values": dflash_k_values(o["k_values"], cfg.block_size)}
+        kind, layer_ids = {"kind": "dflash", "block_size": cfg.block_size}, list(cfg.target_layer_ids)
+    else:
+        ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
+                                                   target_load(o))
+        layer_ids = cfg.layer_ids
     max_new, eps, ks, repeats = o["max_new_tokens"], o["tie_eps"], o["k_values"], int(o["repeats"])
     prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
                                      o["chat_template_kwargs"], o.get("set_digests"))
@@ -184,7 +209,7 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
     costs["target_step_s"] = costs["target_forward_s"].get(1)
     unexplained = [m for m in mismatches if not m["explained_by_tie"]]
     res = {"stage": "evaluate_speculative", "drafter": str(drafter), "target": ident["name"],
-           "target_digest": ident["digest"], "layer_ids": cfg.layer_ids, "options": o,
+           "target_digest": ident["digest"], "layer_ids": layer_ids, "options": o, **kind,
            "threads": torch.get_num_threads(), "prompts": len(prompts),
            "timing": {"repeats": repeats, "design": "paired, interleaved: per prompt and repeat one block of "
                       "greedy and every k back to back, order rotated; speedup sample = greedy s / spec s "

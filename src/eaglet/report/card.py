@@ -19,8 +19,9 @@ block marked ``# eaglet: vllm-snippet``, which tests/report/test_card.py runs on
 
 A DFlash drafter (drafter.kind dflash: config.json names ``DFlash*``) gets its own card
 (:func:`dflash_card`): the kind, its block size and taps, training time, the matrix at k =
-block_size − 1, the contract, the files, and vLLM's snippet and server line with method ``dflash`` at
-that k (no SGLang line: eaglet does not run SGLang on a DFlash folder).
+block_size − 1, the timed HF loop's and vLLM's paired speedups over plain decoding per temperature with
+their lossless checks, the contract, the files, and vLLM's snippet and server line with method
+``dflash`` at that k (no SGLang line: eaglet does not run SGLang on a DFlash folder).
 """
 
 from __future__ import annotations
@@ -312,6 +313,14 @@ def dflash_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, tr
     secs = train.get("seconds_this_run")
     eq = (ev.get("served_vs_offline_chain") or {}).get("equal")
     digests = contract.get(DIGESTS_KEY) or {}
+    hf = "".join(f"- HF loop (eaglet's timed loop on the HF target) paired speedup over plain decoding at T = "
+                 f"{x['temperature']:g}{' (sampled drafts)' if x.get('rule') else ''}: {_num(x.get('estimate'))}"
+                 f" [{_num(x.get('lo'))}, {_num(x.get('hi'))}]{'' if x.get('conclusive') else _not_conclusive(x)}\n"
+                 for x in h.get("speedup_hf_loop_by_temperature") or [])
+    if h.get("lossless_hf_loop") is not None:
+        hf += (f"- lossless at T = 0 in the HF loop (k = {', '.join(map(str, h.get('hf_loop_k_values') or [k]))}): "
+               f"{'yes' if h['lossless_hf_loop'] else 'NO'}; its rounds "
+               f"{'equal' if h.get('offline_matches_real_loop') else 'DIFFER from'} eaglet's block chain's\n")
     speed = "".join(f"- vLLM paired speedup at T = {x['temperature']:g} ({x['rule']} drafts): {_num(x.get('estimate'))}"
                     f" [{_num(x.get('lo'))}, {_num(x.get('hi'))}]"
                     f"{'' if x.get('conclusive') else _not_conclusive(x)}\n"
@@ -335,8 +344,11 @@ def dflash_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, tr
              "## Results\n\n", matrix_tables(ev.get("matrix") or [], k),
              "\nEngines: the exact chain is the block chain vLLM's DFlash proposer runs at T = 0 along the "
              "target's greedy text; the expected chain is each block position's acceptance probability along "
-             "the target's sampled text under each rule vLLM serves; vLLM is measured.\n\n",
-             speed,
+             "the target's sampled text under each rule vLLM serves; the HF loop (eaglet's, one block per round, "
+             "drafts sampled from the block's q at T > 0) and vLLM are measured. A round of the HF loop drafts "
+             "no further than max_new_tokens, where vLLM's drafts a whole block, so on short texts its τ is a "
+             "little below the exact chain's.\n\n",
+             hf, speed,
              (f"- vLLM's counters at T = 0 {'equal' if eq else 'DIFFER from'} the offline block chain's\n"
               if eq is not None else ""),
              (f"- lossless at T = 0 in vLLM: {'yes' if h.get('lossless_vllm') else 'NO'}\n"

@@ -235,10 +235,10 @@ def init_from_key(path: str | None, workdir: str | Path = ".") -> dict:
 
 # The stages drafter.kind dflash runs (docs/block-drafters.md §6): the data stages, extraction, train
 # (eaglet.train.dflash_train), export (eaglet.export.dflash_export), evaluate_offline (the block chain,
-# eaglet.eval.dflash_offline), evaluate_vllm (method dflash at k = block_size - 1), eval_summary and
-# drafter_card; the rest are not wired for it, each with why.
+# eaglet.eval.dflash_offline), evaluate_speculative (the timed HF loop, eaglet.engines.dflash_loop),
+# evaluate_vllm (method dflash at k = block_size - 1), eval_summary and drafter_card; the rest are not
+# wired for it, each with why.
 DFLASH_NOT_RUN = {
-    "evaluate_speculative": "the timed HF speculative loop has no DFlash proposer",
     "evaluate_modes": "per chat-template mode offline figures are EAGLE-3's",
     "evaluate_regenerated": "the chain along regenerated answers is EAGLE-3's",
     "learning_curve": "refused for the kind (plan.learning_curve)",
