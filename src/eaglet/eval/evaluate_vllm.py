@@ -92,6 +92,13 @@ probabilistic drafts 134 of 152 at the first position, none after, where ≈ 0.0
 predicted), so the T > 0 test is run and reported (``sampled_agreement``, its failures in
 ``dflash_t_gt0_disagreements``, the headline says so), not made a gate that vLLM itself fails.
 
+The cause was traced since to vLLM-CPU's verifier, for every kind: without a Triton CPU backend its
+per-token temperature at T > 0 is uninitialised memory (eaglet.engines.vllm_verifier_fix, whose
+docstring has the file and line). Every vLLM process of this stage loads that module as a vLLM plugin,
+which mends it; the plugin's lines (``verifier_fix``: the processes that verified with the mend, and
+whether vLLM's own expansion was wrong there) are in vllm.json, and a run at T > 0 in which no engine
+process verified with the mend fails the stage (its T > 0 figures would not be evidence).
+
 ``serving`` (``target.vllm`` + ``target.trust_remote_code``, eaglet.target.load.serving) is how every
 vLLM run serves the target: dtype, tensor and expert parallelism on the job's GPUs, remote code.
 """
@@ -112,7 +119,7 @@ from eaglet.base.files import read_json, write_json
 from eaglet.base.logs import setup_logging
 from eaglet.base.progress import Progress
 from eaglet.base.settings_files import parse_json_arg
-from eaglet.engines import vllm_env
+from eaglet.engines import vllm_env, vllm_verifier_fix
 from eaglet.engines.vllm_eval_runner import PROGRESS_MARK, engine_name
 from eaglet.eval import stats
 from eaglet.target.load import load_identity, load_tokenizer, stop_ids, vllm_runner_args
@@ -193,6 +200,12 @@ def run_one(py: Path, target_dir: str, spec: dict, work: Path, name: str, *, dra
            "--drafter", str(Path(drafter).resolve())]
     cmd += vllm_runner_args(o["serving"])
     env = vllm_env.process_env(work, py, VLLM_CPU_KVCACHE_SPACE=str(o["kv_cache_gb"]))
+    # vLLM-CPU's verifier at T > 0 mended in every vLLM process of the run (eaglet.engines.vllm_verifier_fix);
+    # the lines its plugin writes say which processes verified with it and whether vLLM's own was wrong
+    fix_log = work / f"{name}.verifier_fix.jsonl"
+    fix_log.unlink(missing_ok=True)
+    env.update(PYTHONPATH=str(vllm_verifier_fix.install(work / "verifier_fix").resolve()),
+               **{vllm_verifier_fix.LOG_ENV: str(fix_log.resolve())})
     env.pop("LD_PRELOAD", None)
     if iomp:
         env["LD_PRELOAD"] = str(iomp)
@@ -207,7 +220,8 @@ def run_one(py: Path, target_dir: str, spec: dict, work: Path, name: str, *, dra
         raise VllmError(f"vLLM run {name} failed (rc {rc}); log {logf}:\n"
                         f"{logf.read_text(errors='replace')[-3000:]}")
     res = json.loads(out.read_text())
-    res.update(name=name, iomp=bool(iomp), wall_s=round(time.time() - t0, 1), log=str(logf))
+    res.update(name=name, iomp=bool(iomp), wall_s=round(time.time() - t0, 1), log=str(logf),
+               verifier_fix=vllm_verifier_fix.read_log(fix_log))
     return res
 
 
@@ -648,10 +662,31 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
                       f"{100 * o['confidence']:.0f}% bootstrap interval over prompts "
                       f"({stats.BOOTSTRAP_SAMPLES} resamples, seed {stats.SEED})"},
            **summarise(run, prompts, off, o, ks, temps, load, iomp_run, methods),
+           "verifier_fix": verifier_fix(run, temps),
            "seconds": round(time.time() - t0, 1)}
+    if any(t > 0 for t in temps) and not res["verifier_fix"]["processes"]:
+        res["disagreements"].append("vLLM verified the T > 0 drafts without eaglet's mend of its verifier (no "
+                                    "engine process loaded eaglet.engines.vllm_verifier_fix): its T > 0 "
+                                    "acceptance is not evidence")
     if kind:
         res = dflash_t_gt0_reported(res)
     return finish(res, out_dir)
+
+
+def verifier_fix(run: dict, temps: list[float]) -> dict:
+    """What eaglet.engines.vllm_verifier_fix's plugin wrote from the engine processes of the paired run:
+    how many verified drafts with the mend, and whether vLLM's own per-token expansion was wrong there
+    (``defect``; None when no draft was verified at T > 0)."""
+    fix = dict(run.get("verifier_fix") or {"processes": 0, "defect": None})
+    fix["note"] = (
+        "no temperature above 0: the verifier's temperature is not used" if not any(t > 0 for t in temps) else
+        "vLLM's own expand_batch_to_tokens left the verifier's per-token temperature uninitialised in this "
+        "vLLM (docs/block-drafters.md §6): the T > 0 figures here are vLLM's with eaglet's mend; unmended, this "
+        "vLLM does not verify T > 0 drafts by its rule (serve speculative decoding at T = 0 on it)"
+        if fix.get("defect") else
+        "vLLM's own expansion was right here; the mend changed nothing" if fix.get("defect") is False else
+        "no engine process verified a draft at T > 0 with the mend")
+    return fix
 
 
 def dflash_t_gt0_reported(res: dict) -> dict:
@@ -662,8 +697,9 @@ def dflash_t_gt0_reported(res: dict) -> dict:
     res["disagreements"] = [m for m in res["disagreements"] if m not in bad]
     res["dflash_t_gt0_disagreements"] = bad
     for m in bad:
-        log.warning("DFlash at T > 0, reported (not a gate: vLLM's DFlash sampling was seen to depart from "
-                    "its rule, docs/block-drafters.md §6): %s", m)
+        log.warning("DFlash at T > 0, reported (not a gate: vLLM's DFlash was seen to depart from its rule "
+                    "before eaglet mended vLLM-CPU's verifier, docs/block-drafters.md §6; not yet shown to "
+                    "agree since): %s", m)
     return res
 
 

