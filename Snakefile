@@ -27,18 +27,6 @@ onstart:
     R.write_record(f"{LOGS}/resolved.json")
 
 
-# drafter.kind dflash: the run ends at the evaluation summary (offline block chain, the timed HF loop and
-# vLLM) and the drafter card; the stages not wired for DFlash are left out of the DAG, each named NOT RUN
-# with why in the parse's log (eaglet.workflow.resolve.dflash_checks)
-if R.drafter_kind == "dflash":
-    FINAL_OUTPUTS[:] = [
-        rules.train.output.summary,
-        rules.export.output.contract,
-        rules.eval_summary.output.summary,
-        rules.drafter_card.output.card,
-    ]
-
-
 rule all:
     default_target: True
     input:

@@ -7,10 +7,12 @@ HF target, the expectation at T = 1, eaglet.eval.dflash_offline), the timed HF l
 at the run's k_values up to block_size − 1, lossless at T = 0, paired speedups over plain decoding at T = 0
 and 1) and served by vLLM with method dflash at k = block_size − 1 at T = 0 and 1, timed in pairs with plain
 decoding; the summary (the HF loop's speedups and rounds equal to the block chain's, vLLM's counters at T = 0
-equal to the offline chain's, the matrix per domain) and the drafter card naming the kind.
+equal to the offline chain's, the matrix per domain), the drafter card naming the kind, the report's plots
+(the DFlash trainer's curves) and the provenance.
 vllm.known_answer runs for the kind (a known-answer DFlash drafter on a twin, every first draft accepted);
 SGLang's loader does not apply to it, is not run and named in export.accept_not_run; the stages
-not wired for it are not in the DAG and the parse says so."""
+not wired for it (the modes, the regenerated sets, the learning curve) are not in the DAG and the parse
+says so."""
 
 import json
 
@@ -45,9 +47,11 @@ def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(tmp_path)
     _, out = smk(wf, cache, "-n", configfile="config/dflash.yaml")
     assert planned_jobs(out) == {"target_model", "prompts", "generate", "tokenize", "token_freq", "vocab_map",
                                  "extract_hidden_states", "train", "export", "evaluate_offline",
-                                 "evaluate_speculative", "evaluate_vllm", "eval_summary", "drafter_card"}
+                                 "evaluate_speculative", "evaluate_vllm", "eval_summary", "drafter_card", "plots",
+                                 "provenance"}
     not_run = next(line for line in out.splitlines() if "drafter kind dflash: NOT RUN" in line)
     assert "evaluate_modes: per chat-template" in not_run and "evaluate_speculative" not in not_run
+    assert "plots:" not in not_run and "provenance:" not in not_run and "the plots and the provenance" in not_run
     smk(wf, cache, configfile="config/dflash.yaml")
 
     run = wf / "results/smoke"
@@ -80,6 +84,10 @@ def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(tmp_path)
     assert vl["offline_agreement"]["pass"] and vl["offline_agreement"]["tests"] and not vl["disagreements"]
     assert {t["temperature"] for t in vl["sampled_agreement"]["tests"]} == {1.0}
     assert "dflash_t_gt0_disagreements" in vl
+    # T = 1 drafts were verified with eaglet's mend of vLLM-CPU's verifier in the engine's own process
+    # (eaglet.engines.vllm_verifier_fix); the card says so where the installed vLLM needed it
+    fix = vl["verifier_fix"]
+    assert fix["processes"] >= 1 and fix["mended_expand"] is not None and isinstance(fix["defect"], bool), fix
     assert {(x["k"], x["temperature"]) for x in vl["speedup"]} == {(3, 0.0), (3, 1.0)}
     # the timed HF loop: the run's k_values [2, 5] within the block and 3, lossless, paired at T = 0 and 1
     sp = json.loads((ev / "speculative.json").read_text())
@@ -107,11 +115,23 @@ def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(tmp_path)
                       ("vllm", 1.0)):
         assert {r["domain"] for r in s["matrix"] if r["engine"] == engine and r["temperature"] == T} >= domains
     card = (run / "drafter/README.md").read_text()
+    assert ("measured with eaglet's mend of vLLM-CPU's verifier" in card) == fix["defect"]
     assert "# DFlash drafter for" in card and "block size 4" in card and "- dflash" in card
     assert '"method": "dflash"' in card and '"num_speculative_tokens": 3' in card and "EAGLE3" not in card
     assert "- HF loop (eaglet's timed loop on the HF target) paired speedup over plain decoding at T = 0: " in card
     assert "at T = 1 (sampled drafts): " in card and "not measured" not in card
     assert "- lossless at T = 0 in the HF loop (k = 2, 3): yes; its rounds equal eaglet's block chain's" in card
+    # the report's plots draw the DFlash trainer's curves (block loss, per-position accuracy, block τ) and
+    # its tables the kind's contract and summary; provenance records every stage's wall time
+    import pyarrow.parquet as pq
+
+    assert (run / "plots/training.png").stat().st_size > 10_000 and (run / "plots/coverage.png").exists()
+    tables = (run / "plots/tables.html").read_text()
+    assert "dflash.parity" in tables and "vllm.known_answer" in tables and "Results matrix" in tables
+    assert pq.read_table(run / "train/metrics.parquet").column_names.count("block_tau") == 1
+    prov = json.loads((run / "provenance.json").read_text())
+    assert {"train", "export", "eval_summary", "drafter_card"} <= {r["rule"] for r in prov["stage_wall_times"]}
+    assert prov["config"]["drafter"]["kind"] == "dflash"
     # the run's table (what `make run` prints at the end) speaks of the kind
     from eaglet.workflow.summary import table
 

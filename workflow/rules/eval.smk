@@ -9,7 +9,7 @@ EVAL = config["evaluate"]
 # kind from the drafter's file), evaluate_speculative (the timed HF loop with eaglet.engines.dflash_loop,
 # at the k_values up to block_size - 1: the stage reads the kind too), evaluate_vllm (method dflash at
 # k = block_size - 1) and eval_summary run; the modes and the regenerated sets are not wired for the
-# kind (the Snakefile, eaglet.workflow.resolve.DFLASH_NOT_RUN): eval_summary reads neither. vLLM does not
+# kind (workflow/rules/report.smk, eaglet.workflow.resolve.DFLASH_NOT_RUN): eval_summary reads neither. vLLM does not
 # wait for the HF loop (both take every core, so they never run side by side here)
 EVAL_DFLASH = R.drafter_kind == "dflash"
 EVAL_DIR = f"{RUN}/eval"

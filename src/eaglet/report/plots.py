@@ -2,7 +2,8 @@
 
 - ``coverage.png``: draft-vocab coverage against its size, the chosen size marked;
 - ``training.png``: training and validation loss, per-TTT-step teacher-forced accuracy, and τ
-  (teacher-forced estimate, and the validation chain τ);
+  (teacher-forced estimate, and the validation chain τ); for a DFlash drafter its block loss, the
+  accuracy per block position and the validation block τ;
 - ``tables.html``: the tokenize metadata, the draft-vocab summary with its pinned tokens, the export
   contract (every check: pass, FAIL, or not run, both in red) and the evaluation summary, as HTML tables.
 
@@ -51,8 +52,12 @@ def coverage_plot(vocab_json: str | Path, out: str | Path) -> None:
 
 
 def training_plot(metrics_parquet: str | Path, out: str | Path) -> None:
+    """The trainer's curves: EAGLE-3's (TTT loss, per-step accuracy, τ), or a DFlash drafter's when
+    the rows are eaglet.train.dflash_train's (``block_tau``: dflash_training_plot)."""
     plt = _plt()
     df = read_parquet(metrics_parquet).to_pandas()
+    if "block_tau" in df.columns:
+        return dflash_training_plot(df, out)
     tr, va = df[df["split"] == "train"], df[df["split"] == "val"]
     acc_cols = sorted((c for c in df.columns if c.startswith("tf_acc_")), key=lambda c: int(c[7:]))
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
@@ -75,6 +80,37 @@ def training_plot(metrics_parquet: str | Path, out: str | Path) -> None:
     a3.set_title("τ (chain: k = ttt_steps drafts per round)")
     a3.set_xlabel("optimizer step")
     a3.legend()
+    for a in (a1, a2, a3):
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(out) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def dflash_training_plot(df, out: str | Path) -> None:
+    """A DFlash drafter's curves (eaglet.train.dflash_train's rows): the weighted block loss, the
+    teacher-forced accuracy of each block position (train rows' ``tf_acc_k``), and the validation
+    block τ (1 + accepted drafts per block at T = 0 along the labels)."""
+    plt = _plt()
+    tr, va = df[df["split"] == "train"], df[df["split"] == "val"]
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
+    a1.plot(tr["step"], tr["loss"], label="train", alpha=0.8)
+    a1.set_title("block loss (position-weighted cross-entropy)")
+    a1.set_xlabel("optimizer step")
+    a1.legend()
+    accs = [list(a) for a in tr["tf_acc_k"]] if "tf_acc_k" in tr.columns else []
+    for k in range(len(accs[0]) if accs else 0):
+        a2.plot(tr["step"], [a[k] for a in accs], label=f"position {k + 1}", alpha=0.8)
+    a2.set_title("teacher-forced accuracy per block position (train)")
+    a2.set_xlabel("optimizer step")
+    if accs:
+        a2.legend(fontsize=7)
+    if len(va):
+        a3.plot(va["step"], va["block_tau"], marker="o", label="validation, exact block τ (T = 0)")
+        a3.legend()
+    a3.set_title("block τ (1 + accepted drafts per block)")
+    a3.set_xlabel("optimizer step")
     for a in (a1, a2, a3):
         a.grid(alpha=0.3)
     fig.tight_layout()

@@ -236,14 +236,12 @@ def init_from_key(path: str | None, workdir: str | Path = ".") -> dict:
 # The stages drafter.kind dflash runs (docs/block-drafters.md §6): the data stages, extraction, train
 # (eaglet.train.dflash_train), export (eaglet.export.dflash_export), evaluate_offline (the block chain,
 # eaglet.eval.dflash_offline), evaluate_speculative (the timed HF loop, eaglet.engines.dflash_loop),
-# evaluate_vllm (method dflash at k = block_size - 1), eval_summary and drafter_card; the rest are not
-# wired for it, each with why.
+# evaluate_vllm (method dflash at k = block_size - 1), eval_summary, drafter_card, plots and provenance;
+# the rest are not wired for it, each with why.
 DFLASH_NOT_RUN = {
     "evaluate_modes": "per chat-template mode offline figures are EAGLE-3's",
     "evaluate_regenerated": "the chain along regenerated answers is EAGLE-3's",
     "learning_curve": "refused for the kind (plan.learning_curve)",
-    "plots": "the report's plots read EAGLE-3's training and evaluation records",
-    "provenance": "not wired with the kind's outputs",
 }
 
 
@@ -269,7 +267,7 @@ def dflash_checks(config: dict, storage_mode: str, ids: list[int]) -> list[str]:
             f"run's aux layers; vLLM serves it at num_speculative_tokens {d['block_size'] - 1})",
             f"drafter kind dflash: NOT RUN (not wired for this kind, docs/block-drafters.md §6): "
             f"{', '.join(DFLASH_NOT_RUN)} ({'; '.join(f'{n}: {why}' for n, why in DFLASH_NOT_RUN.items())}); "
-            f"the run ends at the evaluation summary and the drafter card"]
+            f"the run ends at the evaluation summary, the drafter card, the plots and the provenance"]
 
 
 def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None = None) -> Resolved:
