@@ -11,7 +11,7 @@ the same way, stays lossless (vLLM's verifier) and vLLM reads the lower taps, bu
 from the trained drafter's chain (static.layer_ids refuses it before serving too). Not here: a zeroed
 or permuted mask_hidden served: on this tiny target (whose greedy output soon repeats one token) a
 zeroed mask_hidden was served once by hand with counters equal to the trained chain's (23 rounds,
-8/8/8 accepted), so the counters cannot tell it apart there (docs/block-drafters.md §7)."""
+8/8/8 accepted), so the counters cannot tell it apart there (docs/block-drafters.md §8)."""
 
 import dataclasses
 import json

@@ -184,6 +184,8 @@ TABLE = {
                                                                                      "loader.sglang"]}),
     **{f"drafter.dflash.{k}": (v, OFF) for k, v in {
         "block_size": 3, "num_layers": 2, "mask_token_id": 5, "num_anchors": 64, "loss_decay_gamma": 2.0}.items()},
+    # the P-EAGLE settings: the train and export rules' params only with kind p_eagle
+    **{f"drafter.p_eagle.{k}": (v, OFF) for k, v in {"parallel_k": 2, "mask_token_id": 5}.items()},
     "export.speculators": (True, {"export"}, {"export.accept_not_run": ALL_CHECKS_OFF + [
         f"speculators.{c}" for c in ALL_CHECKS_OFF]}),
     "export.vllm_check": (True, {"export"}),

@@ -1,4 +1,4 @@
-"""The P-EAGLE drafter (docs/block-drafters.md §3, §7): eaglet's EAGLE-3 drafter trained for *parallel
+"""The P-EAGLE drafter (docs/block-drafters.md §3, §8): eaglet's EAGLE-3 drafter trained for *parallel
 drafting*, i.e. to propose all K draft tokens of a round in ONE forward, as vLLM 0.32 serves it with
 ``{"method": "eagle3", "parallel_drafting": true, "num_speculative_tokens": K}``.
 

@@ -217,16 +217,6 @@ def drafter_method(drafter: str | os.PathLike) -> str:
     return "dflash" if any(str(x).startswith("DFlash") for x in archs) else "eagle3"
 
 
-def drafter_parallel(drafter: str | os.PathLike) -> bool:
-    """Whether a drafter folder is served with ``parallel_drafting`` (a P-EAGLE export,
-    eaglet.export.p_eagle_format, writes ``parallel_drafting: true`` in its config.json; vLLM takes
-    the flag only from the speculative config)."""
-    try:
-        return json.loads((Path(drafter) / "config.json").read_text()).get("parallel_drafting") is True
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def engine_kwargs(a, drafter: str | None = None, max_num_seqs: int | None = None,
                   draft_sample_method: str | None = None) -> dict:
     """``vllm.LLM`` keyword arguments from a runner's parsed flags (a pure function, tested without
@@ -240,8 +230,6 @@ def engine_kwargs(a, drafter: str | None = None, max_num_seqs: int | None = None
         kw["enable_expert_parallel"] = True
     if drafter:
         kw["speculative_config"] = {"method": drafter_method(drafter), "model": drafter, "num_speculative_tokens": a.k}
-        if drafter_parallel(drafter):
-            kw["speculative_config"]["parallel_drafting"] = True
         if draft_sample_method:
             kw["speculative_config"]["draft_sample_method"] = draft_sample_method
     return kw

@@ -35,6 +35,16 @@ from eaglet.export.contract.static_checks import (
 )
 from eaglet.export.vllm_format import export_tensors, vllm_config, write_dir
 
+# the export stage's engine checks (eaglet.export.p_eagle_export), run with export.vllm_check
+P_EAGLE_VLLM_CHECKS = ("vllm.lossless", "vllm.acceptance", "vllm.aux_layers")
+# EAGLE-3's checks with no P-EAGLE counterpart built yet, each with why (named in export.accept_not_run)
+P_EAGLE_NOT_BUILT = {
+    "p_eagle.parity": "numeric parity with vLLM's own module is not built for the kind (vllm.acceptance "
+    "compares the drafts' acceptance along vLLM's output instead)",
+    "vllm.known_answer": "no P-EAGLE known-answer drafter is built yet",
+    "loader.sglang": "SGLang's loader is not run on a P-EAGLE directory by eaglet (vLLM serves it)",
+}
+
 
 def p_eagle_export_config(cfg, identity: dict, target_conf: dict | None = None) -> dict:
     """config.json: format A's (vllm_config) plus mask_token_id, parallel_drafting and the kind."""
