@@ -188,6 +188,8 @@ class Resolved:
             f"training autocast: {self.train_autocast} ({self.train_autocast_why})",
             f"training TTT attention: {self.train['ttt_attention']} ({self.train_ttt_attention_why})"
             if self.drafter_kind == "eagle3" else
+            "training TTT attention: recompute (the P-EAGLE trainer's K-depth unroll; train.ttt_attention is not "
+            "read for the kind)" if self.drafter_kind == "p_eagle" else
             f"training TTT attention: not used (drafter.kind {self.drafter_kind} trains blocks, no TTT unroll)",
             f"extraction target forward: {self.extract_target_dtype} ({self.extract_target_dtype_why})",
             *self.drafter_lines,
