@@ -259,3 +259,24 @@ def test_drafter_method_from_the_exported_architecture(tmp_path):
     (tmp_path / "e" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
     assert vllm_env.drafter_method(tmp_path / "d") == "dflash"
     assert vllm_env.drafter_method(tmp_path / "e") == vllm_env.drafter_method(tmp_path / "none") == "eagle3"
+
+
+
+def test_a_p_eagle_export_is_served_with_parallel_drafting(tmp_path):
+    """The check runner serves a folder whose config.json says parallel_drafting: true
+    (eaglet.export.p_eagle_format) with method eagle3 and parallel_drafting in the speculative config;
+    an EAGLE-3 folder without it."""
+    from types import SimpleNamespace
+
+    from eaglet.engines import vllm_check_runner
+
+    for name, conf in (("p", {"architectures": ["LlamaForCausalLMEagle3"], "parallel_drafting": True}),
+                       ("e", {"architectures": ["LlamaForCausalLMEagle3"]})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(conf))
+    a = SimpleNamespace(target="T", dtype="float32", tensor_parallel_size=1, trust_remote_code=False,
+                        max_model_len=256, max_num_seqs=1, enable_expert_parallel=False, k=3)
+    sc = vllm_check_runner.engine_kwargs(a, str(tmp_path / "p"))["speculative_config"]
+    assert sc == {"method": "eagle3", "model": str(tmp_path / "p"), "num_speculative_tokens": 3,
+                  "parallel_drafting": True}
+    assert "parallel_drafting" not in vllm_check_runner.engine_kwargs(a, str(tmp_path / "e"))["speculative_config"]

@@ -56,32 +56,37 @@ def package_of(module: str) -> str:
 
 
 # Rules whose shell line has one branch per drafter.kind (workflow/rules/train.smk, export.smk): the
-# DFlash module first, the EAGLE-3 one (the rule's stage) last; code=stage_code picks the same way.
-KIND_BRANCHES = {"train": "train.dflash_train", "export": "export.dflash_export"}
+# DFlash module first, then the P-EAGLE one, the EAGLE-3 one (the rule's stage) last; code=stage_code
+# picks the same way.
+KIND_BRANCHES = {"train": ("train.dflash_train", "train.p_eagle_train"),
+                 "export": ("export.dflash_export", "export.p_eagle_export")}
 
 
 def rules() -> dict[str, dict]:
     """{rule: {"file": its rule file's stem, "stage": the module it runs or None, "code": its code
-    inputs, "launcher": bool, "kinds": the DFlash branch's module or None}}."""
+    inputs (the EAGLE-3 branch's), "launcher": bool, "kinds": the other kinds' branch modules}}."""
     out = {}
     for smk in RULES:
         parts = re.split(r"^rule (\w+):", smk.read_text(), flags=re.M)
         for name, body in zip(parts[1::2], parts[2::2], strict=True):
             ran = re.findall(r"-m eaglet\.([\w.]+)", body)  # python -m, or torchrun -m
             stages = [m for m in ran if m != LAUNCHER]
-            kind = None
-            if name in KIND_BRANCHES and len(stages) == 2:
-                kind = stages.pop(0)
-                assert kind == KIND_BRANCHES[name], (smk.name, name, kind)
+            kinds = ()
+            if name in KIND_BRANCHES and len(stages) == 1 + len(KIND_BRANCHES[name]):
+                kinds, stages = tuple(stages[:-1]), stages[-1:]
+                assert kinds == KIND_BRANCHES[name], (smk.name, name, kinds)
             assert len(stages) <= 1, (smk.name, name, stages)
-            code = re.search(r"code=stage_code\((.*?)\)", body, re.S)
-            code = code and re.sub(rf'^"{kind}" if \w+ else ', "", code.group(1)) if kind else code and code.group(1)
+            code = re.search(r"code=stage_code\(((?:[^()]|\((?:[^()]|\([^()]*\))*\))*)\)", body, re.S)  # 2 levels
+            code = code and " ".join(code.group(1).split())
+            if code and kinds:  # each kind's module picked by its flag, the EAGLE-3 one last
+                assert all(f'"{k}" if' in code for k in kinds), (name, code)
+                code = re.findall(r'"[\w.]+"', code)[-1] + (", launcher=True" if "launcher=True" in code else "")
             out[name] = {"file": smk.stem, "stage": stages[0] if stages else None, "launcher": LAUNCHER in ran,
-                         "code": code or None, "kind": kind}
+                         "code": code or None, "kinds": kinds}
     return out
 
 
-STAGES = {r["stage"] for r in rules().values() if r["stage"]} | {r["kind"] for r in rules().values() if r["kind"]}
+STAGES = {r["stage"] for r in rules().values() if r["stage"]} | {k for r in rules().values() for k in r["kinds"]}
 
 
 def test_the_packages_are_the_rule_files_and_the_shared_ones():
@@ -95,7 +100,7 @@ def test_the_packages_are_the_rule_files_and_the_shared_ones():
 def test_a_rule_runs_a_module_of_its_rule_files_package():
     """A reader finds a rule's code from its rule file's name in one hop."""
     for name, r in rules().items():
-        for stage in filter(None, (r["stage"], r["kind"])):
+        for stage in filter(None, (r["stage"], *r["kinds"])):
             assert package_of(stage) == r["file"], f"rule {name} ({r['file']}.smk) runs eaglet.{stage}"
     assert {"data.target_model", "data.prompts", "data.tokenization", "data.freq", "data.vocab", "features.extract",
             "train.train", "export.export", "eval.evaluate_offline", "eval.evaluate_speculative", "eval.evaluate_modes",

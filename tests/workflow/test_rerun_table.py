@@ -184,6 +184,8 @@ TABLE = {
                                                                                      "loader.sglang"]}),
     **{f"drafter.dflash.{k}": (v, OFF) for k, v in {
         "block_size": 3, "num_layers": 2, "mask_token_id": 5, "num_anchors": 64, "loss_decay_gamma": 2.0}.items()},
+    # the P-EAGLE settings: the train and export rules' params only with kind p_eagle
+    **{f"drafter.p_eagle.{k}": (v, OFF) for k, v in {"parallel_k": 2, "mask_token_id": 5}.items()},
     "export.speculators": (True, {"export"}, {"export.accept_not_run": ALL_CHECKS_OFF + [
         f"speculators.{c}" for c in ALL_CHECKS_OFF]}),
     "export.vllm_check": (True, {"export"}),
@@ -221,11 +223,11 @@ TABLE = {
 # drafter.kind dflash adds the DFlash settings to the train rule's params.
 LONG_REASONS = {"target.chat_template", "train.hidden_states", "prompts.source", "prompts.path", "generate.backend",
                 "drafter.kind"}
-# Keys whose change also takes stages out of the DAG: the jobs planned, exactly (no provenance).
-# drafter.kind dflash ends the run at the evaluation summary and the card (eaglet.workflow.resolve.DFLASH_NOT_RUN;
+# Keys whose change also takes stages out of the DAG: the jobs planned, exactly. drafter.kind dflash ends
+# the run at the evaluation summary, the card, the plots and the provenance (eaglet.workflow.resolve.DFLASH_NOT_RUN;
 # evaluate.vllm is off in the smoke run).
 EXACT = {"drafter.kind": {"train", "export", "evaluate_offline", "evaluate_speculative", "eval_summary",
-                          "drafter_card"}}
+                          "drafter_card", "plots", "provenance"}}
 
 
 def schema_keys(node: dict, path: str = "") -> list[str]:

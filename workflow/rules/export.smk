@@ -13,11 +13,20 @@ EXPORT_GPUS = R.vllm_gpus if config["export"]["vllm_check"] else 0
 # drafter.kind dflash: the DFlash directory and its own contract (eaglet.export.dflash_export); for
 # eagle3 the shell line (its second branch) is that of before the key existed
 EXPORT_DFLASH = R.drafter_kind == "dflash"
+# drafter.kind p_eagle: format A + mask_hidden and its own contract (eaglet.export.p_eagle_export)
+EXPORT_P_EAGLE = R.drafter_kind == "p_eagle"
 
 
 rule export:
     input:
-        code=stage_code("export.dflash_export" if EXPORT_DFLASH else "export.export", launcher=True),
+        code=stage_code(
+            (
+                "export.dflash_export"
+                if EXPORT_DFLASH
+                else ("export.p_eagle_export" if EXPORT_P_EAGLE else "export.export")
+            ),
+            launcher=True,
+        ),
         drafter=f"{RUN}/train/drafter.safetensors",
         summary=f"{RUN}/train/train_summary.json",
         identity=TARGET_ID,
@@ -60,11 +69,19 @@ rule export:
             " --speculators-out {params.speculators_out:q} --work-dir {params.work:q}"
             " --config {params.export:q} --log {log:q}"
             if EXPORT_DFLASH
-            else "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
-            " python -m eaglet.export.export --drafter {input.drafter:q} --identity {input.identity:q}"
-            " --train-summary {input.summary:q} --out {params.out:q}"
-            " --speculators-out {params.speculators_out:q} --work-dir {params.work:q}"
-            " --config {params.export:q} --log {log:q}"
+            else (
+                "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+                " python -m eaglet.export.p_eagle_export --drafter {input.drafter:q} --identity {input.identity:q}"
+                " --train-summary {input.summary:q} --out {params.out:q}"
+                " --speculators-out {params.speculators_out:q} --work-dir {params.work:q}"
+                " --config {params.export:q} --log {log:q}"
+                if EXPORT_P_EAGLE
+                else "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+                " python -m eaglet.export.export --drafter {input.drafter:q} --identity {input.identity:q}"
+                " --train-summary {input.summary:q} --out {params.out:q}"
+                " --speculators-out {params.speculators_out:q} --work-dir {params.work:q}"
+                " --config {params.export:q} --log {log:q}"
+            )
         )
 
 

@@ -9,6 +9,9 @@ from eaglet.workflow import train_job
 # (the shell line's first branch) and drafter.* in the params; for eagle3 the shell line and params are
 # those of before the key existed.
 DFLASH = R.drafter_kind == "dflash"
+# drafter.kind p_eagle: the P-EAGLE trainer (eaglet.train.p_eagle_train) on the same store and vocab map,
+# drafter.p_eagle.* in the params (the shell line's second branch)
+P_EAGLE = R.drafter_kind == "p_eagle"
 
 # The training job's params, shared with the learning curve's train_fraction (learning_curve.smk):
 # train.* as resolved (R.train: train.hidden_states and train.autocast decided at parse time), the
@@ -35,12 +38,24 @@ TRAIN_PARAMS = dict(
         if DFLASH
         else {}
     ),
+    **(
+        {**key_params("drafter", R.drafter), "drafter": settings(R.drafter["p_eagle"])}
+        if P_EAGLE
+        else {}
+    ),
 )
 
 
 rule train:
     input:
-        code=stage_code("train.dflash_train" if DFLASH else "train.train", launcher=True),
+        code=stage_code(
+            (
+                "train.dflash_train"
+                if DFLASH
+                else ("train.p_eagle_train" if P_EAGLE else "train.train")
+            ),
+            launcher=True,
+        ),
         hidden=train_job.hidden_input(R),
         vocab=f"{RUN}/vocab_map/vocab.safetensors",
         identity=TARGET_ID,
@@ -73,10 +88,18 @@ rule train:
             " --params {params.train:q} --note {params.note:q} --log {log:q}"
             " --drafter {params.drafter:q}"
             if DFLASH
-            else "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
-            " {params.launcher} -m eaglet.train.train {params.data} --vocab {input.vocab:q}"
-            " --target-identity {input.identity:q} --out-dir {params.out:q}"
-            " --params {params.train:q} --note {params.note:q} --log {log:q}"
+            else (
+                "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+                " {params.launcher} -m eaglet.train.p_eagle_train {params.data} --vocab {input.vocab:q}"
+                " --target-identity {input.identity:q} --out-dir {params.out:q}"
+                " --params {params.train:q} --note {params.note:q} --log {log:q}"
+                " --drafter {params.drafter:q}"
+                if P_EAGLE
+                else "python -m eaglet.planner.gpu_slots --gpus {resources.gpu} --"
+                " {params.launcher} -m eaglet.train.train {params.data} --vocab {input.vocab:q}"
+                " --target-identity {input.identity:q} --out-dir {params.out:q}"
+                " --params {params.train:q} --note {params.note:q} --log {log:q}"
+            )
         )
 
 

@@ -52,8 +52,23 @@ def _metric_json(m):
 
 
 def engine_kwargs(a, drafter=None):
-    """``vllm.LLM`` keyword arguments (eaglet.engines.vllm_env.engine_kwargs), 8 sequences at a time."""
-    return _engine_kwargs(a, drafter, max_num_seqs=8)
+    """``vllm.LLM`` keyword arguments (eaglet.engines.vllm_env.engine_kwargs), 8 sequences at a time; a
+    drafter folder whose config.json says ``parallel_drafting: true`` (a P-EAGLE export,
+    eaglet.export.p_eagle_format) is served with that flag in the speculative config (vLLM takes it only
+    there). Here, not in vllm_env, so that only the export stage's code changed with the P-EAGLE kind."""
+    kw = _engine_kwargs(a, drafter, max_num_seqs=8)
+    if drafter and drafter_parallel(drafter):
+        kw["speculative_config"]["parallel_drafting"] = True
+    return kw
+
+
+def drafter_parallel(drafter) -> bool:
+    """Whether the drafter folder's config.json says ``parallel_drafting: true``."""
+    try:
+        with open(os.path.join(drafter, "config.json")) as f:
+            return json.load(f).get("parallel_drafting") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def parse_args(argv=None):

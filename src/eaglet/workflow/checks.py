@@ -11,6 +11,7 @@ from pathlib import Path
 from eaglet.base import schema
 from eaglet.export.contract.dflash_parity import DFLASH_NOT_APPLICABLE, DFLASH_VLLM_CHECKS
 from eaglet.export.contract.record import VLLM_CHECKS
+from eaglet.export.p_eagle_format import P_EAGLE_NOT_BUILT, P_EAGLE_VLLM_CHECKS
 from eaglet.target.chat_template import chat_template_text, has_chat_template, no_template_message
 from eaglet.target.check import DRAFTER_NAMES, architecture, read_config, serving, text_config
 
@@ -23,6 +24,11 @@ def unaccepted_not_run(export: dict, kind: str | None = None) -> list[str]:
     if kind == "dflash":  # export.speculators is refused for the kind (eaglet.workflow.resolve.dflash_checks)
         off = [*([] if export.get("vllm_check", schema.default("export.vllm_check")) else DFLASH_VLLM_CHECKS),
                *DFLASH_NOT_APPLICABLE]
+        accepted = set(export.get("accept_not_run") or ())
+        return [n for n in off if n not in accepted]
+    if kind == "p_eagle":  # export.speculators is refused for the kind (eaglet.workflow.resolve.p_eagle_checks)
+        off = [*([] if export.get("vllm_check", schema.default("export.vllm_check")) else P_EAGLE_VLLM_CHECKS),
+               *P_EAGLE_NOT_BUILT]
         accepted = set(export.get("accept_not_run") or ())
         return [n for n in off if n not in accepted]
     off = [] if export.get("vllm_check", schema.default("export.vllm_check")) else list(VLLM_CHECKS)
@@ -40,11 +46,14 @@ def parse_time(config: dict, workdir: str | Path = ".") -> list[str]:
     missing = unaccepted_not_run(config.get("export", {}), (config.get("drafter") or {}).get("kind"))
     if missing:
         raise ValueError(f"export.accept_not_run: the config turns off contract checks {missing} "
-                         "(export.vllm_check: false / export.speculators: true / drafter.kind: dflash), and a "
-                         "check that did not run fails the export after training unless it is named here: add them to "
-                         "export.accept_not_run, or turn the check on")
+                         "(export.vllm_check: false / export.speculators: true / drafter.kind: dflash or "
+                         "p_eagle), and a check that did not run fails the export after training unless it is "
+                         "named here: add them to export.accept_not_run, or turn the check on")
     template = chat_template_text(t.get("chat_template"), workdir)
     kind = (config.get("drafter") or {}).get("kind", schema.default("drafter.kind"))
+    # a P-EAGLE drafter is an EAGLE-3 drafter served with parallel drafting: the same targets (named
+    # here, not in eaglet.target.check, whose change would rerun every run's target_model)
+    kind = "eagle3" if kind == "p_eagle" else kind
     ev = config.get("evaluate", {}).get("vllm", {})
     env = Path(workdir) / ev.get("env", schema.default("evaluate.vllm.env"))
     if not t.get("path") or t.get("tiny") is not None:

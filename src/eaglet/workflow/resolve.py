@@ -188,6 +188,8 @@ class Resolved:
             f"training autocast: {self.train_autocast} ({self.train_autocast_why})",
             f"training TTT attention: {self.train['ttt_attention']} ({self.train_ttt_attention_why})"
             if self.drafter_kind == "eagle3" else
+            "training TTT attention: recompute (the P-EAGLE trainer's K-depth unroll; train.ttt_attention is not "
+            "read for the kind)" if self.drafter_kind == "p_eagle" else
             f"training TTT attention: not used (drafter.kind {self.drafter_kind} trains blocks, no TTT unroll)",
             f"extraction target forward: {self.extract_target_dtype} ({self.extract_target_dtype_why})",
             *self.drafter_lines,
@@ -270,6 +272,50 @@ def dflash_checks(config: dict, storage_mode: str, ids: list[int]) -> list[str]:
             f"the run ends at the evaluation summary, the drafter card, the plots and the provenance"]
 
 
+# The stages drafter.kind p_eagle runs (docs/block-drafters.md §8): the data stages, extraction, train
+# (eaglet.train.p_eagle_train) and export (eaglet.export.p_eagle_export, its contract served by real vLLM
+# with parallel drafting); the rest are not wired for it yet, each with why.
+P_EAGLE_NOT_RUN = {
+    "evaluate_offline": "the offline parallel chain per evaluation set is not wired yet (the export's "
+                        "vllm.acceptance runs it on the contract's prompts)",
+    "evaluate_speculative": "no timed HF loop with a parallel-drafting proposer yet",
+    "evaluate_vllm": "the timed vLLM evaluation with parallel_drafting is not wired yet",
+    "evaluate_modes": "per chat-template mode offline figures are EAGLE-3's",
+    "evaluate_regenerated": "the chain along regenerated answers is EAGLE-3's",
+    "learning_curve": "refused for the kind (plan.learning_curve)",
+    "eval_summary": "no evaluation records for the kind yet",
+    "drafter_card": "no card for the kind yet",
+    "plots": "the report's plots read EAGLE-3's training and evaluation records",
+    "provenance": "not wired with the kind's outputs",
+}
+
+
+def p_eagle_checks(config: dict, storage_mode: str) -> list[str]:
+    """drafter.kind p_eagle: refuse what its trainer and export cannot do, naming the key; the lines
+    that say what runs and what does not. [] for the other kinds."""
+    if config["drafter"]["kind"] != "p_eagle":
+        return []
+    t = config["train"]
+    refusals = [
+        (storage_mode == "online", "train.hidden_states: online (chosen or set): the P-EAGLE trainer reads stored "
+                                   "states; set train.hidden_states offline (and a storage.budget_gb that fits)"),
+        (bool(t["init_from"]), "train.init_from: continuing a published drafter is EAGLE-3 only"),
+        (bool(config["export"]["speculators"]), "export.speculators: the speculators format is EAGLE-3's"),
+        (bool(config["plan"]["learning_curve"]), "plan.learning_curve: not wired for drafter.kind p_eagle"),
+        (int(t["gpus"] or 0) * int(t["nodes"] or 1) > 1,
+         "train.gpus x train.nodes > 1: the P-EAGLE trainer runs one process (no DDP yet)"),
+    ]
+    bad = [why for hit, why in refusals if hit]
+    if bad:
+        raise ValueError("drafter.kind p_eagle: " + "; ".join(bad))
+    k = config["drafter"]["p_eagle"]["parallel_k"]
+    return [f"drafter: p_eagle (K {k} drafts in one forward; vLLM serves it with method eagle3, parallel_drafting, "
+            f"num_speculative_tokens {k})",
+            f"drafter kind p_eagle: NOT RUN (not wired for this kind, docs/block-drafters.md §8): "
+            f"{', '.join(P_EAGLE_NOT_RUN)} ({'; '.join(f'{n}: {why}' for n, why in P_EAGLE_NOT_RUN.items())}); "
+            f"the run ends at the checked export"]
+
+
 def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None = None) -> Resolved:
     """Resolve a validated workflow config (``eaglet.base.schema.validate``, defaults filled) in
     the workflow folder ``workdir``; ``config`` is left as it is. Raises ValueError naming the key
@@ -328,7 +374,7 @@ def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None
                                               "evaluate.regenerate.sets", digests, workdir),
     }
     digests.save()
-    drafter_lines = dflash_checks(config, mode, list(ids))
+    drafter_lines = dflash_checks(config, mode, list(ids)) + p_eagle_checks(config, mode)
     paths = Paths.of(config)
     run = paths.run
     return Resolved(

@@ -135,9 +135,20 @@ def _train_dflash(t: dict) -> str:
             f"{', bf16 autocast' if t.get('bf16_autocast') else ''}")
 
 
+def _train_p_eagle(t: dict) -> str:
+    """A P-EAGLE drafter's training (eaglet.train.p_eagle_train): its validation is the parallel round's τ."""
+    tr, va, sel = t.get("final_train") or {}, t.get("final_val") or {}, t.get("selected") or {}
+    return (f"P-EAGLE, K {t.get('parallel_k')}: {t.get('steps')} steps, loss {_f(tr.get('loss'))}, validation "
+            f"parallel tau {_f(va.get('parallel_tau'))} (every held-out start, T = 0), kept step {sel.get('step')}; "
+            f"labels: {t.get('labels')}; {_minutes(t.get('seconds_this_run'))} of training"
+            f"{', bf16 autocast' if t.get('bf16_autocast') else ''}")
+
+
 def _train(t: dict) -> str:
     if t.get("kind") == "dflash":
         return _train_dflash(t)
+    if t.get("kind") == "p_eagle":
+        return _train_p_eagle(t)
     lc = t.get("label_check") or {}
     labels = (f"labels proven: top-1 agreement {100 * lc['agreement']:.1f} % on {lc['judged']} positions"
               if lc.get("ok") else f"labels NOT proven ({lc.get('reason', 'no label check')})")
@@ -161,8 +172,9 @@ def _export(c: dict) -> str:
     acc = checks.get("vllm.acceptance", {})
     if acc.get("status") in ("pass", "FAIL"):
         d = acc["details"]
-        if d.get("chain") is not None:  # drafter.kind dflash: vLLM's counters against eaglet's block chain
-            parts.append(f"vLLM's counters {'equal' if d['vllm'] == d['chain'] else 'differ from'} eaglet's block "
+        if d.get("chain") is not None:  # kind dflash / p_eagle: vLLM's counters against eaglet's chain
+            what = "parallel" if c.get("kind") == "p_eagle" else "block"
+            parts.append(f"vLLM's counters {'equal' if d['vllm'] == d['chain'] else 'differ from'} eaglet's {what} "
                          f"chain ({d['chain']['drafts']} rounds, τ {_f(d.get('tau'))}; {acc['status']})")
         elif d.get("served_tau") is not None and d.get("simulated_tau") is not None:
             parts.append(f"vLLM τ {d['served_tau']:.3f} vs eaglet's chain {d['simulated_tau']:.3f} pooled over "

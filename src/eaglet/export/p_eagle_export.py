@@ -1,0 +1,272 @@
+"""Stage export for ``drafter.kind: p_eagle``: the trained P-EAGLE drafter (eaglet.train.p_eagle_train) as
+the directory vLLM serves with ``{"method": "eagle3", "parallel_drafting": true}``
+(eaglet.export.p_eagle_format), proven by its contract before it appears; the same outputs as the
+EAGLE-3 export (config.json, model.safetensors, reference.json, contract.json last; a failure leaves
+contract.failed.json and the CLI exits nonzero).
+
+    python -m eaglet.export.p_eagle_export --drafter results/RUN/train/drafter.safetensors \
+        --identity resources/targets/NAME/identity.json --out results/RUN/drafter \
+        [--train-summary ...] [--work-dir DIR] [--config '{"vllm_check": true, ...}'] [--log LOG]
+
+The contract's checks (eaglet.export.contract.record: pass, FAIL or not run with its reason):
+  static.*          EAGLE-3's static checks of format A over the P-EAGLE tensor set (config fields, key
+                    set, shapes and dtypes, vocabulary map, layer ids) and p_eagle.static (mask_hidden
+                    present and [3 H_t], mask_token_id in the vocabulary, parallel_drafting, K)
+  vllm.lossless     served by real vLLM with parallel drafting at num_speculative_tokens = K and T = 0,
+                    the output equals plain greedy's on the contract's prompts
+  vllm.acceptance   vLLM's acceptance counters equal eaglet's exact parallel chain along vLLM's own plain
+                    output (eaglet.drafter.p_eagle.PEagleDrafter.parallel_chain_along, trained weights)
+  vllm.aux_layers   vLLM tapped the trained aux layers (its log)
+The engine checks run with export.vllm_check (else not run). Not built yet for the kind, reported not run
+with the reason (so a config names them in export.accept_not_run): P_EAGLE_NOT_BUILT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import shutil
+from pathlib import Path
+
+from eaglet.base import schema
+from eaglet.base.artifacts import ArtifactError
+from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_recorded
+from eaglet.base.files import read_json, write_json
+from eaglet.base.logs import setup_logging
+from eaglet.base.settings_files import parse_json_arg
+from eaglet.base.tensors import load_tensors
+from eaglet.engines import vllm_env
+from eaglet.export.contract.record import check, not_run, status_line, verdict
+from eaglet.export.contract.vllm_checks import check_prompts, run_vllm_batch
+from eaglet.export.p_eagle_format import (
+    P_EAGLE_NOT_BUILT,
+    P_EAGLE_VLLM_CHECKS,
+    export_p_eagle,
+    p_eagle_static_checks,
+)
+from eaglet.target.load import load_identity
+
+log = logging.getLogger("eaglet.export.p_eagle_export")
+TARGET_KEYS = ("serving", "target_load")
+OUTPUTS = ("config.json", "model.safetensors", "reference.json", "contract.json")
+
+
+class ContractError(RuntimeError):
+    """The P-EAGLE export failed its contract; the report says which checks."""
+
+
+def served_checks(
+    drafter_dir: Path,
+    model,
+    d2t,
+    identity: dict,
+    *,
+    python,
+    work_dir: Path,
+    n_prompts: int,
+    max_tokens: int,
+    serving: dict | None,
+) -> tuple[list[dict], dict]:
+    """vllm.lossless, vllm.acceptance and vllm.aux_layers: the P-EAGLE and plain runs in one vLLM
+    process; the chain along vLLM's plain output with the trained weights and the target's own aux
+    states (in-process HF target)."""
+    import torch
+
+    from eaglet.engines import hf_loop
+    from eaglet.target.load import load_model
+
+    k = int(model.cfg.parallel_k)
+    prompts = check_prompts(n_prompts)
+    runs = [
+        {"tag": "spec", "target": identity["path"], "drafter": str(drafter_dir), "k": k, "max_tokens": max_tokens},
+        {
+            "tag": "plain",
+            "target": identity["path"],
+            "drafter": None,
+            "k": k,
+            "max_tokens": max_tokens + k - 1,
+            "needs": "spec",
+        },
+    ]
+    res = run_vllm_batch(runs, prompts, work_dir=work_dir, python=python, serving=serving)
+    spec, plain = res["spec"], res["plain"]
+    if spec.get("rc") != 0 or plain.get("rc") != 0:
+        err = spec.get("engine_error") or spec.get("log_tail") or plain.get("engine_error") or plain.get("log_tail")
+        bad = check("vllm.lossless", False, {"error": f"vLLM run failed: {err}", "parallel_drafting": True})
+        return [
+            bad,
+            not_run("vllm.acceptance", "vLLM did not serve the drafter"),
+            not_run("vllm.aux_layers", "vLLM did not serve the drafter"),
+        ], {}
+    same = spec["token_ids"] == [t[:max_tokens] for t in plain["token_ids"]]
+    out = [
+        check(
+            "vllm.lossless",
+            same,
+            {"prompts": len(prompts), "k": k, "parallel_drafting": True, "tokens": sum(map(len, spec["token_ids"]))},
+        )
+    ]
+    target = load_model(identity["path"])
+    tap = hf_loop.Target(target, list(model.cfg.layer_ids), set())
+    want = {"drafts": 0, "accepted_per_pos": [0] * k}
+    with torch.no_grad():
+        for p, cont in zip(spec["prompt_token_ids"], plain["token_ids"]):
+            x = list(p) + list(cont)
+            _, aux = tap.forward(x[:-1], tap.new_cache())
+            c = model.parallel_chain_along(aux.reshape(len(x) - 1, -1), x, len(p), max_tokens, d2t)["counts"]
+            want = {
+                "drafts": want["drafts"] + c["drafts"],
+                "accepted_per_pos": [a + b for a, b in zip(want["accepted_per_pos"], c["accepted_per_pos"])],
+            }
+    sd = spec["spec_decode"]
+    got = {"drafts": int(sd["num_drafts"]), "accepted_per_pos": [int(v) for v in sd["num_accepted_tokens_per_pos"]]}
+    ok = got == want and int(sd["num_draft_tokens"]) == want["drafts"] * k
+    tau = 1 + sum(want["accepted_per_pos"]) / max(want["drafts"], 1)
+    out.append(
+        check(
+            "vllm.acceptance",
+            ok,
+            {"vllm": got, "chain": want, "k": k, "tau": tau, "draft_tokens": int(sd["num_draft_tokens"])},
+        )
+    )
+    taps = spec.get("aux_layers")
+    out.append(
+        check(
+            "vllm.aux_layers", taps == list(model.cfg.layer_ids), {"vllm": taps, "trained": list(model.cfg.layer_ids)}
+        )
+    )
+    return out, {"counts": want, "tau": tau, "prompts": prompts, "max_tokens": max_tokens}
+
+
+def export(
+    drafter_path: str | Path,
+    out_dir: str | Path,
+    identity_path: str | Path,
+    *,
+    work_dir: str | Path | None = None,
+    vllm_python: str | None = None,
+    **opts,
+) -> dict:
+    """Write and check the P-EAGLE directory; return the contract report. Raises ContractError
+    (after writing contract.failed.json) when a check fails or one not run is not accepted."""
+    import torch
+
+    from eaglet.drafter.p_eagle import load_p_eagle
+    from eaglet.target.load import load_target_embedding
+
+    o = {key: None for key in TARGET_KEYS} | schema.settings("export", opts, "export", extra=TARGET_KEYS)
+    identity = load_identity(identity_path)
+    identity["path"] = str(Path(identity["path"]).resolve())
+    model, cfg, d2t, _ = load_p_eagle(drafter_path, load_target_embedding(identity["path"]))
+    if cfg.target_digest and cfg.target_digest != identity["digest"]:
+        raise ArtifactError(
+            f"{drafter_path}: trained for target {cfg.target_digest[:12]}, identity says {identity['digest'][:12]}"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUTS + ("contract.failed.json",):
+        (out / name).unlink(missing_ok=True)
+    work = Path(work_dir) if work_dir else out.parent / f"{out.name}.check"
+    stage = out / ".staging"
+    shutil.rmtree(stage, ignore_errors=True)
+    export_p_eagle(stage, load_tensors(drafter_path), cfg, identity, read_json(Path(identity["path"]) / "config.json"))
+    checks = p_eagle_static_checks(stage, identity, dataclasses.asdict(cfg))
+    chain = {}
+    if not o["vllm_check"]:
+        checks += [not_run(n, "export.vllm_check is false") for n in P_EAGLE_VLLM_CHECKS]
+    elif any(c["ok"] is not True for c in checks):
+        checks += [not_run(n, "a static check failed") for n in P_EAGLE_VLLM_CHECKS]
+    else:
+        try:
+            py = vllm_env.vllm_python(vllm_python)
+        except vllm_env.VllmEnvMissing as e:
+            py = None
+            checks += [check("vllm.lossless", False, {"error": f"vLLM environment not found or incomplete: {e}"})]
+            checks += [not_run(n, "no vLLM") for n in P_EAGLE_VLLM_CHECKS if n != "vllm.lossless"]
+        if py is not None:
+            with torch.no_grad():
+                served, chain = served_checks(
+                    stage,
+                    model,
+                    d2t,
+                    identity,
+                    python=py,
+                    work_dir=work / "vllm",
+                    n_prompts=o["vllm_check_prompts"],
+                    max_tokens=o["vllm_check_max_tokens"],
+                    serving=o["serving"],
+                )
+            checks += served
+    checks += [not_run(n, why) for n, why in P_EAGLE_NOT_BUILT.items()]
+    report = {
+        "kind": "p_eagle",
+        "checks": checks,
+        **verdict(checks, list(o["accept_not_run"])),
+        "method": "eagle3",
+        "parallel_drafting": True,
+        "num_speculative_tokens": cfg.parallel_k,
+        "mask_token_id": cfg.mask_token_id,
+        "drafter_dir": str(out),
+        "vllm_tau": chain.get("tau"),
+    }
+    if not report["ok"]:
+        write_json(out / "contract.failed.json", report)
+        shutil.rmtree(stage, ignore_errors=True)
+        raise ContractError(
+            f"{out}: P-EAGLE export failed its contract: failed {report['failed']}, not run and "
+            f"not named in export.accept_not_run {report['not_run_unaccepted']} "
+            f"(details in {out / 'contract.failed.json'})"
+        )
+    write_json(
+        stage / "reference.json",
+        {
+            "kind": "p_eagle",
+            "chain": chain or None,
+            "chain_not_recorded": None if chain else "the served checks did not run",
+        },
+    )
+    for name in ("config.json", "model.safetensors", "reference.json"):
+        (stage / name).replace(out / name)
+    shutil.rmtree(stage)
+    report[DIGESTS_KEY] = record_digests(out, ["config.json", "model.safetensors", "reference.json"])
+    write_json(out / "contract.json", report)  # last: its presence means a complete, checked export
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--drafter", required=True, help="train/drafter.safetensors (a P-EAGLE drafter)")
+    p.add_argument("--identity", required=True, help="the target's identity.json")
+    p.add_argument("--out", required=True, help="folder for config.json, model.safetensors, contract.json")
+    p.add_argument("--train-summary", default=None, help="train_summary.json (its digests are checked)")
+    p.add_argument("--speculators-out", default=None, help="refused: the speculators format is EAGLE-3's")
+    p.add_argument("--work-dir", default=None, help="vLLM check logs and cache (default OUT.check/)")
+    p.add_argument("--vllm-python", default=None, help=f"vLLM interpreter or venv (default {vllm_env.DEFAULT_ENV})")
+    p.add_argument("--config", default=None, help="the export section of the config: JSON, or @FILE")
+    p.add_argument("--log", default=None)
+    a = p.parse_args(argv)
+    setup_logging(a.log)
+    try:
+        verify_recorded(a.drafter, a.train_summary or Path(a.drafter).with_name("train_summary.json"))
+        rep = export(
+            a.drafter, a.out, a.identity, work_dir=a.work_dir, vllm_python=a.vllm_python, **parse_json_arg(a.config, {})
+        )
+    except (ContractError, ArtifactError, ValueError) as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None
+    for ch in rep["checks"]:
+        (log.warning if ch["ok"] is None else log.info)("%s", status_line(ch))
+    log.info(
+        "P-EAGLE export %s: contract passed (eagle3 + parallel_drafting, k %d), %d check(s) not run by "
+        "export.accept_not_run",
+        a.out,
+        rep["num_speculative_tokens"],
+        len(rep["not_run"]),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""drafter.kind p_eagle through the DAG: the tiny random target of config/smoke.yaml; on a copy of the
+finished EAGLE-3 smoke run (its prompts, hidden-state store and vocab map), a P-EAGLE drafter trained
+on that store (eaglet.train.p_eagle_train) and
+exported with its contract run in real vLLM (eaglet.export.p_eagle_export): EAGLE-3's static checks over
+the P-EAGLE tensor set and p_eagle.static, then served with method eagle3 and parallel_drafting at
+num_speculative_tokens = parallel_k: lossless at T = 0, vLLM's counters equal to eaglet's parallel chain
+along vLLM's own output, the trained aux layers tapped. The checks not built for the kind are not run and
+named in export.accept_not_run; the stages not wired for it are not in the DAG and the parse says so."""
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from conftest import REPO, vllm_env_or_skip
+from workflow_common import planned_jobs, smk
+
+P_EAGLE = {"kind": "p_eagle", "p_eagle": {"parallel_k": 3}}
+NOT_BUILT = ["p_eagle.parity", "vllm.known_answer", "loader.sglang"]
+EXPORT = {"vllm_check": True, "vllm_check_prompts": 2, "vllm_check_max_tokens": 12, "accept_not_run": NOT_BUILT}
+
+
+def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_drafting(finished_run, tmp_path):
+    """On a copy of the finished EAGLE-3 smoke run (the session's shared run): switching drafter.kind to
+    p_eagle reruns train and export only (one store and vocab map serve both kinds), and the export's
+    contract passes in real vLLM with parallel drafting."""
+    vllm_env_or_skip()
+    a, cache = finished_run
+    wf = tmp_path / "wf"
+    shutil.copytree(a, wf, symlinks=True)  # results are links into the shared cache, kept as links
+    conf = yaml.safe_load((wf / "config/smoke.yaml").read_text())
+    conf["drafter"] = P_EAGLE
+    conf["export"] = EXPORT
+    conf["train"] = {**conf.get("train", {}), "max_steps": 6, "val_every": 3}
+    (wf / "config/p_eagle.yaml").write_text(yaml.safe_dump(conf))
+
+    _, out = smk(wf, cache, "-n", configfile="config/p_eagle.yaml")
+    assert planned_jobs(out) == {"train", "export"}, out[-3000:]  # the EAGLE-3 run's store, vocab map, data
+    not_run = next(line for line in out.splitlines() if "drafter kind p_eagle: NOT RUN" in line)
+    assert "evaluate_offline: the offline parallel chain" in not_run
+    smk(wf, cache, configfile="config/p_eagle.yaml")
+
+    run = wf / "results/smoke"
+    summary = json.loads((run / "train/train_summary.json").read_text())
+    assert summary["kind"] == "p_eagle" and summary["steps"] == 6 and summary["layer_ids"] == [2, 4, 5]
+    assert summary["parallel_k"] == 3 and summary["selected"]["val_parallel_tau"] is not None
+    rep = json.loads((run / "drafter/contract.json").read_text())
+    status = {c["name"]: c["status"] for c in rep["checks"]}
+    assert status == {
+        "static.config_fields": "pass",
+        "static.key_set": "pass",
+        "static.shapes_dtypes": "pass",
+        "static.vocab_map": "pass",
+        "static.layer_ids": "pass",
+        "p_eagle.static": "pass",
+        "vllm.lossless": "pass",
+        "vllm.acceptance": "pass",
+        "vllm.aux_layers": "pass",
+        **{n: "not run" for n in NOT_BUILT},
+    }, rep
+    assert rep["ok"] and rep["parallel_drafting"] and rep["num_speculative_tokens"] == 3
+    acc = next(c for c in rep["checks"] if c["name"] == "vllm.acceptance")["details"]
+    assert acc["vllm"] == acc["chain"] and acc["vllm"]["drafts"] > 0
+    cfg = json.loads((run / "drafter/config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["parallel_drafting"] is True
+    assert cfg["mask_token_id"] == summary["mask_token_id"] and cfg["eaglet"]["num_speculative_tokens"] == 3
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    # the run's table (what `make run` prints at the end) speaks of the kind
+    from eaglet.workflow.summary import table
+
+    rows = {r.split("|")[1].strip(): r for r in table(run) if r.startswith("| ")}
+    assert "P-EAGLE, K 3: 6 steps" in rows["train"] and "validation parallel tau" in rows["train"], rows["train"]
+    assert "vLLM's counters equal eaglet's parallel chain" in rows["export"], rows["export"]
+    _, out = smk(wf, cache, "-n", configfile="config/p_eagle.yaml")
+    assert "Nothing to be done" in out
+
+
+def test_p_eagle_parse_refuses_what_the_kind_cannot_do_naming_the_key(tiny_target, tmp_path):
+    """What the P-EAGLE trainer and export cannot do stops the parse naming the key; the kind's checks
+    that are not built must be named in export.accept_not_run; an accepted config says which stages do
+    not run; config/p_eagle.yaml's settings are the kind's."""
+    from eaglet.export.p_eagle_format import P_EAGLE_NOT_BUILT, P_EAGLE_VLLM_CHECKS
+    from eaglet.planner import plan
+    from eaglet.workflow.resolve import P_EAGLE_NOT_RUN, resolve
+
+    def config(**sections):
+        c = plan.load_config(REPO / "config/smoke.yaml")
+        c["target"].update({"path": str(tiny_target["path"]), "tiny": None})
+        c["drafter"] = {"kind": "p_eagle", "p_eagle": dict(c["drafter"]["p_eagle"])}
+        c["export"]["accept_not_run"] = [*P_EAGLE_VLLM_CHECKS, *P_EAGLE_NOT_BUILT]  # vllm_check false
+        for name, values in sections.items():
+            c[name].update(values)
+        return c
+
+    R = resolve(config(), tmp_path)
+    lines = R.lines()
+    assert R.drafter_kind == "p_eagle" and any(", ".join(P_EAGLE_NOT_RUN) in line for line in lines), lines
+    assert any("num_speculative_tokens 3" in line and line.startswith("drafter: p_eagle") for line in lines)
+    assert any(line.startswith("training TTT attention: recompute (the P-EAGLE") for line in lines), lines
+    for sections, key in [
+        ({"train": {"hidden_states": "online"}}, "train.hidden_states"),
+        ({"export": {"speculators": True}}, "export.speculators"),
+        ({"plan": {"learning_curve": True}}, "plan.learning_curve"),
+        ({"train": {"gpus": 2}}, "train.gpus"),
+    ]:
+        with pytest.raises(ValueError, match=f"drafter.kind p_eagle: .*{key}"):
+            resolve(config(**sections), tmp_path)
+    with pytest.raises(ValueError, match=r"export.accept_not_run: .*'p_eagle.parity'"):
+        resolve(config(export={"accept_not_run": list(P_EAGLE_VLLM_CHECKS)}), tmp_path)
+    shipped = plan.load_config(REPO / "config/p_eagle.yaml")
+    assert shipped["drafter"]["kind"] == "p_eagle" and shipped["run"] == "smollm2-p_eagle"
+    assert sorted(shipped["export"]["accept_not_run"]) == sorted(P_EAGLE_NOT_BUILT)
