@@ -3,6 +3,7 @@
     python benchmarks/bench_anchor.py [--quick] [--seeds 0 1 2] [--results results] [--run smollm2]
         [--epochs 3] [--data-fraction 1.0] [--autocast float32] [--optimizer adamw|muon]
         [--anchor-python envs/anchor/.venv/bin/python] [--keep DIR] [--out results/anchor.json]
+        [--gamma G] [--loss L] [--eaglet-only]   # eaglet's recipe varied; eaglet alone, no ratio
 
 Both drafters train on the SAME stored hidden states (a real store: results/<run>/extract, the run
 with the most tokens, with its vocab map and its trainer's params from train/train_summary.json,
@@ -109,6 +110,10 @@ def train_params(run_params: dict | None, a) -> dict:
     p.update(checkpoint_every=10**9, gpus=0, max_steps=None, hidden_states="offline", data_fraction=a.data_fraction)
     if a.autocast is not None:
         p["autocast"] = a.autocast
+    if getattr(a, "gamma", None) is not None:
+        p["gamma"] = a.gamma
+    if getattr(a, "loss", None) is not None:
+        p["loss"] = a.loss
     if a.epochs is not None:
         p["epochs"] = a.epochs
     elif a.quick:
@@ -208,6 +213,13 @@ def main() -> None:
     ap.add_argument("--extract-n", type=int, default=48, help="samples to extract when no store exists")
     ap.add_argument("--keep", default=None, help="keep the exchange files and both outputs in this folder")
     ap.add_argument("--out", default=None, help="write every seed's figures as JSON here")
+    ap.add_argument("--gamma", type=float, default=None,
+                    help="eaglet's train.gamma (the TTT steps' loss decay) instead of the run's (the anchor's is 1)")
+    ap.add_argument("--loss", default=None, choices=schema.allowed("train.loss"),
+                    help="eaglet's train.loss instead of the run's (the anchor's is KL)")
+    ap.add_argument("--eaglet-only", action="store_true",
+                    help="train and score eaglet alone (no anchor, no ratio): to compare a recipe of eaglet's "
+                    "with an anchor row measured before on the same seeds and data (--out's JSON)")
     a = ap.parse_args()
 
     anchor_py = Path(a.anchor_python) if Path(a.anchor_python).is_absolute() else ROOT / a.anchor_python
@@ -284,6 +296,17 @@ def main() -> None:
     for seed in a.seeds:
         rows.append(one_seed(a, seed, plans[seed], p, ds, index, vocab, ident, d2t, t2d, scorer, anchor_py,
                              tmp, bf16, sel, threads))
+    if a.eaglet_only:
+        for key in ("tau", "tau_t0", "speed"):
+            print(f"ratio {key}: skipped")
+            print(f"note {key}: --eaglet-only (gamma {p['gamma']}, loss {p['loss']}): no anchor run")
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps({"data": f"{results}/{run}", "params": p, "seeds": a.seeds, "rows": rows,
+                                               "eaglet_only": True}, indent=1, default=str) + "\n")
+        if tmp_ctx is not None:
+            tmp_ctx.cleanup()
+        return
     # -- the table: per seed, then the mean with its interval over seeds
     print(f"\nchain τ(k={K}) at T = 0 and expected τ(k={K}) at T = 1 (Σ min(p, q) chained), the same "
           f"{len(pl0['val_idx'])} validation samples, each at its kept pass; speed: training tok/s, steps 2..")
@@ -345,8 +368,7 @@ def one_seed(a, seed, pl, p, ds, index, vocab, ident, d2t, t2d, scorer, anchor_p
     import torch
     from safetensors.torch import load_file
 
-    from eaglet.drafter.eagle3 import load_drafter
-    from eaglet.drafter.ttt import acceptance, is_better
+    from eaglet.drafter.ttt import is_better
     from eaglet.train.train import train
 
     p = {**p, "seed": seed}
@@ -373,6 +395,8 @@ def one_seed(a, seed, pl, p, ds, index, vocab, ident, d2t, t2d, scorer, anchor_p
     e_sec = (tr_rows["tokens"] / tr_rows["tok_s"]).iloc[1:].sum()
     best = summary["best_val"]
 
+    if a.eaglet_only:
+        return eaglet_only(seed, total, summary, scorer, ident, d, K, bf16, e_tok / e_sec, eaglet_wall)
     # -- the anchor, in its own environment
     t0 = time.time()
     proc = subprocess.run([str(anchor_py), str(ROOT / "benchmarks/anchor_worker.py"), str(d)], cwd=ROOT,
@@ -387,28 +411,7 @@ def one_seed(a, seed, pl, p, ds, index, vocab, ident, d2t, t2d, scorer, anchor_p
     if a_tok != e_tok:
         raise SystemExit(f"token counts differ: eaglet {e_tok}, anchor {a_tok} (not the same micro-batches)")
 
-    # -- eaglet's kept drafter re-scored the way the trainer validated (under its autocast): it must
-    # reproduce the trainer's own figures at both temperatures, else the scorer is not the trainer's
-    model, _, _, _ = load_drafter(d / "eaglet/drafter.safetensors", ident)
-
-    def eaglet_drafter(vb, b, p_BTVd, mass_BT):
-        B, T = b["x"].shape
-        D = torch.zeros(B, T, K, dtype=torch.long)
-        alpha = torch.zeros(B, T, K)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            for k, lg, _ in model.ttt_unroll(b["x"], model.project(b["aux"]), K):
-                n = T - 2 - k
-                if n > 0:
-                    lp = torch.log_softmax(lg[:, :n].float(), -1)
-                    D[:, :n, k] = lp.argmax(-1)
-                    alpha[:, :n, k] = acceptance(lp.exp(), p_BTVd[:, 1 + k:1 + k + n], mass_BT[:, 1 + k:1 + k + n])
-        return D, alpha
-
-    e = scorer.score(eaglet_drafter)
-    for key, got, want in (("chain", e["chain"][-1], best["chain_tau"]), ("exp", e["exp"][-1], best["exp_tau"])):
-        if abs(got - want) > 1e-6:
-            raise SystemExit(f"scorer check (seed {seed}): eaglet's kept drafter re-scored {key} τ {got:.6f}, the "
-                             f"trainer said {want:.6f} (not the same positions or rule)")
+    e = score_eaglet(seed, best, scorer, ident, d, K, bf16)
 
     # -- the anchor at each of its validation passes, kept by the same rule
     a_best = None
@@ -450,6 +453,48 @@ def one_seed(a, seed, pl, p, ds, index, vocab, ident, d2t, t2d, scorer, anchor_p
           f"kept step {a_best['step']}: τ T=0 {out['anchor']['chain']:.4f}, T=1 {out['anchor']['exp']:.4f}, "
           f"{out['anchor']['tok_s']:.0f} tok/s; initial rows vs eaglet's max |diff| "
           + ", ".join(f"{k} {v:.1e}" for k, v in res["same_init_max_abs_diff"].items()), flush=True)
+    return out
+
+
+def score_eaglet(seed, best, scorer, ident, d, K, bf16) -> dict:
+    """eaglet's kept drafter re-scored the way the trainer validated (under its autocast): it must
+    reproduce the trainer's own figures (``best``) at both temperatures, else the scorer is not the trainer's."""
+    import torch
+
+    from eaglet.drafter.eagle3 import load_drafter
+    from eaglet.drafter.ttt import acceptance
+
+    model, _, _, _ = load_drafter(d / "eaglet/drafter.safetensors", ident)
+
+    def eaglet_drafter(vb, b, p_BTVd, mass_BT):
+        B, T = b["x"].shape
+        D = torch.zeros(B, T, K, dtype=torch.long)
+        alpha = torch.zeros(B, T, K)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            for k, lg, _ in model.ttt_unroll(b["x"], model.project(b["aux"]), K):
+                n = T - 2 - k
+                if n > 0:
+                    lp = torch.log_softmax(lg[:, :n].float(), -1)
+                    D[:, :n, k] = lp.argmax(-1)
+                    alpha[:, :n, k] = acceptance(lp.exp(), p_BTVd[:, 1 + k:1 + k + n], mass_BT[:, 1 + k:1 + k + n])
+        return D, alpha
+
+    e = scorer.score(eaglet_drafter)
+    for key, got, want in (("chain", e["chain"][-1], best["chain_tau"]), ("exp", e["exp"][-1], best["exp_tau"])):
+        if abs(got - want) > 1e-6:
+            raise SystemExit(f"scorer check (seed {seed}): eaglet's kept drafter re-scored {key} τ {got:.6f}, the "
+                             f"trainer said {want:.6f} (not the same positions or rule)")
+    return e
+
+
+def eaglet_only(seed, total, summary, scorer, ident, d, K, bf16, tok_s, wall) -> dict:
+    """--eaglet-only: eaglet's kept drafter scored as in a paired run, no anchor."""
+    e = score_eaglet(seed, summary["best_val"], scorer, ident, d, K, bf16)
+    out = {"seed": seed, "steps": total,
+           "eaglet": {"chain": e["chain"][-1], "exp": e["exp"][-1], "chain_k": e["chain"], "exp_k": e["exp"],
+                      "kept_step": summary["selected"]["step"], "tok_s": float(tok_s), "wall_s": wall}}
+    print(f"seed {seed}: eaglet alone, {total} steps in {wall:.0f} s, kept step {out['eaglet']['kept_step']}: τ T=0 "
+          f"{out['eaglet']['chain']:.4f}, T=1 {out['eaglet']['exp']:.4f}, {tok_s:.0f} tok/s", flush=True)
     return out
 
 
