@@ -23,9 +23,8 @@ from eaglet.drafter.p_eagle import (
 V, H, K = 97, 32, 4
 
 
-def tiny(seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = PEagleConfig(
+def tiny_config(**kw) -> PEagleConfig:
+    return PEagleConfig(
         hidden_size=H,
         target_hidden_size=H,
         num_heads=4,
@@ -39,6 +38,11 @@ def tiny(seed=0, **kw):
         parallel_k=K,
         **kw,
     )
+
+
+def tiny(seed=0, **kw):
+    torch.manual_seed(seed)
+    cfg = tiny_config(**kw)
     m = PEagleDrafter(cfg, torch.randn(V, H))
     with torch.no_grad():  # larger than the training init, so every path moves the output
         for n, p in m.named_parameters():
@@ -148,19 +152,7 @@ def test_a_few_steps_reduce_the_loss_and_train_mask_hidden():
     """Adam on one tiny batch: the loss falls by half in 20 steps, mask_hidden moves, the shared
     embedding does not."""
     torch.manual_seed(0)
-    cfg = PEagleConfig(
-        hidden_size=H,
-        target_hidden_size=H,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        vocab_size=V,
-        draft_vocab_size=V,
-        layer_ids=[1, 2, 3],
-        mask_token_id=V - 1,
-        parallel_k=K,
-    )
+    cfg = tiny_config()
     m = PEagleDrafter(cfg, torch.randn(V, H))
     x, aux = data(B=2, T=8)
     labels = torch.roll(x, -1, 1)
