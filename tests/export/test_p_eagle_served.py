@@ -50,6 +50,9 @@ def _served_counts(run: dict) -> dict:
     }
 
 
+# real vLLM, started by the module fixture (the suite marks by the test's own source): not in `make test-fast`
+pytestmark = pytest.mark.vllm
+
 @pytest.fixture(scope="module")
 def served(tiny_target, tmp_path_factory, one_thread):
     env = vllm_env_or_skip()
