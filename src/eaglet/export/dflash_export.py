@@ -27,21 +27,19 @@ with the reason, so a config must name it in export.accept_not_run. Not run is n
 
 from __future__ import annotations
 
-import argparse
 import logging
 import shutil
 from pathlib import Path
 
 from eaglet.base import schema
 from eaglet.base.artifacts import ArtifactError
-from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_recorded
+from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.files import read_json, write_json
-from eaglet.base.logs import setup_logging
-from eaglet.base.settings_files import parse_json_arg
 from eaglet.engines import vllm_env
+from eaglet.export import kind_cli
 from eaglet.export.contract.dflash_parity import DFLASH_NOT_APPLICABLE, DFLASH_VLLM_CHECKS
 from eaglet.export.contract.known_answer import Pending
-from eaglet.export.contract.record import KNOWN_ANSWER, check, not_run, status_line, verdict
+from eaglet.export.contract.record import KNOWN_ANSWER, check, not_run, verdict
 from eaglet.export.contract.vllm_checks import check_prompts, run_vllm_batch
 from eaglet.export.dflash_format import dflash_static_check, export_dflash
 from eaglet.target.load import load_identity, vllm_runner_args
@@ -198,30 +196,10 @@ def export(drafter_path: str | Path, out_dir: str | Path, identity_path: str | P
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--drafter", required=True, help="train/drafter.safetensors (a DFlash drafter)")
-    p.add_argument("--identity", required=True, help="the target's identity.json")
-    p.add_argument("--out", required=True, help="folder for config.json, model.safetensors, contract.json")
-    p.add_argument("--train-summary", default=None, help="train_summary.json (its digests are checked)")
-    p.add_argument("--speculators-out", default=None, help="refused: the speculators format is EAGLE-3's")
-    p.add_argument("--work-dir", default=None, help="vLLM check logs and cache (default OUT.check/)")
-    p.add_argument("--vllm-python", default=None, help=f"vLLM interpreter or venv (default {vllm_env.DEFAULT_ENV})")
-    p.add_argument("--config", default=None, help="the export section of the config: JSON, or @FILE")
-    p.add_argument("--log", default=None)
-    a = p.parse_args(argv)
-    setup_logging(a.log)
-    try:
-        verify_recorded(a.drafter, a.train_summary or Path(a.drafter).with_name("train_summary.json"))
-        rep = export(a.drafter, a.out, a.identity, work_dir=a.work_dir, vllm_python=a.vllm_python,
-                     **parse_json_arg(a.config, {}))
-    except (ContractError, ArtifactError, ValueError) as e:
-        log.error("%s", e)
-        raise SystemExit(1) from None
-    for ch in rep["checks"]:
-        (log.warning if ch["ok"] is None else log.info)("%s", status_line(ch))
-    log.info("DFlash export %s: contract passed (method %s, k %d), %d check(s) not run by export.accept_not_run",
-             a.out, rep["method"], rep["num_speculative_tokens"], len(rep["not_run"]))
+    kind_cli.main(argv, doc=__doc__, drafter="a DFlash drafter", export=export, error=ContractError, log=log,
+                  done=lambda out, rep: (f"DFlash export {out}: contract passed (method {rep['method']}, k "
+                                   f"{rep['num_speculative_tokens']}), {len(rep['not_run'])} check(s) not run by "
+                                   "export.accept_not_run"))
 
 
 if __name__ == "__main__":

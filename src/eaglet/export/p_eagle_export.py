@@ -23,7 +23,6 @@ with the reason (so a config names them in export.accept_not_run): P_EAGLE_NOT_B
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import shutil
@@ -31,13 +30,12 @@ from pathlib import Path
 
 from eaglet.base import schema
 from eaglet.base.artifacts import ArtifactError
-from eaglet.base.digests import DIGESTS_KEY, record_digests, verify_recorded
+from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.files import read_json, write_json
-from eaglet.base.logs import setup_logging
-from eaglet.base.settings_files import parse_json_arg
 from eaglet.base.tensors import load_tensors
 from eaglet.engines import vllm_env
-from eaglet.export.contract.record import check, not_run, status_line, verdict
+from eaglet.export import kind_cli
+from eaglet.export.contract.record import check, not_run, verdict
 from eaglet.export.contract.vllm_checks import check_prompts, run_vllm_batch
 from eaglet.export.p_eagle_format import (
     P_EAGLE_NOT_BUILT,
@@ -235,37 +233,10 @@ def export(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--drafter", required=True, help="train/drafter.safetensors (a P-EAGLE drafter)")
-    p.add_argument("--identity", required=True, help="the target's identity.json")
-    p.add_argument("--out", required=True, help="folder for config.json, model.safetensors, contract.json")
-    p.add_argument("--train-summary", default=None, help="train_summary.json (its digests are checked)")
-    p.add_argument("--speculators-out", default=None, help="refused: the speculators format is EAGLE-3's")
-    p.add_argument("--work-dir", default=None, help="vLLM check logs and cache (default OUT.check/)")
-    p.add_argument("--vllm-python", default=None, help=f"vLLM interpreter or venv (default {vllm_env.DEFAULT_ENV})")
-    p.add_argument("--config", default=None, help="the export section of the config: JSON, or @FILE")
-    p.add_argument("--log", default=None)
-    a = p.parse_args(argv)
-    setup_logging(a.log)
-    try:
-        verify_recorded(a.drafter, a.train_summary or Path(a.drafter).with_name("train_summary.json"))
-        rep = export(
-            a.drafter, a.out, a.identity, work_dir=a.work_dir, vllm_python=a.vllm_python, **parse_json_arg(a.config, {})
-        )
-    except (ContractError, ArtifactError, ValueError) as e:
-        log.error("%s", e)
-        raise SystemExit(1) from None
-    for ch in rep["checks"]:
-        (log.warning if ch["ok"] is None else log.info)("%s", status_line(ch))
-    log.info(
-        "P-EAGLE export %s: contract passed (eagle3 + parallel_drafting, k %d), %d check(s) not run by "
-        "export.accept_not_run",
-        a.out,
-        rep["num_speculative_tokens"],
-        len(rep["not_run"]),
-    )
+    kind_cli.main(argv, doc=__doc__, drafter="a P-EAGLE drafter", export=export, error=ContractError, log=log,
+                  done=lambda out, rep: (f"P-EAGLE export {out}: contract passed (eagle3 + parallel_drafting, k "
+                                   f"{rep['num_speculative_tokens']}), {len(rep['not_run'])} check(s) not run by "
+                                   "export.accept_not_run"))
 
 
 if __name__ == "__main__":
