@@ -80,7 +80,12 @@ def training_plot(metrics_parquet: str | Path, out: str | Path) -> None:
     a3.set_title("τ (chain: k = ttt_steps drafts per round)")
     a3.set_xlabel("optimizer step")
     a3.legend()
-    for a in (a1, a2, a3):
+    _save_grid(plt, fig, (a1, a2, a3), out)
+
+
+def _save_grid(plt, fig, axes, out: str | Path) -> None:
+    """The training figures' finish: a light grid on each panel, written as PNG atomically."""
+    for a in axes:
         a.grid(alpha=0.3)
     fig.tight_layout()
     with atomic_path(out) as tmp:
@@ -111,12 +116,7 @@ def dflash_training_plot(df, out: str | Path) -> None:
         a3.legend()
     a3.set_title("block τ (1 + accepted drafts per block)")
     a3.set_xlabel("optimizer step")
-    for a in (a1, a2, a3):
-        a.grid(alpha=0.3)
-    fig.tight_layout()
-    with atomic_path(out) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    _save_grid(plt, fig, (a1, a2, a3), out)
 
 
 def _kv_table(d: dict) -> str:
