@@ -98,13 +98,16 @@ PYTEST := $(BIN)/python -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(T
 test: venv vllm-env sglang-env test-deps test-wheels cache-dir
 	$(PYTEST) --durations=30
 
-# The unit layer, between edits: no real vLLM, no SLURM, no Snakemake run, no slow end-to-end model.
+# The unit layer, between edits: no real vLLM, no SLURM, no Snakemake run (a dry run included), no slow
+# end-to-end model, no benchmark script run end to end (tests/benchmarks), no fault injection (marker
+# faults: kill -9 and resume, corrupt and hostile inputs; `pytest -m faults` runs them alone).
+# `make test` runs them all.
 # SGLang's loader reports are kept across runs by the digest of what it read (eaglet.export.contract.sglang_check):
 # from a warm checkout SGLang runs only on exports it has not judged yet, and in the tests about its
 # cache (their own folders). `make test` keeps them for one run only (tests/conftest.py).
 test-fast: venv sglang-env
 	EAGLET_SGLANG_CACHE=$${EAGLET_SGLANG_CACHE:-$(HOME)/.cache/eaglet/sglang-loader-tests} \
-		$(PYTEST) -m "not slow and not vllm and not slurm and not dag"
+		$(PYTEST) -m "not slow and not vllm and not slurm and not dag and not bench and not faults"
 
 lint: venv
 	$(BIN)/ruff check src tests benchmarks

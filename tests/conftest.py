@@ -77,7 +77,7 @@ def pytest_sessionfinish(session, exitstatus):
 # clone of the workflow, itself or through one of these fixtures; a test that starts real vLLM
 # (the shared server, or the engine through vllm_env_or_skip) is marked `vllm` too.
 _DAG_FIXTURES = {"finished_run", "run_copy", "tokenized", "runs", "run", "repo", "kimi_plan", "workflow"}
-_DAG_CALL = re.compile(r"\bclone\(|\b_?smk\(|\b_?dry_run\(|\"snakemake\"")
+_DAG_CALL = re.compile(r"\bclone\(|\b_?smk\(|\b_?dry(_run)?\(|\"snakemake\"")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -86,17 +86,33 @@ def pytest_xdist_make_scheduler(config, log):
     return suite_schedule.make_scheduler(config, log)
 
 
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn) if fn else ""
+    except (OSError, TypeError):
+        return ""
+
+
+def _sources(item) -> str:
+    """The test function's source and that of every fixture it uses (fixturenames is the closure), so
+    that a module fixture starting vLLM or Snakemake marks the tests that use it."""
+    parts = [_source(getattr(item, "function", None))]
+    defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+    for name in getattr(item, "fixturenames", ()):
+        for fixturedef in defs.get(name, ()):
+            parts.append(_source(getattr(fixturedef, "func", None)))
+    return "\n".join(parts)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        fn = getattr(item, "function", None)
-        try:
-            source = inspect.getsource(fn) if fn else ""
-        except (OSError, TypeError):
-            source = ""
+        source = _sources(item)
         if _DAG_FIXTURES & set(getattr(item, "fixturenames", ())) or _DAG_CALL.search(source):
             item.add_marker(pytest.mark.dag)
         if "vllm_tiny_server" in getattr(item, "fixturenames", ()) or "vllm_env_or_skip(" in source:
             item.add_marker(pytest.mark.vllm)
+        if Path(str(item.path)).parent.name == "benchmarks":
+            item.add_marker(pytest.mark.bench)
 
 
 def clone(dest: Path) -> Path:
