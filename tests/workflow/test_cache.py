@@ -568,6 +568,39 @@ def test_a_second_clone_with_its_own_venv_computes_nothing_the_first_cached(toke
         assert (b / f).read_bytes() == (a / f).read_bytes()
 
 
+def test_a_run_of_another_name_on_the_same_settings_computes_nothing_the_first_cached(tokenized):
+    """The cache key is what defines an output, not where a run keeps it: a run named otherwise
+    (config/dflash.yaml beside config/config.yaml: the same data, another drafter) is served
+    target_model, prompts, tokenize and token_freq from the first run's entries. Before, every
+    cached stage's key held its own output folder (results/<run>/...) and a settings file's path
+    under logs/<run>/, so each run name computed everything again (the default model's extraction,
+    14 min here; hours at scale)."""
+    root, a, cache = tokenized
+    b = clone(root / "renamed")
+    conf = yaml.safe_load((a / "config/nogen.yaml").read_text())
+    conf["run"] = "smoke-renamed"
+    (b / "config/renamed.yaml").write_text(yaml.safe_dump(conf))
+    smk(b, cache, "results/smoke-renamed/token_freq/freq.safetensors", configfile="config/renamed.yaml")
+    ran = [str(f.relative_to(b)) for f in (b / "logs").rglob("*.log") if f.stat().st_size]
+    assert not ran, ran
+    for f in ("tokenize/tokens.parquet", "token_freq/freq.safetensors", "prompts/train.parquet"):
+        mine, first = b / "results" / "smoke-renamed" / f, a / "results" / "smoke" / f
+        assert mine.is_symlink() and os.path.realpath(mine) == os.path.realpath(first), f
+
+
+def test_the_key_reads_the_run_folders_as_placeholders_and_nothing_else():
+    from eaglet.workflow.cache_key import without_run_folders
+
+    folders = {"{run}": "results/smoke", "{logs}": "logs/smoke"}
+    assert without_run_folders(["results/smoke/prompts", "logs/smoke/config/generate.json", "results/smoke"],
+                               folders) == ["{run}/prompts", "{logs}/config/generate.json", "{run}"]
+    # another run's folder, a longer name, a folder inside another path and JSON text around it
+    assert without_run_folders("results/smoke-2/x", folders) == "results/smoke-2/x"
+    assert without_run_folders("results/smokey", folders) == "results/smokey"
+    assert without_run_folders("/data/results/smoke/a", folders) == "/data/{run}/a"
+    assert without_run_folders({"a": '"results/smoke/b"', "n": 3}, folders) == {"a": '"{run}/b"', "n": 3}
+
+
 def test_an_edited_prompts_file_reruns_prompts_and_misses_the_cache(tmp_path):
     """prompts.path is in prompts' params by content: edited in place, the preview plans prompts
     again (its digest changed), and another clone with the same cache computes the prompts from

@@ -25,7 +25,7 @@ from eaglet.base import schema
 # workflow/schemas/config.schema.yaml, and what JSON Schema lets through (a float where an integer is
 # meant, a non-finite number); defaults filled as snakemake.utils.validate(set_default=True) fills them
 schema.validate(config)
-from eaglet.workflow import code_inputs, environments, shared_cache
+from eaglet.workflow import cache_key, code_inputs, environments, shared_cache
 from eaglet.workflow.params import (
     SettingsFiles,
     as_json,
@@ -48,6 +48,10 @@ for _line in R.lines():
 
 RUN = R.paths.run
 LOGS = R.paths.logs
+# The cache key holds what defines an output, not the run that made it: the run's own folders in a
+# cached job's params (its output folder, its settings file's path) are keyed as {run} and {logs}, so a
+# run of another name on the same data is served what this one cached (eaglet.workflow.cache_key).
+cache_key.install(RUN, LOGS)
 TARGET_DIR = R.paths.target_dir
 TARGET_ID = R.paths.target_id
 # The module files a stage runs (its whole import closure, with the GPU-slot launcher's when it runs
