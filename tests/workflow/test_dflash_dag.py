@@ -1,5 +1,8 @@
-"""drafter.kind dflash through the DAG (issue 44): the tiny random target of config/smoke.yaml, from
-prompts to a DFlash drafter trained on the run's hidden-state store (eaglet.train.dflash_train) and
+"""drafter.kind dflash through the DAG (issue 44): the tiny random target of config/smoke.yaml, as a user
+runs config/dflash.yaml beside the default: a run of its own name on the finished EAGLE-3 smoke run's
+output cache (the session's shared run), served the target, prompts, generation, tokens, vocabulary map
+and hidden-state store from it (none of those stages runs: eaglet.workflow.cache_key), then a DFlash
+drafter trained on that store (eaglet.train.dflash_train) and
 exported with its contract run in real vLLM (eaglet.export.dflash_export): the static check, parity
 with vLLM's own module, and the served check (method dflash at k = block_size − 1: lossless, vLLM's
 counters equal to eaglet's block chain), then evaluated: offline (the exact block chain at T = 0 with the
@@ -31,16 +34,20 @@ EVALUATE = {"sets": ["mtbench", "heldout"], "num_prompts": {"mtbench": 1, "heldo
             "vllm": {"enabled": True, "k_values": [1, 2], "draft_sample_methods": ["greedy"]}}
 
 
-def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(tmp_path):
+# the stages whose outputs the EAGLE-3 run cached, and where each one's log would be
+DATA_LOGS = ["prompts.log", "generate.log", "tokenize.log", "token_freq.log", "vocab_map.log",
+             "extract_hidden_states/shard_0.log"]
+
+
+def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(finished_run, tmp_path):
     vllm_env_or_skip()
+    _, cache = finished_run  # the EAGLE-3 smoke run's output cache, shared (the run itself is not touched)
     wf = clone(tmp_path / "wf")
-    cache = tmp_path / "cache"
-    cache.mkdir()
     conf = yaml.safe_load((wf / "config/smoke.yaml").read_text())
+    conf["run"] = "smoke-dflash"
     conf["drafter"] = DFLASH
     conf["export"] = EXPORT
     conf["train"] |= {"max_steps": 6, "val_every": 3, "checkpoint_every": 3}
-    conf["prompts"] |= {"n": 24}
     conf["evaluate"] |= EVALUATE  # evaluate.vllm.k_values does not apply: DFlash is served at k = 3
     (wf / "config/dflash.yaml").write_text(yaml.safe_dump(conf))
 
@@ -54,7 +61,13 @@ def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(tmp_path)
     assert "plots:" not in not_run and "provenance:" not in not_run and "the plots and the provenance" in not_run
     smk(wf, cache, configfile="config/dflash.yaml")
 
-    run = wf / "results/smoke"
+    run = wf / "results/smoke-dflash"
+    # the data stages and the extraction were the EAGLE-3 run's cache entries: none of them ran here
+    ran = [name for name in DATA_LOGS if (wf / "logs/smoke-dflash" / name).exists()
+           and (wf / "logs/smoke-dflash" / name).stat().st_size]
+    assert not ran, ran
+    chunks = list((run / "extract/shard_0").glob("chunk_*"))  # a restored folder: its files are links
+    assert chunks and all(c.is_symlink() for c in chunks) and (run / "tokenize/tokens.parquet").is_symlink()
     summary = json.loads((run / "train/train_summary.json").read_text())
     assert summary["kind"] == "dflash" and summary["steps"] == 6 and summary["layer_ids"] == [2, 4, 5]
     rep = json.loads((run / "drafter/contract.json").read_text())
