@@ -3,7 +3,7 @@
     python benchmarks/bench_anchor.py [--quick] [--seeds 0 1 2] [--results results] [--run smollm2]
         [--epochs 3] [--data-fraction 1.0] [--autocast float32] [--optimizer adamw|muon]
         [--anchor-python envs/anchor/.venv/bin/python] [--keep DIR] [--out results/anchor.json]
-        [--gamma G] [--loss L] [--eaglet-only]   # eaglet's recipe varied; eaglet alone, no ratio
+        [--gamma G] [--loss L] [--set KEY=VALUE ...] [--eaglet-only]   # eaglet's recipe varied; eaglet alone
 
 Both drafters train on the SAME stored hidden states (a real store: results/<run>/extract, the run
 with the most tokens, with its vocab map and its trainer's params from train/train_summary.json,
@@ -106,6 +106,11 @@ def train_params(run_params: dict | None, a) -> dict:
     if run_params is None:
         run_params = yaml.safe_load((ROOT / "config/config.yaml").read_text())["train"]
         run_params.setdefault("val_fraction", 0.2)
+    for item in getattr(a, "set", None) or []:  # --set KEY=VALUE: a train key of eaglet's recipe, checked below
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE (a train.* key, the value as YAML)")
+        run_params = {**run_params, key: yaml.safe_load(value)}
     p = resolve_params(run_params)
     p.update(checkpoint_every=10**9, gpus=0, max_steps=None, hidden_states="offline", data_fraction=a.data_fraction)
     if a.autocast is not None:
@@ -217,6 +222,9 @@ def main() -> None:
                     help="eaglet's train.gamma (the TTT steps' loss decay) instead of the run's (the anchor's is 1)")
     ap.add_argument("--loss", default=None, choices=schema.allowed("train.loss"),
                     help="eaglet's train.loss instead of the run's (the anchor's is KL)")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="eaglet's train.KEY (VALUE as YAML) instead of the run's, checked by the trainer's own "
+                    "resolve_params; repeatable (e.g. --set norm_before_fc=true --set freeze_lm_head=true)")
     ap.add_argument("--eaglet-only", action="store_true",
                     help="train and score eaglet alone (no anchor, no ratio): to compare a recipe of eaglet's "
                     "with an anchor row measured before on the same seeds and data (--out's JSON)")
