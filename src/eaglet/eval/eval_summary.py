@@ -473,10 +473,11 @@ def summarise_dflash(out: Path, offline: dict, vllm: dict | None, o: dict, spec:
         h["vllm_plain_equals_hf_greedy"] = f"{ag['identical']}/{ag['prompts']} prompts" if ag else None
         h["vllm_agrees_with_offline"] = not vllm["disagreements"]
         h["vllm_counters_equal_offline_chain"] = eq["equal"] if eq else None
-        # T > 0: vLLM's acceptance against the served rule's expectation, reported (not a gate for DFlash)
+        # T > 0: vLLM's acceptance against the served rule's expectation (a gate of evaluate_vllm: a run
+        # that reaches the summary agreed; a vllm.json of before 2026-12-06 kept its failures apart)
         sa = vllm.get("sampled_agreement")
         h["vllm_t_gt0_agrees_with_rule"] = sa["pass"] if sa and sa.get("tests") else None
-        h["vllm_t_gt0_disagreements"] = vllm.get("dflash_t_gt0_disagreements") or []
+        h["vllm_t_gt0_disagreements"] = [t["message"] for t in (sa or {}).get("tests") or [] if not t["ok"]]
     note = h["recommendation"] if agree is not None else h["hf_loop_reason"]
     for name in PLOTS:
         fig, ax = plt.subplots(figsize=(6, 4))
