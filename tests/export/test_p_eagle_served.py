@@ -11,7 +11,11 @@ the same way, stays lossless (vLLM's verifier) and vLLM reads the lower taps, bu
 from the trained drafter's chain (static.layer_ids refuses it before serving too). Not here: a zeroed
 or permuted mask_hidden served: on this tiny target (whose greedy output soon repeats one token) a
 zeroed mask_hidden was served once by hand with counters equal to the trained chain's (23 rounds,
-8/8/8 accepted), so the counters cannot tell it apart there (docs/block-drafters.md §8)."""
+8/8/8 accepted), so the counters cannot tell it apart there (docs/block-drafters.md §8).
+
+The kind's known answer (vllm.known_answer): EAGLE-3's known-answer drafter for a twin of the tiny
+target, made a P-EAGLE folder, served with parallel drafting: every first draft accepted; its copy with
+the layer ids one lower: none (its own runner process, two engines on the twin)."""
 
 import dataclasses
 import json
@@ -150,3 +154,36 @@ def test_broken_p_eagle_exports_depart_from_the_chain(served, tiny_target):
         p.startswith("static.layer_ids")
         for p in p_eagle_static_problems(served["lower_dir"], tiny_target, dataclasses.asdict(served["cfg"]))
     )
+
+
+def test_p_eagle_known_answer_is_accepted_in_parallel_and_its_broken_copy_is_not(tiny_target, tmp_path, one_thread):
+    """vllm.known_answer for the kind: EAGLE-3's known-answer drafter for a twin of the tiny target,
+    made a P-EAGLE folder (as_p_eagle), served with parallel drafting at K: the output is the twin's
+    known chain and every first draft is accepted (slot 1 of the round is EAGLE-3's step). The copy
+    with the aux layer ids one lower, made a P-EAGLE folder the same way, stays lossless and fails the
+    known answer (its first drafts are rejected). Both in one runner process (~2 engine starts)."""
+    from eaglet.export.contract import known_answer
+    from eaglet.export.contract.twin import break_export
+    from eaglet.export.contract.vllm_checks import check_prompts
+    from eaglet.export.p_eagle_format import as_p_eagle
+
+    env = vllm_env_or_skip()
+    V, max_tokens = int(tiny_target["vocab_size"]), 16
+    prompts = check_prompts(2)
+    twin, eagle3 = known_answer.prepare(tiny_target, LAYER_IDS, tmp_path / "ka", prompts, k=K, max_tokens=max_tokens)
+    lower = break_export(eagle3, "layer_ids_minus_one", tmp_path / "ka" / "lower")
+    dirs = {"good": as_p_eagle(eagle3, tmp_path / "good", mask_token_id=V - 1, k=K),
+            "lower": as_p_eagle(lower, tmp_path / "lower", mask_token_id=V - 1, k=K)}
+    assert json.loads((dirs["good"] / "config.json").read_text())["parallel_drafting"] is True
+    assert p_eagle_static_problems(dirs["good"], twin, None) == []
+    runs = [{"tag": t, "target": twin["path"], "drafter": str(d), "k": K, "max_tokens": max_tokens}
+            for t, d in dirs.items()]
+    res = run_vllm_batch(runs, prompts, work_dir=tmp_path / "vllm", python=vllm_env.vllm_python(env),
+                         serving=known_answer.twin_serving(None))
+    ok, det = known_answer.judge(twin, prompts, res["good"], max_tokens)
+    print("\n[p_eagle known answer]", {x: det[x] for x in ("num_drafts", "first_draft_rate", "accepted_per_pos")})
+    assert ok and det["first_draft_rate"] == 1.0 and len(det["accepted_per_pos"]) == K, det
+    bad, bdet = known_answer.judge(twin, prompts, res["lower"], max_tokens)
+    print("[p_eagle known answer, layer ids - 1]", {x: bdet[x] for x in ("num_drafts", "first_draft_rate")})
+    assert not bad and bdet["output_is_known_chain"] and bdet["first_draft_rate"] < 0.5, bdet
+    assert res["lower"]["aux_layers"] == [i - 1 for i in LAYER_IDS]

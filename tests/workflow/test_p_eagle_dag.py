@@ -3,7 +3,8 @@ finished EAGLE-3 smoke run (its prompts, hidden-state store and vocab map), a P-
 on that store (eaglet.train.p_eagle_train) and
 exported with its contract run in real vLLM (eaglet.export.p_eagle_export): EAGLE-3's static checks over
 the P-EAGLE tensor set and p_eagle.static, then served with method eagle3 and parallel_drafting at
-num_speculative_tokens = parallel_k: lossless at T = 0, vLLM's counters equal to eaglet's parallel chain
+num_speculative_tokens = parallel_k: the known-answer drafter (for a twin of the target, with parallel
+drafting) has every first draft accepted, lossless at T = 0, vLLM's counters equal to eaglet's parallel chain
 along vLLM's own output, the trained aux layers tapped. The checks not built for the kind are not run and
 named in export.accept_not_run; the stages not wired for it are not in the DAG and the parse says so."""
 
@@ -17,7 +18,7 @@ from conftest import REPO, vllm_env_or_skip
 from workflow_common import planned_jobs, smk
 
 P_EAGLE = {"kind": "p_eagle", "p_eagle": {"parallel_k": 3}}
-NOT_BUILT = ["p_eagle.parity", "vllm.known_answer", "loader.sglang"]
+NOT_BUILT = ["p_eagle.parity", "loader.sglang"]
 EXPORT = {"vllm_check": True, "vllm_check_prompts": 2, "vllm_check_max_tokens": 12, "accept_not_run": NOT_BUILT}
 
 
@@ -54,12 +55,15 @@ def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_draf
         "static.vocab_map": "pass",
         "static.layer_ids": "pass",
         "p_eagle.static": "pass",
+        "vllm.known_answer": "pass",
         "vllm.lossless": "pass",
         "vllm.acceptance": "pass",
         "vllm.aux_layers": "pass",
         **{n: "not run" for n in NOT_BUILT},
     }, rep
     assert rep["ok"] and rep["parallel_drafting"] and rep["num_speculative_tokens"] == 3
+    ka = next(c for c in rep["checks"] if c["name"] == "vllm.known_answer")["details"]
+    assert ka["parallel_drafting"] and ka["first_draft_rate"] >= 0.9 and len(ka["accepted_per_pos"]) == 3, ka
     acc = next(c for c in rep["checks"] if c["name"] == "vllm.acceptance")["details"]
     assert acc["vllm"] == acc["chain"] and acc["vllm"]["drafts"] > 0
     cfg = json.loads((run / "drafter/config.json").read_text())

@@ -12,6 +12,10 @@ The contract's checks (eaglet.export.contract.record: pass, FAIL or not run with
   static.*          EAGLE-3's static checks of format A over the P-EAGLE tensor set (config fields, key
                     set, shapes and dtypes, vocabulary map, layer ids) and p_eagle.static (mask_hidden
                     present and [3 H_t], mask_token_id in the vocabulary, parallel_drafting, K)
+  vllm.known_answer EAGLE-3's known-answer drafter for a twin of the target (eaglet.export.contract.known_answer),
+                    with the trained layer ids, made a P-EAGLE folder (mask_hidden 0, the trained mask
+                    token, K slots) and served with parallel drafting: the output is the twin's known
+                    chain and every first draft is accepted (slot 1 of vLLM's round is EAGLE-3's step)
   vllm.lossless     served by real vLLM with parallel drafting at num_speculative_tokens = K and T = 0,
                     the output equals plain greedy's on the contract's prompts
   vllm.acceptance   vLLM's acceptance counters equal eaglet's exact parallel chain along vLLM's own plain
@@ -35,15 +39,17 @@ from eaglet.base.files import read_json, write_json
 from eaglet.base.tensors import load_tensors
 from eaglet.engines import vllm_env
 from eaglet.export import kind_cli
+from eaglet.export.contract import known_answer
 from eaglet.export.contract.record import check, not_run, verdict
 from eaglet.export.contract.vllm_checks import check_prompts, run_vllm_batch
 from eaglet.export.p_eagle_format import (
     P_EAGLE_NOT_BUILT,
     P_EAGLE_VLLM_CHECKS,
+    as_p_eagle,
     export_p_eagle,
     p_eagle_static_checks,
 )
-from eaglet.target.load import load_identity
+from eaglet.target.load import load_identity, vllm_runner_args
 
 log = logging.getLogger("eaglet.export.p_eagle_export")
 TARGET_KEYS = ("serving", "target_load")
@@ -52,6 +58,31 @@ OUTPUTS = ("config.json", "model.safetensors", "reference.json", "contract.json"
 
 class ContractError(RuntimeError):
     """The P-EAGLE export failed its contract; the report says which checks."""
+
+
+def known_answer_pending(identity: dict, cfg, *, python, work_dir: Path, n_prompts: int, max_tokens: int,
+                         serving: dict | None):
+    """``vllm.known_answer`` for the kind up to its engine run: EAGLE-3's known-answer drafter built for a
+    twin of the target with the trained layer ids (known_answer.pending_check), rewritten as a P-EAGLE
+    folder (as_p_eagle: the trained mask token, K slots) and run with parallel drafting at K. The check
+    itself (not run, or failed) when it cannot run."""
+    k = int(cfg.parallel_k)
+    p = known_answer.pending_check(identity, list(cfg.layer_ids), work_dir=work_dir, python=python, k=k,
+                                   n_prompts=n_prompts, max_tokens=max_tokens, serving=serving)
+    if isinstance(p, dict):
+        return p
+    try:
+        d = as_p_eagle(p.run["drafter"], Path(p.run["drafter"]).with_name("drafter_p_eagle"),
+                       mask_token_id=cfg.mask_token_id, k=k)
+    except (OSError, ValueError, ArtifactError) as e:
+        return check("vllm.known_answer", False, {"error": f"the P-EAGLE known answer: {type(e).__name__}: {e}"})
+
+    def finish(spec: dict) -> dict:
+        out = p.finish(spec)
+        out["details"].update(drafter_dir=str(d), parallel_drafting=True)
+        return out
+
+    return dataclasses.replace(p, run={**p.run, "drafter": str(d)}, finish=finish)
 
 
 def served_checks(
@@ -66,8 +97,9 @@ def served_checks(
     max_tokens: int,
     serving: dict | None,
 ) -> tuple[list[dict], dict]:
-    """vllm.lossless, vllm.acceptance and vllm.aux_layers: the P-EAGLE and plain runs in one vLLM
-    process; the chain along vLLM's plain output with the trained weights and the target's own aux
+    """vllm.known_answer, vllm.lossless, vllm.acceptance and vllm.aux_layers: the known answer's, the
+    P-EAGLE and the plain runs in one vLLM process (the known answer's in its own where its serving
+    differs); the chain along vLLM's plain output with the trained weights and the target's own aux
     states (in-process HF target)."""
     import torch
 
@@ -76,6 +108,11 @@ def served_checks(
 
     k = int(model.cfg.parallel_k)
     prompts = check_prompts(n_prompts)
+    try:
+        ka = known_answer_pending(identity, model.cfg, python=python, work_dir=work_dir.parent / "known_answer",
+                                  n_prompts=n_prompts, max_tokens=max_tokens, serving=serving)
+    except Exception as e:  # a failure to build it fails its check, not the others
+        ka = check("vllm.known_answer", False, {"error": f"{type(e).__name__}: {e}"})
     runs = [
         {"tag": "spec", "target": identity["path"], "drafter": str(drafter_dir), "k": k, "max_tokens": max_tokens},
         {
@@ -87,18 +124,26 @@ def served_checks(
             "needs": "spec",
         },
     ]
-    res = run_vllm_batch(runs, prompts, work_dir=work_dir, python=python, serving=serving)
+    head = [ka] if isinstance(ka, dict) else []
+    if head or vllm_runner_args(ka.serving) != vllm_runner_args(serving):
+        res = run_vllm_batch(runs, prompts, work_dir=work_dir, python=python, serving=serving)
+        if not head:  # another serving (the twin on one device beside a tensor-parallel target)
+            res.update(run_vllm_batch([ka.run], prompts, work_dir=work_dir, python=python, serving=ka.serving))
+    else:  # the known answer first, in the same runner process
+        res = run_vllm_batch([ka.run, *runs], prompts, work_dir=work_dir, python=python, serving=serving)
+    if not head:
+        head = [ka.finish(res[ka.run["tag"]])]
     spec, plain = res["spec"], res["plain"]
     if spec.get("rc") != 0 or plain.get("rc") != 0:
         err = spec.get("engine_error") or spec.get("log_tail") or plain.get("engine_error") or plain.get("log_tail")
         bad = check("vllm.lossless", False, {"error": f"vLLM run failed: {err}", "parallel_drafting": True})
-        return [
+        return head + [
             bad,
             not_run("vllm.acceptance", "vLLM did not serve the drafter"),
             not_run("vllm.aux_layers", "vLLM did not serve the drafter"),
         ], {}
     same = spec["token_ids"] == [t[:max_tokens] for t in plain["token_ids"]]
-    out = [
+    out = head + [
         check(
             "vllm.lossless",
             same,

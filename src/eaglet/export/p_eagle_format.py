@@ -15,6 +15,7 @@ aux layer ids at top level and in ``eagle_config``) plus
 
     export_p_eagle(out_dir, tensors, cfg, identity, target_conf)   # tensors: the trainer's file's
     checks = p_eagle_static_checks(out_dir, identity, trained)      # EAGLE-3's static checks + p_eagle.static
+    as_p_eagle(eagle3_dir, out_dir, mask_token_id=m, k=K)          # a format A folder served in parallel
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from eaglet.base.files import read_json
+from eaglet.base.tensors import load_tensors
 from eaglet.export.contract.record import check
 from eaglet.export.contract.static_checks import (
     config_problems,
@@ -36,24 +39,40 @@ from eaglet.export.contract.static_checks import (
 from eaglet.export.vllm_format import export_tensors, vllm_config, write_dir
 
 # the export stage's engine checks (eaglet.export.p_eagle_export), run with export.vllm_check
-P_EAGLE_VLLM_CHECKS = ("vllm.lossless", "vllm.acceptance", "vllm.aux_layers")
+P_EAGLE_VLLM_CHECKS = ("vllm.known_answer", "vllm.lossless", "vllm.acceptance", "vllm.aux_layers")
 # EAGLE-3's checks with no P-EAGLE counterpart built yet, each with why (named in export.accept_not_run)
 P_EAGLE_NOT_BUILT = {
     "p_eagle.parity": "numeric parity with vLLM's own module is not built for the kind (vllm.acceptance "
     "compares the drafts' acceptance along vLLM's output instead)",
-    "vllm.known_answer": "no P-EAGLE known-answer drafter is built yet",
     "loader.sglang": "SGLang's loader is not run on a P-EAGLE directory by eaglet (vLLM serves it)",
 }
+
+
+def parallel_fields(conf: dict, mask_token_id: int, k: int) -> dict:
+    """A format A config.json made P-EAGLE's: mask_token_id, parallel_drafting, the kind and K."""
+    return {**conf, "mask_token_id": int(mask_token_id), "parallel_drafting": True,
+            "eaglet": {**(conf.get("eaglet") or {}), "kind": "p_eagle", "num_speculative_tokens": int(k)}}
 
 
 def p_eagle_export_config(cfg, identity: dict, target_conf: dict | None = None) -> dict:
     """config.json: format A's (vllm_config) plus mask_token_id, parallel_drafting and the kind."""
     c = cfg if isinstance(cfg, dict) else dataclasses.asdict(cfg)
-    conf = vllm_config(c, identity, target_conf or {})
-    conf["mask_token_id"] = int(c["mask_token_id"])
-    conf["parallel_drafting"] = True
-    conf["eaglet"] = {**conf["eaglet"], "kind": "p_eagle", "num_speculative_tokens": int(c["parallel_k"])}
-    return conf
+    return parallel_fields(vllm_config(c, identity, target_conf or {}), c["mask_token_id"], c["parallel_k"])
+
+
+def as_p_eagle(eagle3_dir: str | Path, out_dir: str | Path, *, mask_token_id: int, k: int) -> Path:
+    """An EAGLE-3 format A folder (the known-answer drafter, eaglet.export.contract.twin) as a P-EAGLE one:
+    its tensors plus ``mask_hidden`` = 0 (the masked slots read fc(0) = 0) and parallel_fields. vLLM's
+    parallel round computes its first slot as EAGLE-3's first step (x_{t+1} with fc(aux_t) at position t,
+    the slots after it unseen: causal), so the folder's first draft is EAGLE-3's."""
+    import torch
+
+    src = Path(eagle3_dir)
+    conf = read_json(src / "config.json")
+    tensors = load_tensors(src / "model.safetensors")
+    tensors["mask_hidden"] = torch.zeros(3 * int(conf.get("target_hidden_size") or conf["hidden_size"]))
+    write_dir(Path(out_dir), parallel_fields(conf, mask_token_id, k), tensors)
+    return Path(out_dir)
 
 
 def export_p_eagle(out_dir: str | Path, tensors: dict, cfg, identity: dict, target_conf: dict | None = None) -> Path:
