@@ -81,3 +81,33 @@ def test_what_the_trainer_cannot_do_is_refused_naming_the_key():
             resolve_settings(params, {})
     p, d = resolve_settings({}, {"parallel_k": 4})
     assert d == {"parallel_k": 4, "mask_token_id": None} and p["hidden_states"] == "offline"
+
+
+def test_the_trainer_reads_the_architecture_variants_and_the_frozen_head(tiny_target, tmp_path):
+    """train.norm_before_fc / norm_output reach the P-EAGLE drafter as EAGLE-3's (input_norm.weight
+    trained and saved, the flags in its config); train.freeze_lm_head keeps the head at the target's
+    draft rows, which the default trains away from; without the flags neither norm is there."""
+    import json
+
+    from eaglet.base.tensors import load_tensors, tensor_metadata
+    from eaglet.drafter.p_eagle import META_KEY
+    from eaglet.target.head import TargetHead
+    from eaglet.train.p_eagle_train import train
+    from train_common import hidden_data
+
+    data = hidden_data(tiny_target, tmp_path / "data")
+    hidden, vocab = data["index"], data["vocab"]
+    base = {"max_steps": 2, "val_every": 2, "token_budget": 256, "lr": 3e-3}
+    runs = {"plain": {}, "variants": {"norm_before_fc": True, "norm_output": True, "freeze_lm_head": True}}
+    out = {}
+    for name, extra in runs.items():
+        train(hidden, vocab, tiny_target, tmp_path / name, {**base, **extra}, {"parallel_k": 3})
+        f = tmp_path / name / "drafter.safetensors"
+        out[name] = (load_tensors(f), json.loads(tensor_metadata(f)[META_KEY]))
+    (t0, c0), (t1, c1) = out["plain"], out["variants"]
+    assert "input_norm.weight" not in t0 and not c0["norm_before_fc"] and not c0["norm_output"]
+    assert "input_norm.weight" in t1 and c1["norm_before_fc"] and c1["norm_output"] and not c1["norm_before_residual"]
+    assert not torch.equal(t1["input_norm.weight"], torch.ones_like(t1["input_norm.weight"]))  # trained
+    rows = TargetHead(tiny_target["path"], rows=data["t2d"].nonzero().flatten()).row_linear.weight.detach().float()
+    assert torch.equal(t1["lm_head.weight"].float(), rows)  # frozen: the target's draft rows
+    assert not torch.equal(t0["lm_head.weight"].float(), rows)  # trained by default

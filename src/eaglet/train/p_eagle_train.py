@@ -12,7 +12,9 @@ the target's stored greedy top-1 (``target_top1`` at s: the label of depth d at 
 t + 1 + d, what vLLM accepts at T = 0 along the real prefix); a position counts where its label's
 token is an assistant token (the loss mask of s + 1) in the draft vocabulary. The embedding is the
 target's, frozen; lm_head starts as the target's rows of the draft vocabulary (train.lm_head_init:
-target, EAGLE-3's default), mask_hidden small random.
+target, EAGLE-3's default; frozen with train.freeze_lm_head), mask_hidden small random. The
+architecture variants are EAGLE-3's keys (train.norm_before_fc, norm_before_residual, norm_output),
+exported under vLLM's names as EAGLE-3's.
 
 One step: eaglet.drafter.p_eagle.PEagleObjective (depth 0 every counted position, depth d a seeded
 random subset of ratio max(0.7^d, 0.2)), AdamW (train.lr, weight_decay, grad_clip, warmup + cosine),
@@ -23,7 +25,8 @@ whose K labels all count (a draft is accepted iff it and every earlier slot of t
 labels: the exact T = 0 acceptance of one parallel round); drafter.safetensors holds the best pass.
 
 Not yet: checkpoints and resume, DDP (train.gpus x train.nodes > 1 is refused at parse), online
-states, train.init_from, the TTT recipe's options (loss variants, architecture variants).
+states, train.init_from, the TTT recipe's losses (train.loss and its weights: the depths are trained
+with cross-entropy on the greedy labels).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from eaglet.base.logs import setup_logging
 from eaglet.base.progress import Progress
 from eaglet.base.settings_files import parse_json_arg
 from eaglet.drafter.p_eagle import PEagleConfig, PEagleDrafter, PEagleObjective, save_p_eagle
+from eaglet.drafter.ttt import check_recipe, drafter_options, freeze_head
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.planner.plan import bf16_autocast
 from eaglet.train.data import plan_batches, plan_micro_batches
@@ -65,6 +69,7 @@ def resolve_settings(params: dict | None, drafter: dict | None) -> tuple[dict, d
         raise ValueError("train.init_from: continuing a published drafter is EAGLE-3 only; leave it null")
     if int(p["gpus"] or 0) > 1:
         raise ValueError("train.gpus: the P-EAGLE trainer runs one process (no DDP yet); use 0 or 1")
+    check_recipe(p)  # the architecture variants and the frozen head are EAGLE-3's, read the same way
     return p, d
 
 
@@ -154,6 +159,7 @@ def train(
         layer_ids=layer_ids,
         mask_token_id=int(mask_id),
         parallel_k=int(d["parallel_k"]),
+        **drafter_options(p),  # train.norm_before_fc, norm_before_residual, norm_output: as EAGLE-3's
     )
     model = PEagleDrafter(cfg, load_target_embedding(identity["path"]))
     if p["lm_head_init"] == "target":
@@ -163,6 +169,7 @@ def train(
         ).row_linear.weight.detach()
         with torch.no_grad():
             model.lm_head.weight.copy_(w.float())
+    freeze_head(model, p)  # train.freeze_lm_head: out of the optimizer below
     model.to(device)
     objective = PEagleObjective(model)
     lengths = list(ds.num_tokens)
