@@ -128,3 +128,16 @@ def test_the_committed_list_of_checks_is_the_suites():
     p = subprocess.run([sys.executable, str(REPO / "scripts" / "list_checks.py"), "--check"], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_the_machine_speed_line_that_ci_prints_before_and_after_the_tests():
+    """scripts/cpu_speed.py (.ci/run prints it around the tests): one line with both figures, in ranges a
+    real CPU gives (one core's fp32 products; an interpreter importing torch)."""
+    import re
+
+    out = subprocess.run([sys.executable, str(REPO / "scripts/cpu_speed.py"), "--seconds", "0.2", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    m = re.fullmatch(r"cpu_speed: matmul ([\d.]+) GFLOP/s \(fp32, one thread\), start ([\d.]+) s "
+                     r"\(python \+ import torch\)\n", out)
+    assert m, out
+    assert 1 < float(m[1]) < 5000 and 0.05 < float(m[2]) < 60, out
