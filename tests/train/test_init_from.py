@@ -187,7 +187,8 @@ def test_too_small_an_overlap_is_refused_and_a_lower_gate_lets_it_through(tiny_t
     ("layer_ids", r"trained on aux layer ids \[1, 3, 6\] \(its config.json\), this run's hidden states are at "
                   r"\[2, 4, 5\]: set extract.layer_ids: \[1, 3, 6\]"),
     ("layers", r"num_hidden_layers 2; eaglet's drafter has one decoder layer"),
-    ("variant", r"train.norm_before_residual: the drafter has True, this run False"),
+    ("variant", r"train.norm_before_residual: the drafter has True, this run False\): set "
+                r"train.norm_before_residual: true to continue it"),
     ("missing_tensor", r"tensors missing \['midlayer.mlp.up_proj.weight'\]"),
     ("wrong_shape", r"tensor fc.weight has shape \[128, 383\], its config.json says \[128, 384\]"),
     ("embedding", r"tensor embed_tokens.weight is not this target's embedding"),

@@ -98,7 +98,8 @@ def test_the_trainer_reads_the_architecture_variants_and_the_frozen_head(tiny_ta
     data = hidden_data(tiny_target, tmp_path / "data")
     hidden, vocab = data["index"], data["vocab"]
     base = {"max_steps": 2, "val_every": 2, "token_budget": 256, "lr": 3e-3}
-    runs = {"plain": {}, "variants": {"norm_before_fc": True, "norm_output": True, "freeze_lm_head": True}}
+    runs = {"plain": {"norm_before_fc": False, "norm_output": False},
+            "variants": {"norm_before_fc": True, "norm_output": True, "freeze_lm_head": True}}
     out = {}
     for name, extra in runs.items():
         train(hidden, vocab, tiny_target, tmp_path / name, {**base, **extra}, {"parallel_k": 3})

@@ -25,7 +25,8 @@ EXPORT = {"vllm_check": True, "vllm_check_prompts": 2, "vllm_check_max_tokens": 
 def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_drafting(finished_run, tmp_path):
     """On a copy of the finished EAGLE-3 smoke run (the session's shared run): switching drafter.kind to
     p_eagle reruns train and export only (one store and vocab map serve both kinds), and the export's
-    contract passes in real vLLM with parallel drafting."""
+    contract passes in real vLLM with parallel drafting, with EAGLE-3's default norms (norm_before_fc,
+    norm_output) in the served drafter."""
     vllm_env_or_skip()
     a, cache = finished_run
     wf = tmp_path / "wf"
@@ -70,6 +71,9 @@ def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_draf
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["parallel_drafting"] is True
     assert cfg["mask_token_id"] == summary["mask_token_id"] and cfg["eaglet"]["num_speculative_tokens"] == 3
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    from eaglet.export.contract.static_checks import variants
+
+    assert variants(cfg) == {"norm_before_fc": True, "norm_before_residual": False, "norm_output": True}, cfg
     # the run's table (what `make run` prints at the end) speaks of the kind
     from eaglet.workflow.summary import table
 

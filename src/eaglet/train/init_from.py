@@ -94,10 +94,11 @@ def open_checked(path: str | Path, cfg: DrafterConfig, identity: dict) -> Publis
     init = published.drafter_config(conf, d, ids)
     if init.hidden_act != "silu":
         raise ArtifactError(f"{where}: hidden_act {init.hidden_act!r}; the drafter's MLP is silu (vLLM's Llama MLP)")
-    diff = [f"train.{k}: the drafter has {getattr(init, k)}, this run {getattr(cfg, k)}"
-            for k in VARIANT_KEYS if getattr(init, k) != getattr(cfg, k)]
-    if diff:
-        raise ArtifactError(f"{where}: another architecture variant ({'; '.join(diff)})")
+    keys = [k for k in VARIANT_KEYS if getattr(init, k) != getattr(cfg, k)]
+    if keys:
+        diff = "; ".join(f"train.{k}: the drafter has {getattr(init, k)}, this run {getattr(cfg, k)}" for k in keys)
+        fix = ", ".join(f"train.{k}: {str(getattr(init, k)).lower()}" for k in keys)
+        raise ArtifactError(f"{where}: another architecture variant ({diff}): set {fix} to continue it")
     adopted = {k: {"drafter": getattr(init, k), "fresh": getattr(cfg, k)} for k in ADOPTED
                if getattr(init, k) != getattr(cfg, k)}
     run_cfg = dataclasses.replace(cfg, **{k: getattr(init, k) for k in ADOPTED})
