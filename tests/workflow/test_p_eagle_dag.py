@@ -38,9 +38,11 @@ def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_draf
     (wf / "config/p_eagle.yaml").write_text(yaml.safe_dump(conf))
 
     _, out = smk(wf, cache, "-n", configfile="config/p_eagle.yaml")
-    assert planned_jobs(out) == {"train", "export"}, out[-3000:]  # the EAGLE-3 run's store, vocab map, data
+    # the EAGLE-3 run's store, vocab map, data; the offline evaluation of the kind and its summary
+    assert planned_jobs(out) == {"train", "export", "evaluate_offline", "eval_summary"}, out[-3000:]
     not_run = next(line for line in out.splitlines() if "drafter kind p_eagle: NOT RUN" in line)
-    assert "evaluate_offline: the offline parallel chain" in not_run
+    assert "evaluate_vllm: the timed vLLM evaluation with parallel_drafting" in not_run
+    assert "evaluate_offline" not in not_run and "eval_summary" not in not_run
     smk(wf, cache, configfile="config/p_eagle.yaml")
 
     run = wf / "results/smoke"
@@ -80,6 +82,14 @@ def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_draf
     rows = {r.split("|")[1].strip(): r for r in table(run) if r.startswith("| ")}
     assert "P-EAGLE, K 3: 6 steps" in rows["train"] and "validation parallel tau" in rows["train"], rows["train"]
     assert "vLLM's counters equal eaglet's parallel chain" in rows["export"], rows["export"]
+    # the offline evaluation: the parallel chain at k = K per set, whose counters on the contract's prompts
+    # vLLM's equal (above); the summary of the kind with the HF loop named not run
+    off = json.loads((run / "eval/offline.json").read_text())
+    assert off["kind"] == "p_eagle" and off["parallel_k"] == 3 and off["options"]["k_values"] == [3]
+    assert all(v["chain_per_pos"]["3"]["drafts"] > 0 for v in off["sets"].values()), off["sets"]
+    ev = json.loads((run / "eval/summary.json").read_text())
+    assert ev["kind"] == "p_eagle" and ev["headline"]["hf_loop"] == "not run" and ev["headline"]["k"] == 3
+    assert set(ev["headline"]["tau_offline_chain"]) == set(off["sets"]) and "evaluate" in rows, rows
     _, out = smk(wf, cache, "-n", configfile="config/p_eagle.yaml")
     assert "Nothing to be done" in out
 

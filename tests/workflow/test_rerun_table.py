@@ -158,8 +158,8 @@ TABLE = {
     **{f"train.{k}": (v, {"train"}) for k, v in {
         "ttt_steps": 2, "gamma": 0.7, "epochs": 2, "lr": 0.002, "warmup_ratio": 0.1, "weight_decay": 0.01,
         "grad_clip": 1.0, "token_budget": 1024, "grad_accum": 2, "max_steps": 8, "oov_rule": "greedy",
-        "lm_head_init": "random", "freeze_lm_head": True, "norm_before_fc": True, "norm_before_residual": True,
-        "norm_output": True, "loss": "kl", "noise_std": 0.1, "val_fraction": 0.1, "data_fraction": 0.5,
+        "lm_head_init": "random", "freeze_lm_head": True, "norm_before_fc": False, "norm_before_residual": True,
+        "norm_output": False, "loss": "kl", "noise_std": 0.1, "val_fraction": 0.1, "data_fraction": 0.5,
         "val_every": 3, "val_max_batches": 2, "seed": 1, "gpus": 1, "kl_scale": 0.5, "kl_decay": 1.0,
         "select_temperature": 1}.items()},
     # how often checkpoints are written and kept, the label gate (passes or stops the job)

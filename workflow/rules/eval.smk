@@ -12,6 +12,10 @@ EVAL = config["evaluate"]
 # kind (workflow/rules/report.smk, eaglet.workflow.resolve.DFLASH_NOT_RUN): eval_summary reads neither. vLLM does not
 # wait for the HF loop (both take every core, so they never run side by side here)
 EVAL_DFLASH = R.drafter_kind == "dflash"
+# drafter.kind p_eagle: evaluate_offline (the parallel chain, eaglet.eval.p_eagle_offline: the stage reads
+# the kind from the drafter's file) and eval_summary only; the timed HF loop, vLLM's timed evaluation,
+# the modes and the regenerated sets are not wired for the kind (eaglet.workflow.resolve.P_EAGLE_NOT_RUN)
+EVAL_P_EAGLE = R.drafter_kind == "p_eagle"
 EVAL_DIR = f"{RUN}/eval"
 # "heldout" = this run's held-out prompts; other names and .parquet paths go to eaglet.base.datasets
 EVAL_SETS = [
@@ -286,10 +290,14 @@ rule evaluate_modes:
 
 rule eval_summary:
     input:
-        **({"vllm": rules.evaluate_vllm.output.vllm} if EVAL["vllm"]["enabled"] else {}),
+        **(
+            {"vllm": rules.evaluate_vllm.output.vllm}
+            if EVAL["vllm"]["enabled"] and not EVAL_P_EAGLE
+            else {}
+        ),
         **(
             {"regenerated": rules.evaluate_regenerated.output.regenerated}
-            if EVAL["regenerate"]["enabled"] and not EVAL_DFLASH
+            if EVAL["regenerate"]["enabled"] and not (EVAL_DFLASH or EVAL_P_EAGLE)
             else {}
         ),
         **(
@@ -299,15 +307,21 @@ rule eval_summary:
         ),
         **(
             {"modes": rules.evaluate_modes.output.modes}
-            if MODES and not EVAL_DFLASH
+            if MODES and not (EVAL_DFLASH or EVAL_P_EAGLE)
+            else {}
+        ),
+        **(
+            {
+                "speculative": rules.evaluate_speculative.output.speculative,
+                "spec_rounds": rules.evaluate_speculative.output.rounds,
+            }
+            if not EVAL_P_EAGLE
             else {}
         ),
         code=stage_code("eval.eval_summary"),
         offline=rules.evaluate_offline.output.offline,
         positions=rules.evaluate_offline.output.positions,
         offline_rounds=rules.evaluate_offline.output.rounds,
-        speculative=rules.evaluate_speculative.output.speculative,
-        spec_rounds=rules.evaluate_speculative.output.rounds,
     output:
         summary=report(
             f"{EVAL_DIR}/summary.json",

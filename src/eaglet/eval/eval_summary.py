@@ -37,7 +37,10 @@ at max_new_tokens as the loop caps a round); vLLM's τ, paired speedups at every
 losslessness, whether vLLM's counters at T = 0 equal the offline chain's exactly; no draft-length
 recommendation (vLLM serves the kind at one k), the matrix, and placeholder plots that say why. A
 DFlash evaluation without speculative.json (written before the HF loop ran for the kind) or whose
-HF loop did not run has the HF-loop figures null with the reason (not a pass).
+HF loop did not run has the HF-loop figures null with the reason (not a pass). A P-EAGLE drafter
+(offline.json ``kind: p_eagle``) gets the same summary at k = parallel_k from its exact parallel chain
+(eaglet.eval.p_eagle_offline); no timed HF loop exists for the kind yet, so its HF-loop figures are
+null with that reason.
 
 When the HF loop did not run (offline.json ``status: not run``, ``evaluate.hf_loop``: a target too
 big for one process), the summary says so: ``headline.hf_loop`` is "not run" with the reason, every
@@ -374,6 +377,16 @@ DFLASH_NO_HF_LOOP = ("no speculative.json: the timed HF speculative loop (evalua
 # Why a DFlash drafter gets no draft-length recommendation
 DFLASH_NO_RECOMMENDATION = ("no draft-length recommendation: vLLM serves a DFlash drafter at k = block_size - 1 "
                             "only (the HF loop's smaller k draft the block's first k, measured for comparison)")
+# The same for a P-EAGLE drafter (drafter.kind p_eagle): no timed HF loop with a parallel-drafting proposer
+# exists yet, and vLLM serves it at k = parallel_k
+P_EAGLE_NO_HF_LOOP = ("no speculative.json: eaglet has no timed HF loop with a parallel-drafting proposer yet, so "
+                      "no HF-loop speedup or lossless check for this P-EAGLE drafter")
+P_EAGLE_NO_RECOMMENDATION = ("no draft-length recommendation: vLLM serves a P-EAGLE drafter at k = parallel_k, the "
+                             "slots it was trained to draft in one forward")
+# Per block kind (offline.json ``kind``): its size key, why the HF loop's figures are absent, why no k is
+# recommended
+BLOCK_KINDS = {"dflash": ("block_size", DFLASH_NO_HF_LOOP, DFLASH_NO_RECOMMENDATION),
+               "p_eagle": ("parallel_k", P_EAGLE_NO_HF_LOOP, P_EAGLE_NO_RECOMMENDATION)}
 
 
 def dflash_loop_rounds(eval_dir: Path, offline: dict, ks: list[int]) -> pd.DataFrame:
@@ -427,21 +440,23 @@ def hf_loop_speedups(spec: dict, k: int) -> list[dict]:
 
 
 def summarise_dflash(out: Path, offline: dict, vllm: dict | None, o: dict, spec: dict | None = None) -> dict:
-    """summary.json for a DFlash drafter (the module docstring); ``spec``: speculative.json (None:
-    absent)."""
+    """summary.json for a DFlash or a P-EAGLE drafter (offline.json ``kind``; the module docstring);
+    ``spec``: speculative.json (None: absent)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     k = offline["options"]["k_values"][0]
-    h = {"kind": "dflash", "block_size": offline.get("block_size"), "k": k,
+    kind = offline["kind"]
+    size, no_hf_loop, no_recommendation = BLOCK_KINDS[kind]
+    h = {"kind": kind, size: offline.get(size), "k": k,
          "tau_offline": {s: _k(v["tau"], k) for s, v in offline["sets"].items()},
          "tau_offline_chain": {s: _k(v["tau_chain"], k) for s, v in offline["sets"].items()},
          "tau_by_domain": tau_by_domain(offline, k)}
     agree = None
     if spec is None or spec.get("status") == "not run":
-        why = DFLASH_NO_HF_LOOP if spec is None else spec.get("hf_loop_reason") or "evaluate.hf_loop"
+        why = no_hf_loop if spec is None else spec.get("hf_loop_reason") or "evaluate.hf_loop"
         h.update(hf_loop="not run", hf_loop_reason=why, tau_hf_loop=None, speedup_hf_loop=None,
                  lossless_hf_loop=None, offline_matches_real_loop=None)
     else:
@@ -456,7 +471,7 @@ def summarise_dflash(out: Path, offline: dict, vllm: dict | None, o: dict, spec:
                  speedup_hf_loop_by_temperature=hf_loop_speedups(spec, k),
                  greedy_tok_s=spec["overall"]["greedy_tok_s"], spec_tok_s=sp.get("tok_s"),
                  lossless_hf_loop=spec["lossless"]["pass"], offline_matches_real_loop=agree["pass"])
-    h.update(recommended_k=None, recommendation=DFLASH_NO_RECOMMENDATION if agree is not None
+    h.update(recommended_k=None, recommendation=no_recommendation if agree is not None
              else f"no recommendation: {h['hf_loop_reason']}")
     eq = served_equals_chain(offline, vllm, k)
     if vllm:
@@ -481,14 +496,14 @@ def summarise_dflash(out: Path, offline: dict, vllm: dict | None, o: dict, spec:
     note = h["recommendation"] if agree is not None else h["hf_loop_reason"]
     for name in PLOTS:
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.text(0.5, 0.5, f"drafter.kind dflash:\n{note}\n(the figures are in summary.json's headline and matrix)",
+        ax.text(0.5, 0.5, f"drafter.kind {kind}:\n{note}\n(the figures are in summary.json's headline and matrix)",
                 ha="center", va="center", wrap=True, fontsize=7)
         ax.set_axis_off()
         _save(fig, out / name)
         plt.close(fig)
     matrix = results_matrix(offline, spec if agree is not None else None, vllm)
     _log_matrix(matrix)
-    res = {"kind": "dflash", "headline": h, "agreement": agree,
+    res = {"kind": kind, "headline": h, "agreement": agree,
            "recommendation": {"recommended_k": None, "sentence": h["recommendation"], "table": []},
            "matrix": matrix,
            "domains": {"offline_chain": offline.get("domains"),
@@ -497,7 +512,7 @@ def summarise_dflash(out: Path, offline: dict, vllm: dict | None, o: dict, spec:
            "plots": [str(out / p) for p in PLOTS], "learning_curve": None}
     write_parquet(out / "recommendation.parquet", pd.DataFrame({"k": pd.Series([], dtype="int64")}))
     write_json(out / "summary.json", res)
-    log.info("DFlash headline: %s", h)
+    log.info("%s headline: %s", kind, h)
     return res
 
 
@@ -516,8 +531,10 @@ def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_cur
     out = Path(eval_dir)
     offline = read_json(out / "offline.json")
     vl = read_json(vllm) if vllm else None
-    if offline.get("kind") == "dflash":
-        spec = read_json(out / "speculative.json") if (out / "speculative.json").exists() else None
+    if offline.get("kind") in BLOCK_KINDS:
+        # no stage writes speculative.json for a P-EAGLE drafter: one in the folder is another drafter's
+        spec = read_json(out / "speculative.json") if (out / "speculative.json").exists() \
+            and offline["kind"] == "dflash" else None
         return summarise_dflash(out, offline, vl, o, spec)
     curve = read_json(learning_curve) if learning_curve else None
     if offline.get("status") == "not run" and not (out / "speculative.json").exists():  # a DFlash run without
@@ -592,10 +609,10 @@ RECORDED = {"offline_positions.parquet": "offline.json", "offline_rounds.parquet
 
 def verify_inputs(eval_dir: str | Path) -> None:
     """Refuse an evaluate Parquet whose sha256 is not the one its stage recorded (digests.verify_recorded)."""
-    dflash = (Path(eval_dir) / "offline.json").exists() and read_json(Path(eval_dir) / "offline.json").get("kind") \
-        == "dflash"
+    block = (Path(eval_dir) / "offline.json").exists() and read_json(Path(eval_dir) / "offline.json").get("kind") \
+        in BLOCK_KINDS
     for name, record in RECORDED.items():
-        if dflash and not (Path(eval_dir) / record).exists():  # a DFlash evaluation from before its HF loop ran
+        if block and not (Path(eval_dir) / record).exists():  # a block kind's evaluation without the HF loop
             continue
         verify_recorded(Path(eval_dir) / name, Path(eval_dir) / record)
 

@@ -31,7 +31,10 @@ eval_summary concatenates with the other stages'.
 drafter.kind dflash (a DFlash drafter file): the same figures and offline.json, from the block chain
 of eaglet.eval.dflash_offline (its docstring: T = 0 the exact chain vLLM's DFlash proposer runs, T > 0
 the expectation under each draft sample method), at the one k vLLM serves DFlash with,
-block_size − 1 (``k_values`` is replaced by it; ``kind``, ``block_size`` recorded).
+block_size − 1 (``k_values`` is replaced by it; ``kind``, ``block_size`` recorded). drafter.kind
+p_eagle (a P-EAGLE drafter file): the same from the parallel chain of eaglet.eval.p_eagle_offline (one
+forward drafts the K slots of a round, as vLLM's parallel drafting), at k = parallel_k (``kind``,
+``parallel_k`` recorded).
 
 The settings (eaglet.eval.options), the conventions shared with the real loop and the outputs
 when the HF loop does not run (eaglet.eval.hf_stage) are the HF-loop stages' own.
@@ -63,7 +66,7 @@ from eaglet.drafter.chain import (
     tau_all_positions,
 )
 from eaglet.engines.hf_loop import expected_prompt, offline_prompt, setup
-from eaglet.eval import dflash_offline, stats
+from eaglet.eval import dflash_offline, p_eagle_offline, stats
 from eaglet.eval.hf_stage import domains, frame, hf_loop_not_run, parser, run, run_generator, tau_ci, tau_se
 from eaglet.eval.options import hf_options, sampled_temperatures, target_load
 
@@ -95,6 +98,13 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
         o = {**o, "k_values": [cfg.block_size - 1]}
         kind = {"kind": "dflash", "block_size": cfg.block_size, "chain": dflash_offline.CHAIN}
         layer_ids, draft_vocab = list(cfg.target_layer_ids), cfg.vocab_size
+    elif p_eagle_offline.is_p_eagle(drafter):
+        ident, target, proposer, cfg, tok = p_eagle_offline.setup(drafter, identity, threads, o["stop_at_eos"],
+                                                                  o["chat_template"], target_load(o))
+        # vLLM serves a P-EAGLE drafter at num_speculative_tokens = parallel_k
+        o = {**o, "k_values": [int(cfg.parallel_k)]}
+        kind = {"kind": "p_eagle", "parallel_k": int(cfg.parallel_k), "chain": p_eagle_offline.CHAIN}
+        layer_ids, draft_vocab = list(cfg.layer_ids), cfg.draft_vocab_size
     else:
         ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
                                                    target_load(o))
@@ -119,7 +129,8 @@ def evaluate_offline(drafter: str | Path, identity: str | Path, sets: list[str],
 
 
 # How the figures are drawn per prompt for an EAGLE-3 drafter: the greedy chain, the expected chain,
-# the replay of the rounds (eaglet.eval.dflash_offline.CHAIN is the DFlash drafter's)
+# the replay of the rounds (eaglet.eval.dflash_offline.CHAIN is the DFlash drafter's,
+# eaglet.eval.p_eagle_offline.CHAIN the P-EAGLE drafter's)
 EAGLE3_CHAIN = SimpleNamespace(prompt=offline_prompt, expected=expected_prompt, replay=chain_replay)
 
 
@@ -128,7 +139,7 @@ def offline_results(target, proposer, prompts: list[dict], o: dict,
     """The offline figures of ``prompts`` (tokenised as ``o`` renders them): the exact greedy chain
     at T = 0, the expected chain at each T > 0, and their matrix rows; with the per-position and
     per-round rows (offline_positions / offline_rounds.parquet). ``chain``: :data:`EAGLE3_CHAIN`
-    (default) or the DFlash drafter's."""
+    (default), the DFlash or the P-EAGLE drafter's."""
     chain = chain or EAGLE3_CHAIN
     K, max_new, eps = max(o["k_values"]), o["max_new_tokens"], o["tie_eps"]
     t0 = time.time()
