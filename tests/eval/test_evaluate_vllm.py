@@ -138,6 +138,37 @@ def test_vllm_at_temperature_against_the_expectation_under_the_served_rule(tmp_p
     assert t["rule"] == "probabilistic" and not t["ok"]
 
 
+def test_the_t_gt0_gate_takes_the_spread_between_prompts():
+    """A prompt's rounds share its text, and vLLM's sampled texts are not the offline ones: two prompts
+    whose vLLM rounds accept 0.1 and 0.9 per round (mean 0.5) against an offline expectation of 0.7 (two
+    prompts at 0.65 and 0.75) pass with the spread between prompts, where counting the rounds as
+    independent draws puts |z| at 3.6 (what failed the default run's full evaluation, 2026-12-06); a
+    drafter vLLM accepts far less on every prompt (0.02) still fails."""
+    from eaglet.eval.evaluate_vllm import cluster_variance, sampled_agreement, tag
+
+    assert cluster_variance([(2, 10), (4, 20)]) == 0.0 and cluster_variance([(5, 10)]) == 0.0
+    assert cluster_variance([(1, 10), (9, 10)]) == pytest.approx(2 * (16 + 16) / 400)  # P/(P-1) Σ(a - m b)² / (Σb)²
+    t = tag("k2", 1.0)
+    offline = {"per_prompt": [{"set": "mtbench", "sampling": {"1.0": {"expected_by_rule": {"greedy": {"2": [e, 100]}}}}}
+                              for e in (65.0, 75.0)],
+               "sampling": [{"temperature": 1.0, "rules": {"greedy": {"sets": {"mtbench": {"rounds": {
+                   "2": _expected_round([0.5, 0.4], 200)}}}}}}]}  # 0.5 + 0.5 * 0.4 = 0.7 per round
+
+    def gate(per_prompt):
+        rows = [{"set": "mtbench", "counts": {t: [a, n]}, "per_pos": {t: [a, 0]}} for a, n in per_prompt]
+        return sampled_agreement(rows, offline, {"k2": "greedy"}, [1.0], 0.001)
+
+    ok = gate([(10, 100), (90, 100)])
+    (test,) = ok["tests"]
+    var = test["var_mean"]
+    assert var["vllm"]["rounds"] == pytest.approx(0.61 / 200) and var["vllm"]["prompts"] == pytest.approx(0.16)
+    assert var["offline"]["prompts"] == pytest.approx(2 * 50 / 200 ** 2) and var["vllm"]["n_prompts"] == 2
+    assert (0.7 - 0.5) / (0.61 / 200) ** 0.5 > ok["z_critical"]  # as independent rounds: failed
+    assert ok["pass"] and test["z"] == pytest.approx((0.5 - 0.7) / (0.16 + 0.0025) ** 0.5)
+    bad = gate([(2, 100), (2, 100)])
+    assert not bad["pass"] and bad["tests"][0]["z"] < -bad["z_critical"]
+
+
 def test_vllm_stage_refuses_an_offline_json_of_other_prompts():
     from eaglet.eval.evaluate_vllm import VllmError, same_prompts
 
