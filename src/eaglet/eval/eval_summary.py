@@ -27,7 +27,7 @@ the paying k with the highest expected speedup, and whether its measured interva
 τ per domain (MT-Bench categories, HumanEval, math, held-out) comes with its interval over prompts.
 Plots are written to a temporary file and renamed: a declared output is never half written.
 
-A DFlash drafter (offline.json ``kind: dflash``, drafter.kind dflash): :func:`summarise_dflash` writes the
+A DFlash drafter (offline.json ``kind: dflash``, drafter.kind dflash): :func:`summarise_block` writes the
 same files: the headline at k = block_size − 1 (the one k vLLM serves it with) with the exact block
 chain's τ per set and domain; the timed HF loop's (speculative.json, eaglet.engines.dflash_loop): τ per
 set, paired speedups over plain decoding at every temperature with their intervals, its lossless
@@ -377,16 +377,14 @@ DFLASH_NO_HF_LOOP = ("no speculative.json: the timed HF speculative loop (evalua
 # Why a DFlash drafter gets no draft-length recommendation
 DFLASH_NO_RECOMMENDATION = ("no draft-length recommendation: vLLM serves a DFlash drafter at k = block_size - 1 "
                             "only (the HF loop's smaller k draft the block's first k, measured for comparison)")
-# The same for a P-EAGLE drafter (drafter.kind p_eagle): no timed HF loop with a parallel-drafting proposer
-# exists yet, and vLLM serves it at k = parallel_k
+# Why a P-EAGLE drafter (drafter.kind p_eagle) has no HF-loop figures: no stage writes speculative.json for it
 P_EAGLE_NO_HF_LOOP = ("no speculative.json: eaglet has no timed HF loop with a parallel-drafting proposer yet, so "
                       "no HF-loop speedup or lossless check for this P-EAGLE drafter")
-P_EAGLE_NO_RECOMMENDATION = ("no draft-length recommendation: vLLM serves a P-EAGLE drafter at k = parallel_k, the "
-                             "slots it was trained to draft in one forward")
-# Per block kind (offline.json ``kind``): its size key, why the HF loop's figures are absent, why no k is
-# recommended
+# Per block kind (offline.json ``kind``): its size key, why the HF loop's figures are absent, and why no k is
+# recommended when the HF loop ran (None: the kind has no HF-loop stage, so a speculative.json in the
+# folder is another drafter's and is not read)
 BLOCK_KINDS = {"dflash": ("block_size", DFLASH_NO_HF_LOOP, DFLASH_NO_RECOMMENDATION),
-               "p_eagle": ("parallel_k", P_EAGLE_NO_HF_LOOP, P_EAGLE_NO_RECOMMENDATION)}
+               "p_eagle": ("parallel_k", P_EAGLE_NO_HF_LOOP, None)}
 
 
 def dflash_loop_rounds(eval_dir: Path, offline: dict, ks: list[int]) -> pd.DataFrame:
@@ -439,7 +437,7 @@ def hf_loop_speedups(spec: dict, k: int) -> list[dict]:
     return out
 
 
-def summarise_dflash(out: Path, offline: dict, vllm: dict | None, o: dict, spec: dict | None = None) -> dict:
+def summarise_block(out: Path, offline: dict, vllm: dict | None, o: dict, spec: dict | None = None) -> dict:
     """summary.json for a DFlash or a P-EAGLE drafter (offline.json ``kind``; the module docstring);
     ``spec``: speculative.json (None: absent)."""
     import matplotlib
@@ -532,10 +530,9 @@ def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_cur
     offline = read_json(out / "offline.json")
     vl = read_json(vllm) if vllm else None
     if offline.get("kind") in BLOCK_KINDS:
-        # no stage writes speculative.json for a P-EAGLE drafter: one in the folder is another drafter's
-        spec = read_json(out / "speculative.json") if (out / "speculative.json").exists() \
-            and offline["kind"] == "dflash" else None
-        return summarise_dflash(out, offline, vl, o, spec)
+        has_hf_loop = BLOCK_KINDS[offline["kind"]][2] is not None
+        spec = read_json(out / "speculative.json") if has_hf_loop and (out / "speculative.json").exists() else None
+        return summarise_block(out, offline, vl, o, spec)
     curve = read_json(learning_curve) if learning_curve else None
     if offline.get("status") == "not run" and not (out / "speculative.json").exists():  # a DFlash run without
         return summarise_without_hf_loop(out, offline, vl, o, curve)                   # the HF loop
