@@ -177,6 +177,36 @@ def test_vllm_stage_refuses_an_offline_json_of_other_prompts():
         same_prompts([{"set": "mtbench", "id": "mtbench/91"}], OFFLINE_K2)
 
 
+def test_the_stage_serves_each_kind_at_its_one_k_with_its_own_speculative_keys(tmp_path):
+    """served_kind reads the folder's config.json: EAGLE-3 none, DFlash method dflash at block_size - 1,
+    P-EAGLE method eagle3 with parallel_drafting (the key the runner adds to every speculative engine's
+    config) at its K; any other k is refused naming the kind's."""
+    from eaglet.eval.evaluate_vllm import served_kind
+
+    def folder(name, conf):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(conf))
+        return tmp_path / name, conf
+
+    eagle3 = folder("e3", {"architectures": ["LlamaForCausalLMEagle3"]})
+    dflash = folder("df", {"architectures": ["DFlashDraftModel"], "block_size": 4,
+                           "dflash_config": {"target_layer_ids": [1, 3, 4]}})
+    p_eagle = folder("pe", {"architectures": ["LlamaForCausalLMEagle3"], "parallel_drafting": True,
+                            "eaglet": {"kind": "p_eagle", "num_speculative_tokens": 3}})
+    assert served_kind(*eagle3, [1, 2, 3]) == {}
+    assert served_kind(*dflash, [3]) == {"kind": "dflash", "block_size": 4, "method": "dflash",
+                                         "layer_ids": [2, 4, 5]}
+    assert served_kind(*p_eagle, [3]) == {"kind": "p_eagle", "parallel_k": 3, "method": "eagle3",
+                                          "speculative_extra": {"parallel_drafting": True}}
+    with pytest.raises(ValueError, match="block_size - 1 = 3 only"):
+        served_kind(*dflash, [2, 3])
+    with pytest.raises(ValueError, match="parallel_k only"):
+        served_kind(*p_eagle, [2])
+    no_k = folder("pe0", {"architectures": ["LlamaForCausalLMEagle3"], "parallel_drafting": True})
+    with pytest.raises(ValueError, match="parallel_k missing"):
+        served_kind(*no_k, [3])
+
+
 # --------------------------------------------------------------------------- the timing design
 def test_vllm_schedule_rotates_like_the_hf_loop_and_pairs_within_blocks():
     """Every block holds plain and every (k, T), rotated as the HF loop rotates its blocks; a speedup

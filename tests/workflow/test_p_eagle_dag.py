@@ -6,7 +6,9 @@ the P-EAGLE tensor set and p_eagle.static, then served with method eagle3 and pa
 num_speculative_tokens = parallel_k: the known-answer drafter (for a twin of the target, with parallel
 drafting) has every first draft accepted, lossless at T = 0, vLLM's counters equal to eaglet's parallel chain
 along vLLM's own output, the trained aux layers tapped. The checks not built for the kind are not run and
-named in export.accept_not_run; the stages not wired for it are not in the DAG and the parse says so."""
+named in export.accept_not_run; then evaluated offline (the parallel chain) and timed in real vLLM with
+parallel drafting (its counters equal to the chain's); the stages not wired for it are not in the DAG and
+the parse says so."""
 
 import json
 import shutil
@@ -20,6 +22,11 @@ from workflow_common import planned_jobs, smk
 P_EAGLE = {"kind": "p_eagle", "p_eagle": {"parallel_k": 3}}
 NOT_BUILT = ["p_eagle.parity", "loader.sglang"]
 EXPORT = {"vllm_check": True, "vllm_check_prompts": 2, "vllm_check_max_tokens": 12, "accept_not_run": NOT_BUILT}
+# small, as the DFlash DAG test's: three prompts in two sets, 12 tokens, one repeat, vLLM's default (greedy)
+# drafting; vLLM's timed evaluation at T = 0 and 1 (evaluate.vllm.k_values does not apply: served at K)
+EVALUATE = {"sets": ["mtbench", "heldout"], "num_prompts": {"mtbench": 1, "heldout": 2}, "max_new_tokens": 12,
+            "repeats": 1, "temperatures": [0.0, 1.0], "stop_at_eos": False,
+            "vllm": {"enabled": True, "k_values": [1], "draft_sample_methods": ["greedy"]}}
 
 
 def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_drafting(finished_run, tmp_path):
@@ -35,14 +42,15 @@ def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_draf
     conf["drafter"] = P_EAGLE
     conf["export"] = EXPORT
     conf["train"] = {**conf.get("train", {}), "max_steps": 6, "val_every": 3}
+    conf["evaluate"] |= EVALUATE
     (wf / "config/p_eagle.yaml").write_text(yaml.safe_dump(conf))
 
     _, out = smk(wf, cache, "-n", configfile="config/p_eagle.yaml")
     # the EAGLE-3 run's store, vocab map, data; the offline evaluation of the kind and its summary
-    assert planned_jobs(out) == {"train", "export", "evaluate_offline", "eval_summary"}, out[-3000:]
+    assert planned_jobs(out) == {"train", "export", "evaluate_offline", "evaluate_vllm", "eval_summary"}, out[-3000:]
     not_run = next(line for line in out.splitlines() if "drafter kind p_eagle: NOT RUN" in line)
-    assert "evaluate_vllm: the timed vLLM evaluation with parallel_drafting" in not_run
-    assert "evaluate_offline" not in not_run and "eval_summary" not in not_run
+    assert "evaluate_speculative: no timed HF loop with a parallel-drafting proposer" in not_run
+    assert not {"evaluate_offline", "evaluate_vllm", "eval_summary"} & set(not_run.replace(",", " ").split())
     smk(wf, cache, configfile="config/p_eagle.yaml")
 
     run = wf / "results/smoke"
@@ -87,9 +95,23 @@ def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_draf
     off = json.loads((run / "eval/offline.json").read_text())
     assert off["kind"] == "p_eagle" and off["parallel_k"] == 3 and off["options"]["k_values"] == [3]
     assert all(v["chain_per_pos"]["3"]["drafts"] > 0 for v in off["sets"].values()), off["sets"]
+    # vLLM's timed evaluation serves it with parallel drafting at K: lossless at T = 0, its counters per set
+    # equal to the offline parallel chain's (EAGLE-3's sequential drafting from the same weights would
+    # accept otherwise), the T = 1 gate against the rule's expectation, paired speedups at both temperatures
+    vl = json.loads((run / "eval/vllm.json").read_text())
+    assert vl["kind"] == "p_eagle" and vl["parallel_k"] == 3 and vl["options"]["k_values"] == [3], vl["options"]
+    assert vl["speculative_extra"] == {"parallel_drafting": True} and vl["lossless"] is True
+    assert vl["offline_agreement"]["pass"] and vl["offline_agreement"]["tests"] and not vl["disagreements"]
+    assert {t["temperature"] for t in vl["sampled_agreement"]["tests"]} == {1.0} and vl["sampled_agreement"]["pass"]
+    assert {(x["k"], x["temperature"]) for x in vl["speedup"]} == {(3, 0.0), (3, 1.0)}
     ev = json.loads((run / "eval/summary.json").read_text())
-    assert ev["kind"] == "p_eagle" and ev["headline"]["hf_loop"] == "not run" and ev["headline"]["k"] == 3
-    assert set(ev["headline"]["tau_offline_chain"]) == set(off["sets"]) and "evaluate" in rows, rows
+    h = ev["headline"]
+    assert ev["kind"] == "p_eagle" and h["hf_loop"] == "not run" and h["k"] == 3
+    assert set(h["tau_offline_chain"]) == set(off["sets"]) and "evaluate" in rows, rows
+    eq = ev["served_vs_offline_chain"]
+    assert eq["equal"] and set(eq["sets"]) == {"mtbench", "heldout"}, eq
+    assert all(v["vllm"]["drafts"] > 0 and v["tau_vllm"] == v["tau_offline_chain"] for v in eq["sets"].values())
+    assert h["lossless_vllm"] and h["vllm_counters_equal_offline_chain"] and h["vllm_t_gt0_agrees_with_rule"]
     _, out = smk(wf, cache, "-n", configfile="config/p_eagle.yaml")
     assert "Nothing to be done" in out
 

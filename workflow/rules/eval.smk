@@ -13,8 +13,9 @@ EVAL = config["evaluate"]
 # wait for the HF loop (both take every core, so they never run side by side here)
 EVAL_DFLASH = R.drafter_kind == "dflash"
 # drafter.kind p_eagle: evaluate_offline (the parallel chain, eaglet.eval.p_eagle_offline: the stage reads
-# the kind from the drafter's file) and eval_summary only; the timed HF loop, vLLM's timed evaluation,
-# the modes and the regenerated sets are not wired for the kind (eaglet.workflow.resolve.P_EAGLE_NOT_RUN)
+# the kind from the drafter's file), evaluate_vllm (method eagle3 with parallel_drafting at k = parallel_k)
+# and eval_summary; the timed HF loop, the modes and the regenerated sets are not wired for the kind
+# (eaglet.workflow.resolve.P_EAGLE_NOT_RUN)
 EVAL_P_EAGLE = R.drafter_kind == "p_eagle"
 EVAL_DIR = f"{RUN}/eval"
 # "heldout" = this run's held-out prompts; other names and .parquet paths go to eaglet.base.datasets
@@ -153,9 +154,12 @@ EVAL_VLLM_OPTS = {
     "serving": R.serving,
     "set_digests": USER_SETS,
 }
-# DFlash is served at num_speculative_tokens = block_size - 1 only (eaglet.eval.evaluate_vllm.dflash_kind)
+# DFlash is served at num_speculative_tokens = block_size - 1 only, P-EAGLE at its parallel_k only
+# (eaglet.eval.evaluate_vllm.served_kind)
 if EVAL_DFLASH:
     EVAL_VLLM_OPTS["k_values"] = [R.drafter["dflash"]["block_size"] - 1]
+if EVAL_P_EAGLE:
+    EVAL_VLLM_OPTS["k_values"] = [R.drafter["p_eagle"]["parallel_k"]]
 # what defines vLLM's measurements: all but how long a run may take
 EVAL_VLLM_KEYS = [k for k in EVAL_VLLM_OPTS if k != "timeout_s"]
 
@@ -170,7 +174,7 @@ rule evaluate_vllm:
         offline=rules.evaluate_offline.output.offline,
         **(
             {}
-            if EVAL_DFLASH
+            if EVAL_DFLASH or EVAL_P_EAGLE
             else {"after": rules.evaluate_speculative.output.speculative}
         ),
     output:
@@ -292,7 +296,7 @@ rule eval_summary:
     input:
         **(
             {"vllm": rules.evaluate_vllm.output.vllm}
-            if EVAL["vllm"]["enabled"] and not EVAL_P_EAGLE
+            if EVAL["vllm"]["enabled"]
             else {}
         ),
         **(

