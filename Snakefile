@@ -29,18 +29,6 @@ onstart:
     R.write_record(f"{LOGS}/resolved.json")
 
 
-# drafter.kind p_eagle: the run ends at the checked export (train, export with its served contract) and
-# the evaluation's summary (evaluate_offline, evaluate_vllm, eval_summary); the stages not wired for it are left
-# out of the DAG, each named NOT RUN with why in the parse's log (eaglet.workflow.resolve.p_eagle_checks).
-# (drafter.kind dflash's final outputs: workflow/rules/report.smk.)
-if R.drafter_kind == "p_eagle":
-    FINAL_OUTPUTS[:] = [
-        rules.train.output.summary,
-        rules.export.output.contract,
-        rules.eval_summary.output.summary,
-    ]
-
-
 rule all:
     default_target: True
     input:

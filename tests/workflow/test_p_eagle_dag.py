@@ -47,10 +47,12 @@ def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_draf
 
     _, out = smk(wf, cache, "-n", configfile="config/p_eagle.yaml")
     # the EAGLE-3 run's store, vocab map, data; the offline evaluation of the kind and its summary
-    assert planned_jobs(out) == {"train", "export", "evaluate_offline", "evaluate_vllm", "eval_summary"}, out[-3000:]
+    assert planned_jobs(out) == {"train", "export", "evaluate_offline", "evaluate_vllm", "eval_summary",
+                                 "drafter_card", "plots", "provenance"}, out[-3000:]
     not_run = next(line for line in out.splitlines() if "drafter kind p_eagle: NOT RUN" in line)
     assert "evaluate_speculative: no timed HF loop with a parallel-drafting proposer" in not_run
-    assert not {"evaluate_offline", "evaluate_vllm", "eval_summary"} & set(not_run.replace(",", " ").split())
+    assert not {"evaluate_offline", "evaluate_vllm", "eval_summary", "drafter_card", "plots", "provenance"} & set(
+        not_run.replace(",", " ").replace(":", " ").split()), not_run
     smk(wf, cache, configfile="config/p_eagle.yaml")
 
     run = wf / "results/smoke"
@@ -112,6 +114,21 @@ def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_draf
     assert eq["equal"] and set(eq["sets"]) == {"mtbench", "heldout"}, eq
     assert all(v["vllm"]["drafts"] > 0 and v["tau_vllm"] == v["tau_offline_chain"] for v in eq["sets"].values())
     assert h["lossless_vllm"] and h["vllm_counters_equal_offline_chain"] and h["vllm_t_gt0_agrees_with_rule"]
+    # the card names the kind and serves it as vLLM takes it (parallel_drafting in the speculative config)
+    card = (run / "drafter/README.md").read_text()
+    assert "# P-EAGLE drafter for" in card and "- p-eagle" in card and "parallel drafting" in card
+    assert '"method": "eagle3"' in card and '"parallel_drafting": True' in card, card  # the Python snippet
+    assert '"parallel_drafting": true' in card and '"num_speculative_tokens": 3' in card  # vllm serve's JSON
+    assert "vLLM's counters at T = 0 equal the offline parallel chain's" in card and "SGLang: not checked" in card
+    assert f"- not measured: {h['hf_loop_reason']}" in card and "- vLLM paired speedup at T = 0" in card
+    # the report's plots draw the P-EAGLE trainer's curves, its tables the kind's contract and summary;
+    # provenance records every stage's wall time
+    assert (run / "plots/training.png").stat().st_size > 10_000
+    tables = (run / "plots/tables.html").read_text()
+    assert "p_eagle.static" in tables and "vllm.known_answer" in tables and "Results matrix" in tables
+    prov = json.loads((run / "provenance.json").read_text())
+    assert {"train", "export", "evaluate_vllm", "drafter_card"} <= {r["rule"] for r in prov["stage_wall_times"]}
+    assert prov["config"]["drafter"]["kind"] == "p_eagle"
     _, out = smk(wf, cache, "-n", configfile="config/p_eagle.yaml")
     assert "Nothing to be done" in out
 

@@ -93,11 +93,12 @@ rule drafter_card:
 FINAL_OUTPUTS.append(rules.drafter_card.output.card)
 
 
-# drafter.kind dflash: the run ends at the evaluation summary (offline block chain, the timed HF loop and
-# vLLM), the drafter card, the plots and the provenance; the stages not wired for DFlash are left out of
-# the DAG, each named NOT RUN with why in the parse's log (eaglet.workflow.resolve.dflash_checks). Set
-# here, before provenance names what it waits for.
-if R.drafter_kind == "dflash":
+# drafter.kind dflash and p_eagle: the run ends at the evaluation summary (offline: the block or parallel
+# chain; the timed HF loop for DFlash; vLLM), the drafter card, the plots and the provenance; the stages
+# not wired for the kind are left out of the DAG, each named NOT RUN with why in the parse's log
+# (eaglet.workflow.resolve.dflash_checks, p_eagle_checks). Set here, before provenance names what it
+# waits for.
+if R.drafter_kind in ("dflash", "p_eagle"):
     FINAL_OUTPUTS[:] = [
         rules.train.output.summary,
         rules.export.output.contract,

@@ -17,11 +17,12 @@ the export contract's verdict, the files' digests, and how to serve it: vLLM's P
 block marked ``# eaglet: vllm-snippet``, which tests/report/test_card.py runs on the CPU build),
 ``vllm serve`` and SGLang's launch command, and how to check a downloaded copy (``python -m eaglet.export.contract``).
 
-A DFlash drafter (drafter.kind dflash: config.json names ``DFlash*``) gets its own card
-(:func:`dflash_card`): the kind, its block size and taps, training time, the matrix at k =
-block_size − 1, the timed HF loop's and vLLM's paired speedups over plain decoding per temperature with
-their lossless checks, the contract, the files, and vLLM's snippet and server line with method
-``dflash`` at that k (no SGLang line: eaglet does not run SGLang on a DFlash folder).
+A block-parallel drafter gets its own card (:func:`block_card`): DFlash (drafter.kind dflash: config.json
+names ``DFlash*``) and P-EAGLE (drafter.kind p_eagle: config.json says ``parallel_drafting: true``). The
+kind, its block size or K and taps, training time, the matrix at the one k vLLM serves it at, the timed
+HF loop's (DFlash) and vLLM's paired speedups over plain decoding per temperature with their lossless
+checks, the contract, the files, and vLLM's snippet and server line (method ``dflash``, or ``eagle3``
+with ``parallel_drafting``) at that k (no SGLang line: eaglet does not run SGLang on these folders).
 """
 
 from __future__ import annotations
@@ -185,8 +186,10 @@ def front_matter(base_model: str, datasets: list[str], tags: list[str]) -> str:
     return "---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n"
 
 
-def vllm_snippet(base_model: str, drafter_dir: str, k: int, serving: dict, method: str = "eagle3") -> str:
+def vllm_snippet(base_model: str, drafter_dir: str, k: int, serving: dict, method: str = "eagle3",
+                 extra: dict | None = None) -> str:
     s = serving or {}
+    spec = speculative_config_text(method, "DRAFTER", k, extra)
     tp = int(s.get("tensor_parallel_size", schema.default("target.vllm.tensor_parallel_size")))
     return f'''```python
 {SNIPPET_MARK}: the drafter served by vLLM's Python API
@@ -199,20 +202,28 @@ if __name__ == "__main__":  # vLLM starts worker processes that import this file
     llm = LLM(model=TARGET, dtype="{s.get("dtype", "auto")}", max_model_len=2048,
               tensor_parallel_size={tp},
               enforce_eager=True,  # CPU: no graph capture; drop it on GPUs
-              speculative_config={{"method": "{method}", "model": DRAFTER, "num_speculative_tokens": {k}}})
+              speculative_config={spec})
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=32))
     print(out[0].outputs[0].text)
 ```
 '''
 
 
-def speculative_config(drafter_dir: str, k: int, method: str = "eagle3") -> str:
-    return json.dumps({"method": method, "model": drafter_dir, "num_speculative_tokens": k})
+def speculative_config_text(method: str, model: str, k: int, extra: dict | None = None) -> str:
+    """vLLM's speculative config as Python source, ``model`` a name in the snippet (extra: the kind's keys,
+    P-EAGLE's ``parallel_drafting``)."""
+    more = "".join(f", {json.dumps(key)}: {v!r}" for key, v in (extra or {}).items())
+    return f'{{"method": "{method}", "model": {model}, "num_speculative_tokens": {k}{more}}}'
 
 
-def vllm_serve_command(base_model: str, drafter_dir: str, k: int, method: str = "eagle3") -> str:
+def speculative_config(drafter_dir: str, k: int, method: str = "eagle3", extra: dict | None = None) -> str:
+    return json.dumps({"method": method, "model": drafter_dir, "num_speculative_tokens": k, **(extra or {})})
+
+
+def vllm_serve_command(base_model: str, drafter_dir: str, k: int, method: str = "eagle3",
+                       extra: dict | None = None) -> str:
     """vLLM's server with the drafter (README.md shows the same line: tests/report/test_card.py)."""
-    return f"vllm serve {base_model} --speculative-config '{speculative_config(drafter_dir, k, method)}'"
+    return f"vllm serve {base_model} --speculative-config '{speculative_config(drafter_dir, k, method, extra)}'"
 
 
 def sglang_command(base_model: str, drafter_dir: str, k: int) -> str:
@@ -227,8 +238,8 @@ def card(drafter_dir: str | Path, identity: dict, evaluation: dict | None, train
          shown_dir: str | None = None) -> str:
     d = Path(drafter_dir)
     conf = read_json(d / "config.json")
-    if any(str(a).startswith("DFlash") for a in conf.get("architectures") or []):
-        return dflash_card(d, conf, identity, evaluation, train, tokenize, prompts, base_model, serving, shown_dir)
+    if is_dflash(conf) or conf.get("parallel_drafting") is True:  # DFlash, P-EAGLE
+        return block_card(d, conf, identity, evaluation, train, tokenize, prompts, base_model, serving, shown_dir)
     contract = read_json(d / "contract.json")
     ref = read_json(d / "reference.json") if (d / "reference.json").exists() else {}
     base = base_model or identity.get("name")
@@ -307,17 +318,45 @@ def _not_conclusive(x: dict) -> str:
     return " (not conclusive" + (": " + x["note"] if x.get("note") else "") + ")"
 
 
-def dflash_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, train: dict, tokenize: dict,
-                prompts: dict, base_model: str | None, serving: dict | None, shown_dir: str | None) -> str:
-    """The card of a DFlash drafter (the module docstring)."""
+def block_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, train: dict, tokenize: dict,
+               prompts: dict, base_model: str | None, serving: dict | None, shown_dir: str | None) -> str:
+    """The card of a block-parallel drafter, DFlash or P-EAGLE (the module docstring)."""
     contract = read_json(d / "contract.json")
     base = base_model or identity.get("name")
     shown = shown_dir or str(d)
     ev = evaluation or {}
     h = ev.get("headline") or {}
-    bs = int(conf["block_size"])
-    k = bs - 1
-    taps = [i + 1 for i in (conf.get("dflash_config") or {}).get("target_layer_ids") or []]
+    dflash = is_dflash(conf)
+    if dflash:
+        bs = int(conf["block_size"])
+        k = bs - 1
+        taps = [i + 1 for i in (conf.get("dflash_config") or {}).get("target_layer_ids") or []]
+        name, tag, chain, val = "DFlash", "dflash", "block chain", ("val_block_tau", "block τ")
+        extra: dict = {}
+        what = (f"A {conf.get('num_hidden_layers')}-layer DFlash (block-parallel) draft model for `{base}`, block "
+                f"size {bs}: one drafter forward proposes a whole block of k = block_size − 1 = {k} tokens after "
+                f"the target's last token, which vLLM serves with `method: dflash` at `num_speculative_tokens` {k} "
+                f"(the only k it takes). It reads the target's hidden states entering layers {taps} (vLLM's "
+                f"convention; `dflash_config.target_layer_ids` holds DFlash's ids, one less), uses the target's "
+                f"own embedding and head, and fills a block with mask token "
+                f"{conf['dflash_config'].get('mask_token_id')}. Trained for the target whose weights digest is "
+                f"`{identity.get('digest')}`; made by eaglet (drafter.kind dflash).\n\n")
+        loop_note = ("A round of the HF loop drafts no further than max_new_tokens, where vLLM's drafts a whole "
+                     "block, so on short texts its τ is a little below the exact chain's.\n\n")
+    else:  # P-EAGLE: an EAGLE-3 folder served with parallel drafting (eaglet.export.p_eagle_format)
+        k = int((conf.get("eaglet") or {}).get("num_speculative_tokens") or h.get("k") or 0)
+        name, tag, chain, val = "P-EAGLE", "p-eagle", "parallel chain", ("val_parallel_tau", "parallel τ")
+        extra = {"parallel_drafting": True}
+        what = (f"A one-layer EAGLE-3 draft model for `{base}` trained for **parallel drafting** (P-EAGLE): one "
+                f"drafter forward proposes all k = {k} tokens of a round (the first from the target's states, "
+                f"the others from mask token {conf.get('mask_token_id')} with the trained `mask_hidden`), which "
+                f"vLLM serves with `method: eagle3`, `parallel_drafting: true` at `num_speculative_tokens` {k} "
+                f"(the k it was trained for). It reads the target's hidden states entering layers "
+                f"{conf.get('eagle_aux_hidden_state_layer_ids')} (vLLM's convention), shares the target's token "
+                f"embedding, and drafts over a vocabulary of {conf.get('draft_vocab_size')} of the target's "
+                f"{conf.get('vocab_size')} tokens (`d2t` maps them back). Trained for the target whose weights "
+                f"digest is `{identity.get('digest')}`; made by eaglet (drafter.kind p_eagle).\n\n")
+        loop_note = "\n"
     source = prompts.get("source")
     datasets = [DATASETS[source]] if source in DATASETS else []
     datasets += [EVAL_DATASETS[s] for s in ("mtbench", "humaneval") if any(
@@ -333,43 +372,35 @@ def dflash_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, tr
     if h.get("lossless_hf_loop") is not None:
         hf += (f"- lossless at T = 0 in the HF loop (k = {', '.join(map(str, h.get('hf_loop_k_values') or [k]))}): "
                f"{'yes' if h['lossless_hf_loop'] else 'NO'}; its rounds "
-               f"{'equal' if h.get('offline_matches_real_loop') else 'DIFFER from'} eaglet's block chain's\n")
+               f"{'equal' if h.get('offline_matches_real_loop') else 'DIFFER from'} eaglet's {chain}'s\n")
     speed = "".join(f"- vLLM paired speedup at T = {x['temperature']:g} ({x['rule']} drafts): {_num(x.get('estimate'))}"
                     f" [{_num(x.get('lo'))}, {_num(x.get('hi'))}]"
                     f"{'' if x.get('conclusive') else _not_conclusive(x)}\n"
                     for x in h.get("speedup_vllm_by_temperature") or [])
-    parts = [front_matter(base, datasets, ["speculative-decoding", "dflash", "draft-model", "eaglet"]),
-             f"\n# DFlash drafter for {base}\n\n",
-             f"A {conf.get('num_hidden_layers')}-layer DFlash (block-parallel) draft model for `{base}`, block size "
-             f"{bs}: one drafter forward proposes a whole block of k = block_size − 1 = {k} tokens after the "
-             f"target's last token, which vLLM serves with `method: dflash` at `num_speculative_tokens` {k} "
-             f"(the only k it takes). It reads the target's hidden states entering layers {taps} (vLLM's "
-             f"convention; `dflash_config.target_layer_ids` holds DFlash's ids, one less), uses the target's own "
-             f"embedding and head, and fills a block with mask token {conf['dflash_config'].get('mask_token_id')}. "
-             f"Trained for the target whose weights digest is `{identity.get('digest')}`; made by eaglet "
-             f"(drafter.kind dflash).\n\n",
+    method = "dflash" if dflash else "eagle3"
+    parts = [front_matter(base, datasets, ["speculative-decoding", tag, "draft-model", "eaglet"]),
+             f"\n# {name} drafter for {base}\n\n", what,
              "## The data it saw\n\n",
              f"- prompts: {source} ({prompts.get('train')} training conversations, {prompts.get('heldout')} held "
              f"out); answers: {tokenize.get('samples_processed')} samples, {tokenize.get('total_tokens'):,} tokens\n",
              f"- training: {train.get('steps')} steps on {train.get('train_samples')} samples"
              f"{f' in {secs / 60:.1f} min' if secs is not None else ''}, kept step {sel.get('step')}; validation "
-             f"block τ {_num(sel.get('val_block_tau'))}\n\n",
+             f"{val[1]} {_num(sel.get(val[0]))}\n\n",
              "## Results\n\n", matrix_tables(ev.get("matrix") or [], k),
-             "\nEngines: the exact chain is the block chain vLLM's DFlash proposer runs at T = 0 along the "
-             "target's greedy text; the expected chain is each block position's acceptance probability along "
-             "the target's sampled text under each rule vLLM serves; the HF loop (eaglet's, one block per round, "
-             "drafts sampled from the block's q at T > 0) and vLLM are measured. A round of the HF loop drafts "
-             "no further than max_new_tokens, where vLLM's drafts a whole block, so on short texts its τ is a "
-             "little below the exact chain's.\n\n",
+             f"\nEngines: the exact chain is the {chain} vLLM's {name} proposer runs at T = 0 along the "
+             "target's greedy text; the expected chain is each draft position's acceptance probability along "
+             "the target's sampled text under each rule vLLM serves; "
+             + ("the HF loop (eaglet's, one block per round, drafts sampled from the block's q at T > 0) and vLLM "
+                "are measured. " if dflash else "vLLM is measured. ") + loop_note,
              hf, speed,
-             (f"- vLLM's counters at T = 0 {'equal' if eq else 'DIFFER from'} the offline block chain's\n"
+             (f"- vLLM's counters at T = 0 {'equal' if eq else 'DIFFER from'} the offline {chain}'s\n"
               if eq is not None else ""),
              (f"- lossless at T = 0 in vLLM: {'yes' if h.get('lossless_vllm') else 'NO'}\n"
               if h.get("lossless_vllm") is not None else ""),
              (f"- at T > 0 vLLM's acceptance {'agrees' if h.get('vllm_t_gt0_agrees_with_rule') else 'DIFFERS'} "
               "with the rule it serves (expected along the target's text)"
               + ("" if h.get("vllm_t_gt0_agrees_with_rule") else
-                 ": vLLM's DFlash departs from its rule here, so the T > 0 figures describe vLLM as "
+                 f": vLLM's {name} departs from its rule here, so the T > 0 figures describe vLLM as "
                  "served, not a decoder checked lossless in distribution") + "\n"
               if h.get("vllm_t_gt0_agrees_with_rule") is not None else ""),
              f"- not measured: {h.get('hf_loop_reason')}\n" if h.get("hf_loop") == "not run" else "",
@@ -377,10 +408,15 @@ def dflash_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, tr
              "\n## The export contract\n\n", _contract_lines(contract),
              "\n\n## Files\n\n| file | sha256 |\n|---|---|\n",
              "".join(f"| `{n}` | `{v}` |\n" for n, v in sorted(digests.items())),
-             "\n## Serve it\n\nvLLM, Python:\n\n", vllm_snippet(base, shown, k, serving or {}, "dflash"),
-             f"\nvLLM, server:\n\n```bash\n{vllm_serve_command(base, shown, k, 'dflash')}\n```\n",
-             "\nSGLang: not checked by eaglet for a DFlash folder.\n"]
+             "\n## Serve it\n\nvLLM, Python:\n\n", vllm_snippet(base, shown, k, serving or {}, method, extra),
+             f"\nvLLM, server:\n\n```bash\n{vllm_serve_command(base, shown, k, method, extra)}\n```\n",
+             f"\nSGLang: not checked by eaglet for a {name} folder.\n"]
     return "".join(parts)
+
+
+def is_dflash(conf: dict) -> bool:
+    """Whether a drafter's config.json names a DFlash architecture."""
+    return any(str(a).startswith("DFlash") for a in conf.get("architectures") or [])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,12 +52,13 @@ def coverage_plot(vocab_json: str | Path, out: str | Path) -> None:
 
 
 def training_plot(metrics_parquet: str | Path, out: str | Path) -> None:
-    """The trainer's curves: EAGLE-3's (TTT loss, per-step accuracy, τ), or a DFlash drafter's when
-    the rows are eaglet.train.dflash_train's (``block_tau``: dflash_training_plot)."""
+    """The trainer's curves: EAGLE-3's (TTT loss, per-step accuracy, τ), or a block-parallel drafter's
+    when the rows are eaglet.train.dflash_train's (``block_tau``) or eaglet.train.p_eagle_train's
+    (``parallel_tau``): block_training_plot."""
     plt = _plt()
     df = read_parquet(metrics_parquet).to_pandas()
-    if "block_tau" in df.columns:
-        return dflash_training_plot(df, out)
+    if "block_tau" in df.columns or "parallel_tau" in df.columns:
+        return block_training_plot(df, out)
     tr, va = df[df["split"] == "train"], df[df["split"] == "val"]
     acc_cols = sorted((c for c in df.columns if c.startswith("tf_acc_")), key=lambda c: int(c[7:]))
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
@@ -93,28 +94,40 @@ def _save_grid(plt, fig, axes, out: str | Path) -> None:
     plt.close(fig)
 
 
-def dflash_training_plot(df, out: str | Path) -> None:
-    """A DFlash drafter's curves (eaglet.train.dflash_train's rows): the weighted block loss, the
-    teacher-forced accuracy of each block position (train rows' ``tf_acc_k``), and the validation
-    block τ (1 + accepted drafts per block at T = 0 along the labels)."""
+# A block-parallel trainer's rows (tau column) and the names its figure gives them
+BLOCK_CURVES = {
+    "block_tau": ("block loss (position-weighted cross-entropy)", "block position",
+                  "validation, exact block τ (T = 0)", "block τ (1 + accepted drafts per block)"),
+    "parallel_tau": ("P-EAGLE loss (sum over draft depths of the mean cross-entropy)", "draft depth",
+                     "validation, exact parallel round τ (T = 0)", "parallel τ (1 + accepted drafts per round)"),
+}
+
+
+def block_training_plot(df, out: str | Path) -> None:
+    """A block-parallel drafter's curves: DFlash's (eaglet.train.dflash_train's rows, ``block_tau``) or
+    P-EAGLE's (eaglet.train.p_eagle_train's, ``parallel_tau``): the training loss, the teacher-forced
+    accuracy of each block position or draft depth (train rows' ``tf_acc_k``), and the validation τ (1 +
+    accepted drafts per block or parallel round at T = 0 along the labels)."""
     plt = _plt()
+    col = "block_tau" if "block_tau" in df.columns else "parallel_tau"
+    loss_title, position, val_label, tau_title = BLOCK_CURVES[col]
     tr, va = df[df["split"] == "train"], df[df["split"] == "val"]
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
     a1.plot(tr["step"], tr["loss"], label="train", alpha=0.8)
-    a1.set_title("block loss (position-weighted cross-entropy)")
+    a1.set_title(loss_title)
     a1.set_xlabel("optimizer step")
     a1.legend()
     accs = [list(a) for a in tr["tf_acc_k"]] if "tf_acc_k" in tr.columns else []
     for k in range(len(accs[0]) if accs else 0):
-        a2.plot(tr["step"], [a[k] for a in accs], label=f"position {k + 1}", alpha=0.8)
-    a2.set_title("teacher-forced accuracy per block position (train)")
+        a2.plot(tr["step"], [a[k] for a in accs], label=f"{position} {k + 1}", alpha=0.8)
+    a2.set_title(f"teacher-forced accuracy per {position} (train)")
     a2.set_xlabel("optimizer step")
     if accs:
         a2.legend(fontsize=7)
     if len(va):
-        a3.plot(va["step"], va["block_tau"], marker="o", label="validation, exact block τ (T = 0)")
+        a3.plot(va["step"], va[col], marker="o", label=val_label)
         a3.legend()
-    a3.set_title("block τ (1 + accepted drafts per block)")
+    a3.set_title(tau_title)
     a3.set_xlabel("optimizer step")
     _save_grid(plt, fig, (a1, a2, a3), out)
 

@@ -275,16 +275,14 @@ def dflash_checks(config: dict, storage_mode: str, ids: list[int]) -> list[str]:
 # The stages drafter.kind p_eagle runs (docs/block-drafters.md §8): the data stages, extraction, train
 # (eaglet.train.p_eagle_train), export (eaglet.export.p_eagle_export, its contract served by real vLLM
 # with parallel drafting), evaluate_offline (the exact parallel chain at T = 0 and each rule's expectation
-# at T > 0, eaglet.eval.p_eagle_offline), evaluate_vllm (timed, served with parallel drafting) and
-# eval_summary; the rest are not wired for it yet, each with why.
+# at T > 0, eaglet.eval.p_eagle_offline), evaluate_vllm (timed, served with parallel drafting),
+# eval_summary, the drafter card, the plots and the provenance; the rest are not wired for it yet, each
+# with why.
 P_EAGLE_NOT_RUN = {
     "evaluate_speculative": "no timed HF loop with a parallel-drafting proposer yet",
     "evaluate_modes": "per chat-template mode offline figures are EAGLE-3's",
     "evaluate_regenerated": "the chain along regenerated answers is EAGLE-3's",
     "learning_curve": "refused for the kind (plan.learning_curve)",
-    "drafter_card": "no card for the kind yet",
-    "plots": "the report's plots read EAGLE-3's training and evaluation records",
-    "provenance": "not wired with the kind's outputs",
 }
 
 
@@ -311,7 +309,7 @@ def p_eagle_checks(config: dict, storage_mode: str) -> list[str]:
             f"num_speculative_tokens {k})",
             f"drafter kind p_eagle: NOT RUN (not wired for this kind, docs/block-drafters.md §8): "
             f"{', '.join(P_EAGLE_NOT_RUN)} ({'; '.join(f'{n}: {why}' for n, why in P_EAGLE_NOT_RUN.items())}); "
-            f"the run ends at the checked export and the evaluation's summary"]
+            f"the run ends at the evaluation summary, the drafter card, the plots and the provenance"]
 
 
 def resolve(config: dict, workdir: str | Path = ".", job_root: str | Path | None = None) -> Resolved:
