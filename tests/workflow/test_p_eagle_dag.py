@@ -2,11 +2,12 @@
 finished EAGLE-3 smoke run (its prompts, hidden-state store and vocab map), a P-EAGLE drafter trained
 on that store (eaglet.train.p_eagle_train) and
 exported with its contract run in real vLLM (eaglet.export.p_eagle_export): EAGLE-3's static checks over
-the P-EAGLE tensor set and p_eagle.static, then served with method eagle3 and parallel_drafting at
+the P-EAGLE tensor set and p_eagle.static, p_eagle.parity (vLLM's own module computes the trained
+drafter's parallel round piece by piece), then served with method eagle3 and parallel_drafting at
 num_speculative_tokens = parallel_k: the known-answer drafter (for a twin of the target, with parallel
 drafting) has every first draft accepted, lossless at T = 0, vLLM's counters equal to eaglet's parallel chain
-along vLLM's own output, the trained aux layers tapped. The checks not built for the kind are not run and
-named in export.accept_not_run; then evaluated offline (the parallel chain) and timed in real vLLM with
+along vLLM's own output, the trained aux layers tapped. SGLang's loader, not built for the kind, is not run
+and named in export.accept_not_run; then evaluated offline (the parallel chain) and timed in real vLLM with
 parallel drafting (its counters equal to the chain's); the stages not wired for it are not in the DAG and
 the parse says so."""
 
@@ -20,7 +21,7 @@ from conftest import REPO, vllm_env_or_skip
 from workflow_common import planned_jobs, smk
 
 P_EAGLE = {"kind": "p_eagle", "p_eagle": {"parallel_k": 3}}
-NOT_BUILT = ["p_eagle.parity", "loader.sglang"]
+NOT_BUILT = ["loader.sglang"]
 EXPORT = {"vllm_check": True, "vllm_check_prompts": 2, "vllm_check_max_tokens": 12, "accept_not_run": NOT_BUILT}
 # small, as the DFlash DAG test's: three prompts in two sets, 12 tokens, one repeat, vLLM's default (greedy)
 # drafting; vLLM's timed evaluation at T = 0 and 1 (evaluate.vllm.k_values does not apply: served at K)
@@ -68,6 +69,7 @@ def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_draf
         "static.vocab_map": "pass",
         "static.layer_ids": "pass",
         "p_eagle.static": "pass",
+        "p_eagle.parity": "pass",
         "vllm.known_answer": "pass",
         "vllm.lossless": "pass",
         "vllm.acceptance": "pass",
@@ -163,7 +165,7 @@ def test_p_eagle_parse_refuses_what_the_kind_cannot_do_naming_the_key(tiny_targe
     ]:
         with pytest.raises(ValueError, match=f"drafter.kind p_eagle: .*{key}"):
             resolve(config(**sections), tmp_path)
-    with pytest.raises(ValueError, match=r"export.accept_not_run: .*'p_eagle.parity'"):
+    with pytest.raises(ValueError, match=r"export.accept_not_run: .*'loader.sglang'"):
         resolve(config(export={"accept_not_run": list(P_EAGLE_VLLM_CHECKS)}), tmp_path)
     shipped = plan.load_config(REPO / "config/p_eagle.yaml")
     assert shipped["drafter"]["kind"] == "p_eagle" and shipped["run"] == "smollm2-p_eagle"

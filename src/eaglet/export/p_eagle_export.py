@@ -12,6 +12,11 @@ The contract's checks (eaglet.export.contract.record: pass, FAIL or not run with
   static.*          EAGLE-3's static checks of format A over the P-EAGLE tensor set (config fields, key
                     set, shapes and dtypes, vocabulary map, layer ids) and p_eagle.static (mask_hidden
                     present and [3 H_t], mask_token_id in the vocabulary, parallel_drafting, K)
+  p_eagle.parity    vLLM's own Eagle3LlamaForCausalLM with parallel drafting, loaded from the directory,
+                    computes the trained drafter's parallel round piece by piece (fc, fc(mask_hidden),
+                    the embedded ids with the mask token vLLM's proposer reads, the layer, the norm,
+                    the K slots' logits and drafts; the aux layers it taps):
+                    eaglet.export.contract.p_eagle_parity
   vllm.known_answer EAGLE-3's known-answer drafter for a twin of the target (eaglet.export.contract.known_answer),
                     with the trained layer ids, made a P-EAGLE folder (mask_hidden 0, the trained mask
                     token, K slots) and served with parallel drafting: the output is the twin's known
@@ -21,8 +26,9 @@ The contract's checks (eaglet.export.contract.record: pass, FAIL or not run with
   vllm.acceptance   vLLM's acceptance counters equal eaglet's exact parallel chain along vLLM's own plain
                     output (eaglet.drafter.p_eagle.PEagleDrafter.parallel_chain_along, trained weights)
   vllm.aux_layers   vLLM tapped the trained aux layers (its log)
-The engine checks run with export.vllm_check (else not run). Not built yet for the kind, reported not run
-with the reason (so a config names them in export.accept_not_run): P_EAGLE_NOT_BUILT.
+The engine checks (P_EAGLE_VLLM_CHECKS) run with export.vllm_check (else not run). EAGLE-3's checks with
+no P-EAGLE counterpart, reported not run with the reason (so a config names them in
+export.accept_not_run): P_EAGLE_NOT_BUILT (SGLang's loader).
 """
 
 from __future__ import annotations
@@ -196,6 +202,7 @@ def export(
     import torch
 
     from eaglet.drafter.p_eagle import load_p_eagle
+    from eaglet.export.contract.p_eagle_parity import p_eagle_parity_checks
     from eaglet.target.load import load_target_embedding
 
     o = {key: None for key in TARGET_KEYS} | schema.settings("export", opts, "export", extra=TARGET_KEYS)
@@ -228,6 +235,8 @@ def export(
             checks += [check("vllm.lossless", False, {"error": f"vLLM environment not found or incomplete: {e}"})]
             checks += [not_run(n, "no vLLM") for n in P_EAGLE_VLLM_CHECKS if n != "vllm.lossless"]
         if py is not None:
+            checks += p_eagle_parity_checks([(stage, model, d2t)], target_layers=int(identity["num_layers"]),
+                                            python=py, work_dir=work / "parity")
             with torch.no_grad():
                 served, chain = served_checks(
                     stage,

@@ -38,13 +38,13 @@ from eaglet.export.contract.static_checks import (
 )
 from eaglet.export.vllm_format import export_tensors, vllm_config, write_dir
 
-# the export stage's engine checks (eaglet.export.p_eagle_export), run with export.vllm_check
-P_EAGLE_VLLM_CHECKS = ("vllm.known_answer", "vllm.lossless", "vllm.acceptance", "vllm.aux_layers")
-# EAGLE-3's checks with no P-EAGLE counterpart built yet, each with why (named in export.accept_not_run)
+# the export stage's engine checks (eaglet.export.p_eagle_export), run with export.vllm_check: p_eagle.parity
+# (vLLM's own module in its interpreter, eaglet.export.contract.p_eagle_parity), then the served ones
+P_EAGLE_VLLM_CHECKS = ("p_eagle.parity", "vllm.known_answer", "vllm.lossless", "vllm.acceptance", "vllm.aux_layers")
+# EAGLE-3's checks with no P-EAGLE counterpart built, each with why (named in export.accept_not_run)
 P_EAGLE_NOT_BUILT = {
-    "p_eagle.parity": "numeric parity with vLLM's own module is not built for the kind (vllm.acceptance "
-    "compares the drafts' acceptance along vLLM's output instead)",
-    "loader.sglang": "SGLang's loader is not run on a P-EAGLE directory by eaglet (vLLM serves it)",
+    "loader.sglang": "SGLang's loader is not run on a P-EAGLE directory by eaglet (vLLM serves it, "
+    "p_eagle.parity checks vLLM's own module)",
 }
 
 

@@ -78,14 +78,15 @@ def eaglet_round(model, inputs: dict) -> dict:
             "ids": ids[0]}
 
 
-def run_probe(cases: list[dict], *, python, work_dir, timeout: float = 600) -> list[dict]:
-    """Run eaglet.engines.vllm_dflash_probe once for all ``cases`` ({"drafter", "inputs", "k",
-    "target_layers", "target_vocab"}); per case its tensors + "meta", or {"error": text}."""
+def run_probe(cases: list[dict], *, python, work_dir, timeout: float = 600, probe: Path = PROBE) -> list[dict]:
+    """Run ``probe`` (eaglet.engines.vllm_dflash_probe; P-EAGLE's: eaglet.export.contract.p_eagle_parity)
+    once for all ``cases`` ({"drafter", "inputs", "k", "target_layers", "target_vocab"}); per case its
+    tensors + "meta", or {"error": text, "log"}."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
     work = Path(work_dir).absolute()
-    runner = vllm_env.copy_runner(PROBE, work)
+    runner = vllm_env.copy_runner(probe, work)
     todo = [{**c, "out": str(work / f"probe{i}.safetensors")} for i, c in enumerate(cases)]
     for c in todo:
         for p in (Path(c["out"]), Path(c["out"] + ".error")):
