@@ -43,16 +43,20 @@ class _Stub(SimpleNamespace):
         return None
 
 
-def _vllm_config(conf_dir: str, k: int, target_layers: int, target_vocab: int):
+def _vllm_config(conf_dir: str, k: int, target_layers: int, target_vocab: int, hf=None, **speculative):
+    """vLLM's config stand-in for one drafter folder: ``hf`` its hf config (default: AutoConfig's
+    reading of the folder), a speculative config of ``num_speculative_tokens`` k and ``speculative``
+    (default: method dflash), the target's layer count and vocabulary. Shared with the P-EAGLE probe
+    (eaglet.engines.vllm_p_eagle_probe, copied beside this file)."""
     import torch
     from transformers import AutoConfig
     from vllm.config import VllmConfig
 
-    hf = AutoConfig.from_pretrained(conf_dir)
+    hf = hf if hf is not None else AutoConfig.from_pretrained(conf_dir)
     vc = VllmConfig()
     draft = _Stub(hf_config=hf, model=conf_dir, revision=None, dtype=torch.float32, quantization=None)
     object.__setattr__(vc, "speculative_config", _Stub(draft_model_config=draft, num_speculative_tokens=k,
-                                                       method="dflash"))
+                                                       **(speculative or {"method": "dflash"})))
     object.__setattr__(vc, "model_config", _Stub(get_total_num_hidden_layers=lambda: target_layers,
                                                  get_vocab_size=lambda: target_vocab, dtype=torch.float32,
                                                  max_model_len=int(hf.max_position_embeddings),
@@ -130,7 +134,9 @@ def run_case(case: dict) -> None:
                   case["out"], metadata=meta)
 
 
-def main(cases_path: str) -> None:
+def run_cases(cases_path: str, run_case, tag: str) -> None:
+    """Every case of CASES.json through ``run_case`` in one interpreter (vLLM's distributed state set
+    up once); a case that raises writes OUT.error and the next runs. Shared with the P-EAGLE probe."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
@@ -142,11 +148,15 @@ def main(cases_path: str) -> None:
     for case in cases:
         try:
             run_case(case)
-            print("eaglet-dflash-probe: done", case["out"], flush=True)
+            print(f"eaglet-{tag}-probe: done", case["out"], flush=True)
         except Exception:
             with open(case["out"] + ".error", "w") as fh:
                 fh.write(traceback.format_exc())
-            print("eaglet-dflash-probe: error", case["out"], flush=True)
+            print(f"eaglet-{tag}-probe: error", case["out"], flush=True)
+
+
+def main(cases_path: str) -> None:
+    run_cases(cases_path, run_case, "dflash")
 
 
 if __name__ == "__main__":

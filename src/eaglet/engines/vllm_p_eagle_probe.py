@@ -46,37 +46,20 @@ A case that raises writes OUT.error (the traceback) and the next case runs.
 
 import json
 import sys
-import tempfile
-import traceback
-from types import SimpleNamespace
+
+# the DFlash probe's config stand-in and case loop, copied beside this file
+# (eaglet.export.contract.dflash_parity.run_probe)
+from vllm_dflash_probe import _Stub, _vllm_config, run_cases
 
 
-class _Stub(SimpleNamespace):
-    """A config stand-in: the attributes the model reads are set, any other reads as None."""
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return None
-
-
-def _vllm_config(conf_dir: str, k: int, target_layers: int, target_vocab: int):
-    import torch
+def _eagle3_config(conf_dir: str, k: int, target_layers: int, target_vocab: int):
+    """The stand-in for a P-EAGLE folder: its config wrapped as SpeculativeConfig wraps an eagle3
+    drafter's (vllm/config/speculative.py), method eagle3 with parallel drafting, K drafts."""
     from transformers import AutoConfig
-    from vllm.config import VllmConfig
     from vllm.transformers_utils.configs.eagle import EAGLEConfig
 
-    # SpeculativeConfig's own wrapping of an eagle3 drafter's config (vllm/config/speculative.py)
     hf = EAGLEConfig(AutoConfig.from_pretrained(conf_dir), method="eagle3", model_type="eagle")
-    vc = VllmConfig()
-    draft = _Stub(hf_config=hf, model=conf_dir, revision=None, dtype=torch.float32, quantization=None)
-    object.__setattr__(vc, "speculative_config", _Stub(draft_model_config=draft, num_speculative_tokens=k,
-                                                       method="eagle3", parallel_drafting=True))
-    object.__setattr__(vc, "model_config", _Stub(get_total_num_hidden_layers=lambda: target_layers,
-                                                 get_vocab_size=lambda: target_vocab, dtype=torch.float32,
-                                                 max_model_len=int(hf.max_position_embeddings),
-                                                 is_moe=False, is_mm_prefix_lm=False))
-    return vc
+    return _vllm_config(conf_dir, k, target_layers, target_vocab, hf=hf, method="eagle3", parallel_drafting=True)
 
 
 def _mask_token_id(vc) -> int:
@@ -97,7 +80,7 @@ def run_case(case: dict) -> None:
     from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
 
     inp = load_file(case["inputs"])
-    vc = _vllm_config(case["drafter"], int(case["k"]), int(case["target_layers"]), int(case["target_vocab"]))
+    vc = _eagle3_config(case["drafter"], int(case["k"]), int(case["target_layers"]), int(case["target_vocab"]))
     with set_current_vllm_config(vc), torch.no_grad():
         m = Eagle3LlamaForCausalLM(vllm_config=vc)
         m.load_weights(load_file(f"{case['drafter']}/model.safetensors").items())
@@ -146,22 +129,7 @@ def run_case(case: dict) -> None:
 
 
 def main(cases_path: str) -> None:
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-
-    cases = json.loads(open(cases_path).read())
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method="file://" + tempfile.mkstemp()[1])
-        ensure_model_parallel_initialized(1, 1)
-    for case in cases:
-        try:
-            run_case(case)
-            print("eaglet-p-eagle-probe: done", case["out"], flush=True)
-        except Exception:
-            with open(case["out"] + ".error", "w") as fh:
-                fh.write(traceback.format_exc())
-            print("eaglet-p-eagle-probe: error", case["out"], flush=True)
+    run_cases(cases_path, run_case, "p-eagle")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ against their trained drafters in one vLLM interpreter (its start and import cos
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -87,6 +88,7 @@ def run_probe(cases: list[dict], *, python, work_dir, timeout: float = 600, prob
 
     work = Path(work_dir).absolute()
     runner = vllm_env.copy_runner(probe, work)
+    shutil.copyfile(PROBE, work / PROBE.name)  # the P-EAGLE probe imports the DFlash probe's shared parts
     todo = [{**c, "out": str(work / f"probe{i}.safetensors")} for i, c in enumerate(cases)]
     for c in todo:
         for p in (Path(c["out"]), Path(c["out"] + ".error")):
