@@ -3,8 +3,11 @@ target, a drafter overfitted on the greedy answers to some prompts; the T = 0 fi
 parallel chain (PEagleDrafter.parallel_chain_along, the chain the export's served check proved equal to
 vLLM's counters), at the one k vLLM serves the kind with (parallel_k); the T > 0 figures are the
 expectation under each draft sample method, each slot's q equal to the round rebuilt slot by slot
-through a KV cache (parallel_logits_slow); matrix rows per domain; then the summary of the kind: its
-headline at k = parallel_k and the HF loop named not run with why (no pass)."""
+through a KV cache (parallel_logits_slow); matrix rows per domain. Then evaluate_speculative for the
+same drafter (the timed HF loop with eaglet.engines.p_eagle_loop) at the k_values up to parallel_k,
+and the summary of the kind: its headline at k = parallel_k, the HF loop lossless, its rounds eaglet's
+parallel chain's at every k, paired speedups at T = 0 and T = 1; without its speculative.json the HF
+loop named not run with why (no pass)."""
 
 from pathlib import Path
 
@@ -76,7 +79,7 @@ def p_eagle_eval(tiny_target, tmp_path_factory):
 
     res = evaluate_offline(tmp_path / "drafter.safetensors", ident, sets, tmp_path, threads=1, **o)
     return {"dir": tmp_path, "res": res, "prompts": prompts, "target": target, "drafter": drafter, "d2t": d2t,
-            "side": p_eagle_offline.PEagleSide(drafter, cfg, d2t)}
+            "side": p_eagle_offline.PEagleSide(drafter, cfg, d2t), "ident": ident, "sets": sets, "o": o}
 
 
 def test_offline_for_a_p_eagle_drafter_is_its_exact_parallel_chain(p_eagle_eval):
@@ -143,22 +146,56 @@ def test_the_expectation_at_t1_reads_each_slot_of_the_round_built_slot_by_slot(p
 
 
 def test_the_summary_of_a_p_eagle_evaluation(p_eagle_eval, tmp_path):
-    """eval_summary reads the kind from offline.json: the headline at k = parallel_k with the chain's τ per
-    set and domain; the HF loop not run, its figures null with why (a speculative.json left in the folder by
-    another drafter's run is not read); no draft-length recommendation."""
+    """The summary of a P-EAGLE evaluation with its timed HF loop, which evaluate_speculative runs first
+    (it reads the kind from the drafter's file): k_values [1, 2, 5] run at 1, 2, 3 (5 is past
+    parallel_k; parallel_k always in) with eaglet.engines.p_eagle_loop's proposer, lossless at every k,
+    speedups paired at T = 0 and T = 1; the summary reads the kind from offline.json: the headline at
+    k = parallel_k with the chain's τ per set and domain and the HF loop's figures, whose rounds equal
+    eaglet's parallel chain at every k; no draft-length recommendation. Without speculative.json, or
+    with another drafter's left in the folder, the HF loop is named not run with why, its figures null
+    (no pass)."""
     import shutil
 
     from eaglet.eval.eval_summary import summarise
+    from eaglet.eval.evaluate_speculative import evaluate_speculative
 
-    for f in ("offline.json", "offline_positions.parquet", "offline_rounds.parquet"):
-        shutil.copy(p_eagle_eval["dir"] / f, tmp_path / f)
-    (tmp_path / "speculative.json").write_text('{"stage": "evaluate_speculative"}')  # another drafter's: unread
-    res = summarise(tmp_path)
-    h = res["kind"], res["headline"]
-    assert h[0] == "p_eagle" and h[1]["kind"] == "p_eagle" and h[1]["parallel_k"] == K and h[1]["k"] == K
-    off = p_eagle_eval["res"]["sets"]
-    assert h[1]["tau_offline_chain"] == {s: v["tau_chain"][K] for s, v in off.items()}
-    assert h[1]["hf_loop"] == "not run" and "parallel-drafting proposer" in h[1]["hf_loop_reason"]
-    assert h[1]["speedup_hf_loop"] is None and h[1]["lossless_hf_loop"] is None and res["agreement"] is None
-    assert h[1]["recommended_k"] is None and h[1]["recommendation"].startswith("no recommendation")
-    assert {r["k"] for r in res["matrix"]} == {K} and read_json(tmp_path / "summary.json")["kind"] == "p_eagle"
+    e = p_eagle_eval
+    out = e["dir"]
+    spec = evaluate_speculative(out / "drafter.safetensors", e["ident"], e["sets"], out, threads=1,
+                                **{**e["o"], "repeats": 1})
+    assert spec["kind"] == "p_eagle" and spec["parallel_k"] == K and spec["options"]["k_values"] == [1, 2, K]
+    assert spec["layer_ids"] == LAYERS and read_json(out / "speculative.json")["kind"] == "p_eagle"
+    assert spec["lossless"]["pass"] and spec["lossless"]["compared"] == 5 * 3 and not spec["lossless"]["mismatches"]
+    assert spec["sets"]["heldout"]["k"][K]["tau"] > 1.3  # the overfitted answers are accepted
+    assert [x["temperature"] for x in spec["sampling"]] == [1.0]
+    assert {(r["temperature"], r["k"], r.get("rule")) for r in spec["matrix"] if r["domain"] == "all"} == \
+        {(0.0, kk, "greedy") for kk in (1, 2, K)} | {(1.0, kk, "probabilistic") for kk in (1, 2, K)}
+
+    s = summarise(out, tie_eps=1e-5)
+    h = s["headline"]
+    assert s["kind"] == "p_eagle" and h["kind"] == "p_eagle" and h["parallel_k"] == K and h["k"] == K
+    assert h["tau_offline_chain"] == {name: v["tau_chain"][K] for name, v in e["res"]["sets"].items()}
+    assert "hf_loop" not in h and h["lossless_hf_loop"] and h["offline_matches_real_loop"]
+    assert s["agreement"]["compared"] == 5 * 3 and not s["agreement"]["differing"]
+    assert h["hf_loop_k_values"] == [1, 2, K] and h["tau_hf_loop"] == {
+        name: v["k"][K]["tau"] for name, v in spec["sets"].items()}
+    assert h["speedup_hf_loop"] == spec["overall"]["k"][K]["speedup"] and len(h["speedup_hf_loop_ci"]) == 2
+    by_t = {x["temperature"]: x for x in h["speedup_hf_loop_by_temperature"]}
+    assert set(by_t) == {0.0, 1.0} and by_t[1.0]["rule"] == "probabilistic" and by_t[0.0]["rule"] is None
+    assert h["recommended_k"] is None and "parallel_k only" in h["recommendation"]
+    assert {r["k"] for r in s["matrix"] if r["engine"] == "hf_loop"} == {1, 2, K}
+    assert {r["k"] for r in s["matrix"] if r["engine"] != "hf_loop"} == {K}
+    assert read_json(out / "summary.json")["kind"] == "p_eagle"
+
+    # an evaluation without the HF loop's record, then with another drafter's: its figures null, with why
+    for name in ("offline.json", "offline_positions.parquet", "offline_rounds.parquet"):
+        shutil.copy(out / name, tmp_path / name)
+    for why in ("no speculative.json", "another drafter's (kind eagle3, not p_eagle)"):
+        res = summarise(tmp_path)
+        h = res["headline"]
+        assert h["hf_loop"] == "not run" and why in h["hf_loop_reason"], h["hf_loop_reason"]
+        assert h["speedup_hf_loop"] is None and h["lossless_hf_loop"] is None and res["agreement"] is None
+        assert h["recommended_k"] is None and h["recommendation"].startswith("no recommendation")
+        assert {r["k"] for r in res["matrix"]} == {K} and h["tau_offline_chain"] == {
+            name: v["tau_chain"][K] for name, v in e["res"]["sets"].items()}
+        (tmp_path / "speculative.json").write_text('{"stage": "evaluate_speculative"}')  # an EAGLE-3 run's

@@ -24,9 +24,10 @@ P_EAGLE = {"kind": "p_eagle", "p_eagle": {"parallel_k": 3}}
 NOT_BUILT = ["loader.sglang"]
 EXPORT = {"vllm_check": True, "vllm_check_prompts": 2, "vllm_check_max_tokens": 12, "accept_not_run": NOT_BUILT}
 # small, as the DFlash DAG test's: three prompts in two sets, 12 tokens, one repeat, vLLM's default (greedy)
-# drafting; vLLM's timed evaluation at T = 0 and 1 (evaluate.vllm.k_values does not apply: served at K)
+# drafting; the HF loop at k 2 and 3 (k_values [2, 5] clipped to K, K always in), vLLM's timed evaluation
+# at T = 0 and 1 (evaluate.vllm.k_values does not apply: served at K)
 EVALUATE = {"sets": ["mtbench", "heldout"], "num_prompts": {"mtbench": 1, "heldout": 2}, "max_new_tokens": 12,
-            "repeats": 1, "temperatures": [0.0, 1.0], "stop_at_eos": False,
+            "k_values": [2, 5], "repeats": 1, "temperatures": [0.0, 1.0], "stop_at_eos": False,
             "vllm": {"enabled": True, "k_values": [1], "draft_sample_methods": ["greedy"]}}
 
 
@@ -48,13 +49,11 @@ def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_draf
 
     _, out = smk(wf, cache, "-n", configfile="config/p_eagle.yaml")
     # the EAGLE-3 run's store, vocab map, data; the offline evaluation of the kind and its summary
-    assert planned_jobs(out) == {"train", "export", "evaluate_offline", "evaluate_vllm", "eval_summary",
-                                 "drafter_card", "plots", "provenance"}, out[-3000:]
+    assert planned_jobs(out) == {"train", "export", "evaluate_offline", "evaluate_speculative", "evaluate_vllm",
+                                 "eval_summary", "drafter_card", "plots", "provenance"}, out[-3000:]
     not_run = next(line for line in out.splitlines() if "drafter kind p_eagle: NOT RUN" in line)
-    assert "evaluate_speculative: no timed HF loop with a parallel-drafting proposer" in not_run
     names = set(not_run.split("): ", 1)[1].split(" (", 1)[0].split(", "))  # the stages it names NOT RUN
-    assert "evaluate_modes" in names and not {"evaluate_offline", "evaluate_vllm", "eval_summary", "drafter_card",
-                                              "plots", "provenance"} & names, not_run
+    assert names == {"evaluate_modes", "evaluate_regenerated", "learning_curve"}, not_run
     smk(wf, cache, configfile="config/p_eagle.yaml")
 
     run = wf / "results/smoke"
@@ -109,9 +108,16 @@ def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_draf
     assert vl["offline_agreement"]["pass"] and vl["offline_agreement"]["tests"] and not vl["disagreements"]
     assert {t["temperature"] for t in vl["sampled_agreement"]["tests"]} == {1.0} and vl["sampled_agreement"]["pass"]
     assert {(x["k"], x["temperature"]) for x in vl["speedup"]} == {(3, 0.0), (3, 1.0)}
+    # the timed HF loop with the parallel proposer: k 2 and 3, lossless, paired at T = 0 and 1
+    sp = json.loads((run / "eval/speculative.json").read_text())
+    assert sp["kind"] == "p_eagle" and sp["parallel_k"] == 3 and sp["options"]["k_values"] == [2, 3]
+    assert sp["prompts"] == 3 and sp["lossless"]["pass"] and sp["lossless"]["compared"] == 6
+    assert [x["temperature"] for x in sp["sampling"]] == [1.0]
     ev = json.loads((run / "eval/summary.json").read_text())
     h = ev["headline"]
-    assert ev["kind"] == "p_eagle" and h["hf_loop"] == "not run" and h["k"] == 3
+    assert ev["kind"] == "p_eagle" and "hf_loop" not in h and h["k"] == 3
+    # its rounds at every k are the offline parallel chain's walked as the loop walks it
+    assert h["lossless_hf_loop"] and h["offline_matches_real_loop"] and ev["agreement"]["compared"] == 6
     assert set(h["tau_offline_chain"]) == set(off["sets"]) and "evaluate" in rows, rows
     eq = ev["served_vs_offline_chain"]
     assert eq["equal"] and set(eq["sets"]) == {"mtbench", "heldout"}, eq
@@ -123,7 +129,9 @@ def test_p_eagle_run_trains_and_exports_a_drafter_vllm_serves_with_parallel_draf
     assert '"method": "eagle3"' in card and '"parallel_drafting": True' in card, card  # the Python snippet
     assert '"parallel_drafting": true' in card and '"num_speculative_tokens": 3' in card  # vllm serve's JSON
     assert "vLLM's counters at T = 0 equal the offline parallel chain's" in card and "SGLang: not checked" in card
-    assert f"- not measured: {h['hf_loop_reason']}" in card and "- vLLM paired speedup at T = 0" in card
+    assert "- HF loop (eaglet's timed loop on the HF target) paired speedup over plain decoding at T = 0: " in card
+    assert "- lossless at T = 0 in the HF loop (k = 2, 3): yes; its rounds equal eaglet's parallel chain's" in card
+    assert "- vLLM paired speedup at T = 0" in card and "not measured" not in card
     # the report's plots draw the P-EAGLE trainer's curves, its tables the kind's contract and summary;
     # provenance records every stage's wall time
     assert (run / "plots/training.png").stat().st_size > 10_000

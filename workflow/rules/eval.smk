@@ -13,9 +13,10 @@ EVAL = config["evaluate"]
 # wait for the HF loop (both take every core, so they never run side by side here)
 EVAL_DFLASH = R.drafter_kind == "dflash"
 # drafter.kind p_eagle: evaluate_offline (the parallel chain, eaglet.eval.p_eagle_offline: the stage reads
-# the kind from the drafter's file), evaluate_vllm (method eagle3 with parallel_drafting at k = parallel_k)
-# and eval_summary; the timed HF loop, the modes and the regenerated sets are not wired for the kind
-# (eaglet.workflow.resolve.P_EAGLE_NOT_RUN)
+# the kind from the drafter's file), evaluate_speculative (the timed HF loop with eaglet.engines.p_eagle_loop,
+# at the k_values up to parallel_k: the stage reads the kind too), evaluate_vllm (method eagle3 with
+# parallel_drafting at k = parallel_k) and eval_summary; the modes and the regenerated sets are not wired
+# for the kind (eaglet.workflow.resolve.P_EAGLE_NOT_RUN). vLLM does not wait for the HF loop, as for DFlash
 EVAL_P_EAGLE = R.drafter_kind == "p_eagle"
 EVAL_DIR = f"{RUN}/eval"
 # "heldout" = this run's held-out prompts; other names and .parquet paths go to eaglet.base.datasets
@@ -314,18 +315,12 @@ rule eval_summary:
             if MODES and not (EVAL_DFLASH or EVAL_P_EAGLE)
             else {}
         ),
-        **(
-            {
-                "speculative": rules.evaluate_speculative.output.speculative,
-                "spec_rounds": rules.evaluate_speculative.output.rounds,
-            }
-            if not EVAL_P_EAGLE
-            else {}
-        ),
         code=stage_code("eval.eval_summary"),
         offline=rules.evaluate_offline.output.offline,
         positions=rules.evaluate_offline.output.positions,
         offline_rounds=rules.evaluate_offline.output.rounds,
+        speculative=rules.evaluate_speculative.output.speculative,
+        spec_rounds=rules.evaluate_speculative.output.rounds,
     output:
         summary=report(
             f"{EVAL_DIR}/summary.json",

@@ -94,7 +94,7 @@ FINAL_OUTPUTS.append(rules.drafter_card.output.card)
 
 
 # drafter.kind dflash and p_eagle: the run ends at the evaluation summary (offline: the block or parallel
-# chain; the timed HF loop for DFlash; vLLM), the drafter card, the plots and the provenance; the stages
+# chain; the timed HF loop; vLLM), the drafter card, the plots and the provenance; the stages
 # not wired for the kind are left out of the DAG, each named NOT RUN with why in the parse's log
 # (eaglet.workflow.resolve.dflash_checks, p_eagle_checks). Set here, before provenance names what it
 # waits for.

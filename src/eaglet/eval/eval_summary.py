@@ -32,15 +32,16 @@ same files: the headline at k = block_size − 1 (the one k vLLM serves it with)
 chain's τ per set and domain; the timed HF loop's (speculative.json, eaglet.engines.dflash_loop): τ per
 set, paired speedups over plain decoding at every temperature with their intervals, its lossless
 check, and whether its rounds at every k it ran equal eaglet's block chain walked as the loop walks it
-(:func:`dflash_loop_rounds`: the accepted prefix from every start, offline_positions.parquet, capped
+(:func:`block_loop_rounds`: the accepted prefix from every start, offline_positions.parquet, capped
 at max_new_tokens as the loop caps a round); vLLM's τ, paired speedups at every temperature and
 losslessness, whether vLLM's counters at T = 0 equal the offline chain's exactly; no draft-length
 recommendation (vLLM serves the kind at one k), the matrix, and placeholder plots that say why. A
-DFlash evaluation without speculative.json (written before the HF loop ran for the kind) or whose
-HF loop did not run has the HF-loop figures null with the reason (not a pass). A P-EAGLE drafter
-(offline.json ``kind: p_eagle``) gets the same summary at k = parallel_k from its exact parallel chain
-(eaglet.eval.p_eagle_offline); no timed HF loop exists for the kind yet, so its HF-loop figures are
-null with that reason.
+P-EAGLE drafter (offline.json ``kind: p_eagle``) gets the same summary at k = parallel_k from its
+exact parallel chain (eaglet.eval.p_eagle_offline) and its timed HF loop
+(eaglet.engines.p_eagle_loop: one drafter forward per round), whose rounds are checked against the
+parallel chain the same way. An evaluation of either kind without speculative.json (written before
+the HF loop ran for the kind), with one of another kind (another drafter's), or whose HF loop did not
+run has the HF-loop figures null with the reason (not a pass).
 
 When the HF loop did not run (offline.json ``status: not run``, ``evaluate.hf_loop``: a target too
 big for one process), the summary says so: ``headline.hf_loop`` is "not run" with the reason, every
@@ -377,22 +378,27 @@ DFLASH_NO_HF_LOOP = ("no speculative.json: the timed HF speculative loop (evalua
 # Why a DFlash drafter gets no draft-length recommendation
 DFLASH_NO_RECOMMENDATION = ("no draft-length recommendation: vLLM serves a DFlash drafter at k = block_size - 1 "
                             "only (the HF loop's smaller k draft the block's first k, measured for comparison)")
-# Why a P-EAGLE drafter (drafter.kind p_eagle) has no HF-loop figures: no stage writes speculative.json for it
-P_EAGLE_NO_HF_LOOP = ("no speculative.json: eaglet has no timed HF loop with a parallel-drafting proposer yet, so "
-                      "no HF-loop speedup or lossless check for this P-EAGLE drafter")
+# Why the timed HF loop's figures are absent for a P-EAGLE drafter without speculative.json
+P_EAGLE_NO_HF_LOOP = ("no speculative.json: the timed HF speculative loop (evaluate_speculative) did not run for "
+                      "this P-EAGLE drafter, so no HF-loop speedup or lossless check")
+# Why a P-EAGLE drafter gets no draft-length recommendation
+P_EAGLE_NO_RECOMMENDATION = ("no draft-length recommendation: vLLM serves a P-EAGLE drafter at k = parallel_k "
+                             "only (the HF loop's smaller k draft the round's first k slots, measured for comparison)")
 # Per block kind (offline.json ``kind``): its size key, why the HF loop's figures are absent, and why no k is
-# recommended when the HF loop ran (None: the kind has no HF-loop stage, so a speculative.json in the
-# folder is another drafter's and is not read)
+# recommended when the HF loop ran
 BLOCK_KINDS = {"dflash": ("block_size", DFLASH_NO_HF_LOOP, DFLASH_NO_RECOMMENDATION),
-               "p_eagle": ("parallel_k", P_EAGLE_NO_HF_LOOP, None)}
+               "p_eagle": ("parallel_k", P_EAGLE_NO_HF_LOOP, P_EAGLE_NO_RECOMMENDATION)}
 
 
-def dflash_loop_rounds(eval_dir: Path, offline: dict, ks: list[int]) -> pd.DataFrame:
-    """The rounds the timed HF loop must run with a DFlash drafter at each k of ``ks``, from eaglet's
-    block chain: the accepted prefix of the block from every start (offline_positions.parquet; at k
-    < block_size − 1 the block's first k drafts accept min(accepted, k)) walked as the loop walks it,
-    a round near the end drafting at most max_new_tokens − g − 1 (eaglet.drafter.chain.chain_replay),
-    over each prompt's greedy continuation (offline.json ``per_prompt``)."""
+def block_loop_rounds(eval_dir: Path, offline: dict, ks: list[int]) -> pd.DataFrame:
+    """The rounds the timed HF loop must run with a block kind's drafter (DFlash, P-EAGLE) at each k of
+    ``ks``, from eaglet's exact chain of the kind (the block chain, the parallel chain): the accepted
+    prefix of the round's K drafts from every start (offline_positions.parquet, as evaluate_offline
+    writes it for both kinds; at k < K the round's first k drafts accept min(accepted, k): a block's
+    drafts do not depend on k, and a parallel round's slot never sees a later one) walked as the loop
+    walks it, a round near the end drafting at most max_new_tokens − g − 1
+    (eaglet.drafter.chain.chain_replay), over each prompt's greedy continuation (offline.json
+    ``per_prompt``)."""
     from eaglet.drafter.chain import chain_replay  # here: it imports torch, which the summary needs only here
 
     pos = read_parquet(eval_dir / "offline_positions.parquet").to_pandas()
@@ -453,13 +459,20 @@ def summarise_block(out: Path, offline: dict, vllm: dict | None, o: dict, spec: 
          "tau_offline_chain": {s: _k(v["tau_chain"], k) for s, v in offline["sets"].items()},
          "tau_by_domain": tau_by_domain(offline, k)}
     agree = None
-    if spec is None or spec.get("status") == "not run":
-        why = no_hf_loop if spec is None else spec.get("hf_loop_reason") or "evaluate.hf_loop"
+    if spec is None:
+        why = no_hf_loop
+    elif spec.get("status") == "not run":
+        why = spec.get("hf_loop_reason") or "evaluate.hf_loop"
+    elif spec.get("kind") != kind:  # e.g. left in the folder by an EAGLE-3 run: its figures are not this drafter's
+        why = f"speculative.json is another drafter's (kind {spec.get('kind') or 'eagle3'}, not {kind}): not read"
+    else:
+        why = None
+    if why is not None:
         h.update(hf_loop="not run", hf_loop_reason=why, tau_hf_loop=None, speedup_hf_loop=None,
                  lossless_hf_loop=None, offline_matches_real_loop=None)
     else:
         ks = [int(x) for x in spec["options"]["k_values"]]
-        agree = agreement(out, o["tie_eps"], dflash_loop_rounds(out, offline, ks))
+        agree = agreement(out, o["tie_eps"], block_loop_rounds(out, offline, ks))
         sp = _k(spec["overall"]["k"], k) or {}
         ci = sp.get("speedup_ci") or {}
         h.update(hf_loop_k_values=ks,
@@ -530,8 +543,7 @@ def summarise(eval_dir: str | Path, vllm: str | Path | None = None, learning_cur
     offline = read_json(out / "offline.json")
     vl = read_json(vllm) if vllm else None
     if offline.get("kind") in BLOCK_KINDS:
-        has_hf_loop = BLOCK_KINDS[offline["kind"]][2] is not None
-        spec = read_json(out / "speculative.json") if has_hf_loop and (out / "speculative.json").exists() else None
+        spec = read_json(out / "speculative.json") if (out / "speculative.json").exists() else None
         return summarise_block(out, offline, vl, o, spec)
     curve = read_json(learning_curve) if learning_curve else None
     if offline.get("status") == "not run" and not (out / "speculative.json").exists():  # a DFlash run without

@@ -37,10 +37,18 @@ drafter.kind dflash (a DFlash drafter file, read as evaluate_offline reads it): 
 lossless check and outputs with eaglet.engines.dflash_loop.DFlashProposer as the proposer (one drafter
 forward per round, the verified context's K/V cached across rounds, as vLLM's DFlash proposer drafts),
 at the k of ``k_values`` up to block_size − 1, with block_size − 1 (the k vLLM serves it with) always
-in: a k below it drafts the block's first k (:func:`dflash_k_values`; ``kind`` and ``block_size``
+in: a k below it drafts the block's first k (:func:`block_k_values`; ``kind`` and ``block_size``
 recorded). At T > 0 the drafts are sampled from the block's q and verified exactly, as EAGLE-3's
 drafts are (the probabilistic rule; tests/engines/test_speculative_sampling.py proves both rules
 lossless in distribution for the kind).
+
+drafter.kind p_eagle (a P-EAGLE drafter file, read as eaglet.eval.p_eagle_offline reads it): the same
+with eaglet.engines.p_eagle_loop.PEagleProposer (one drafter forward per round: the newly verified
+real entries and the masked slots, the real entries cached across rounds, as vLLM's EAGLE proposer
+drafts with parallel_drafting), at the k of ``k_values`` up to parallel_k, with parallel_k (the k vLLM
+serves it with) always in: a k below it drafts the round's first k slots (:func:`block_k_values`;
+``kind`` and ``parallel_k`` recorded). At T > 0 each slot's draft is sampled from its own q and
+verified exactly (the probabilistic rule).
 
 The settings (eaglet.eval.options), the conventions shared with the offline simulator and the
 outputs when the HF loop does not run (eaglet.eval.hf_stage) are the HF-loop stages' own.
@@ -62,7 +70,8 @@ from eaglet.base.progress import Progress
 from eaglet.drafter.chain import prompt_chain, rounds_tau
 from eaglet.engines.dflash_loop import DFlashProposer
 from eaglet.engines.hf_loop import greedy, sample, setup, speculative, speculative_sampling
-from eaglet.eval import dflash_offline, stats
+from eaglet.engines.p_eagle_loop import PEagleProposer
+from eaglet.eval import dflash_offline, p_eagle_offline, stats
 from eaglet.eval.hf_stage import domains, frame, hf_loop_not_run, parser, run, run_generator, tau_se
 from eaglet.eval.options import hf_options, sampled_temperatures, target_load
 
@@ -74,10 +83,11 @@ def _median(xs):
 
 
 
-def dflash_k_values(k_values: list[int], block_size: int) -> list[int]:
-    """The k a DFlash drafter runs at in the HF loop: those of ``k_values`` a block holds (up to
-    block_size − 1) and block_size − 1 itself, the k vLLM serves it with."""
-    return sorted({int(k) for k in k_values if k < block_size} | {block_size - 1})
+def block_k_values(k_values: list[int], K: int) -> list[int]:
+    """The k a drafter that proposes K tokens in one forward (DFlash: K = block_size − 1; P-EAGLE: K =
+    parallel_k) runs at in the HF loop: those of ``k_values`` up to K (a smaller k drafts the round's
+    first k) and K itself, the k vLLM serves it with."""
+    return sorted({int(k) for k in k_values if k <= K} | {int(K)})
 
 
 def first_mismatch(a: list[int], b: list[int]) -> int | None:
@@ -155,8 +165,14 @@ def evaluate_speculative(drafter: str | Path, identity: str | Path, sets: list[s
         ident, target, side, cfg, tok = dflash_offline.setup(drafter, identity, threads, o["stop_at_eos"],
                                                              o["chat_template"], target_load(o))
         proposer = DFlashProposer(side.model, side.embed, side.head)
-        o = {**o, "k_values": dflash_k_values(o["k_values"], cfg.block_size)}
+        o = {**o, "k_values": block_k_values(o["k_values"], cfg.block_size - 1)}
         kind, layer_ids = {"kind": "dflash", "block_size": cfg.block_size}, list(cfg.target_layer_ids)
+    elif p_eagle_offline.is_p_eagle(drafter):
+        ident, target, side, cfg, tok = p_eagle_offline.setup(drafter, identity, threads, o["stop_at_eos"],
+                                                              o["chat_template"], target_load(o))
+        proposer = PEagleProposer(side.model, side.ids - torch.arange(len(side.ids)))  # d2t: target id − draft index
+        o = {**o, "k_values": block_k_values(o["k_values"], side.K)}
+        kind, layer_ids = {"kind": "p_eagle", "parallel_k": side.K}, list(cfg.layer_ids)
     else:
         ident, target, proposer, cfg, tok = setup(drafter, identity, threads, o["stop_at_eos"], o["chat_template"],
                                                    target_load(o))

@@ -20,9 +20,10 @@ block marked ``# eaglet: vllm-snippet``, which tests/report/test_card.py runs on
 A block-parallel drafter gets its own card (:func:`block_card`): DFlash (drafter.kind dflash: config.json
 names ``DFlash*``) and P-EAGLE (drafter.kind p_eagle: config.json says ``parallel_drafting: true``). The
 kind, its block size or K and taps, training time, the matrix at the one k vLLM serves it at, the timed
-HF loop's (DFlash) and vLLM's paired speedups over plain decoding per temperature with their lossless
-checks, the contract, the files, and vLLM's snippet and server line (method ``dflash``, or ``eagle3``
-with ``parallel_drafting``) at that k (no SGLang line: eaglet does not run SGLang on these folders).
+HF loop's (one drafter forward per round, for either kind) and vLLM's paired speedups over plain
+decoding per temperature with their lossless checks, the contract, the files, and vLLM's snippet and
+server line (method ``dflash``, or ``eagle3`` with ``parallel_drafting``) at that k (no SGLang line:
+eaglet does not run SGLang on these folders).
 """
 
 from __future__ import annotations
@@ -341,6 +342,7 @@ def block_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, tra
                 f"own embedding and head, and fills a block with mask token "
                 f"{conf['dflash_config'].get('mask_token_id')}. Trained for the target whose weights digest is "
                 f"`{identity.get('digest')}`; made by eaglet (drafter.kind dflash).\n\n")
+        loop = "one block per round, drafts sampled from the block's q at T > 0"
         loop_note = ("A round of the HF loop drafts no further than max_new_tokens, where vLLM's drafts a whole "
                      "block, so on short texts its τ is a little below the exact chain's.\n\n")
     else:  # P-EAGLE: an EAGLE-3 folder served with parallel drafting (eaglet.export.p_eagle_format)
@@ -356,7 +358,9 @@ def block_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, tra
                 f"embedding, and drafts over a vocabulary of {conf.get('draft_vocab_size')} of the target's "
                 f"{conf.get('vocab_size')} tokens (`d2t` maps them back). Trained for the target whose weights "
                 f"digest is `{identity.get('digest')}`; made by eaglet (drafter.kind p_eagle).\n\n")
-        loop_note = "\n"
+        loop = "one drafter forward per round, each slot's draft sampled from its own q at T > 0"
+        loop_note = ("A round of the HF loop drafts no further than max_new_tokens, where vLLM's drafts all k "
+                     "slots, so on short texts its τ is a little below the exact chain's.\n\n")
     source = prompts.get("source")
     datasets = [DATASETS[source]] if source in DATASETS else []
     datasets += [EVAL_DATASETS[s] for s in ("mtbench", "humaneval") if any(
@@ -390,8 +394,7 @@ def block_card(d: Path, conf: dict, identity: dict, evaluation: dict | None, tra
              f"\nEngines: the exact chain is the {chain} vLLM's {name} proposer runs at T = 0 along the "
              "target's greedy text; the expected chain is each draft position's acceptance probability along "
              "the target's sampled text under each rule vLLM serves; "
-             + ("the HF loop (eaglet's, one block per round, drafts sampled from the block's q at T > 0) and vLLM "
-                "are measured. " if dflash else "vLLM is measured. ") + loop_note,
+             + f"the HF loop (eaglet's, {loop}) and vLLM are measured. " + loop_note,
              hf, speed,
              (f"- vLLM's counters at T = 0 {'equal' if eq else 'DIFFER from'} the offline {chain}'s\n"
               if eq is not None else ""),

@@ -275,11 +275,11 @@ def dflash_checks(config: dict, storage_mode: str, ids: list[int]) -> list[str]:
 # The stages drafter.kind p_eagle runs (docs/block-drafters.md §8): the data stages, extraction, train
 # (eaglet.train.p_eagle_train), export (eaglet.export.p_eagle_export, its contract served by real vLLM
 # with parallel drafting), evaluate_offline (the exact parallel chain at T = 0 and each rule's expectation
-# at T > 0, eaglet.eval.p_eagle_offline), evaluate_vllm (timed, served with parallel drafting),
+# at T > 0, eaglet.eval.p_eagle_offline), evaluate_speculative (the timed HF loop with a parallel-drafting
+# proposer, eaglet.engines.p_eagle_loop), evaluate_vllm (timed, served with parallel drafting),
 # eval_summary, the drafter card, the plots and the provenance; the rest are not wired for it yet, each
 # with why.
 P_EAGLE_NOT_RUN = {
-    "evaluate_speculative": "no timed HF loop with a parallel-drafting proposer yet",
     "evaluate_modes": "per chat-template mode offline figures are EAGLE-3's",
     "evaluate_regenerated": "the chain along regenerated answers is EAGLE-3's",
     "learning_curve": "refused for the kind (plan.learning_curve)",
