@@ -2,8 +2,9 @@
 layer ids changed and extraction forced to rerun, training resumed the old run's checkpoint,
 trained on other layers' states).
 
-On a clone with config/smoke.yaml (generation off, to keep it short): a finished run; the same
-training forced again resumes its kept checkpoint and ends with the same metrics (the positive
+On a clone with config/smoke.yaml, on the output cache of the session's finished smoke run
+(conftest.finished_run: its data stages and extraction are served from it, so the first run trains
+only): a finished run; the same training forced again resumes its kept checkpoint and ends with the same metrics (the positive
 control); then extract.layer_ids [1, 3, 6] (the default is [2, 4, 5]) with extraction and
 training forced: training starts at step 0, its log naming the layer ids as the reason the
 checkpoint was discarded, and ends with the metrics of a clean run with those layers.
@@ -24,7 +25,6 @@ LOG = "logs/smoke/train.log"
 
 def _config(wf: Path, **extract) -> str:
     conf = yaml.safe_load((wf / "config" / "smoke.yaml").read_text())
-    conf["generate"]["enabled"] = False  # the dataset's answers: no generate job
     conf["extract"].update(extract)
     (wf / "config" / "resume.yaml").write_text(yaml.safe_dump(conf))
     return "config/resume.yaml"
@@ -47,9 +47,8 @@ def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
         assert (a[col] - b[col]).abs().max() <= 1e-6 * max(1.0, a[col].abs().max()), col
 
 
-def test_changed_layer_ids_do_not_resume_the_old_checkpoint(tmp_path):
-    cache = tmp_path / "cache"
-    cache.mkdir()
+def test_changed_layer_ids_do_not_resume_the_old_checkpoint(finished_run, tmp_path):
+    _, cache = finished_run  # the smoke run's cache: only train runs first (train is not a cached rule)
     a = clone(tmp_path / "a")
     conf = _config(a)
     first, _, m_first = _run(a, cache, configfile=conf)
