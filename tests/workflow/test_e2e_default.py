@@ -55,7 +55,8 @@ def _config() -> dict:
 def smk(cwd: Path, cache: Path, *args, timeout=2400):
     # vLLM's own default engine layout (a process of its own for the engine core), as `make run` has it:
     # tests/conftest.py turns it off for the rest of the suite
-    env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     cmd = [sys.executable, "-m", "snakemake", *args, "--cores", "2", "--configfile", "config/e2e.yaml"]
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

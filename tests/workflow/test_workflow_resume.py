@@ -4,8 +4,8 @@ trained on other layers' states).
 
 On a clone with config/smoke.yaml, on the output cache of the session's finished smoke run
 (conftest.finished_run: its data stages and extraction are served from it, so the first run trains
-only): a finished run; the same training forced again resumes its kept checkpoint and ends with the same metrics (the positive
-control); then extract.layer_ids [1, 3, 6] (the default is [2, 4, 5]) with extraction and
+only): a finished run; the same training forced again resumes its kept checkpoint and ends with the
+same metrics (the positive control); then extract.layer_ids [1, 3, 6] (the default is [2, 4, 5]) with extraction and
 training forced: training starts at step 0, its log naming the layer ids as the reason the
 checkpoint was discarded, and ends with the metrics of a clean run with those layers.
 """
