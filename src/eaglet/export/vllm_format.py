@@ -21,7 +21,6 @@ from pathlib import Path
 from eaglet.base.artifacts import ArtifactError
 from eaglet.base.files import write_json
 from eaglet.base.tensors import load_tensors, save_tensors
-from eaglet.drafter.rope import legacy_fields
 from eaglet.export.contract import static_checks
 from eaglet.export.contract.static_checks import VARIANTS, trained_config
 from eaglet.target.load import validate_layer_ids
@@ -35,6 +34,9 @@ DTYPE = "float32"
 def _rope_fields(cfg: dict) -> dict:
     """The drafter's own RoPE (eaglet.drafter.rope: what it was trained with), as rope_parameters and the
     legacy rope_theta/rope_scaling pair: one flat config every engine reads the same way."""
+    # imported here: the workflow reads this module's names when it parses, and rope brings torch
+    from eaglet.drafter.rope import legacy_fields
+
     rope = cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(cfg["rope_theta"])}
     return legacy_fields(rope)
 

@@ -33,7 +33,6 @@ from pathlib import Path
 from eaglet.engines import vllm_env
 from eaglet.export.contract.record import check, not_run
 from eaglet.export.contract.static_checks import effective_config, variants
-from eaglet.export.contract.vllm_checks import engine_error
 
 NAME = "loader.sglang"
 RUNNER = Path(vllm_env.__file__).with_name("sglang_loader_runner.py")  # runs in SGLang's venv
@@ -76,6 +75,10 @@ def run_sglang_loader(drafter_dir, python, timeout: float = 600) -> dict:
         except subprocess.TimeoutExpired:
             return {"error": f"SGLang's loader did not finish in {timeout:.0f} s"}
         if p.returncode != 0 or not out.exists():
+            # imported here: the workflow reads this module's names when it parses, and vllm_checks
+            # brings torch (1.2 s of every `snakemake` start)
+            from eaglet.export.contract.vllm_checks import engine_error
+
             lines = engine_error(p.stdout + p.stderr) or (p.stdout + p.stderr).strip().splitlines()[-3:]
             return {"error": "\n".join(lines) or f"runner exited with {p.returncode}"}
         return json.loads(out.read_text())
