@@ -59,6 +59,8 @@ def workflow(tmp_path_factory):
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     summary = json.loads(p.stdout)
     assert summary["architecture"] == ["Gemma3ForCausalLM"] and "model.safetensors" in summary["files"]
+    # transformers' three reads of the GGUF (tokenizer, config, weights) and the template's: one parse
+    assert summary["gguf_parses"] == {"readers_asked_for": 4, "parsed": 1}, summary["gguf_parses"]
     return a, cache
 
 
