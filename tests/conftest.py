@@ -44,6 +44,22 @@ if "EAGLET_SGLANG_CACHE" not in os.environ:
     os.environ["EAGLET_SGLANG_CACHE"] = tempfile.mkdtemp(prefix="eaglet-sglang-reports-")
     atexit.register(shutil.rmtree, os.environ["EAGLET_SGLANG_CACHE"], True)
 
+# vLLM's runners started by a fork server that has imported vLLM once (eaglet/engines/forkserver.py; the
+# servers' sockets in one folder per test session, shared by both workers, each server stopped at its
+# end): ``import vllm`` is ~8 s of CPU in each of ~45 runner processes. The default model end to end
+# (tests/workflow/test_e2e_default.py) runs without it, as `make run` does: a fresh interpreter each.
+if "EAGLET_FORKSERVER_DIR" not in os.environ:
+    os.environ["EAGLET_FORKSERVER_DIR"] = tempfile.mkdtemp(prefix="eaglet-fs-")
+
+    @atexit.register
+    def _stop_forkservers(where=Path(os.environ["EAGLET_FORKSERVER_DIR"])):
+        import signal
+
+        for pid in where.glob("*.pid"):
+            with contextlib.suppress(ProcessLookupError, ValueError, OSError):
+                os.killpg(int(pid.read_text()), signal.SIGKILL)
+        shutil.rmtree(where, True)
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):

@@ -480,10 +480,12 @@ for more in [{}] + json.loads(a.more or "[]"):
 '''
 
 
-def test_batch_runs_in_one_process_and_starts_afresh_after_a_failure(tmp_path):
+def test_batch_runs_in_one_process_and_starts_afresh_after_a_failure(tmp_path, monkeypatch):
     """run_vllm_batch: runs share one process until one fails; the runs after a failed one go to a
     new process, except one that ``needs`` it (skipped, with the reason); each result has its own
     log section (the engine's error of its own run, the aux layers of its own run)."""
+    # the stand-in "python" below is a script, not an interpreter a fork server could run in
+    monkeypatch.delenv("EAGLET_FORKSERVER_DIR", raising=False)
     py = tmp_path / "venv" / "bin" / "python"
     py.parent.mkdir(parents=True)
     py.write_text(f"#!{sys.executable}\n" + _STAND_IN_RUNNER)

@@ -58,6 +58,8 @@ def smk(cwd: Path, cache: Path, *args, timeout=2400):
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    # and a fresh interpreter for every vLLM runner, as `make run` starts them: not the suite's fork server
+    env.pop("EAGLET_FORKSERVER_DIR", None)
     cmd = [sys.executable, "-m", "snakemake", *args, "--cores", "2", "--configfile", "config/e2e.yaml"]
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert p.returncode == 0, f"snakemake {' '.join(args)} failed:\n{(p.stdout + p.stderr)[-8000:]}"

@@ -225,7 +225,7 @@ def run_one(py: Path, target_dir: str, spec: dict, work: Path, name: str, *, dra
     log.info("vLLM run %s: %s", name, " ".join(cmd))
     t0 = time.time()
     with open(logf, "w") as fh:
-        rc = _follow(subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work), logf,
+        rc = _follow(vllm_env.start(cmd, log=fh, env=env, cwd=work), logf,
                      vllm_env.timeout(o["timeout_s"]), Progress(log, f"evaluate_vllm {name}", len(spec["blocks"]),
                                                                "timing blocks"))
     if rc != 0 or not out.exists():

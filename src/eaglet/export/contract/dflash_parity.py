@@ -97,8 +97,8 @@ def run_probe(cases: list[dict], *, python, work_dir, timeout: float = 600, prob
     log = work / "probe.log"
     with open(log, "w") as fh:
         try:
-            subprocess.run([str(python), str(runner), str(work / "cases.json")], stdout=fh, stderr=subprocess.STDOUT,
-                           env=vllm_env.process_env(work, python), cwd=work, timeout=vllm_env.timeout(timeout))
+            vllm_env.run([python, runner, work / "cases.json"], log=fh, env=vllm_env.process_env(work, python),
+                         cwd=work, timeout=vllm_env.timeout(timeout))
         except subprocess.TimeoutExpired:
             pass
     out = []

@@ -110,8 +110,7 @@ def _one_process(runs: list[dict], pfile: Path, work: Path, runner: Path, python
     t0 = time.time()
     with open(logf, "w") as fh:
         try:
-            rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=work,
-                                timeout=vllm_env.timeout(timeout_each * len(runs))).returncode
+            rc = vllm_env.run(cmd, log=fh, env=env, cwd=work, timeout=vllm_env.timeout(timeout_each * len(runs)))
         except subprocess.TimeoutExpired:
             rc = "timeout"
     text = logf.read_text(errors="replace")
