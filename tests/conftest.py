@@ -46,7 +46,7 @@ if "EAGLET_SGLANG_CACHE" not in os.environ:
 
 # vLLM's runners started by a fork server that has imported vLLM once (eaglet/engines/forkserver.py; the
 # servers' sockets in one folder per test session, shared by both workers, each server stopped at its
-# end): ``import vllm`` is ~8 s of CPU in each of ~45 runner processes. The default model end to end
+# end): ``from vllm import LLM`` is ~7.5 s of CPU in each of ~35 runner processes. The default model end to end
 # (tests/workflow/test_e2e_default.py) runs without it, as `make run` does: a fresh interpreter each.
 if "EAGLET_FORKSERVER_DIR" not in os.environ:
     os.environ["EAGLET_FORKSERVER_DIR"] = tempfile.mkdtemp(prefix="eaglet-fs-")

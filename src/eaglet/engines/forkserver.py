@@ -2,8 +2,9 @@
 venv that imports the engine once and then runs each script it is sent in a forked child, as if
 ``python SCRIPT ARGS`` had been started with the given environment, working folder and output files.
 
-What it saves is the engine's import: ``import vllm`` takes ~8 s of CPU on two cores, ``import sglang``
-~4.5 s, and the test suite starts ~45 vLLM and ~30 SGLang processes (docs/measurements.md). It is
+What it saves is the engine's import: ``from vllm import LLM`` takes ~7.5 s of CPU here, and a run of
+the test suite starts ~35 vLLM runners (21 contract runs, 10 timed evaluations, 4 parity probes,
+counted 2026-12-07; docs/measurements.md). It is
 used only where ``$EAGLET_FORKSERVER_DIR`` names a folder for the servers' sockets (tests/conftest.py
 sets it for a test run, and stops the servers at its end); a run without it, ``make run`` included,
 starts a fresh interpreter for every script (eaglet.engines.vllm_env.start). The end-to-end test of
