@@ -250,12 +250,12 @@ class Forked:
         return struct.unpack("!i", data)[0]
 
     def poll(self) -> int | None:
-        import select
+        import subprocess
 
-        if self.returncode is None and select.select([self._sock], [], [], 0)[0]:
-            self.returncode = self._read_int()
-            self._sock.close()
-        return self.returncode
+        try:
+            return self.wait(timeout=0)
+        except subprocess.TimeoutExpired:
+            return None
 
     def wait(self, timeout: float | None = None) -> int:
         import select

@@ -237,7 +237,7 @@ def run_one(py: Path, target_dir: str, spec: dict, work: Path, name: str, *, dra
     return res
 
 
-def _follow(proc: subprocess.Popen, logf: Path, timeout: float | None, progress: Progress,
+def _follow(proc: subprocess.Popen | vllm_env.Forked, logf: Path, timeout: float | None, progress: Progress,
             poll_s: float = 2.0) -> int | str:
     """Wait for the runner (killed past ``timeout``: "timeout"), turning the block marks it prints
     (vllm_eval_runner.PROGRESS_MARK) into progress lines; its exit code."""
