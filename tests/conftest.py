@@ -6,6 +6,7 @@ import inspect
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -48,8 +49,14 @@ if "EAGLET_SGLANG_CACHE" not in os.environ:
 # servers' sockets in one folder per test session, shared by both workers, each server stopped at its
 # end): ``from vllm import LLM`` is ~7.5 s of CPU in each of ~35 runner processes. The default model end to end
 # (tests/workflow/test_e2e_default.py) runs without it, as `make run` does: a fresh interpreter each.
+# The same folder holds `python` for the jobs of the tests' Snakemake runs (job_path): each job a child
+# forked from a server of this venv that has imported torch, transformers, pandas (~3.3 s of CPU a job,
+# ~200 jobs a run). The runs that prove the fresh path: the default model end to end, SLURM, the faults.
 if "EAGLET_FORKSERVER_DIR" not in os.environ:
     os.environ["EAGLET_FORKSERVER_DIR"] = tempfile.mkdtemp(prefix="eaglet-fs-")
+    from eaglet.engines import forkserver
+
+    forkserver.write_shim(Path(os.environ["EAGLET_FORKSERVER_DIR"]), sys.executable)
 
     @atexit.register
     def _stop_forkservers(where=Path(os.environ["EAGLET_FORKSERVER_DIR"])):
@@ -137,6 +144,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.vllm)
         if Path(str(item.path)).parent.name == "benchmarks":
             item.add_marker(pytest.mark.bench)
+
+
+def job_path() -> str:
+    """PATH for a test's Snakemake run: this venv's bin first (its jobs' ``python`` is this interpreter);
+    in a test run with fork servers, before it the folder of ``python`` that forks each job from a server
+    of this venv (eaglet.engines.forkserver.shim)."""
+    parts = [str(Path(sys.executable).parent), os.environ["PATH"]]
+    where = os.environ.get("EAGLET_FORKSERVER_DIR")
+    if where and (Path(where) / "bin" / "python").is_file():
+        parts.insert(0, str(Path(where) / "bin"))
+    return os.pathsep.join(parts)
 
 
 def clone(dest: Path) -> Path:

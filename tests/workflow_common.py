@@ -10,10 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import job_path
+
 
 def smk(cwd: Path, cache: Path, *args, check=True, configfile="config/smoke.yaml"):
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+           "PATH": job_path()}
     # args (targets, flags) first: after `--cache` a target would be read as a rule name to cache
     # (its nargs is "*"), and the whole DAG would run
     cmd = [sys.executable, "-m", "snakemake", *args, "--cores", "2", "--configfile", configfile, "--cache"]

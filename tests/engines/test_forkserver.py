@@ -21,6 +21,9 @@ import helper_mod
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "x": os.environ.get("EAGLET_X"),
                   "path": sys.path[:2], "helper": helper_mod.VALUE, "ppid": os.getppid()}), flush=True)
 print("to stderr", file=sys.stderr, flush=True)
+if sys.argv[1] == "thread":  # the interpreter's exit waits for it
+    threading.Thread(target=lambda: (time.sleep(0.5), print("thread done", flush=True))).start()
+    sys.exit(0)
 if sys.argv[1] == "crash":
     raise ValueError("the script's own error")
 if sys.argv[1] == "signal":
@@ -110,3 +113,112 @@ def test_settings_read_at_an_interpreters_start_get_a_fresh_one_or_their_own_ser
     assert one != two and one != os.getpid() and two != os.getpid()
     assert _run(tmp_path, "0", env={"OMP_WAIT_POLICY": "PASSIVE"})[1]["ppid"] == one
     assert len(list(servers.glob("*.pid"))) == 2
+
+
+# ----------------------------------------------------------------- `python` for a test's Snakemake jobs
+JOB = """import json, os, sys, threading, time
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
+                  "x": os.environ.get("EAGLET_X"), "ppid": os.getppid(),
+                  "torch": "torch" in sys.modules}), flush=True)
+if sys.argv[1] == "sleep":
+    open(sys.argv[2], "w").write(str(os.getpid()))
+    time.sleep(60)
+if sys.argv[1] == "thread":  # the interpreter's exit waits for it
+    threading.Thread(target=lambda: (time.sleep(0.5), print("thread done", flush=True))).start()
+    sys.exit(0)
+if sys.argv[1] == "crash":  # the stages' log set-up puts an uncaught error in their log files this way
+    sys.excepthook = lambda kind, e, tb: print("hook:", e, file=sys.stderr)
+    raise ValueError("the job's own error")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _job(shim_dir: Path, work: Path, *args, env=None, python="python") -> tuple[int, dict, str]:
+    """``python -m job_mod ARGS`` in ``work`` as a Snakemake job's shell runs it: ``python`` from PATH."""
+    full = {**os.environ, "PATH": f"{shim_dir}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}/usr/bin:/bin",
+            "EAGLET_X": "7", **(env or {})}
+    p = subprocess.run(["bash", "-c", f'{python} -m job_mod "$@"', "job", *args], cwd=work, env=full,
+                       capture_output=True, text=True, timeout=120)
+    first, *rest = p.stdout.splitlines()
+    return p.returncode, json.loads(first), "\n".join([*rest, p.stderr])
+
+
+@pytest.fixture
+def shim(tmp_path, servers):
+    """A job's folder, and a shim (a cheap preload) whose servers stop after ``idle`` seconds."""
+    from eaglet.engines import forkserver
+
+    work = tmp_path / "job"
+    work.mkdir()
+    (work / "job_mod.py").write_text(JOB)
+    return lambda idle=60: (forkserver.write_shim(servers, sys.executable, preload=("json",), idle=idle), work)
+
+
+def test_the_shim_runs_a_job_as_python_m_would_from_a_server(shim, servers):
+    shim_dir, work = shim()
+    rc, forked, _ = _job(shim_dir, work, "3", "two words")
+    (pid_file,) = servers.glob("*.pid")
+    assert rc == 3 and forked["ppid"] == int(pid_file.read_text())
+    rc, fresh, _ = _job(shim_dir, work, "3", "two words", python=sys.executable)
+    assert rc == 3 and fresh["ppid"] != forked["ppid"]
+    for python in ("python", sys.executable):
+        rc, _, out = _job(shim_dir, work, "crash", python=python)  # the job's own hook reports it, exit 1
+        assert rc == 1 and out.strip() == "hook: the job's own error", out
+        rc, _, out = _job(shim_dir, work, "thread", python=python)  # its threads are waited for
+        assert rc == 0 and out.strip() == "thread done", out
+    for seen in (forked, fresh):
+        assert seen["argv"] == ["3", "two words"] and seen["cwd"] == str(work) and seen["path0"] == str(work)
+        assert seen["name"] == "__main__" and seen["x"] == "7"
+    # the variables that differ between jobs share a server; OpenMP's thread count (set per job) gets its own
+    assert _job(shim_dir, work, "0", env={"PYTEST_CURRENT_TEST": "other", "EAGLET_X": "8"})[1]["ppid"] == forked["ppid"]
+    other = str(int(os.environ.get("OMP_NUM_THREADS", "1")) + 1)
+    assert _job(shim_dir, work, "0", env={"OMP_NUM_THREADS": other})[1]["ppid"] not in (forked["ppid"], fresh["ppid"])
+    # an option for the interpreter itself: the interpreter runs it
+    p = subprocess.run([shim_dir / "python", "-c", "import os, sys; print(os.getppid(), sys.flags.isolated)"],
+                       capture_output=True, text=True, env={**os.environ}, timeout=60)
+    assert p.stdout.split() == [str(os.getpid()), "0"], p
+
+
+def test_the_shim_hands_a_signal_to_the_job_and_dies_of_it(shim, tmp_path):
+    shim_dir, work = shim()
+    ready = tmp_path / "job.pid"
+    env = {**os.environ, "PATH": f"{shim_dir}{os.pathsep}{os.environ['PATH']}"}
+    p = subprocess.Popen([shim_dir / "python", "-m", "job_mod", "sleep", ready], cwd=work, env=env,
+                         stdout=subprocess.DEVNULL)
+    for _ in range(300):
+        if ready.exists() and ready.read_text():
+            break
+        time.sleep(0.1)
+    job = int(ready.read_text())
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=30) == -signal.SIGTERM
+    for _ in range(50):
+        if not Path(f"/proc/{job}").exists() or "Z" in Path(f"/proc/{job}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the job {job} outlived its shim's SIGTERM")
+
+
+def test_an_idle_server_stops_and_the_next_job_starts_another(shim, servers):
+    shim_dir, work = shim(idle=1)
+    first = _job(shim_dir, work, "0")[1]["ppid"]
+    for _ in range(100):
+        if not any(servers.glob("*.sock")):
+            break
+        time.sleep(0.1)
+    assert not any(servers.glob("*.sock")) and not any(servers.glob("*.pid"))
+    assert _job(shim_dir, work, "0")[1]["ppid"] not in (first, os.getpid())
+
+
+def test_the_jobs_server_imports_what_the_stages_import(tmp_path, servers):
+    """The suite's own shim (conftest.py), with its real preload: torch is there before the job runs."""
+    from eaglet.engines import forkserver
+
+    work = tmp_path / "job"
+    work.mkdir()
+    (work / "job_mod.py").write_text(JOB)
+    shim_dir = forkserver.write_shim(tmp_path / "stage", sys.executable)
+    rc, seen, _ = _job(shim_dir, work, "0", env={"EAGLET_FORKSERVER_DIR": str(servers)})
+    (pid_file,) = servers.glob("*.pid")
+    assert rc == 0 and seen["torch"] and seen["ppid"] == int(pid_file.read_text())

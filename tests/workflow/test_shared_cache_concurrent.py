@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from conftest import clone
+from conftest import clone, job_path
 from eaglet.base.digests import DIGESTS_KEY, verify_recorded, visible_files
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.target.load import load_identity
@@ -64,7 +64,7 @@ def test_two_clones_at_the_same_moment_share_one_cache(tmp_path):
     for wf in clones:
         (wf / "config/nogen.yaml").write_text(yaml.safe_dump(conf))
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+           "PATH": job_path()}
     runs = [subprocess.Popen([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "1", "--configfile",
                               "config/nogen.yaml", "--cache"], cwd=wf, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True) for wf in clones]

@@ -127,7 +127,6 @@ def copy_runner(runner: Path, work: Path) -> Path:
 # Where a test run keeps its fork servers (eaglet/engines/forkserver.py): unset, every script starts in
 # a fresh interpreter, as `make run` has it.
 FORKSERVER_VAR = "EAGLET_FORKSERVER_DIR"
-FORKSERVER = Path(__file__).with_name("forkserver.py")
 # What a vLLM fork server imports before it serves: the engine and its offline entry point (LLM)
 PRELOAD = ("vllm", "vllm.entrypoints.llm")
 # Settings read when OpenMP or the allocator loads (with torch, in the server): one server per set of them
@@ -138,19 +137,26 @@ def start(cmd: list, *, log, env: dict | None, cwd: str | os.PathLike, preload: 
     """``cmd`` (``[python, script, *args]``, ``python`` a venv's interpreter) started with its standard
     output and error into the open file ``log``: a fresh interpreter (``subprocess.Popen``), or, where
     ``$EAGLET_FORKSERVER_DIR`` is set, a child forked from that venv's server, which has imported
-    ``preload`` already (:class:`Forked`; the server is started on first use). Settings that act when
-    an interpreter starts: ``LD_PRELOAD`` or a ``PYTHON*`` one other than ``PYTHONPATH`` in ``env``
-    (which the child puts on sys.path itself) start a fresh interpreter; OpenMP's and the allocator's
-    pick a server started with the same. Either has ``pid``, ``returncode``, ``poll()``,
+    ``preload`` already (eaglet.engines.forkserver.Forked; the server is started on first use). Settings
+    that act when an interpreter starts: ``LD_PRELOAD`` or a ``PYTHON*`` one other than ``PYTHONPATH`` in
+    ``env`` (which the child puts on sys.path itself) start a fresh interpreter; OpenMP's and the
+    allocator's pick a server started with the same. Either has ``pid``, ``returncode``, ``poll()``,
     ``wait(timeout)`` and ``kill()``."""
     import subprocess
 
+    from eaglet.engines import forkserver
+
     where = os.environ.get(FORKSERVER_VAR)
     full = dict(os.environ if env is None else env)
-    if (not where or len(cmd) < 2 or str(cmd[1]).startswith("-") or "LD_PRELOAD" in full
-            or any(k.startswith("PYTHON") and k != "PYTHONPATH" for k in full)):
+    if not where or len(cmd) < 2 or str(cmd[1]).startswith("-") or forkserver.needs_fresh(full):
         return subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-    return Forked(_forkserver(Path(where), Path(cmd[0]), full, preload), [str(c) for c in cmd[1:]], log, full, cwd)
+    at_load = sorted((k, v) for k, v in full.items() if k.startswith(LOAD_TIME))
+    sock = forkserver.server_socket(Path(where), Path(cmd[0]), full, preload, at_load)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        return forkserver.Forked(sock, [str(c) for c in cmd[1:]], (null, log.fileno(), log.fileno()), full, cwd)
+    finally:
+        os.close(null)
 
 
 def run(cmd: list, *, log, env: dict | None, cwd: str | os.PathLike, timeout: float | None,
@@ -166,114 +172,6 @@ def run(cmd: list, *, log, env: dict | None, cwd: str | os.PathLike, timeout: fl
         proc.kill()
         proc.wait()
         raise
-
-
-def _connects(sock: Path) -> bool:
-    import socket
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.connect(str(sock))
-        except OSError:
-            return False
-    return True
-
-
-def _forkserver(where: Path, python: Path, env: dict, preload: tuple[str, ...]) -> Path:
-    """The socket of the server for ``python``'s venv with ``preload`` imported, started if none
-    answers (one start at a time: a lock file beside it). The server runs the venv's interpreter by
-    its resolved folder (a clone's ``envs/vllm/.venv`` may be a link that goes with the clone)."""
-    import fcntl
-    import hashlib
-    import subprocess
-    import time
-
-    venv = python.absolute().parent.parent.resolve()
-    at_load = sorted((k, v) for k, v in env.items() if k.startswith(LOAD_TIME))
-    key = hashlib.sha256(json.dumps([str(venv), preload, at_load]).encode()).hexdigest()[:16]
-    sock = where / f"{key}.sock"
-    if _connects(sock):
-        return sock
-    where.mkdir(parents=True, exist_ok=True)
-    with open(where / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if _connects(sock):
-            return sock
-        logf = where / f"{key}.log"
-        cmd = [str(venv / "bin" / python.name), str(FORKSERVER), "--socket", str(sock)]
-        for m in preload:
-            cmd += ["--preload", m]
-        with open(logf, "ab") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=where,
-                                    start_new_session=True)
-        (where / f"{key}.pid").write_text(str(proc.pid))
-        deadline = time.monotonic() + 300
-        while not _connects(sock):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                tail = logf.read_text(errors="replace").strip().splitlines()[-6:]
-                raise RuntimeError(f"the fork server for {venv} did not start (log {logf}):\n" + "\n".join(tail))
-            time.sleep(0.1)
-    return sock
-
-
-class Forked:
-    """A script run by a fork server (eaglet/engines/forkserver.py), with the part of
-    ``subprocess.Popen`` eaglet uses: ``pid`` (the child's), ``returncode`` (-N for signal N),
-    ``poll()``, ``wait(timeout)`` and ``kill()`` (the child's whole session)."""
-
-    def __init__(self, sock: Path, argv: list[str], log, env: dict, cwd: str | os.PathLike):
-        import socket
-        import struct
-
-        self.args, self.returncode = argv, None
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(str(sock))
-        body = json.dumps({"argv": argv, "env": env, "cwd": str(Path(cwd).absolute())}).encode()
-        null = os.open(os.devnull, os.O_RDONLY)
-        try:
-            socket.send_fds(self._sock, [struct.pack("!I", len(body))], [null, log.fileno(), log.fileno()])
-        finally:
-            os.close(null)
-        self._sock.sendall(body)
-        self.pid = self._read_int()
-
-    def _read_int(self) -> int:
-        import struct
-
-        data = b""
-        while len(data) < 4:
-            chunk = self._sock.recv(4 - len(data))
-            if not chunk:
-                raise RuntimeError(f"the fork server hung up running {self.args[0]}")
-            data += chunk
-        return struct.unpack("!i", data)[0]
-
-    def poll(self) -> int | None:
-        import subprocess
-
-        try:
-            return self.wait(timeout=0)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def wait(self, timeout: float | None = None) -> int:
-        import select
-        import subprocess
-
-        if self.returncode is None:
-            if not select.select([self._sock], [], [], timeout)[0]:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            self.returncode = self._read_int()
-            self._sock.close()
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.returncode is None:
-            try:
-                self._sock.sendall(b"k")
-            except OSError:
-                pass
 
 
 def metric_samples(metrics: Iterable) -> list[tuple[str, dict, float | list[float]]]:

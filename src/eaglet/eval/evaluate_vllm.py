@@ -131,7 +131,7 @@ from eaglet.base.files import read_json, write_json
 from eaglet.base.logs import setup_logging
 from eaglet.base.progress import Progress
 from eaglet.base.settings_files import parse_json_arg
-from eaglet.engines import vllm_env, vllm_verifier_fix
+from eaglet.engines import forkserver, vllm_env, vllm_verifier_fix
 from eaglet.engines.vllm_eval_runner import PROGRESS_MARK, engine_name
 from eaglet.eval import stats
 from eaglet.target.load import load_identity, load_tokenizer, stop_ids, vllm_runner_args
@@ -237,7 +237,7 @@ def run_one(py: Path, target_dir: str, spec: dict, work: Path, name: str, *, dra
     return res
 
 
-def _follow(proc: subprocess.Popen | vllm_env.Forked, logf: Path, timeout: float | None, progress: Progress,
+def _follow(proc: subprocess.Popen | forkserver.Forked, logf: Path, timeout: float | None, progress: Progress,
             poll_s: float = 2.0) -> int | str:
     """Wait for the runner (killed past ``timeout``: "timeout"), turning the block marks it prints
     (vllm_eval_runner.PROGRESS_MARK) into progress lines; its exit code."""
