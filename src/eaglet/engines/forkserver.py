@@ -6,6 +6,7 @@ What it saves is the import. Two users, both only where ``$EAGLET_FORKSERVER_DIR
 the servers' sockets (tests/conftest.py sets it for a test run, and stops the servers at its end):
 - vLLM's runners (eaglet.engines.vllm_env.start): ``from vllm import LLM`` is ~7.5 s of CPU, and a run
   of the test suite starts ~35 of them (21 contract runs, 10 timed evaluations, 4 parity probes);
+  SGLang's loader runner the same way (its preload, the runner's own ``preload()``, ~7 s; ~30 runs);
 - the stages' jobs of the tests' Snakemake runs, through :func:`shim`, a ``python`` put first on their
   PATH: torch, transformers and pandas are ~3.3 s of CPU in every job, ~200 jobs a run.
 A run without it, ``make run`` included, starts a fresh interpreter for every script and job; the suite's
@@ -137,11 +138,19 @@ def _child(req: dict, fds: list[int], listener: socket.socket, conns: list[socke
         os._exit(code)
 
 
+_KEPT: list[dict] = []  # the preloaded files' globals: what they made lives as long as the server
+
+
 def _preload(names: list[str]) -> None:
     """Import each ``module`` or ``module:attr,attr`` (an attribute that a lazy package, as transformers,
-    imports only when it is asked for)."""
+    imports only when it is asked for); or run ``FILE.py:function`` (the file's folder stays off sys.path,
+    so nothing beside it shadows the venv's modules), as SGLang's runner prepares its imports."""
     for name in names:
         module, _, attrs = name.partition(":")
+        if module.endswith(".py"):
+            _KEPT.append(runpy.run_path(module, run_name="__forkserver_preload__"))
+            _KEPT[-1][attrs]()
+            continue
         m = importlib.import_module(module)
         for a in filter(None, attrs.split(",")):
             getattr(m, a)

@@ -47,7 +47,8 @@ def _without_cuda_kernels():
     ops do not load with the CPU torch and its import stops registering fake kernels for two of
     them; their schemas are declared here. vllm._custom_ops: on a machine with neither CUDA nor
     SGLang's CPU kernels, SGLang's rotary embedding imports vLLM's kernel at construction; it is only
-    called in a forward, which the loader check never runs."""
+    called in a forward, which the loader check never runs. Once per process: a runner forked from a
+    server that did it (:func:`preload`) finds both in place."""
     import glob
     import importlib.util
 
@@ -56,7 +57,7 @@ def _without_cuda_kernels():
     spec = importlib.util.find_spec("torchvision")
     ext = glob.glob(os.path.join(os.path.dirname(spec.origin), "_C*.so")) if spec else []
     try:
-        if ext:
+        if ext and not hasattr(torch.ops.torchvision, "nms"):
             torch.ops.load_library(ext[0])
     except OSError:  # linked against CUDA torch
         lib = torch.library.Library("torchvision", "DEF")
@@ -70,6 +71,17 @@ def _without_cuda_kernels():
         ops = types.ModuleType("vllm._custom_ops")
         ops.rotary_embedding = rotary_embedding
         sys.modules["vllm"], sys.modules["vllm._custom_ops"] = types.ModuleType("vllm"), ops
+
+
+def preload() -> None:
+    """What a fork server of SGLang's venv does before it serves (eaglet.engines.forkserver; the suite's
+    runs): the two stand-ins, then SGLang's drafter class and what :func:`load` imports (~7 s of CPU)."""
+    import importlib
+
+    _without_cuda_kernels()
+    for name in ("safetensors", "sglang.srt.distributed.parallel_state", "sglang.srt.models.llama_eagle3",
+                 "sglang.srt.runtime_context", "sglang.srt.server_args", "sglang.srt.utils.hf_transformers.config"):
+        importlib.import_module(name)
 
 
 def init_sglang(model_path: str) -> None:

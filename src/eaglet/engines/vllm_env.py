@@ -151,7 +151,11 @@ def start(cmd: list, *, log, env: dict | None, cwd: str | os.PathLike, preload: 
     if not where or len(cmd) < 2 or str(cmd[1]).startswith("-") or forkserver.needs_fresh(full):
         return subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     at_load = sorted((k, v) for k, v in full.items() if k.startswith(LOAD_TIME))
-    sock = forkserver.server_socket(Path(where), Path(cmd[0]), full, preload, at_load)
+    try:
+        sock = forkserver.server_socket(Path(where), Path(cmd[0]), full, preload, at_load)
+    except RuntimeError:  # the server did not start (its log says why): the script meets the same error
+        # in a fresh interpreter, and reports it as it would without a server
+        return subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     null = os.open(os.devnull, os.O_RDONLY)
     try:
         return forkserver.Forked(sock, [str(c) for c in cmd[1:]], (null, log.fileno(), log.fileno()), full, cwd)
