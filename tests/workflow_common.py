@@ -7,10 +7,9 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
-from conftest import job_path
+from conftest import job_path, snakemake_cmd
 
 
 def smk(cwd: Path, cache: Path, *args, check=True, configfile="config/smoke.yaml"):
@@ -18,7 +17,7 @@ def smk(cwd: Path, cache: Path, *args, check=True, configfile="config/smoke.yaml
            "PATH": job_path()}
     # args (targets, flags) first: after `--cache` a target would be read as a rule name to cache
     # (its nargs is "*"), and the whole DAG would run
-    cmd = [sys.executable, "-m", "snakemake", *args, "--cores", "2", "--configfile", configfile, "--cache"]
+    cmd = [*snakemake_cmd(), *args, "--cores", "2", "--configfile", configfile, "--cache"]
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
     out = p.stdout + p.stderr
     if check and p.returncode:

@@ -5,12 +5,11 @@ the extraction artifact and handed to the trainer resolved."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-from conftest import clone
+from conftest import clone, snakemake_cmd
 from eaglet.base import capability
 from workflow_common import flag_json, planned
 
@@ -92,7 +91,7 @@ def test_parse_time_decision_is_logged_and_reaches_extraction(tmp_path):
         # the job's settings file (written by a run when it starts; by a preview only where asked)
         env = {**os.environ, "EAGLET_PREVIEW_SETTINGS": str(tmp_path / setting)}
         # the target first: --configfile takes several values
-        p = subprocess.run([sys.executable, "-m", "snakemake", "results/smoke/extract/shard_0", "-n", "-p",
+        p = subprocess.run([*snakemake_cmd(), "results/smoke/extract/shard_0", "-n", "-p",
                             "--cores", "1", "--configfile", "config/t.yaml"], cwd=a, env=env, capture_output=True,
                            text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -134,7 +133,7 @@ def test_train_autocast_is_decided_at_parse_time_and_is_the_trainers_param(tmp_p
     for setting, expect in (("auto", want), ("float32", "float32")):
         conf.setdefault("train", {})["autocast"] = setting
         (a / "config/t.yaml").write_text(yaml.safe_dump(conf))
-        p = subprocess.run([sys.executable, "-m", "snakemake", "results/smoke/train/train_summary.json", "-n", "-p",
+        p = subprocess.run([*snakemake_cmd(), "results/smoke/train/train_summary.json", "-n", "-p",
                             "--cores", "1", "--configfile", "config/t.yaml"], cwd=a, capture_output=True,
                            text=True, timeout=300)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -222,3 +222,22 @@ def test_the_jobs_server_imports_what_the_stages_import(tmp_path, servers):
     rc, seen, _ = _job(shim_dir, work, "0", env={"EAGLET_FORKSERVER_DIR": str(servers)})
     (pid_file,) = servers.glob("*.pid")
     assert rc == 0 and seen["torch"] and seen["ppid"] == int(pid_file.read_text())
+
+
+def test_snakemake_forked_from_its_server_runs_in_its_own_folder(tmp_path, servers):
+    """The tests' `python -m snakemake` (conftest.snakemake_cmd) from a server that imported Snakemake in
+    another folder: the run folder Snakemake took as it loaded is the child's, and the job runs."""
+    from eaglet.engines import forkserver
+
+    shim_dir = forkserver.write_shim(servers, sys.executable, preload=forkserver.SNAKEMAKE_PRELOAD, folder="smk")
+    outs = []
+    for python in (shim_dir / "python", sys.executable):
+        wf = tmp_path / f"wf-{len(outs)}"
+        wf.mkdir()
+        (wf / "Snakefile").write_text('rule a:\n    output: "done.txt"\n    shell: "echo ok > {output}"\n')
+        p = subprocess.run([python, "-m", "snakemake", "--cores", "1"], cwd=wf, capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 0 and (wf / "done.txt").read_text() == "ok\n", p.stderr[-2000:]
+        outs.append(p.stdout + p.stderr)
+        assert f"Run directory: {wf}\n" in outs[-1], outs[-1]
+    assert len(list(servers.glob("*.pid"))) == 1  # the first was the server's child

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from canned_server import Canned, assistant_texts, make_conversations
-from conftest import vllm_env_or_skip
+from conftest import snakemake_cmd, vllm_env_or_skip
 from eaglet.base.conversations import read_conversations, write_conversations
 from eaglet.base.files import read_parquet
 from eaglet.engines.vllm_server import free_port
@@ -256,7 +256,7 @@ def test_mix_without_generation_is_refused_at_parse_time(tmp_path):
     conf["generate"]["enabled"] = False
     conf["data"] = {"mix": 0.5}
     (a / "config/t.yaml").write_text(yaml.safe_dump(conf))
-    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", "config/t.yaml"],
+    p = subprocess.run([*snakemake_cmd(), "-n", "--cores", "1", "--configfile", "config/t.yaml"],
                        cwd=a, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "data.mix: 0.5" in p.stdout + p.stderr and "generate.enabled" in p.stdout + p.stderr
 

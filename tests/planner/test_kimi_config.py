@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import snakemake_cmd
 from eaglet.hidden.dtypes import bytes_per_token
 from eaglet.target.load import default_layer_ids, validate_layer_ids
 from kimi_common import HIDDEN, KIMI_MARKERS, NUM_LAYERS, make_config_only_checkpoint
@@ -38,7 +39,7 @@ def repo(tmp_path_factory):
         else:
             shutil.copy2(src, wd / name)
     ckpt = make_config_only_checkpoint(root / "Kimi-K2.5")
-    p = subprocess.run([sys.executable, "-m", "snakemake", "--list-rules", "--configfile",
+    p = subprocess.run([*snakemake_cmd(), "--list-rules", "--configfile",
                         "config/smoke.yaml"], cwd=wd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     rules = {line.strip() for line in p.stdout.splitlines() if line.strip()}
@@ -58,7 +59,7 @@ def dry_run(repo, name: str, gpus: int = 8, **overrides) -> tuple[str, list[dict
     preview = repo["wd"] / f"preview-{name}"  # generate's settings file, written only where asked
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(repo["cache"]), "EAGLET_PREVIEW_SETTINGS": str(preview),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "32", "--resources",
+    p = subprocess.run([*snakemake_cmd(), "-n", "-p", "--cores", "32", "--resources",
                         f"gpu={gpus}", "--cache", "--configfile", f"config/{name}.yaml"],
                        cwd=repo["wd"], env=env, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr

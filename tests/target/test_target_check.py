@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import VLLM_ENV, clone
+from conftest import VLLM_ENV, clone, snakemake_cmd
 from eaglet.base.conversations import read_conversations, write_conversations
 from eaglet.base.digests import folder_manifest
 from eaglet.base.files import write_json
@@ -213,7 +213,7 @@ def _dry(tmp_path, target: dict, extra: dict | None = None, keep_env: bool = Tru
         conf.setdefault("evaluate", {}).setdefault("vllm", {})["env"] = str(VLLM_ENV)
     (a / "config/t.yaml").write_text(yaml.safe_dump(conf))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", "config/t.yaml"],
+    p = subprocess.run([*snakemake_cmd(), "-n", "--cores", "1", "--configfile", "config/t.yaml"],
                        cwd=a, env=env, capture_output=True, text=True, timeout=300)
     return p.returncode, p.stdout + p.stderr
 
@@ -312,7 +312,7 @@ def test_user_text_with_braces_reaches_every_stage_verbatim(tmp_path):
     conf["generate"]["reject_markers"] = ["{marker}"]
     (a / "config/t.yaml").write_text(yaml.safe_dump(conf))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "1", "--configfile", "config/t.yaml"],
+    p = subprocess.run([*snakemake_cmd(), "-n", "-p", "--cores", "1", "--configfile", "config/t.yaml"],
                        cwd=a, env=env, capture_output=True, text=True, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
@@ -393,7 +393,7 @@ def test_a_layer_id_past_the_target_stops_the_preview_of_an_unbuilt_target(tmp_p
     conf = yaml.safe_load((a / "config/smoke.yaml").read_text())
     conf["extract"]["layer_ids"] = [2, 4, 8]
     (a / "config/bad.yaml").write_text(yaml.safe_dump(conf))
-    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--configfile", "config/bad.yaml"],
+    p = subprocess.run([*snakemake_cmd(), "-n", "--cores", "1", "--configfile", "config/bad.yaml"],
                        cwd=a, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "extract.layer_ids: [2, 4, 8] outside [1, 7]" in p.stdout + p.stderr
     assert not (a / "resources").exists() and not (a / "results").exists()

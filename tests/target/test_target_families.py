@@ -14,7 +14,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 import yaml
 
 from canned_server import serve_canned
-from conftest import VLLM_ENV, clone, job_path, vllm_env_or_skip
+from conftest import VLLM_ENV, clone, job_path, snakemake_cmd, vllm_env_or_skip
 from eaglet.target import families
 from eaglet.target.load import load_tokenizer
 from workflow_common import assert_dag_proved, smk
@@ -85,7 +84,7 @@ def _snakemake(repo: Path, cache: Path, targets: list[str], configfile: str, cor
            "PATH": job_path()}
     if cores == 1:  # two DAGs side by side on two cores: one thread each (two would spin-wait)
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "snakemake", *targets, "--cores", str(cores), "--configfile", configfile, "--cache",
+    cmd = [*snakemake_cmd(), *targets, "--cores", str(cores), "--configfile", configfile, "--cache",
            "--keep-going"]
     return subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

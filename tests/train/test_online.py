@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import kill_when_written, slowed_trainer
+from conftest import kill_when_written, slowed_trainer, snakemake_cmd
 from eaglet.base.digests import DIGESTS_KEY, record_digests
 from eaglet.base.files import write_json
 from eaglet.base.tensors import load_tensors, save_tensors
@@ -236,7 +236,7 @@ def _dry_run(tmp_path, tiny_target, extra: dict):
     (a / "config/extra.yaml").write_text(yaml.safe_dump({**no_sglang, **extra}))
     env = {**os.environ, "PYTHONPATH": str(a / "src"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    p = subprocess.run([sys.executable, "-m", "snakemake", "-n", "-p", "--cores", "2", "--configfile",
+    p = subprocess.run([*snakemake_cmd(), "-n", "-p", "--cores", "2", "--configfile",
                         "config/smoke.yaml", "config/extra.yaml"], cwd=a, env=env, capture_output=True, text=True)
     return p.returncode, p.stdout + p.stderr
 

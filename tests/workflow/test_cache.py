@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from conftest import REPO, clone, job_path, make_random_drafter
+from conftest import REPO, clone, job_path, make_random_drafter, snakemake_cmd
 from eaglet.base.artifacts import CACHE_ENV, ArtifactError
 from eaglet.base.conversations import write_conversations
 from eaglet.base.digests import DIGESTS_KEY, file_digest, folder_manifest, record_digests, verify_manifest
@@ -38,7 +38,7 @@ def smk(cwd: Path, cache: Path, target: str, *opts: str, check=True, configfile:
     them as rule names), with a private output cache."""
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache),
            "PATH": job_path()}
-    cmd = [sys.executable, "-m", "snakemake", target, *opts, "--cores", "2", "--configfile", configfile, "--cache"]
+    cmd = [*snakemake_cmd(), target, *opts, "--cores", "2", "--configfile", configfile, "--cache"]
     p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
     out = p.stdout + p.stderr
     if check and p.returncode:

@@ -6,12 +6,11 @@ output (no stage's work stored twice, nothing half-stored or left behind)."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-from conftest import clone, job_path
+from conftest import clone, job_path, snakemake_cmd
 from eaglet.base.digests import DIGESTS_KEY, verify_recorded, visible_files
 from eaglet.hidden.reader import HiddenStateDataset
 from eaglet.target.load import load_identity
@@ -65,7 +64,7 @@ def test_two_clones_at_the_same_moment_share_one_cache(tmp_path):
         (wf / "config/nogen.yaml").write_text(yaml.safe_dump(conf))
     env = {**os.environ, "SNAKEMAKE_OUTPUT_CACHE": str(cache),
            "PATH": job_path()}
-    runs = [subprocess.Popen([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "1", "--configfile",
+    runs = [subprocess.Popen([*snakemake_cmd(), *TARGETS, "--cores", "1", "--configfile",
                               "config/nogen.yaml", "--cache"], cwd=wf, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True) for wf in clones]
     outs = [p.communicate(timeout=900)[0] for p in runs]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import clone
+from conftest import clone, snakemake_cmd
 from workflow_common import assert_dag_proved, planned_jobs, smk
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,7 +122,7 @@ def test_bad_config_value_fails_at_parse_time_naming_the_key(tmp_path):
 
 def test_lint_is_clean():
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    p = subprocess.run([sys.executable, "-m", "snakemake", "--lint", "--configfile", "config/smoke.yaml"],
+    p = subprocess.run([*snakemake_cmd(), "--lint", "--configfile", "config/smoke.yaml"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "Lints for" not in p.stdout + p.stderr

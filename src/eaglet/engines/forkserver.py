@@ -8,7 +8,8 @@ the servers' sockets (tests/conftest.py sets it for a test run, and stops the se
   of the test suite starts ~35 of them (21 contract runs, 10 timed evaluations, 4 parity probes);
   SGLang's loader runner the same way (its preload, the runner's own ``preload()``, ~7 s; ~30 runs);
 - the stages' jobs of the tests' Snakemake runs, through :func:`shim`, a ``python`` put first on their
-  PATH: torch, transformers and pandas are ~3.3 s of CPU in every job, ~200 jobs a run.
+  PATH: torch, transformers and pandas are ~3.3 s of CPU in every job, ~200 jobs a run; and the tests'
+  own ``python -m snakemake`` (~1.2 s of Snakemake's import in each of ~140 starts).
 A run without it, ``make run`` included, starts a fresh interpreter for every script and job; the suite's
 end-to-end test of the default model, its SLURM cluster and its fault injection do too, so that path
 stays proven (counted 2026-12-07; docs/measurements.md).
@@ -98,7 +99,7 @@ def _child(req: dict, fds: list[int], listener: socket.socket, conns: list[socke
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
-        tempfile.tempdir = None  # gettempdir() asks the child's environment again
+        _renew_import_time_state()
         module = req.get("module")
         if module:  # ``python -m MODULE ARGS``: the working folder first on sys.path
             sys.argv = ["-m", *req["argv"]]  # run_module puts the module's file in argv[0]
@@ -139,6 +140,16 @@ def _child(req: dict, fds: list[int], listener: socket.socket, conns: list[socke
 
 
 _KEPT: list[dict] = []  # the preloaded files' globals: what they made lives as long as the server
+
+
+def _renew_import_time_state() -> None:
+    """What a preloaded module took from the server's process as it loaded, taken again from the child's:
+    tempfile's folder (gettempdir asks the environment again) and the run folder Snakemake's Workflow
+    reads when snakemake.workflow loads (it prints it and records it with each run)."""
+    tempfile.tempdir = None
+    workflow = sys.modules.get("snakemake.workflow")
+    if workflow is not None and hasattr(workflow, "Workflow"):
+        workflow.Workflow._rundir = str(Path.cwd().absolute())
 
 
 def _preload(names: list[str]) -> None:
@@ -358,6 +369,9 @@ class Forked:
 # and safetensors readers): ~3.3 s of CPU that a fresh interpreter pays in every job.
 STAGE_PRELOAD = ("torch", "numpy", "pandas", "pyarrow.parquet", "safetensors.torch", "yaml",
                  "transformers:AutoConfig,AutoModelForCausalLM,AutoTokenizer,PreTrainedTokenizerFast")
+# What the tests' own `python -m snakemake` imports (its command line, API, scheduler and executors: ~1.2 s
+# of CPU in each of ~140 starts a run), for the shim of conftest.snakemake_cmd
+SNAKEMAKE_PRELOAD = ("snakemake.cli", "snakemake.api", "snakemake_interface_executor_plugins.registry")
 # The settings that differ between a test's jobs and that neither the interpreter nor anything preloaded
 # reads as it starts: every other one keys its own server, started with it (OpenMP's thread count, which
 # Snakemake sets per job, LD_PRELOAD and the interpreter's PYTHON* among them), so no setting needs a
@@ -378,12 +392,12 @@ def stage_key(env: dict) -> list:
 
 
 def write_shim(where: Path, python: str | os.PathLike, preload: tuple[str, ...] = STAGE_PRELOAD,
-               idle: float | None = STAGE_IDLE_S) -> Path:
+               idle: float | None = STAGE_IDLE_S, folder: str = "bin") -> Path:
     """A folder holding ``python``, to put first on a job's PATH: it runs ``python -m MODULE ARGS`` and
     ``python SCRIPT ARGS`` as forked children of a server of ``python``'s venv that has imported
     ``preload`` and stops after ``idle`` seconds with nothing to run (any other command line execs
-    ``python`` itself). The folder, under ``where``, is returned."""
-    bin_dir = where / "bin"
+    ``python`` itself). The folder (``where/folder``) is returned."""
+    bin_dir = where / folder
     bin_dir.mkdir(parents=True, exist_ok=True)
     shim = bin_dir / "python"
     tmp = bin_dir / f".python.{os.getpid()}"
