@@ -32,6 +32,18 @@ sys.exit(int(sys.argv[1]))
 """
 
 
+def _gone(pid: int, seconds: float = 5) -> bool:
+    """Whether ``pid`` ends (or is a zombie, reaped by init once killed) within ``seconds``."""
+    for _ in range(int(seconds * 10)):
+        try:
+            if "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 @pytest.fixture
 def servers(tmp_path, monkeypatch):
     where = tmp_path / "fs"
@@ -94,12 +106,7 @@ def test_past_the_time_limit_the_scripts_whole_session_is_killed(tmp_path, serve
                      preload=("json",))
     assert any(servers.glob("*.sock"))  # it was the server's child
     pid = int(child.read_text())
-    for _ in range(50):  # reaped by init once killed
-        if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the script's own child {pid} outlived the kill")
+    assert _gone(pid), f"the script's own child {pid} outlived the kill"
 
 
 def test_settings_read_at_an_interpreters_start_get_a_fresh_one_or_their_own_server(tmp_path, servers):
@@ -192,12 +199,7 @@ def test_the_shim_hands_a_signal_to_the_job_and_dies_of_it(shim, tmp_path):
     job = int(ready.read_text())
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=30) == -signal.SIGTERM
-    for _ in range(50):
-        if not Path(f"/proc/{job}").exists() or "Z" in Path(f"/proc/{job}/stat").read_text().split()[2]:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the job {job} outlived its shim's SIGTERM")
+    assert _gone(job), f"the job {job} outlived its shim's SIGTERM"
 
 
 def test_an_idle_server_stops_and_the_next_job_starts_another(shim, servers):
