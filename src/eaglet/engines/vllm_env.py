@@ -148,13 +148,14 @@ def start(cmd: list, *, log, env: dict | None, cwd: str | os.PathLike, preload: 
 
     where = os.environ.get(FORKSERVER_VAR)
     full = dict(os.environ if env is None else env)
-    if not where or len(cmd) < 2 or str(cmd[1]).startswith("-") or forkserver.needs_fresh(full):
-        return subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
-    at_load = sorted((k, v) for k, v in full.items() if k.startswith(LOAD_TIME))
-    try:
-        sock = forkserver.server_socket(Path(where), Path(cmd[0]), full, preload, at_load)
-    except RuntimeError:  # the server did not start (its log says why): the script meets the same error
-        # in a fresh interpreter, and reports it as it would without a server
+    sock = None
+    if where and len(cmd) >= 2 and not str(cmd[1]).startswith("-") and not forkserver.needs_fresh(full):
+        at_load = sorted((k, v) for k, v in full.items() if k.startswith(LOAD_TIME))
+        try:
+            sock = forkserver.server_socket(Path(where), Path(cmd[0]), full, preload, at_load)
+        except RuntimeError:  # the server did not start (its log says why): the script meets the same
+            pass  # error in a fresh interpreter, and reports it as it would without a server
+    if sock is None:
         return subprocess.Popen([str(c) for c in cmd], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     null = os.open(os.devnull, os.O_RDONLY)
     try:
